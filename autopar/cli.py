@@ -1,0 +1,115 @@
+"""The `autopar` command line: `autopar profiles` and `autopar collective` for now.
+
+User mistakes end as one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+import hwprofiles
+from autopar.cluster import Cluster
+
+__all__ = ["main"]
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def _parse_size(text: str) -> int:
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"cannot read size {text!r}; write e.g. 1024, 64MiB, 1GiB or 2GB")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "b").lower()])
+
+
+def _parse_ranks(text: str, world_size: int) -> list[int]:
+    if text == "all":
+        return list(range(world_size))
+    ranks: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        step_hi, _, step = hi.partition(":")
+        if not lo.strip().isdigit() or (hi and not step_hi.strip().isdigit()):
+            raise ValueError(f"cannot read ranks {text!r}; write e.g. all, 0-7, 0,8,16 or 0-63:8")
+        start, stop = int(lo), int(step_hi or lo)
+        ranks += range(start, stop + 1, int(step or 1))
+    return ranks
+
+
+def _profiles(console: Console) -> None:
+    table = Table(title="shipped hardware profiles (hwprofiles/)")
+    for col in ("name", "device", "GPUs/node", "scale-up", "GB/s/dev", "network",
+                "bf16 TFLOP/s", "memory GB"):
+        table.add_column(col, justify="right" if col[0].isupper() or col[0] in "bm" else "left")
+    for name in hwprofiles.list_profiles():
+        hw = Cluster.from_profile(name).hardware
+        net = hw.network
+        network = (f"{net.nics_per_node}x{net.nic_bytes_per_s * 8e-9:g}G {net.kind}"
+                   if net.nics_per_node else "-")
+        bf16 = hw.device.peak_flops.get("bf16", hw.device.peak_flops.get("fp16", 0.0))
+        table.add_row(name, hw.device.model, str(hw.node.gpus_per_node),
+                      hw.node.fabric.value + (" +NVLS" if hw.node.in_switch_reduction else ""),
+                      f"{hw.node.fabric_bytes_per_s / 1e9:g}", network, f"{bf16 / 1e12:g}",
+                      f"{hw.device.memory_bytes / 1e9:g}")
+    console.print(table)
+
+
+def _collective(console: Console, args: argparse.Namespace) -> None:
+    overrides = {}
+    for item in args.set or []:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = int(value) if value.isdigit() else float(value)
+        except ValueError:
+            overrides[key] = {"true": True, "false": False}.get(value.lower(), value)
+    cluster = Cluster.from_profile(args.cluster, num_nodes=args.nodes, **overrides)
+    ranks = _parse_ranks(args.ranks, cluster.world_size)
+    table = Table(title=f"{args.kind} over {len(ranks)} ranks of {cluster.describe()}")
+    for col in ("size", "time", "bus bandwidth", "algorithm"):
+        table.add_column(col, justify="right" if col != "algorithm" else "left")
+    for text in args.size:
+        est = cluster.collective_estimate(args.kind, _parse_size(text), ranks)
+        table.add_row(text, f"{est.time_s * 1e6:,.1f} us", f"{est.busbw_bytes_per_s / 1e9:.1f} GB/s",
+                      f"{est.algorithm}/{est.protocol.value}")
+    console.print(table)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autopar", description="autopar: parallelization "
+                                     "planner for PyTorch training")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("profiles", help="list the shipped hardware profiles")
+    coll = sub.add_parser("collective", help="predicted time of one collective on a cluster")
+    coll.add_argument("--cluster", default="dgx-h100", help="shipped profile name")
+    coll.add_argument("--nodes", type=int, default=1)
+    coll.add_argument("--kind", default="all_reduce")
+    coll.add_argument("--ranks", default="all", help="all, 0-7, 0,8,16 or 0-63:8")
+    coll.add_argument("--size", nargs="+", default=["1MiB", "64MiB", "1GiB"])
+    coll.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                      help="override a profile field, e.g. --set nic_gbps=200")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    console = Console(width=None if sys.stdout.isatty() else 150)
+    try:
+        if args.command == "profiles":
+            _profiles(console)
+        elif args.command == "collective":
+            _collective(console, args)
+    except ValueError as exc:
+        print(f"autopar: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Hardware profiles: every shipped profile loads, cites its numbers, and bad files are refused
+with a message that names the file, the field and what is allowed."""
+
+from pathlib import Path
+
+import pytest
+
+import hwprofiles
+from hwprofiles.schema import FIELDS
+
+SHIPPED = {"dgx-v100", "dgx-a100-40g", "dgx-a100-80g", "dgx-h100", "hgx-h800", "dgx-h200",
+           "dgx-b200", "gb200-nvl72", "mi300x-8", "h100-pcie-roce", "cpu-gloo"}
+H100_TEXT = (hwprofiles.PROFILE_DIR / "dgx-h100.toml").read_text()
+
+
+def test_shipped_profile_names_are_exactly_the_design_list():
+    assert set(hwprofiles.list_profiles()) == SHIPPED
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_every_shipped_profile_loads_and_cites_every_number(name):
+    doc = hwprofiles.read_profile(name)
+    assert doc["name"] == name
+    sources = doc["sources"]
+    for field, spec in FIELDS.items():
+        value = doc[spec.section][field]
+        if spec.kind in ("int", "float"):
+            assert f"{spec.section}.{field}" in sources
+        elif spec.kind.endswith("_table"):
+            for key in value:
+                path = f"{spec.section}.{field}"
+                assert f"{path}.{key}" in sources or path in sources
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "custom.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("old,new,expected", [
+    ("nic_gbps = 400.0", "nic_gbps = -400.0", "network.nic_gbps' must be > 0"),
+    ("nic_gbps = 400.0", 'nic_gbps = "400"', "network.nic_gbps' must be a number"),
+    ("gpus_per_node = 8", "gpus_per_node = 8.5", "node.gpus_per_node' must be an integer"),
+    ("nics_per_node = 8\n", "", "network.nics_per_node' is missing"),
+    ("oversubscription = 1.0", "oversubscription = 1.0\nnic_speed = 3", "network.nic_speed' is not a known field"),
+    ('fabric = "nvswitch"', 'fabric = "infinityband"', "allowed: nvswitch, nvlink_mesh"),
+    ("bf16 = 989.4,", "bf17 = 989.4,", "peak_tflops.bf17' is not a known key"),
+    ("fabric_efficiency = 0.824", "fabric_efficiency = 1.5", "must be <= 1.0"),
+    ('{ ll = 2.7, ll128 = 4.0, simple = 14.0 }', '{ ll = 2.7, simple = 14.0 }', "missing protocols ['ll128']"),
+    ('"network.nic_efficiency" = ', '"network.nic_eff" = ', "names no numeric field"),
+    ("schema_version = 1", "schema_version = 2", "schema_version' must be 1"),
+])
+def test_bad_profile_is_refused_naming_file_and_field(tmp_path, old, new, expected):
+    assert old in H100_TEXT
+    path = _write(tmp_path, H100_TEXT.replace(old, new, 1))
+    with pytest.raises(ValueError) as err:
+        hwprofiles.read_profile(path)
+    assert str(path) in str(err.value)
+    assert expected in str(err.value)
+
+
+def test_a_number_without_a_source_is_refused(tmp_path):
+    lines = [ln for ln in H100_TEXT.splitlines() if not ln.startswith('"network.nic_gbps"')]
+    path = _write(tmp_path, "\n".join(lines))
+    with pytest.raises(ValueError, match=r"network.nic_gbps' has no source"):
+        hwprofiles.read_profile(path)
+
+
+def test_invalid_toml_and_unknown_names_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="not valid TOML"):
+        hwprofiles.read_profile(_write(tmp_path, "name = [unclosed"))
+    with pytest.raises(ValueError, match="unknown hardware profile 'dgx-h900'.*dgx-h100"):
+        hwprofiles.read_profile("dgx-h900")
+    with pytest.raises(ValueError, match="does not exist"):
+        hwprofiles.read_profile(tmp_path / "absent.toml")
+
+
+def test_overrides_replace_fields_by_name_and_are_cited_as_overrides():
+    doc = hwprofiles.read_profile("dgx-a100-80g")
+    out = hwprofiles.apply_overrides(doc, {"nics_per_node": 4, "nic_gbps": 100})
+    assert out["network"]["nics_per_node"] == 4 and out["network"]["nic_gbps"] == 100.0
+    assert "override" in out["sources"]["network.nic_gbps"]
+    assert doc["network"]["nics_per_node"] == 8  # the original is untouched
+    with pytest.raises(ValueError, match="cannot override 'nic_speed'.*nic_gbps"):
+        hwprofiles.apply_overrides(doc, {"nic_speed": 100})
+    with pytest.raises(ValueError, match="nics_per_node. must be >= 0"):
+        hwprofiles.apply_overrides(doc, {"nics_per_node": -1})
