@@ -1,1 +1,11 @@
-"""placeholder"""
+"""Torch-free cost models: hardware dataclasses, NCCL-model constants and collective times.
+
+Imports flow one way: autopar -> costmodels -> hwprofiles. Nothing here imports torch
+(tests/unit/test_layering.py guards it).
+"""
+
+from costmodels.collectives import Collective, CollectiveEstimate, collective_time, estimate_collective
+from costmodels.hardware import HardwareProfile
+
+__all__ = ["Collective", "CollectiveEstimate", "HardwareProfile", "collective_time",
+           "estimate_collective"]
