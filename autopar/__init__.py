@@ -3,7 +3,10 @@
 Public names are fixed by DESIGN.md §3; see README.md for a quickstart.
 """
 
+from autopar import models
 from autopar.cluster import Cluster
+from autopar.config import ParallelConfig
+from autopar.trace import trace
 
-__all__ = ["Cluster"]
+__all__ = ["Cluster", "ParallelConfig", "models", "trace"]
 __version__ = "0.1.0"

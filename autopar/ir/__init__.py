@@ -1,0 +1,23 @@
+"""Torch-free IR of a traced model (see ``autopar.ir.graph`` for the conventions)."""
+
+from autopar.ir.graph import (
+    AttentionSpec,
+    Block,
+    Graph,
+    Node,
+    OpKind,
+    ParamSpec,
+    TensorSpec,
+    dtype_num_bytes,
+)
+
+__all__ = [
+    "AttentionSpec",
+    "Block",
+    "Graph",
+    "Node",
+    "OpKind",
+    "ParamSpec",
+    "TensorSpec",
+    "dtype_num_bytes",
+]

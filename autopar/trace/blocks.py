@@ -1,0 +1,166 @@
+"""Repeated-block detection and the shallow "one of each" copy of a model that gets traced.
+
+A *stack* is a module container (``ModuleList``, ``Sequential``, ``ModuleDict``, or the root
+if it is one) some of whose children are structurally identical: same classes, parameter
+and buffer shapes and dtypes, and plain configuration attributes (ints, floats, strings,
+bools; attributes that hold a layer number, like ``layer_idx``, are ignored). Children with
+equal signatures form one group; only the first child of each group is traced and the group
+becomes one ``ir.Block`` with a count.
+
+``shrink`` builds the traced model without touching the user's: the root, the modules on the
+way to each stack and the stacks themselves are shallow copies whose child tables keep only
+the representatives under their original keys, so every name (``layers.0.attention.wq``)
+is the user's fully qualified name. Everything else is shared with the user's model.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import enum
+import functools
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+__all__ = ["Stack", "find_stacks", "shrink", "signature"]
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+_PLAIN = frozenset({int, float, str, bool, type(None)})
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_config_key(key: str) -> bool:
+    """Public attributes other than the training flag and layer numbers (``layer_idx``)."""
+    return key not in {"training", "layer_id", "layer_number"} and "idx" not in key \
+        and "index" not in key
+
+
+def _config_value(val):
+    if type(val) in _PLAIN:
+        return val
+    if type(val) is tuple and all(type(x) in _PLAIN for x in val):  # e.g. conv stride
+        return val
+    if isinstance(val, enum.Enum) or hasattr(type(val), "__dataclass_fields__"):
+        return repr(val)
+    return _SKIP
+
+
+_SKIP = object()
+# attributes every nn.Module has; skipping them with one set difference keeps signature cheap
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
+
+
+def signature(module: nn.Module) -> tuple:
+    """A hashable structural signature; equal signatures mean interchangeable blocks.
+
+    One entry per submodule in depth-first order (depth, key, class, plain config attributes,
+    own parameters and buffers with shape, dtype and ``requires_grad``). Written as a tight
+    loop because it runs once per layer and must stay cheap next to tracing one block.
+    """
+    entries = []
+    todo = [(0, "", module)]
+    plain = _PLAIN
+    while todo:
+        depth, key, m = todo.pop()
+        d = m.__dict__
+        config = []
+        for k in d.keys() - _MODULE_INTERNALS:
+            if k[0] != "_" and _is_config_key(k):
+                v = d[k]
+                c = v if type(v) in plain else _config_value(v)
+                if c is not _SKIP:
+                    config.append((k, c))
+        config.sort()
+        params = tuple([(k, p.shape, p.dtype, p.requires_grad)
+                        for k, p in d["_parameters"].items() if p is not None])
+        bufs = tuple([(k, b.shape, b.dtype) for k, b in d["_buffers"].items() if b is not None])
+        entries.append((depth, key, type(m), tuple(config), params, bufs))
+        children = d["_modules"]
+        if children:
+            todo.extend([(depth + 1, k, c) for k, c in children.items() if c is not None][::-1])
+    return tuple(entries)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stack:
+    """A container with repeated children: its FQN, child keys, and groups of equal keys."""
+
+    fqn: str
+    keys: tuple[str, ...]
+    groups: tuple[tuple[str, ...], ...]  # keys with equal signatures, in first-seen order
+    first_layer_index: int
+
+    def child_fqn(self, key: str) -> str:
+        return f"{self.fqn}.{key}" if self.fqn else key
+
+    def layer_index(self, key: str) -> int:
+        return self.first_layer_index + self.keys.index(key)
+
+
+def _stack_of(fqn: str, container: nn.Module, first_index: int) -> Stack | None:
+    children = container._modules
+    if len(children) < 2:
+        return None
+    by_sig: dict[tuple, list[str]] = collections.OrderedDict()
+    for key, child in children.items():
+        if child is None:
+            continue
+        by_sig.setdefault(signature(child), []).append(key)
+    if len(by_sig) == len(children):
+        return None
+    return Stack(fqn=fqn, keys=tuple(children), groups=tuple(tuple(k) for k in by_sig.values()),
+                 first_layer_index=first_index)
+
+
+def find_stacks(model: nn.Module) -> list[Stack]:
+    """Top-most containers with repeated children, in module order (not inside each other)."""
+    stacks: list[Stack] = []
+    next_index = 0
+
+    def visit(fqn: str, module: nn.Module) -> None:
+        nonlocal next_index
+        if isinstance(module, _CONTAINERS):
+            stack = _stack_of(fqn, module, next_index)
+            if stack is not None:
+                stacks.append(stack)
+                next_index += len(stack.keys)
+                return
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(f"{fqn}.{name}" if fqn else name, child)
+
+    visit("", model)
+    return stacks
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy sharing parameters and children, with its own child and hook tables."""
+    clone = copy.copy(module)
+    for key, val in vars(module).items():
+        if isinstance(val, dict) and (key in ("_modules", "_parameters", "_buffers")
+                                      or key.startswith(("_forward", "_backward"))):
+            clone.__dict__[key] = type(val)(val)
+    return clone
+
+
+def shrink(model: nn.Module, stacks: list[Stack], keep_all: frozenset[str] = frozenset()
+           ) -> nn.Module:
+    """The model with only group representatives left in each stack (see module doc).
+
+    Stacks whose FQN is in ``keep_all`` keep every child (they are traced in full).
+    """
+    root = _shallow(model)
+    for stack in stacks:
+        if stack.fqn in keep_all:
+            continue
+        container = root
+        if stack.fqn:
+            for part in stack.fqn.split("."):
+                child = _shallow(container._modules[part])
+                container._modules[part] = child
+                container = child
+        reps = {group[0] for group in stack.groups}
+        container._modules = collections.OrderedDict(
+            (k, m) for k, m in container._modules.items() if k in reps)
+    return root

@@ -1,0 +1,173 @@
+"""Mixture-of-experts modules as leaves costed under the expected routing.
+
+Token routing is data-dependent (``topk`` then ``nonzero``/``where`` per expert), so it
+cannot run on meta tensors; library expert kernels may also refuse meta inputs (a grouped
+matmul that wants bf16). When a forward fails inside a module, ``find_moe`` walks up from the
+failing module to the nearest module that holds experts, in one of two layouts:
+
+* ``list``: a child ``ModuleList`` of structurally identical expert modules, plus an
+  optional router (a child ``nn.Linear`` with one output per expert);
+* ``fused``: 3-D parameters ``[num_experts, out, in]`` (Hugging Face ``MixtralExperts``,
+  torchtitan ``GroupedExperts``), each applied once to every routed token.
+
+The leaf forward records: the router (if the module owns one), one MOE_DISPATCH node
+(tokens -> ``ceil(T·k·capacity_factor)`` routed rows), the experts on their share of the rows
+(uniform routing: each expert gets ``rows / num_experts``, every expert's parameters appear),
+and one MOE_COMBINE node back to the input shape. ``k`` comes from an integer top-k index
+input if the module is given one, else from an attribute (``top_k``, ``num_experts_per_tok``).
+The leaf returns one tensor shaped like its hidden-state input.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from autopar.errors import TraceError
+from autopar.ir import OpKind
+from autopar.trace.blocks import signature
+
+__all__ = ["find_moe", "is_data_dependent", "leaf_forward"]
+
+_TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "topk", "k", "experts_per_token")
+
+
+def is_data_dependent(error: BaseException) -> bool:
+    """Whether an exception comes from needing tensor values on the meta device."""
+    text = str(error)
+    if type(error).__name__ in ("DynamicOutputShapeException", "DataDependentOutputException",
+                                "GuardOnDataDependentSymNode"):
+        return True
+    return ("nonzero" in text or "data-dependent" in text.lower()
+            or ("meta tensors" in text and "item" in text)
+            or "Cannot access data pointer" in text)
+
+
+def _expert_list(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    for name, child in module.named_children():
+        if isinstance(child, nn.ModuleList) and len(child) >= 2:
+            if len({signature(m) for m in child}) == 1:
+                return name, child
+    return None
+
+
+def _fused_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    params = [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
+    if params and len({p.shape[0] for _, p in params}) == 1 and params[0][1].shape[0] >= 2:
+        return params
+    return []
+
+
+def _routes_over_list(module: nn.Module) -> bool:
+    listed = _expert_list(module)
+    if listed is None:
+        return False
+    has_router = any(isinstance(m, nn.Linear) and m.out_features == len(listed[1])
+                     for m in module.children())
+    return has_router or any(isinstance(getattr(module, a, None), int) for a in _TOP_K_ATTRS)
+
+
+def find_moe(modules: dict[str, nn.Module], path: str, leaves: set[str]) -> str | None:
+    """The FQN of the innermost module at or above ``path`` that holds experts."""
+    parts = path.split(".") if path else []
+    for i in range(len(parts), -1, -1):
+        fqn = ".".join(parts[:i])
+        module = modules.get(fqn)
+        if module is None or fqn in leaves:
+            continue
+        if _fused_params(module) or _routes_over_list(module):
+            return fqn
+    return None
+
+
+def _top_k(module: nn.Module, int_inputs: list[torch.Tensor], fqn: str) -> int:
+    for t in int_inputs:
+        if t.dim() >= 2:
+            return int(t.shape[-1])
+    for m in [module, *module.children()]:
+        for attr in _TOP_K_ATTRS:
+            val = getattr(m, attr, None)
+            if isinstance(val, int) and not isinstance(val, bool) and val > 0:
+                return val
+    raise TraceError("cannot tell how many experts each token is routed to", module_path=fqn,
+                     op="moe routing", hint=f"give the module one of {_TOP_K_ATTRS}")
+
+
+def leaf_forward(module: nn.Module, fqn: str, recorder, capacity_factor: float):
+    """A replacement ``forward`` that records the module's expected-routing cost."""
+
+    def forward(*args, **kwargs):
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        floats = [t for t in tensors if t.dtype.is_floating_point]
+        if not floats:
+            raise TraceError("MoE leaf got no hidden-state tensor", module_path=fqn, op="forward")
+        hidden = floats[0]
+        width = hidden.shape[-1]
+        tokens = hidden.numel() // width
+        k = _top_k(module, [t for t in tensors if not t.dtype.is_floating_point], fqn)
+        rows = math.ceil(tokens * k * capacity_factor)
+        flat = hidden.reshape(tokens, width)
+        listed = _expert_list(module)
+        dispatch_in = [flat]
+        if listed is not None:
+            num_experts = len(listed[1])
+            router = next((m for m in module.children()
+                           if isinstance(m, nn.Linear) and m.out_features == num_experts), None)
+            if router is not None:
+                dispatch_in.append(router(flat))
+        else:
+            num_experts = _fused_params(module)[0][1].shape[0]
+        with recorder.paused():
+            routed = torch.empty(rows, width, dtype=hidden.dtype, device=hidden.device)
+        recorder.emit(kind=OpKind.MOE_DISPATCH, target="moe.dispatch", short="moe_dispatch",
+                      path=fqn, in_tensors=dispatch_in, out_tensors=[routed])
+        if listed is not None:
+            outs = _run_expert_list(listed[1], routed, num_experts)
+        else:
+            outs = [_run_fused(module, fqn, recorder, routed)]
+        gates = [t for t in floats[1:] if t.dim() >= 1]
+        with recorder.paused():
+            out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        recorder.emit(kind=OpKind.MOE_COMBINE, target="moe.combine", short="moe_combine",
+                      path=fqn, in_tensors=outs + gates[:1], out_tensors=[out], save=outs)
+        return out
+
+    return forward
+
+
+def _run_expert_list(experts: nn.ModuleList, routed: torch.Tensor, num_experts: int):
+    share = math.ceil(routed.shape[0] / num_experts)
+    outs = []
+    for e, expert in enumerate(experts):
+        lo = min(e * share, routed.shape[0])
+        hi = min(lo + share, routed.shape[0])
+        outs.append(expert(routed[lo:hi]))
+    return outs
+
+
+def _run_fused(module: nn.Module, fqn: str, recorder, routed: torch.Tensor) -> torch.Tensor:
+    """Each 3-D weight [E, out, in] applied to every routed row; widths joined by a gated
+    activation when one output is twice the next input (the SwiGLU gate_up -> down shape)."""
+    x = routed
+    rows = routed.shape[0]
+    for name, weight in _fused_params(module):
+        weight = getattr(module, name)  # the meta copy functional_call put in place
+        _, out_dim, in_dim = weight.shape
+        if x.shape[-1] != in_dim:
+            with recorder.paused():
+                act = torch.empty(rows, in_dim, dtype=x.dtype, device=x.device)
+            recorder.emit(kind=OpKind.ELEMENTWISE, target="moe.expert_activation",
+                          short="expert_act", path=fqn, in_tensors=[x], out_tensors=[act], save=[x])
+            x = act
+        with recorder.paused():
+            y = torch.empty(rows, out_dim, dtype=x.dtype, device=x.device)
+        flops = 2 * rows * out_dim * in_dim
+        grads = recorder.needs_grad(x) + recorder.needs_grad(weight)
+        recorder.emit(kind=OpKind.MATMUL, target="moe.grouped_mm", short=f"grouped_mm_{name}",
+                      path=f"{fqn}", in_tensors=[x, weight], out_tensors=[y], flops_fwd=flops,
+                      flops_bwd=flops * grads, save=[x])
+        x = y
+    return x
