@@ -1,0 +1,121 @@
+"""`ParallelConfig`: one point of the 5-D search space, and the checks that make it runnable.
+
+A config fixes the degrees (dp·tp·pp·cp = world size; ep divides dp·cp and takes no extra
+ranks), the ZeRO stage, the micro-batch size, the pipeline schedule and its virtual stages,
+Megatron sequence parallelism on the tp axis, and the activation-recompute policy.
+`check_config` says what is wrong and which values would work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+__all__ = ["ParallelConfig", "check_config", "divisors", "PP_SCHEDULES", "RECOMPUTE_POLICIES"]
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+RECOMPUTE_POLICIES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    micro_batch_size: int = 1
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "virtual_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"ParallelConfig.zero_stage must be 0 (DDP), 1, 2 or 3 (FSDP), "
+                             f"got {self.zero_stage!r}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"ParallelConfig.pp_schedule {self.pp_schedule!r} is unknown; "
+                             f"allowed: {', '.join(PP_SCHEDULES)}")
+        if self.recompute not in RECOMPUTE_POLICIES:
+            raise ValueError(f"ParallelConfig.recompute {self.recompute!r} is unknown; "
+                             f"allowed: {', '.join(RECOMPUTE_POLICIES)}")
+        if self.virtual_stages > 1 and self.pp_schedule != "interleaved-1f1b":
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs "
+                             f"pp_schedule='interleaved-1f1b' (got {self.pp_schedule!r})")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError("ParallelConfig.sequence_parallel must be True or False")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def short(self) -> str:
+        """A compact label, e.g. 'dp8 tp8 pp16 z1 mb1 1f1b sp rc=selective'."""
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
+        parts += [f"cp{self.cp}"] if self.cp > 1 else []
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += [f"z{self.zero_stage}", f"mb{self.micro_batch_size}"]
+        if self.pp > 1:
+            parts.append(self.pp_schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1
+                                             else ""))
+        parts += ["sp"] if self.sequence_parallel else []
+        parts.append(f"rc={self.recompute}")
+        return " ".join(parts)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int,
+                 num_layers: int, num_heads: int | None = None,
+                 num_kv_heads: int | None = None, num_experts: int | None = None,
+                 seq_len: int | None = None) -> int:
+    """Raise ValueError when `cfg` cannot run; return the number of micro-batches per step."""
+    if cfg.world_size != world_size:
+        rest = cfg.tp * cfg.pp * cfg.cp
+        hint = (f"dp={world_size // rest} would match" if world_size % rest == 0 else
+                f"tp*pp*cp = {rest} must divide it (divisors: {divisors(world_size)})")
+        raise ValueError(f"dp*tp*pp*cp = {cfg.dp}*{cfg.tp}*{cfg.pp}*{cfg.cp} = {cfg.world_size}, "
+                         f"but the cluster has {world_size} GPUs; {hint}")
+    if num_heads is not None and num_heads % cfg.tp:
+        raise ValueError(f"tp={cfg.tp} must divide the {num_heads} attention heads; allowed tp: "
+                         f"{[d for d in divisors(num_heads) if world_size % d == 0]}")
+    if num_kv_heads is not None and cfg.tp > num_kv_heads and cfg.tp % num_kv_heads:
+        raise ValueError(f"tp={cfg.tp} must divide or be a multiple of the {num_kv_heads} KV heads")
+    if (cfg.dp * cfg.cp) % cfg.ep:
+        raise ValueError(f"ep={cfg.ep} must divide dp*cp = {cfg.dp * cfg.cp}; allowed ep: "
+                         f"{divisors(cfg.dp * cfg.cp)}")
+    if num_experts is not None and cfg.ep > 1 and num_experts % cfg.ep:
+        raise ValueError(f"ep={cfg.ep} must divide the {num_experts} experts; allowed ep: "
+                         f"{[d for d in divisors(num_experts) if (cfg.dp * cfg.cp) % d == 0]}")
+    if cfg.ep > 1 and not num_experts:
+        raise ValueError(f"ep={cfg.ep} needs a model with experts (MoE); this model has none")
+    if seq_len is not None and seq_len % (2 * cfg.cp) and cfg.cp > 1:
+        raise ValueError(f"cp={cfg.cp} needs seq_len divisible by 2*cp = {2 * cfg.cp} (causal "
+                         f"load balancing splits the sequence in 2*cp chunks); seq_len={seq_len}")
+    per_replica = cfg.dp * cfg.micro_batch_size
+    if global_batch_size % per_replica:
+        ok = divisors(global_batch_size // cfg.dp) if global_batch_size % cfg.dp == 0 else []
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not a multiple of dp*micro_batch_size = "
+            f"{cfg.dp}*{cfg.micro_batch_size}" + (f"; micro_batch_size could be one of {ok}" if ok
+                                                   else f"; dp must divide {global_batch_size}"))
+    num_microbatches = global_batch_size // per_replica
+    stages = cfg.pp * cfg.virtual_stages
+    if stages > num_layers:
+        raise ValueError(f"pp*virtual_stages = {stages} stages for {num_layers} layers: every "
+                         f"stage needs at least one layer")
+    if cfg.pp_schedule == "interleaved-1f1b" and cfg.pp > 1 and num_microbatches % cfg.pp:
+        raise ValueError(f"interleaved-1f1b needs the {num_microbatches} micro-batches to be a "
+                         f"multiple of pp={cfg.pp}")
+    return num_microbatches
