@@ -6,6 +6,7 @@ Imports flow one way: autopar -> costmodels -> hwprofiles. Nothing here imports 
 
 from costmodels.collectives import Collective, CollectiveEstimate, collective_time, estimate_collective
 from costmodels.hardware import HardwareProfile
+from costmodels.pipeline import PipelineSchedule, PipelineTimeline, simulate_pipeline
 
-__all__ = ["Collective", "CollectiveEstimate", "HardwareProfile", "collective_time",
-           "estimate_collective"]
+__all__ = ["Collective", "CollectiveEstimate", "HardwareProfile", "PipelineSchedule",
+           "PipelineTimeline", "collective_time", "estimate_collective", "simulate_pipeline"]

@@ -1,0 +1,441 @@
+"""Pipeline-parallel schedules by event simulation: step time, bubbles, in-flight micro-batches.
+
+This module owns the time a pipeline schedule takes for given per-stage compute times. Each
+schedule is turned into a fixed op list per pipeline rank; the simulator then runs the lists:
+
+    start(op) = max(rank free, end(dependency) + hop),    end(op) = start(op) + duration(op)
+
+Dependencies: F(s, k) after F(s-1, k); B(s, k) after B(s+1, k) (the last stage's B after its
+own F); W(s, k) after B(s, k). A hop costs `p2p_s` of that stage boundary when the two stages
+live on different ranks and nothing when they share one. Sends are asynchronous: a hop delays
+the consumer but does not occupy either rank. Every op starts as early as its rank's order and
+its dependency allow, so the result is deterministic and equals an event-driven run.
+
+Schedules (p = `num_stages` pipeline ranks, m micro-batches, v = `virtual_stages`; the model is
+cut into p·v stages in model order and stage s runs on rank s mod p):
+
+- ``gpipe``: all forwards in micro-batch order, then all backwards in micro-batch order
+  (PyTorch's ScheduleGPipe order). Every rank holds m micro-batches.
+- ``1f1b``: PipeDream-flush, Megatron's non-interleaved schedule. Rank i runs min(p-1-i, m)
+  warm-up forwards, then pairs (F, B), then the remaining backwards. Rank i holds min(p-i, m).
+  m < p is legal (Megatron caps the warm-up at m; PyTorch's Schedule1F1B refuses it): the
+  schedule just degenerates, so it is simulated, not refused.
+- ``interleaved-1f1b``: Megatron's interleaved schedule (Narayanan et al. 2021) with v model
+  chunks per rank, chunk c on rank c mod p. The k-th forward of a rank is chunk
+  (k mod pv) div p of micro-batch (k div pv)·p + k mod p; the k-th backward walks the chunks in
+  reverse. Warm-up is min(2(p-1-i) + (v-1)p, mv) forwards, or all mv when m == p (Megatron runs
+  all forwards first in that case), then (F, B) pairs, then the remaining backwards. Megatron
+  requires m % p == 0 and so does this module. `virtual_stages` = 1 is allowed and gives the
+  same rule with one chunk.
+- ``zero-bubble``: ZB-H1 (Qi et al. 2023). The backward is split into B (input gradient, the
+  critical path) and W (weight gradient, `weight_grad_s`; B = backward - W). Rank i runs the
+  1F1B warm-up and (F, B) pairs; after the j-th B it runs the W of micro-batch j - i once
+  j >= i, and the i W's still owed at the end. Rank i thus holds W back by i micro-batches
+  (PyTorch's ZB1P order); in-flight micro-batches are those of 1F1B. On equal stages with
+  m >= p the bubble is (p-1)·max(T_F + T_B - T_W, T_F, T_B): the paper's (p-1)(T_F + T_B - T_W)
+  while W is the shortest pass (a third of 1F1B's (p-1)(T_F + T_B + T_W) when all three are
+  equal), else the lower bound of any schedule holding 1F1B's micro-batches (the last rank's
+  forward fill, the first rank's wait for its first B).
+
+In-flight count: the number of (stage, micro-batch) pairs on a rank whose F has started and
+whose B has not finished, the driver of activation memory. With v > 1 it counts chunk
+micro-batches (a micro-batch on two of a rank's chunks counts twice); W is not counted (it
+keeps only the layer inputs it needs, less than B).
+
+No torch import here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+import operator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import NamedTuple, Sequence
+
+__all__ = ["PipelineSchedule", "OpKind", "PipelineOp", "PipelineTimeline", "simulate_pipeline",
+           "gpipe_step_time", "one_f_one_b_step_time", "interleaved_step_time"]
+
+logger = logging.getLogger(__name__)
+
+
+class PipelineSchedule(StrEnum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved-1f1b"
+    ZERO_BUBBLE = "zero-bubble"
+
+
+class OpKind(StrEnum):
+    F = "F"  # forward
+    B = "B"  # backward (input grad + weight grad; input grad only under zero-bubble)
+    W = "W"  # weight grad (zero-bubble only)
+
+
+class PipelineOp(NamedTuple):
+    """One compute op as it ran: on which stage, for which micro-batch, when."""
+
+    kind: OpKind
+    stage: int
+    microbatch: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineTimeline:
+    """The simulated step of one schedule; per-rank tuples are indexed by pipeline rank."""
+
+    schedule: PipelineSchedule
+    num_stages: int           # pipeline ranks (p)
+    num_microbatches: int
+    virtual_stages: int
+    step_time_s: float        # makespan: first op starts at 0
+    ops: tuple[tuple[PipelineOp, ...], ...]   # per rank, in execution order
+    busy_s: tuple[float, ...]
+    idle_s: tuple[float, ...]  # step_time_s - busy_s: the rank's bubble
+    bubble_fraction: float    # (step_time_s - mean busy) / step_time_s
+    peak_inflight_microbatches: tuple[int, ...]
+
+    @property
+    def bubble_s(self) -> float:
+        """Mean idle time over ranks."""
+        return sum(self.idle_s) / len(self.idle_s)
+
+
+_F, _B, _W = 0, 1, 2
+_KINDS = (OpKind.F, OpKind.B, OpKind.W)
+
+
+# -- validation -------------------------------------------------------------------------------
+
+def _count(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {n}")
+    return n
+
+
+def _times(name: str, values: Sequence[float] | float, length: int, what: str) -> list[float]:
+    if isinstance(values, numbers.Real) and not isinstance(values, bool):
+        out = [float(values)] * length
+    else:
+        try:
+            out = [float(x) for x in values]  # type: ignore[union-attr]
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a sequence of {length} numbers ({what}), "
+                             f"got {values!r}") from None
+        if len(out) != length:
+            raise ValueError(f"{name} has {len(out)} entries; expected {length} ({what})")
+    bad = [x for x in out if not (math.isfinite(x) and x >= 0.0)]
+    if bad:
+        raise ValueError(f"{name} must hold finite times >= 0 seconds, got {bad[0]!r}")
+    return out
+
+
+def _schedule(schedule: PipelineSchedule | str) -> PipelineSchedule:
+    try:
+        return PipelineSchedule(str(schedule))
+    except ValueError:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; allowed: "
+                         f"{', '.join(s.value for s in PipelineSchedule)}") from None
+
+
+def _check_shape(kind: PipelineSchedule, p: int, m: int, v: int) -> None:
+    if v > 1 and kind is not PipelineSchedule.INTERLEAVED_1F1B:
+        raise ValueError(f"virtual_stages={v} needs schedule 'interleaved-1f1b'; "
+                         f"{kind.value!r} takes virtual_stages=1")
+    if kind is PipelineSchedule.INTERLEAVED_1F1B and m % p:
+        raise ValueError(f"interleaved-1f1b needs num_microbatches divisible by num_stages "
+                         f"(as Megatron-LM); got num_microbatches={m}, num_stages={p}")
+
+
+# -- op orders --------------------------------------------------------------------------------
+# An op is encoded as one int: (kind * num_virtual_stages + stage) * m + microbatch.
+
+def _gpipe_order(p: int, m: int) -> list[list[int]]:
+    sm = p * m
+    return [[(rank * m + k) for k in range(m)] + [sm + rank * m + k for k in range(m)]
+            for rank in range(p)]
+
+
+def _one_f_one_b_order(p: int, m: int, zero_bubble: bool) -> list[list[int]]:
+    sm = p * m
+    orders = []
+    for rank in range(p):
+        f = rank * m           # code of F(rank, 0)
+        b = sm + rank * m      # code of B(rank, 0)
+        w = 2 * sm + rank * m  # code of W(rank, 0)
+        warmup = min(p - 1 - rank, m)
+        lag = rank             # zero-bubble: W trails B by `rank` micro-batches
+        ops = [f + k for k in range(warmup)]
+        for j in range(m):
+            if j + warmup < m:
+                ops.append(f + j + warmup)
+            ops.append(b + j)
+            if zero_bubble and j >= lag:
+                ops.append(w + j - lag)
+        if zero_bubble:
+            ops.extend(w + k for k in range(max(0, m - lag), m))
+        orders.append(ops)
+    return orders
+
+
+def _interleaved_order(p: int, m: int, v: int) -> list[list[int]]:
+    sm = p * v * m
+    group = p * v
+    total = m * v
+    orders = []
+    for rank in range(p):
+        def fwd(k: int) -> int:
+            chunk = (k % group) // p
+            return (chunk * p + rank) * m + (k // group) * p + k % p
+
+        def bwd(k: int) -> int:
+            chunk = v - 1 - (k % group) // p
+            return sm + (chunk * p + rank) * m + (k // group) * p + k % p
+
+        if m == p:
+            warmup = total
+        else:
+            warmup = min(2 * (p - 1 - rank) + (v - 1) * p, total)
+        ops = [fwd(k) for k in range(warmup)]
+        for j in range(total - warmup):
+            ops.append(fwd(j + warmup))
+            ops.append(bwd(j))
+        ops.extend(bwd(j) for j in range(total - warmup, total))
+        orders.append(ops)
+    return orders
+
+
+# -- simulation -------------------------------------------------------------------------------
+
+def _run(orders: list[list[int]], num_vstages: int, m: int, dur: list[list[float]],
+         hop: list[float]) -> list[list[float]]:
+    """Start time of every op of every rank. `hop[s]` is the latency between stages s-1 and s."""
+    sm = num_vstages * m
+    last = num_vstages - 1
+    f_end = [-1.0] * sm
+    b_end = [-1.0] * sm
+    f_waiter = [-1] * sm   # rank blocked on F(key), at most one per key
+    b_waiter = [-1] * sm
+    f_dur, b_dur, w_dur = dur
+    num_ranks = len(orders)
+    pos = [0] * num_ranks
+    free = [0.0] * num_ranks
+    starts: list[list[float]] = [[] for _ in range(num_ranks)]
+    ready = list(range(num_ranks - 1, -1, -1))
+    while ready:
+        rank = ready.pop()
+        order, out = orders[rank], starts[rank]
+        i, t, n = pos[rank], free[rank], len(orders[rank])
+        while i < n:
+            kind, key = divmod(order[i], sm)
+            stage = key // m
+            if kind == _F:
+                if stage:
+                    dep = f_end[key - m]
+                    if dep < 0.0:
+                        f_waiter[key - m] = rank
+                        break
+                    dep += hop[stage]
+                    if dep > t:
+                        t = dep
+                out.append(t)
+                t += f_dur[stage]
+                f_end[key] = t
+                waiter = f_waiter[key]
+            elif kind == _B:
+                if stage < last:
+                    dep = b_end[key + m]
+                    if dep < 0.0:
+                        b_waiter[key + m] = rank
+                        break
+                    dep += hop[stage + 1]
+                else:
+                    dep = f_end[key]
+                    if dep < 0.0:
+                        f_waiter[key] = rank
+                        break
+                if dep > t:
+                    t = dep
+                out.append(t)
+                t += b_dur[stage]
+                b_end[key] = t
+                waiter = b_waiter[key]
+            else:
+                dep = b_end[key]
+                if dep < 0.0:
+                    b_waiter[key] = rank
+                    break
+                if dep > t:
+                    t = dep
+                out.append(t)
+                t += w_dur[stage]
+                waiter = -1
+            i += 1
+            if waiter >= 0:
+                ready.append(waiter)
+        pos[rank], free[rank] = i, t
+    stuck = [r for r in range(num_ranks) if pos[r] < len(orders[r])]
+    if stuck:
+        raise RuntimeError(f"internal error: pipeline schedule deadlocked on ranks {stuck}")
+    return starts
+
+
+def simulate_pipeline(*, schedule: PipelineSchedule | str, num_stages: int,
+                      num_microbatches: int, virtual_stages: int = 1,
+                      forward_s: Sequence[float] | float, backward_s: Sequence[float] | float,
+                      weight_grad_s: Sequence[float] | float | None = None,
+                      p2p_s: Sequence[float] | float = 0.0,
+                      record_ops: bool = True) -> PipelineTimeline:
+    """Simulate one training step of `schedule` and return its timeline.
+
+    `num_stages` is the number of pipeline ranks p; the model is cut into p·`virtual_stages`
+    stages and every per-stage sequence has that many entries, in model order (stage s runs on
+    rank s mod p); a single number stands for equal stages. `forward_s`, `backward_s`: seconds
+    per micro-batch of each stage; the backward is the whole of it (input grad + weight
+    grad). `weight_grad_s`: the weight-grad part of each stage's backward, needed by
+    ``zero-bubble`` (B = backward - W) and ignored by the other schedules. `p2p_s`: send time
+    of an activation (forward) or its gradient (backward) over each stage boundary, one number
+    for all or p·v - 1 entries; a boundary between two stages on one rank costs nothing.
+    `record_ops=False` leaves `ops` empty, for searches that only need the numbers.
+
+    Raises ValueError for an unknown schedule, counts below 1, virtual_stages > 1 outside
+    ``interleaved-1f1b``, ``interleaved-1f1b`` with num_microbatches not a multiple of
+    num_stages, ``zero-bubble`` without weight_grad_s, sequences of the wrong length, and
+    negative or non-finite times (or a weight-grad time above its backward).
+    """
+    kind = _schedule(schedule)
+    p = _count("num_stages", num_stages)
+    m = _count("num_microbatches", num_microbatches)
+    v = _count("virtual_stages", virtual_stages)
+    _check_shape(kind, p, m, v)
+    n = p * v
+    what = f"one per pipeline stage: num_stages*virtual_stages = {p}*{v}"
+    f_dur = _times("forward_s", forward_s, n, what)
+    b_dur = _times("backward_s", backward_s, n, what)
+    w_dur = [0.0] * n
+    if weight_grad_s is not None:
+        w_dur = _times("weight_grad_s", weight_grad_s, n, what)
+        over = [s for s in range(n) if w_dur[s] > b_dur[s]]
+        if over:
+            s = over[0]
+            raise ValueError(f"weight_grad_s[{s}] = {w_dur[s]!r} exceeds backward_s[{s}] = "
+                             f"{b_dur[s]!r}; the weight grad is part of the backward")
+    elif kind is PipelineSchedule.ZERO_BUBBLE:
+        raise ValueError("schedule 'zero-bubble' needs weight_grad_s, the weight-grad part of "
+                         "each stage's backward (B = backward - W)")
+    p2p = _times("p2p_s", p2p_s, n - 1, f"one per stage boundary: num_stages*virtual_stages - 1"
+                 f" = {n - 1}")
+    if kind is PipelineSchedule.ZERO_BUBBLE:
+        b_dur = [b - w for b, w in zip(b_dur, w_dur)]
+    else:
+        w_dur = [0.0] * n
+    hop = [0.0] + [p2p[s - 1] if p > 1 else 0.0 for s in range(1, n)]
+
+    if kind is PipelineSchedule.GPIPE:
+        orders = _gpipe_order(p, m)
+    elif kind is PipelineSchedule.INTERLEAVED_1F1B:
+        orders = _interleaved_order(p, m, v)
+    else:
+        orders = _one_f_one_b_order(p, m, kind is PipelineSchedule.ZERO_BUBBLE)
+    starts = _run(orders, n, m, [f_dur, b_dur, w_dur], hop)
+    return _timeline(kind, p, m, v, orders, starts, [f_dur, b_dur, w_dur], record_ops)
+
+
+def _timeline(kind: PipelineSchedule, p: int, m: int, v: int, orders: list[list[int]],
+              starts: list[list[float]], dur: list[list[float]],
+              record_ops: bool) -> PipelineTimeline:
+    sm = p * v * m
+    ops: list[tuple[PipelineOp, ...]] = []
+    busy: list[float] = []
+    peak: list[int] = []
+    step = 0.0
+    for order, begin in zip(orders, starts):
+        total = 0.0
+        inflight = top = 0
+        rank_ops = []
+        end = 0.0
+        for code, start in zip(order, begin):
+            kind_code, key = divmod(code, sm)
+            stage = key // m
+            length = dur[kind_code][stage]
+            total += length
+            end = start + length
+            if kind_code == _F:
+                inflight += 1
+                if inflight > top:
+                    top = inflight
+            elif kind_code == _B:
+                inflight -= 1
+            if record_ops:
+                rank_ops.append(PipelineOp(_KINDS[kind_code], stage, key % m, start, end))
+        if end > step:  # ops of a rank run in order, so its last op ends last
+            step = end
+        busy.append(total)
+        peak.append(top)
+        ops.append(tuple(rank_ops))
+    idle = tuple(step - b for b in busy)
+    mean_busy = sum(busy) / p
+    fraction = (step - mean_busy) / step if step > 0 else 0.0
+    logger.debug("%s p=%d m=%d v=%d: step %.6g s, bubble %.3f", kind.value, p, m, v, step,
+                 fraction)
+    return PipelineTimeline(schedule=kind, num_stages=p, num_microbatches=m, virtual_stages=v,
+                            step_time_s=step, ops=tuple(ops), busy_s=tuple(busy), idle_s=idle,
+                            bubble_fraction=fraction, peak_inflight_microbatches=tuple(peak))
+
+
+# -- closed forms for uniform stages ----------------------------------------------------------
+
+def _uniform_times(**times: float) -> list[float]:
+    return [_times(name, value, 1, "one number for every stage")[0]
+            for name, value in times.items()]
+
+
+def gpipe_step_time(*, num_stages: int, num_microbatches: int, forward_s: float,
+                    backward_s: float, p2p_s: float = 0.0) -> float:
+    """GPipe on p equal stages: (m + p - 1)(f + b) + 2(p - 1)·p2p.
+
+    The forward wave fills in (p - 1)(f + p2p) and the backward wave drains in
+    (p - 1)(b + p2p); in between every rank works without a gap.
+    """
+    p = _count("num_stages", num_stages)
+    m = _count("num_microbatches", num_microbatches)
+    f, b, c = _uniform_times(forward_s=forward_s, backward_s=backward_s, p2p_s=p2p_s)
+    return (m + p - 1) * (f + b) + 2 * (p - 1) * c
+
+
+def one_f_one_b_step_time(*, num_stages: int, num_microbatches: int, forward_s: float,
+                          backward_s: float) -> float:
+    """1F1B on p equal stages without p2p time: (m + p - 1)(f + b), the same as GPipe.
+
+    With p2p time the steady state itself stretches (each F/B pair waits for a round trip), so
+    use the simulator.
+    """
+    p = _count("num_stages", num_stages)
+    m = _count("num_microbatches", num_microbatches)
+    f, b = _uniform_times(forward_s=forward_s, backward_s=backward_s)
+    return (m + p - 1) * (f + b)
+
+
+def interleaved_step_time(*, num_stages: int, num_microbatches: int, virtual_stages: int,
+                          forward_s: float, backward_s: float) -> float:
+    """Interleaved 1F1B on p ranks of v equal chunks, no p2p time: m(f + b) + (p - 1)(f + b)/v.
+
+    `forward_s`, `backward_s` are a rank's whole share (all v chunks); the bubble is Megatron's
+    (p - 1)(f + b)/v, i.e. (p - 1)/(v·m) of the ideal m(f + b). Needs m % p == 0.
+    """
+    p = _count("num_stages", num_stages)
+    m = _count("num_microbatches", num_microbatches)
+    v = _count("virtual_stages", virtual_stages)
+    _check_shape(PipelineSchedule.INTERLEAVED_1F1B, p, m, v)
+    f, b = _uniform_times(forward_s=forward_s, backward_s=backward_s)
+    return (m + (p - 1) / v) * (f + b)
