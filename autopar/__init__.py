@@ -7,6 +7,7 @@ from autopar import models
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.trace import trace
+from autopar.estimate import Estimate, EstimateOptions, estimate
 
-__all__ = ["Cluster", "ParallelConfig", "models", "trace"]
+__all__ = ["Cluster", "Estimate", "EstimateOptions", "ParallelConfig", "estimate", "models", "trace"]
 __version__ = "0.1.0"

@@ -1,0 +1,148 @@
+"""Time of one copy of a unit, for one micro-batch, on one rank of a parallel configuration.
+
+Sharding follows Megatron-LM for transformer-shaped units (the search's ILP may choose other
+layouts later): GEMMs and attention are split over tp (column->row pairs, heads) and cp
+(tokens); vocabulary GEMMs and lookups are vocab-parallel over tp; memory-bound ops are split
+over cp, and over tp only with sequence parallelism. Communication goes through
+`Cluster.collective_time` on the rank groups of the mesh, so the topology decides its cost:
+
+- TP: per synchronisation point an all-reduce of the hidden state (all-gather +
+  reduce-scatter with SP), forward and backward; exposed, or hidden behind the unit's GEMMs
+  up to their duration when the software overlaps it.
+- CP: ring attention passes K/V (forward) and their gradients (backward) cp-1 times,
+  overlapped with the attention computation; only the excess is exposed.
+- EP: all-to-all dispatch and combine of the routed tokens, forward and backward.
+Recompute: "full" re-runs the unit's forward (compute and TP communication) in backward;
+"selective" re-runs the attention core, which flash kernels already do by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cluster import Cluster
+from autopar.config import ParallelConfig
+from autopar.estimate.units import OpCost, Unit
+from costmodels.compute import KERNEL_GAP_S, attention_time_s, gemm_time_s, memory_time_s
+
+__all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitTimes", "rank_groups", "unit_times"]
+
+# A memory-bound op's backward reads the output gradient and the saved input and writes the
+# input gradient: about twice the forward's traffic (read input, write output).
+BACKWARD_MEMORY_RATIO = 2.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankGroups:
+    """Global ranks of the groups that rank 0 belongs to (mesh order pp, dp, cp, tp)."""
+
+    tp: tuple[int, ...]
+    cp: tuple[int, ...]
+    ep: tuple[int, ...]
+    dp: tuple[int, ...]  # data-parallel replicas of the same parameters: dp x cp ranks
+    pp_next: int | None  # the rank holding the next pipeline stage
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnitTimes:
+    """Seconds for one copy of a unit, one micro-batch, on one rank."""
+
+    compute_fwd: float
+    compute_bwd: float  # input and weight gradients
+    compute_wgrad: float  # the weight-gradient share of compute_bwd (zero-bubble's W)
+    recompute: float  # extra forward work in backward (compute and its TP communication)
+    tp_fwd: float
+    tp_bwd: float
+    cp_fwd: float
+    cp_bwd: float
+    ep_fwd: float
+    ep_bwd: float
+
+    @property
+    def forward(self) -> float:
+        return self.compute_fwd + self.tp_fwd + self.cp_fwd + self.ep_fwd
+
+    @property
+    def backward(self) -> float:
+        return self.compute_bwd + self.recompute + self.tp_bwd + self.cp_bwd + self.ep_bwd
+
+
+def rank_groups(cfg: ParallelConfig) -> RankGroups:
+    tp, cp, dp = cfg.tp, cfg.cp, cfg.dp
+    replicas = tuple(d * cp * tp + c * tp for d in range(dp) for c in range(cp))
+    return RankGroups(tp=tuple(range(tp)), cp=tuple(c * tp for c in range(cp)),
+                      ep=replicas[:cfg.ep], dp=replicas,
+                      pp_next=dp * cp * tp if cfg.pp > 1 else None)
+
+
+def _op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
+              kernel: str) -> tuple[float, float, float]:
+    """(forward, backward, weight-grad part of backward) seconds of one op on one rank."""
+    device = cluster.hardware.device
+    tp, cp = cfg.tp, cfg.cp
+    if op.kind == "gemm":
+        scale = tp * cp
+        fwd = gemm_time_s(device, dtype, op.flops_fwd / scale, op.bytes_fwd / scale)
+        bwd = gemm_time_s(device, dtype, op.flops_bwd / scale, 2 * op.bytes_fwd / scale)
+        return fwd, bwd, bwd / 2 if op.flops_bwd >= 2 * op.flops_fwd else 0.0
+    if op.kind == "attention":
+        scale = tp * cp
+        common = dict(io_bytes=op.bytes_fwd / scale, score_bytes=op.score_bytes / scale,
+                      causal=op.causal, kernel=kernel)
+        fwd = attention_time_s(device, dtype, flops=op.flops_fwd / scale, backward=False, **common)
+        bwd = attention_time_s(device, dtype, flops=op.flops_bwd / scale, backward=True, **common)
+        return fwd, bwd, 0.0
+    split = cp * (tp if cfg.sequence_parallel or op.vocab or op.expert else 1)
+    fwd = memory_time_s(device, op.bytes_fwd / split)
+    return fwd, BACKWARD_MEMORY_RATIO * fwd, 0.0
+
+
+def _tp_time(unit: Unit, cluster: Cluster, cfg: ParallelConfig, groups: RankGroups) -> float:
+    """TP communication of one forward (the backward moves the same bytes)."""
+    if cfg.tp == 1 or unit.tp_points == 0:
+        return 0.0
+    act = unit.act_bytes / cfg.cp
+    if cfg.sequence_parallel:
+        per_point = (cluster.collective_time("all_gather", act, groups.tp)
+                     + cluster.collective_time("reduce_scatter", act, groups.tp))
+    else:
+        per_point = cluster.collective_time("all_reduce", act, groups.tp)
+    return unit.tp_points * per_point
+
+
+def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
+               groups: RankGroups, attention_kernel: str, overlap_tp: bool = False) -> UnitTimes:
+    fwd = bwd = wgrad = attn_fwd = attn_bwd = gemm_fwd = gemm_bwd = 0.0
+    for op in unit.ops:
+        f, b, w = _op_times(op, cluster, dtype, cfg, attention_kernel)
+        fwd, bwd, wgrad = fwd + f, bwd + b, wgrad + w
+        if op.kind == "attention":
+            attn_fwd, attn_bwd = attn_fwd + f, attn_bwd + b
+        elif op.kind == "gemm":
+            gemm_fwd, gemm_bwd = gemm_fwd + f, gemm_bwd + b
+    fwd += unit.num_kernels * KERNEL_GAP_S
+    bwd += 2 * unit.num_kernels * KERNEL_GAP_S
+    tp = _tp_time(unit, cluster, cfg, groups)
+    tp_fwd, tp_bwd = (max(0.0, tp - gemm_fwd), max(0.0, tp - gemm_bwd)) if overlap_tp else (tp, tp)
+
+    cp_fwd = cp_bwd = 0.0
+    if cfg.cp > 1 and unit.attention_kv_bytes:
+        chunk = unit.attention_kv_bytes / (cfg.cp * cfg.tp)
+        hop = cluster.collective_time("send_recv", chunk, groups.cp[:2])
+        ring = (cfg.cp - 1) * hop
+        cp_fwd = max(0.0, ring - attn_fwd)
+        cp_bwd = max(0.0, 2 * ring - attn_bwd)
+
+    ep = 0.0
+    if cfg.ep > 1 and unit.moe_dispatch_bytes:
+        tokens = unit.moe_dispatch_bytes / (cfg.cp * (cfg.tp if cfg.sequence_parallel else 1))
+        ep = 2 * cluster.collective_time("all_to_all", tokens, groups.ep)
+
+    if cfg.recompute == "full":
+        recompute = fwd + tp_fwd
+    elif cfg.recompute == "selective" and attention_kernel == "math":
+        recompute = attn_fwd
+    else:
+        recompute = 0.0
+    return UnitTimes(compute_fwd=fwd, compute_bwd=bwd, compute_wgrad=wgrad, recompute=recompute,
+                     tp_fwd=tp_fwd, tp_bwd=tp_bwd, cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep, ep_bwd=ep)

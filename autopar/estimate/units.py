@@ -1,0 +1,165 @@
+"""Cost units: a traced graph cut into the pieces pipeline stages are made of.
+
+A unit is either a repeated block (one representative standing for `count` layers, e.g.
+`layers.0 … layers.79`) or a run of "glue" nodes between blocks (the embedding before the
+first block, the final norm, head and loss after the last). Each unit keeps only what the
+timing and memory models need, per micro-batch of the traced size, unsharded:
+
+- its ops reduced to GEMM / attention / memory-bound work (FLOPs forward and backward, bytes);
+- parameters, split into dense and expert (between an MoE dispatch and its combine);
+- activation bytes saved for backward (all, under selective recompute, and the part saved by
+  memory-bound ops, which tensor parallelism shards only with sequence parallelism);
+- the tensor-parallel synchronisation points (one per pre-norm sub-layer: the all-reduce after
+  a Megatron row-parallel GEMM), the size of the hidden state they move, MoE dispatch bytes
+  and the K/V bytes ring attention passes around.
+
+Pure functions of the IR; no torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.ir import Graph, Node, OpKind
+
+__all__ = ["OpCost", "Unit", "units_from_graph"]
+
+_GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV)
+_FREE_KINDS = (OpKind.VIEW,)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OpCost:
+    kind: str  # "gemm", "attention" or "memory"
+    flops_fwd: float
+    flops_bwd: float
+    bytes_fwd: float
+    expert: bool = False
+    causal: bool = False
+    score_bytes: float = 0.0  # attention: the b·a·s_q·s_kv score matrix in the compute dtype
+    vocab: bool = False  # a GEMM or lookup over the vocabulary (sharded by vocab-parallel TP)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Unit:
+    name: str
+    layer_fqns: tuple[str, ...]  # one module path per copy
+    ops: tuple[OpCost, ...]
+    num_kernels: int
+    dense_params: int
+    expert_params: int
+    saved_bytes: int
+    saved_bytes_recompute: int
+    saved_bytes_memory_ops: int  # saved by norms/elementwise: replicated over tp without SP
+    act_bytes: int  # the hidden state entering the unit
+    tp_points: int  # tensor-parallel synchronisations per forward
+    moe_dispatch_bytes: int  # tokens x top-k x hidden, per MoE layer of the unit
+    attention_kv_bytes: int  # K and V of all attention ops (what a CP ring passes on)
+    attention_score_bytes: int  # what an unfused kernel would keep of the score matrices
+    param_bytes: int  # parameters of one copy of the unit, in their traced dtype
+
+    @property
+    def count(self) -> int:
+        return len(self.layer_fqns)
+
+
+def _segments(graph: Graph) -> list[tuple[str, list[Node], tuple[str, ...]]]:
+    """Consecutive runs of nodes: block representatives and the glue between them."""
+    owner = {name: b for b in graph.blocks for name in b.node_names}
+    out: list[tuple[str, list[Node], tuple[str, ...]]] = []
+    for node in graph.nodes:
+        block = owner.get(node.name)
+        key = block.representative if block else "glue"
+        if out and out[-1][0] == key and (block is not None or not out[-1][2]):
+            out[-1][1].append(node)
+            continue
+        fqns = block.layer_fqns if block else ()
+        out.append((key, [node], fqns))
+    named = []
+    for i, (key, nodes, fqns) in enumerate(out):
+        if key == "glue":
+            paths = sorted({n.module_path.split(".")[0] for n in nodes if n.module_path})
+            name = "pre" if i == 0 else "post" if i == len(out) - 1 else f"glue{i}"
+            named.append((name, nodes, (name if not paths else "+".join(paths),)))
+        else:
+            named.append((key, nodes, fqns))
+    return named
+
+
+def _vocab_sized(node: Node, vocab_dims: set[int]) -> bool:
+    return any(p.shape and p.shape[0] in vocab_dims for p in node.params)
+
+
+def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: set[int],
+               counted: set[str]) -> Unit:
+    """`counted` holds the parameters earlier units already own (tied weights count once)."""
+    ops: list[OpCost] = []
+    dense = expert = 0
+    in_moe = False
+    seen_params: dict[str, int] = {}
+    saved_memory = kernels = tp_points = dispatch = kv = scores = 0
+    act = 0
+    for node in nodes:
+        if node.kind is OpKind.MOE_DISPATCH:
+            in_moe = True
+            dispatch += sum(o.num_bytes for o in node.outputs)
+        elif node.kind is OpKind.MOE_COMBINE:
+            in_moe = False
+        for p in node.params:
+            if p.fqn not in seen_params and p.fqn not in counted:
+                seen_params[p.fqn] = p.num_bytes
+                counted.add(p.fqn)
+                if in_moe:
+                    expert += p.numel
+                else:
+                    dense += p.numel
+        if node.kind in _FREE_KINDS:
+            continue
+        kernels += 1
+        io = node.bytes_read + node.bytes_written
+        if node.kind in _GEMM_KINDS:
+            ops.append(OpCost(kind="gemm", flops_fwd=node.flops_fwd, flops_bwd=node.flops_bwd,
+                              bytes_fwd=io, expert=in_moe, vocab=_vocab_sized(node, vocab_dims)))
+        elif node.kind is OpKind.ATTENTION and node.attention is not None:
+            a = node.attention
+            score = a.batch * a.num_heads * a.seq_q * a.seq_kv * node.inputs[0].num_bytes \
+                // max(1, node.inputs[0].numel)
+            ops.append(OpCost(kind="attention", flops_fwd=node.flops_fwd,
+                              flops_bwd=node.flops_bwd, bytes_fwd=io, causal=a.causal,
+                              score_bytes=score))
+            kv += sum(t.num_bytes for t in node.inputs[1:3])
+            # Korthikanti et al. 2022: softmax output (2 B/elt), plus the dropout mask (1 B)
+            # and output (2 B) when attention dropout is on: 2·a·s²·b or 5·a·s²·b
+            scores += int(score * (2.5 if a.dropout_p > 0 else 1.0))
+        else:
+            ops.append(OpCost(kind="memory", flops_fwd=0.0, flops_bwd=0.0, bytes_fwd=io,
+                              expert=in_moe, vocab=node.kind is OpKind.EMBEDDING
+                              and _vocab_sized(node, vocab_dims)))
+            saved_memory += node.saved_bytes
+        if node.kind is OpKind.NORM:
+            tp_points += 1
+            act = act or sum(o.num_bytes for o in node.outputs[:1])
+        elif node.kind is OpKind.EMBEDDING and not act:
+            act = sum(o.num_bytes for o in node.outputs[:1])
+    if not act:  # no norm: the hidden state is the largest activation input of the unit
+        act = max((t.num_bytes for n in nodes for t, src in zip(n.inputs, n.input_sources)
+                   if not src.startswith(("param:", "buffer:", "const"))), default=0)
+    if tp_points == 0 and any(op.kind == "gemm" or op.vocab for op in ops):
+        tp_points = 1  # an embedding or head: one vocab-parallel reduction
+    return Unit(
+        name=name, layer_fqns=fqns, ops=tuple(ops), num_kernels=kernels,
+        dense_params=dense, expert_params=expert,
+        saved_bytes=sum(n.saved_bytes for n in nodes),
+        saved_bytes_recompute=sum(n.saved_bytes_recompute for n in nodes),
+        saved_bytes_memory_ops=saved_memory, act_bytes=act, tp_points=tp_points,
+        moe_dispatch_bytes=dispatch, attention_kv_bytes=kv, attention_score_bytes=scores,
+        param_bytes=sum(seen_params.values()))
+
+
+def units_from_graph(graph: Graph) -> tuple[Unit, ...]:
+    """The graph's units in execution order (blocks stand for all their copies)."""
+    embeddings = [n for n in graph.nodes if n.kind is OpKind.EMBEDDING]
+    vocab_dims = {p.shape[0] for n in embeddings for p in n.params if p.shape}
+    counted: set[str] = set()
+    return tuple(_make_unit(name, nodes, fqns, vocab_dims, counted)
+                 for name, nodes, fqns in _segments(graph))

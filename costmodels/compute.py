@@ -1,0 +1,113 @@
+"""Compute time of one op on one device: a roofline with achievable efficiencies.
+
+    t = max(flops / (peak[dtype] · gemm_efficiency[dtype] · size_efficiency(flops) · kernel_eff),
+            bytes / (memory_bandwidth · memory_efficiency))
+
+- GEMMs (and convolutions) reach the profile's measured large-GEMM efficiency, less for small
+  GEMMs: `size_efficiency(F) = F / (F + GEMM_HALF_EFFICIENCY_FLOPS)`.
+- A fused attention kernel (FlashAttention-2, cuDNN, FlashAttention-3) runs at a measured
+  fraction of dense peak that depends on the kernel and the architecture
+  (`FUSED_ATTENTION_PEAK_FRACTION`) and skips the masked half of a causal score matrix; an
+  unfused ("math") kernel runs two batched GEMMs and moves the score matrix through memory
+  `MATH_ATTENTION_SCORE_PASSES` times.
+- Everything else (norms, elementwise, softmax, embedding lookups, losses) is bound by memory
+  bandwidth.
+The constants are named here with their sources; the published-runs benchmark checks them.
+No torch import.
+"""
+
+from __future__ import annotations
+
+from costmodels.hardware import DeviceSpec
+
+__all__ = [
+    "GEMM_HALF_EFFICIENCY_FLOPS", "FUSED_ATTENTION_PEAK_FRACTION", "ATTENTION_KERNELS",
+    "MATH_ATTENTION_SCORE_PASSES_FWD", "MATH_ATTENTION_SCORE_PASSES_BWD",
+    "KERNEL_GAP_S", "OPTIMIZER_BYTES_PER_PARAM",
+    "peak_flops", "gemm_time_s", "memory_time_s", "attention_time_s", "optimizer_time_s",
+    "fused_attention_fraction",
+]
+
+# Size at which a GEMM reaches half the large-GEMM efficiency. From H100 SXM torch.matmul bf16:
+# 4096^3 (137 GFLOP) runs at 788.7 and 8192^3 (1.1 TFLOP) at 797.5 TFLOP/s (zzc0721/torch-
+# performance-test-data#79); F/(F+F_half) matches that 0.989 ratio with F_half = 1.7 GFLOP.
+GEMM_HALF_EFFICIENCY_FLOPS = 1.7e9
+
+ATTENTION_KERNELS = ("flash", "cudnn", "flash3", "math")
+
+# Fraction of dense 16-bit peak a fused attention kernel reaches, causal, head dim 128, 2k-4k
+# tokens. Hopper: Shah et al. 2024 (FlashAttention-3), Fig. "attention forward speed, head
+# dim 128, H100 SXM5, causal": FlashAttention-2 298-319, cuDNN 484-518, FlashAttention-3
+# 521-579 TFLOP/s of 989. Ampere: Dao 2023 (FlashAttention-2) reaches 50-73% of A100 peak
+# forward; 0.63 is that range's middle. Other architectures scale the Ampere figure by their
+# GEMM efficiency (an assumption until measured).
+FUSED_ATTENTION_PEAK_FRACTION = {
+    ("flash", "ampere"): 0.63,
+    ("flash", "hopper"): 0.31,
+    ("cudnn", "hopper"): 0.50,
+    ("flash3", "hopper"): 0.56,
+}
+
+# An unfused attention writes the scores, reads them for scale+mask+softmax and writes the
+# probabilities, reads those for the PV GEMM (4 passes of the b·a·s² matrix forward); backward
+# reads probabilities and their gradient and writes the score gradient twice over (6 passes).
+MATH_ATTENTION_SCORE_PASSES_FWD = 4
+MATH_ATTENTION_SCORE_PASSES_BWD = 6
+
+# Idle time between two dependent kernels on the GPU (launch latency not hidden by the queue):
+# ~2 us per kernel, the order of CUDA kernel launch latency on H100/A100 measured by NVIDIA's
+# Nsight guidance ("launch overhead of a few microseconds").
+KERNEL_GAP_S = 2e-6
+
+# Mixed-precision Adam step per parameter: read fp32 master, m, v and the gradient (16 B),
+# write master, m, v (12 B) and the low-precision weight copy (2 B).
+OPTIMIZER_BYTES_PER_PARAM = 30.0
+
+
+def peak_flops(device: DeviceSpec, dtype: str) -> float:
+    """Dense peak FLOP/s × achievable GEMM efficiency for `dtype` (fp32 falls back to tf32)."""
+    if dtype not in device.peak_flops:
+        have = ", ".join(device.peak_flops)
+        raise ValueError(f"{device.model} has no {dtype} compute (profile lists {have}); pick "
+                         f"one of those dtypes")
+    return device.peak_flops[dtype] * device.gemm_efficiency[dtype]
+
+
+def memory_time_s(device: DeviceSpec, num_bytes: float) -> float:
+    return num_bytes / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+
+
+def gemm_time_s(device: DeviceSpec, dtype: str, flops: float, num_bytes: float) -> float:
+    if flops <= 0:
+        return memory_time_s(device, num_bytes)
+    rate = peak_flops(device, dtype) * flops / (flops + GEMM_HALF_EFFICIENCY_FLOPS)
+    return max(flops / rate, memory_time_s(device, num_bytes))
+
+
+def fused_attention_fraction(device: DeviceSpec, kernel: str) -> float:
+    """Fraction of dense peak a fused attention kernel reaches on this device."""
+    if kernel not in ATTENTION_KERNELS or kernel == "math":
+        raise ValueError(f"attention kernel {kernel!r} is not a fused kernel; fused kernels: "
+                         f"{', '.join(k for k in ATTENTION_KERNELS if k != 'math')}")
+    known = FUSED_ATTENTION_PEAK_FRACTION.get((kernel, device.arch))
+    if known is not None:
+        return known
+    ampere = FUSED_ATTENTION_PEAK_FRACTION[("flash", "ampere")]
+    return ampere * device.gemm_efficiency.get("bf16", 0.8) / 0.869  # A100 bf16 MAMF fraction
+
+
+def attention_time_s(device: DeviceSpec, dtype: str, *, flops: float, io_bytes: float,
+                     score_bytes: float, causal: bool, kernel: str, backward: bool) -> float:
+    """One attention op. `flops` count the full (non-causal) score matrix, as the IR does;
+    `score_bytes` is the size of the b·a·s_q·s_kv matrix in the compute dtype."""
+    if kernel != "math":
+        work = flops * (0.5 if causal else 1.0)
+        rate = device.peak_flops[dtype if dtype in device.peak_flops else "bf16"] \
+            * fused_attention_fraction(device, kernel)
+        return max(work / rate, memory_time_s(device, io_bytes))
+    passes = MATH_ATTENTION_SCORE_PASSES_BWD if backward else MATH_ATTENTION_SCORE_PASSES_FWD
+    return gemm_time_s(device, dtype, flops, io_bytes) + memory_time_s(device, passes * score_bytes)
+
+
+def optimizer_time_s(device: DeviceSpec, num_params: float) -> float:
+    return memory_time_s(device, num_params * OPTIMIZER_BYTES_PER_PARAM)

@@ -1,0 +1,53 @@
+"""Memory per rank: model states by ZeRO stage, and the fixed costs of a training process.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, §3.1): mixed-precision Adam keeps
+the weights and gradients in the training dtype (2 B each in bf16/fp16) plus an fp32 master copy
+and two fp32 moments (K = 12 B); fp32 training keeps 4 B weights, 4 B gradients and 8 B of
+moments. ZeRO-1 shards the optimizer states over the data-parallel ranks, ZeRO-2 also the
+gradients, ZeRO-3 also the weights. fp8 training keeps bf16 weights (Transformer Engine keeps
+the high-precision copy and casts per GEMM). Activations are counted by the estimate from the
+traced graph; the constants below are what every process pays besides.
+No torch import.
+"""
+
+from __future__ import annotations
+
+__all__ = ["DTYPE_BYTES", "state_bytes_per_param", "CUDA_CONTEXT_BYTES", "COMM_BUFFER_BYTES",
+           "ALLOCATOR_RESERVE_FRACTION"]
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+# CUDA context, cuBLAS/cuDNN workspaces and kernels loaded by one training process. Assumption:
+# ~1 GB is what torch.cuda.mem_get_info shows taken before the first allocation on A100/H100
+# processes with NCCL initialised; measure on your system and override through a profile later.
+CUDA_CONTEXT_BYTES = 1.0e9
+
+# Communication buffers: PyTorch DDP's two 25 MiB gradient buckets (bucket_cap_mb default) and
+# NCCL's per-communicator buffers (4 MiB Simple buffer per channel and peer, NCCL
+# DEFAULT_BUFFSIZE; ~64 MiB for a communicator on 16 channels), for ~4 communicators.
+COMM_BUFFER_BYTES = 2 * 25 * 2**20 + 4 * 64 * 2**20
+
+# The caching allocator keeps freed blocks and splits large ones, so reserved memory exceeds
+# the live tensors. Assumption: 5% of live bytes, the low end of the reserved/allocated ratio
+# seen in large-model training logs; a measured value will replace it (issue calibration).
+ALLOCATOR_RESERVE_FRACTION = 0.05
+
+
+def state_bytes_per_param(dtype: str, zero_stage: int, shards: int) -> float:
+    """Bytes of weights, gradients and Adam states per parameter on one rank."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPE_BYTES)}")
+    if dtype == "fp32":
+        weights, grads, optim = 4.0, 4.0, 8.0
+    else:
+        weights = grads = 2.0
+        optim = 12.0
+    if zero_stage == 0:
+        return weights + grads + optim
+    if zero_stage == 1:
+        return weights + grads + optim / shards
+    if zero_stage == 2:
+        return weights + (grads + optim) / shards
+    if zero_stage == 3:
+        return (weights + grads + optim) / shards
+    raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")

@@ -1,0 +1,140 @@
+"""`autopar.estimate` term by term against closed forms, and the properties issue 4 names.
+
+Closed forms: Megatron's tensor-parallel communication (two all-reduces of the hidden state per
+transformer layer forward and two backward, one each for the vocab-parallel embedding and head),
+the data-parallel gradient all-reduce of every local parameter, the ZeRO paper's state bytes
+(16 per parameter, sharded by stage), MFU as 3 x forward FLOPs over peak, and the pipeline
+makespan of uniform stages.
+"""
+
+import functools
+
+import pytest
+import torch
+
+import autopar
+from autopar import ParallelConfig
+from autopar.estimate import EstimateOptions, estimate
+from autopar.models.gpt import GPT, GPTConfig
+
+DIM, LAYERS, HEADS, VOCAB, SEQ = 512, 4, 8, 4096, 512
+
+
+@functools.lru_cache(maxsize=None)
+def graph(mbs: int):
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, dim=DIM, n_layers=LAYERS,
+                              n_heads=HEADS))
+    return autopar.trace(model, global_batch_size=mbs, seq_len=SEQ, dtype="bf16")
+
+
+def run(nodes=1, gbs=16, profile="dgx-h100", options=EstimateOptions(), gpus=8, **cfg):
+    cluster = autopar.Cluster.from_profile(profile, num_nodes=nodes, gpus_per_node=gpus)
+    config = ParallelConfig(**cfg)
+    return cluster, estimate(graph(config.micro_batch_size), cluster, config,
+                             global_batch_size=gbs, options=options)
+
+
+def test_tp_communication_is_megatrons_four_all_reduces_per_layer():
+    cluster, est = run(dp=1, tp=8, micro_batch_size=2)
+    act = 2 * SEQ * DIM * 2  # micro-batch x seq x hidden, bf16
+    points = 2 * LAYERS + 2  # two per layer, one for the embedding, one for the head
+    per_mb = 2 * points * cluster.collective_time("all_reduce", act, range(8))
+    assert est.breakdown["tp_comm"] == pytest.approx(est.num_microbatches * per_mb)
+    _, sp = run(dp=1, tp=8, micro_batch_size=2, sequence_parallel=True)
+    per_mb_sp = 2 * points * (cluster.collective_time("all_gather", act, range(8))
+                              + cluster.collective_time("reduce_scatter", act, range(8)))
+    assert sp.breakdown["tp_comm"] == pytest.approx(sp.num_microbatches * per_mb_sp)
+
+
+def test_dp_gradient_all_reduce_moves_every_parameter_in_fp32():
+    cluster, est = run(dp=8, micro_batch_size=1)
+    params = graph(1).num_params
+    expected = cluster.collective_time("all_reduce", 4 * params, range(8))
+    assert est.breakdown["dp_comm_total"] == pytest.approx(expected)
+    # overlap: only what the last micro-batch's backward cannot hide is exposed
+    _, no_overlap = run(dp=8, micro_batch_size=1, options=EstimateOptions(overlap_dp_comm=False))
+    assert no_overlap.breakdown["dp_comm"] == pytest.approx(expected)
+    assert est.breakdown["dp_comm"] <= no_overlap.breakdown["dp_comm"]
+
+
+@pytest.mark.parametrize("zero,bytes_per_param", [(0, 16.0), (1, 4 + 12 / 8), (2, 2 + 14 / 8),
+                                                  (3, 16 / 8)])
+def test_model_states_follow_the_zero_paper(zero, bytes_per_param):
+    _, est = run(dp=8, zero_stage=zero)
+    states = est.memory_by_stage[0]["states"]
+    assert states == pytest.approx(bytes_per_param * graph(1).num_params)
+
+
+def test_mfu_is_three_forward_passes_over_dense_peak():
+    cluster, est = run(dp=8, micro_batch_size=2)
+    flops = 3 * graph(2).flops_fwd * (16 / 2)
+    peak = cluster.hardware.device.peak_flops["bf16"]
+    assert est.mfu == pytest.approx(flops / (est.step_time_s * 8 * peak))
+    assert est.model_tflops_per_gpu == pytest.approx(flops / (est.step_time_s * 8) / 1e12)
+    assert est.tokens_per_s == pytest.approx(16 * SEQ / est.step_time_s)
+
+
+def test_breakdown_sums_to_step_time_and_stages_cover_the_model():
+    _, est = run(dp=2, tp=2, pp=2, micro_batch_size=1, pp_schedule="1f1b")
+    parts = {k: v for k, v in est.breakdown.items() if k not in ("dp_comm_total",
+                                                                 "pp_p2p_per_transfer")}
+    assert sum(parts.values()) == pytest.approx(est.step_time_s)
+    layers = [f for stage in est.stage_layers for f in stage]
+    assert layers[1:-1] == [f"layers.{i}" for i in range(LAYERS)]
+    assert len(est.stage_layers) == 2
+
+
+def test_zero3_uses_less_memory_than_zero1_than_zero0():
+    mem = {z: run(dp=8, zero_stage=z)[1].memory_by_stage[0]["states"] for z in (0, 1, 3)}
+    assert mem[3] < mem[1] < mem[0]
+
+
+def test_full_recompute_uses_least_activation_memory_and_most_time():
+    ests = {rc: run(dp=8, micro_batch_size=2, recompute=rc, gbs=16,
+                    options=EstimateOptions(attention_kernel="math"))[1]
+            for rc in ("none", "selective", "full")}
+    acts = {rc: e.memory_by_stage[0]["activations"] for rc, e in ests.items()}
+    times = {rc: e.step_time_s for rc, e in ests.items()}
+    assert acts["full"] < acts["selective"] < acts["none"]
+    assert times["full"] > times["selective"] > times["none"]
+
+
+def test_more_dp_ranks_at_fixed_global_batch_never_raise_compute_per_rank():
+    previous = None
+    for dp in (1, 2, 4, 8):
+        _, est = run(dp=dp, gbs=16, gpus=dp)
+        compute = est.breakdown["compute"]
+        if previous is not None:
+            assert compute <= previous * (1 + 1e-12)
+        previous = compute
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_bubble_shrinks_like_p_minus_1_over_m(schedule):
+    # uniform-ish stages: the bubble share of the step falls as (p-1)/(m+p-1) with more
+    # micro-batches; bubble and step come from the simulated schedule
+    shares = []
+    for gbs in (4, 16, 64):
+        _, est = run(dp=2, pp=4, gbs=gbs, pp_schedule=schedule)
+        shares.append(est.breakdown["bubble"] / est.step_time_s)
+        m, p = est.num_microbatches, 4
+        assert shares[-1] >= 0.5 * (p - 1) / (m + p - 1)
+    assert shares[0] > shares[1] > shares[2]
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (dict(dp=4), r"dp\*tp\*pp\*cp = 4\*1\*1\*1 = 4, but the cluster has 8 GPUs; dp=8"),
+    (dict(dp=2, tp=4, micro_batch_size=3), "not a multiple of dp\\*micro_batch_size"),
+    (dict(dp=1, tp=8, ep=2), "ep=2 must divide dp\\*cp = 1"),
+    (dict(dp=8, ep=2), "needs a model with experts"),
+    (dict(dp=1, pp=8), "8 pipeline stages for 4 layers|pp\\*virtual_stages = 8 stages"),
+])
+def test_bad_configs_say_what_is_wrong_and_what_would_work(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        run(**cfg)
+
+
+def test_tp_must_divide_heads():
+    with pytest.raises(ValueError, match=r"tp=16 must divide the 8 attention heads; allowed tp"):
+        run(nodes=2, dp=1, tp=16)
