@@ -218,11 +218,3 @@ def test_unknown_metric_is_rejected(tmp_path):
         pr.load_runs(bad)
 
 
-def test_main_without_estimate_lists_published_times(capsys, monkeypatch):
-    import autopar
-    if hasattr(autopar, "estimate"):
-        monkeypatch.delattr(autopar, "estimate")
-    assert pr.main(["--group", "mpt-a100"]) == 2
-    out = capsys.readouterr().out
-    assert "mpt-a100-7b-s65536-n8" in out and "129.390" in out
-    assert math.isfinite(BY_ID["mpt-a100-7b-s65536-n8"].published_step_time_s)
