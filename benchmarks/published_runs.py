@@ -209,9 +209,11 @@ SOFTWARE: dict[str, tuple[dict[str, Any], str]] = {
                 "attention is 2022); gradients all-reduced after backward (overlap came in 2023)"),
     "sc21-t2-ptdp": ({"attention_kernel": "math", "overlap_dp_comm": False},
                      "same Megatron-LM 2021 software as Table 1"),
-    "sc21-t2-zero3": ({"attention_kernel": "math", "overlap_dp_comm": True},
+    "sc21-t2-zero3": ({"attention_kernel": "math", "overlap_dp_comm": True,
+                       "zero3_max_live_params": 10**9},
                       "DeepSpeed ZeRO-3 (2021): materialized attention scores; parameter "
-                      "prefetch overlaps gathers with compute"),
+                      "prefetch overlaps gathers with compute; live gathered parameters capped "
+                      "by stage3_max_live_parameters (default 1e9)"),
     "mlm-h100": ({"attention_kernel": "cudnn", "overlap_dp_comm": True, "overlap_tp_comm": True},
                  "Megatron-LM r0.8 with Transformer Engine: cuDNN fused attention; --overlap-"
                  "grad-reduce, --overlap-param-gather, --tp-comm-overlap (CSV notes)"),

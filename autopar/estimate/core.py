@@ -51,6 +51,10 @@ class EstimateOptions:
     overlap_dp_comm: bool = True
     overlap_tp_comm: bool = False  # Megatron --tp-comm-overlap / TE userbuffers
     grad_reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # ZeRO-3 gathered-parameter buffers: None = FSDP2 per-block units (the running block and
+    # the prefetched next one); a number caps them at that many parameters (DeepSpeed's
+    # stage3_max_live_parameters, default 1e9)
+    zero3_max_live_params: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,7 +155,7 @@ def estimate_graph(graph: Graph, cluster: Cluster, config: ParallelConfig, *,
     peak_dense = cluster.hardware.device.peak_flops.get(dtype, 0.0)
     model_flops = 3.0 * graph.flops_fwd * (global_batch_size / config.micro_batch_size)
     tokens = global_batch_size * (graph.seq_len or 1)
-    memory = stage_memory(chunks, config, dtype, timeline, flash)
+    memory = stage_memory(chunks, config, dtype, timeline, flash, options.zero3_max_live_params)
     peak = max(sum(v for k, v in mem.items() if not k.startswith("_")) for mem in memory)
     usable = cluster.hardware.device.memory_bytes
     return Estimate(

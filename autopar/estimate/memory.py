@@ -60,7 +60,8 @@ def _peak_inflight_bytes(timeline: PipelineTimeline, rank: int, per_stage: dict[
 
 
 def stage_memory(chunks: list[Chunk], cfg: ParallelConfig, dtype: str,
-                 timeline: PipelineTimeline, flash: bool) -> list[dict[str, float]]:
+                 timeline: PipelineTimeline, flash: bool,
+                 zero3_max_live_params: int | None = None) -> list[dict[str, float]]:
     per_stage = {}
     working = {}
     for s, chunk in enumerate(chunks):
@@ -77,8 +78,13 @@ def stage_memory(chunks: list[Chunk], cfg: ParallelConfig, dtype: str,
             expert * state_bytes_per_param(dtype, cfg.zero_stage, max(1, shards // cfg.ep))
         activations = _peak_inflight_bytes(timeline, rank, per_stage) + max(
             working[s] for s in range(len(chunks)) if s % cfg.pp == rank)
-        gathered = (2 * max(u.param_bytes for u, _ in mine) / cfg.tp
-                    if cfg.zero_stage == 3 else 0.0)
+        gathered = 0.0
+        if cfg.zero_stage == 3:  # the running unit and the prefetched next one, unsharded
+            gathered = 2 * max(u.param_bytes for u, _ in mine) / cfg.tp
+            if zero3_max_live_params is not None:
+                per_param = max(u.param_bytes / max(1, u.dense_params + u.expert_params)
+                                for u, _ in mine)
+                gathered = min(gathered, zero3_max_live_params * per_param)
         mem = {"states": states, "activations": activations, "zero3_buffers": gathered,
                "comm_buffers": float(COMM_BUFFER_BYTES), "cuda_context": CUDA_CONTEXT_BYTES}
         mem["allocator_reserve"] = ALLOCATOR_RESERVE_FRACTION * (states + activations + gathered)

@@ -138,3 +138,11 @@ def test_bad_configs_say_what_is_wrong_and_what_would_work(cfg, match):
 def test_tp_must_divide_heads():
     with pytest.raises(ValueError, match=r"tp=16 must divide the 8 attention heads; allowed tp"):
         run(nodes=2, dp=1, tp=16)
+
+
+def test_zero3_gather_buffers_are_two_blocks_or_the_live_parameter_cap():
+    _, fsdp = run(dp=8, zero_stage=3)
+    block = 12 * DIM * DIM + 13 * DIM  # one GPT block's parameters
+    assert fsdp.memory_by_stage[0]["zero3_buffers"] >= 2 * block * 2
+    _, capped = run(dp=8, zero_stage=3, options=EstimateOptions(zero3_max_live_params=1000))
+    assert capped.memory_by_stage[0]["zero3_buffers"] == pytest.approx(1000 * 2)
