@@ -4,10 +4,15 @@ Public names are fixed by DESIGN.md §3; see README.md for a quickstart.
 """
 
 from autopar import models
+from autopar.api import compile
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
-from autopar.trace import trace
+from autopar.errors import NoPlanFitsError
 from autopar.estimate import Estimate, EstimateOptions, estimate
+from autopar.plan import Plan, load_plan
+from autopar.search.outer import SearchSettings
+from autopar.trace import trace
 
-__all__ = ["Cluster", "Estimate", "EstimateOptions", "ParallelConfig", "estimate", "models", "trace"]
+__all__ = ["Cluster", "Estimate", "EstimateOptions", "NoPlanFitsError", "ParallelConfig", "Plan",
+           "SearchSettings", "compile", "estimate", "load_plan", "models", "trace"]
 __version__ = "0.1.0"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TraceError"]
+__all__ = ["NoPlanFitsError", "TraceError"]
 
 
 class TraceError(ValueError):
@@ -22,3 +22,27 @@ class TraceError(ValueError):
         self.module_path = module_path
         self.op = op
         self.hint = hint
+
+
+class NoPlanFitsError(ValueError):
+    """No configuration fits in device memory; the message gives the smallest footprint found,
+    the configuration that reaches it, the device's memory, and what to try."""
+
+
+class StageMemoryError(ValueError):
+    """No cut of the layers into pipeline stages fits the per-rank memory budget.
+
+    The message gives the budget, the smallest peak any cut reaches and the stage (with its
+    layer range, states and activations) that binds; the numbers are kept as attributes.
+    """
+
+    def __init__(self, message: str, *, budget_bytes: float, min_peak_bytes: float,
+                 stage: int | None = None, layers: tuple[int, int] | None = None):
+        super().__init__(message)
+        self.budget_bytes = budget_bytes
+        self.min_peak_bytes = min_peak_bytes
+        self.stage = stage
+        self.layers = layers
+
+
+__all__ += ["StageMemoryError"]

@@ -14,8 +14,13 @@ Overlap assumptions (named, tested): data-parallel gradient reduction overlaps t
 the last micro-batch; ZeRO-1/2 parameter all-gathers overlap the next step's first forward;
 ZeRO-3 gathers and reduce-scatters overlap each micro-batch's forward and backward except the
 first layer's gather; EP communication is not overlapped; CP ring traffic overlaps
-attention compute; TP communication is exposed unless the software overlaps it. With `overlap_tp_comm` (Megatron's TP overlap) TP communication hides
-behind the unit's GEMMs and only the excess is exposed.
+attention compute; TP communication is exposed unless the software overlaps it. With
+`overlap_tp_comm` (Megatron's TP overlap) TP communication hides behind the unit's GEMMs and
+only the excess is exposed.
+
+Two fidelities share this code: `exact=True` simulates the schedule event by event (what
+`estimate` returns); `exact=False` uses the closed-form pipeline bound and in-flight counts
+(what the search ranks thousands of configs with, before it simulates the best ones).
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ import torch.nn as nn
 
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig, check_config
-from autopar.estimate.memory import stage_memory
-from autopar.estimate.stages import assign_stages
-from autopar.estimate.timing import UnitTimes, rank_groups, unit_times
+from autopar.estimate.memory import (analytic_inflight_bytes, peak_inflight_bytes,
+                                     stage_activation_bytes, stage_memory)
+from autopar.estimate.stages import Chunk, assign_stages
+from autopar.estimate.timing import RankGroups, UnitTimes, rank_groups, unit_times
 from autopar.estimate.units import Unit, units_from_graph
 from autopar.ir import Graph, OpKind
 from costmodels.compute import optimizer_time_s
@@ -40,7 +46,8 @@ from costmodels.pipeline import PipelineTimeline, simulate_pipeline
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Estimate", "EstimateOptions", "estimate", "estimate_graph"]
+__all__ = ["Estimate", "EstimateOptions", "EvalCache", "ModelCosts", "estimate",
+           "estimate_graph", "evaluate"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,11 +77,102 @@ class Estimate:
     memory_by_stage: tuple[dict[str, float], ...]  # bytes per category, per pipeline rank
     stage_layers: tuple[tuple[str, ...], ...]  # module paths per (virtual) stage
     num_microbatches: int
-    timeline: PipelineTimeline = field(repr=False)
+    timeline: PipelineTimeline | None = field(default=None, repr=False)  # None: closed form
 
     @property
     def fits(self) -> bool:
         return self.peak_memory_bytes <= self.usable_memory_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelCosts:
+    """What the estimate needs from one trace; units are for `traced_batch` sequences."""
+
+    units: tuple[Unit, ...]
+    traced_batch: int
+    seq_len: int | None
+    flops_fwd: float
+    num_layers: int
+    num_heads: int | None
+    num_kv_heads: int | None
+    num_experts: int | None
+
+    @classmethod
+    def from_graph(cls, graph: Graph) -> "ModelCosts":
+        units = units_from_graph(graph)
+        heads, kv_heads = _attention_heads(graph)
+        return cls(units=units, traced_batch=graph.batch_size, seq_len=graph.seq_len,
+                   flops_fwd=float(graph.flops_fwd), num_layers=sum(u.count for u in units),
+                   num_heads=heads, num_kv_heads=kv_heads, num_experts=_num_experts(graph))
+
+    def units_for(self, micro_batch_size: int) -> tuple[Unit, ...]:
+        factor = micro_batch_size / self.traced_batch
+        return tuple(u.scaled(factor) for u in self.units)
+
+
+class EvalCache:
+    """Memo tables for one (model, cluster) search, owned by the caller: per-unit times, scaled
+    units and collective times. Duck-types the parts of `Cluster` the timing code uses."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.hardware = cluster.hardware
+        self.world_size = cluster.world_size
+        self.units: dict[int, tuple[Unit, ...]] = {}
+        self.times: dict[tuple, dict[str, UnitTimes]] = {}
+        self.layouts: dict[tuple, _Layout] = {}
+        self._comm: dict[tuple, float] = {}
+
+    def collective_time(self, kind: str, nbytes: float, ranks) -> float:
+        key = (kind, nbytes, tuple(ranks))
+        if key not in self._comm:
+            self._comm[key] = self.cluster.collective_time(kind, nbytes, key[2])
+        return self._comm[key]
+
+
+_TIME_ATTRS = ("compute_fwd", "compute_bwd", "recompute", "tp_fwd", "tp_bwd", "cp_fwd",
+               "cp_bwd", "ep_fwd", "ep_bwd")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Layout:
+    """Layers on stages with everything per chunk that ZeRO stage and schedule don't change."""
+
+    chunks: list[Chunk]
+    fwd: list[float]
+    bwd: list[float]
+    wgrad: list[float]
+    kept: list[float]  # activation bytes per micro-batch
+    working: list[float]
+    rank_chunks: list[list[int]]  # chunk indices per pipeline rank
+    dense: list[float]  # parameters per rank on one GPU
+    expert: list[float]
+    max_param_bytes: list[float]  # largest unit per rank (ZeRO-3 gather unit)
+    bytes_per_param: list[float]
+    attr_sums: list[dict[str, float]]  # per rank, per micro-batch, UnitTimes attributes
+
+
+def _layout(units: tuple[Unit, ...], times: dict[str, UnitTimes], cfg: ParallelConfig,
+            flash: bool) -> _Layout:
+    chunks = assign_stages(units, cfg.pp * cfg.virtual_stages)
+    rank_chunks = [list(range(r, len(chunks), cfg.pp)) for r in range(cfg.pp)]
+    kept, working = stage_activation_bytes(chunks, cfg, flash)
+    dense, expert, maxb, bpp, attrs = [], [], [], [], []
+    for idx in rank_chunks:
+        mine = [(u, len(f)) for c in idx for u, f in chunks[c]]
+        dense.append(sum(u.dense_params * n for u, n in mine) / cfg.tp)
+        expert.append(sum(u.expert_params * n for u, n in mine) / (cfg.tp * cfg.ep))
+        maxb.append(max(u.param_bytes for u, _ in mine) / cfg.tp)
+        bpp.append(max(u.param_bytes / max(1, u.dense_params + u.expert_params) for u, _ in mine))
+        attrs.append({a: sum(getattr(times[u.name], a) * n for u, n in mine) for a in _TIME_ATTRS}
+                     | {"first_dense": max(u.dense_params for u, _ in mine) / cfg.tp})
+    return _Layout(
+        chunks=chunks,
+        fwd=[sum(times[u.name].forward * len(f) for u, f in c) for c in chunks],
+        bwd=[sum(times[u.name].backward * len(f) for u, f in c) for c in chunks],
+        wgrad=[sum(times[u.name].compute_wgrad * len(f) for u, f in c) for c in chunks],
+        kept=kept, working=working, rank_chunks=rank_chunks, dense=dense, expert=expert,
+        max_param_bytes=maxb, bytes_per_param=bpp, attr_sums=attrs)
 
 
 def _num_experts(graph: Graph) -> int | None:
@@ -97,79 +195,111 @@ def _attention_heads(graph: Graph) -> tuple[int | None, int | None]:
     return None, None
 
 
-def _sum_times(parts: list[tuple[Unit, UnitTimes]], attr: str) -> float:
-    return sum(getattr(t, attr) for _, t in parts)
+def _pipeline_bound(cfg: ParallelConfig, m: int, lay: _Layout, p2p: float
+                    ) -> tuple[float, list[float]]:
+    """Closed-form step time of the schedule and busy time per rank (the search's ranking).
+
+    GPipe/1F1B: sum of one micro-batch through every stage plus (m-1) times the slowest
+    stage (Alpa's bound); interleaved: (m + (p-1)/v) times the busiest rank's per-micro-batch
+    work; ZB-H1: m times the busiest rank plus (p-1) x (F + B - W) of the slowest stage. Each
+    adds 2(p-1) p2p hops for the fill and drain.
+    """
+    p, v = cfg.pp, cfg.virtual_stages
+    fwd, bwd, wgrad = lay.fwd, lay.bwd, lay.wgrad
+    per_rank = [sum(fwd[c] + bwd[c] for c in idx) for idx in lay.rank_chunks]
+    busy = [m * t for t in per_rank]
+    fill = 2 * (p - 1) * p2p
+    if p == 1:
+        return busy[0], busy
+    if cfg.pp_schedule == "interleaved-1f1b":
+        return (m + (p - 1) / v) * max(per_rank) + fill, busy
+    if cfg.pp_schedule == "zero-bubble":
+        tail = max(f + b - w for f, b, w in zip(fwd, bwd, wgrad))
+        return m * max(per_rank) + (p - 1) * max(tail, 0.0) + fill, busy
+    stage = [f + b for f, b in zip(fwd, bwd)]
+    return sum(stage) + (m - 1) * max(stage) + fill, busy
 
 
-def estimate_graph(graph: Graph, cluster: Cluster, config: ParallelConfig, *,
-                   global_batch_size: int, dtype: str = "bf16",
-                   options: EstimateOptions = EstimateOptions()) -> Estimate:
-    """Estimate from a graph traced for one micro-batch (`graph.batch_size` sequences)."""
+def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
+             global_batch_size: int, dtype: str = "bf16",
+             options: EstimateOptions = EstimateOptions(), cache: EvalCache | None = None,
+             exact: bool = True) -> Estimate:
+    """Estimate `config` from model costs; `exact` simulates the schedule, else closed form."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is unknown; allowed: {', '.join(DTYPE_BYTES)}")
-    if graph.batch_size != config.micro_batch_size:
-        raise ValueError(f"the graph was traced for batch {graph.batch_size} but the config's "
-                         f"micro_batch_size is {config.micro_batch_size}")
-    units = units_from_graph(graph)
-    heads, kv_heads = _attention_heads(graph)
-    num_layers = sum(u.count for u in units)
     m = check_config(config, world_size=cluster.world_size, global_batch_size=global_batch_size,
-                     num_layers=num_layers, num_heads=heads, num_kv_heads=kv_heads,
-                     num_experts=_num_experts(graph), seq_len=graph.seq_len)
+                     num_layers=costs.num_layers, num_heads=costs.num_heads,
+                     num_kv_heads=costs.num_kv_heads, num_experts=costs.num_experts,
+                     seq_len=costs.seq_len)
+    cache = cache or EvalCache(cluster)
+    mbs = config.micro_batch_size
+    if mbs not in cache.units:
+        cache.units[mbs] = costs.units_for(mbs)
+    units = cache.units[mbs]
     groups = rank_groups(config)
     flash = options.attention_kernel != "math"
-    times = {u.name: unit_times(u, cluster=cluster, dtype=dtype, cfg=config, groups=groups,
-                                attention_kernel=options.attention_kernel,
-                                overlap_tp=options.overlap_tp_comm)
-             for u in units}
-    chunks = assign_stages(units, config.pp * config.virtual_stages)
-    fwd = [sum(times[u.name].forward * len(f) for u, f in c) for c in chunks]
-    bwd = [sum(times[u.name].backward * len(f) for u, f in c) for c in chunks]
-    wgrad = [sum(times[u.name].compute_wgrad * len(f) for u, f in c) for c in chunks]
+    key = (mbs, config.tp, config.cp, config.ep,
+           config.sequence_parallel, config.recompute, options.attention_kernel,
+           options.overlap_tp_comm, dtype)
+    if key not in cache.times:
+        cache.times[key] = {u.name: unit_times(u, cluster=cache, dtype=dtype, cfg=config,
+                                               groups=groups,
+                                               attention_kernel=options.attention_kernel,
+                                               overlap_tp=options.overlap_tp_comm)
+                            for u in units}
+    times = cache.times[key]
+    lkey = key + (config.pp, config.virtual_stages)
+    if lkey not in cache.layouts:
+        cache.layouts[lkey] = _layout(units, times, config, flash)
+    lay = cache.layouts[lkey]
     act = max(u.act_bytes for u in units) / config.cp / config.tp
-    p2p = (cluster.collective_time("send_recv", act, [0, groups.pp_next])
+    p2p = (cache.collective_time("send_recv", act, (0, groups.pp_next))
            if groups.pp_next is not None else 0.0)
-    timeline = simulate_pipeline(
-        schedule=config.pp_schedule, num_stages=config.pp, num_microbatches=m,
-        virtual_stages=config.virtual_stages, forward_s=fwd, backward_s=bwd,
-        weight_grad_s=wgrad if config.pp_schedule == "zero-bubble" else None, p2p_s=p2p)
+    timeline = None
+    if exact:
+        timeline = simulate_pipeline(
+            schedule=config.pp_schedule, num_stages=config.pp, num_microbatches=m,
+            virtual_stages=config.virtual_stages, forward_s=lay.fwd, backward_s=lay.bwd,
+            weight_grad_s=lay.wgrad if config.pp_schedule == "zero-bubble" else None,
+            p2p_s=p2p)
+        pipe_s, busy = timeline.step_time_s, list(timeline.busy_s)
+        inflight = [peak_inflight_bytes(timeline, r, lay.kept) for r in range(config.pp)]
+    else:
+        pipe_s, busy = _pipeline_bound(config, m, lay, p2p)
+        inflight = [analytic_inflight_bytes(config, m, r, lay.kept) for r in range(config.pp)]
 
     # --- data parallel and optimizer, on the pipeline rank with the most parameters --------
-    per_rank = []
-    for rank in range(config.pp):
-        mine = [(u, len(f)) for i, c in enumerate(chunks) if i % config.pp == rank for u, f in c]
-        dense = sum(u.dense_params * n for u, n in mine) / config.tp
-        expert = sum(u.expert_params * n for u, n in mine) / (config.tp * config.ep)
-        per_rank.append((dense, expert, mine))
-    dense, expert, mine = max(per_rank, key=lambda r: r[0] + r[1])
-    dp_exposed, dp_total = _dp_comm(cluster, config, groups, dense, expert, mine, times, m,
-                                    dtype, options)
+    heavy = max(range(config.pp), key=lambda r: lay.dense[r] + lay.expert[r])
+    dense, expert = lay.dense[heavy], lay.expert[heavy]
+    dp_exposed, dp_total = _dp_comm(cache, config, groups, dense, expert, lay.attr_sums[heavy],
+                                    m, dtype, options)
     shards = config.dp * config.cp
     master = (dense + expert) / (shards if config.zero_stage >= 1 else 1)
     optimizer = optimizer_time_s(cluster.hardware.device, master)
 
-    step = timeline.step_time_s + dp_exposed + optimizer
-    breakdown = _breakdown(timeline, chunks, times, config, m)
+    step = pipe_s + dp_exposed + optimizer
+    breakdown = _breakdown(pipe_s, lay.attr_sums[max(range(config.pp), key=lambda r: busy[r])], m)
     breakdown.update(dp_comm=dp_exposed, optimizer=optimizer, dp_comm_total=dp_total,
                      pp_p2p_per_transfer=p2p)
     peak_dense = cluster.hardware.device.peak_flops.get(dtype, 0.0)
-    model_flops = 3.0 * graph.flops_fwd * (global_batch_size / config.micro_batch_size)
-    tokens = global_batch_size * (graph.seq_len or 1)
-    memory = stage_memory(chunks, config, dtype, timeline, flash, options.zero3_max_live_params)
+    model_flops = 3.0 * costs.flops_fwd * (global_batch_size / costs.traced_batch)
+    tokens = global_batch_size * (costs.seq_len or 1)
+    working = [max(lay.working[c] for c in idx) for idx in lay.rank_chunks]
+    memory = stage_memory(config, dtype, lay.dense, lay.expert, lay.max_param_bytes,
+                          lay.bytes_per_param, inflight, working, options.zero3_max_live_params)
     peak = max(sum(v for k, v in mem.items() if not k.startswith("_")) for mem in memory)
-    usable = cluster.hardware.device.memory_bytes
     return Estimate(
         config=config, step_time_s=step, tokens_per_s=tokens / step,
         mfu=model_flops / (step * cluster.world_size * peak_dense) if peak_dense else 0.0,
         model_tflops_per_gpu=model_flops / (step * cluster.world_size) / 1e12,
-        peak_memory_bytes=peak, usable_memory_bytes=usable, breakdown=breakdown,
-        memory_by_stage=tuple(memory),
-        stage_layers=tuple(tuple(fqn for _, fqns in c for fqn in fqns) for c in chunks),
+        peak_memory_bytes=peak, usable_memory_bytes=cluster.hardware.device.memory_bytes,
+        breakdown=breakdown, memory_by_stage=tuple(memory),
+        stage_layers=tuple(tuple(fqn for _, fqns in c for fqn in fqns) for c in lay.chunks),
         num_microbatches=m, timeline=timeline)
 
 
-def _dp_comm(cluster: Cluster, cfg: ParallelConfig, groups, dense: float, expert: float,
-             mine: list[tuple[Unit, int]], times: dict[str, UnitTimes], m: int, dtype: str,
+def _dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: float,
+             expert: float, sums: dict[str, float], m: int, dtype: str,
              options: EstimateOptions) -> tuple[float, float]:
     """(exposed, total) seconds of data-parallel communication per step on one rank."""
     if len(groups.dp) == 1:
@@ -184,12 +314,11 @@ def _dp_comm(cluster: Cluster, cfg: ParallelConfig, groups, dense: float, expert
             t += cluster.collective_time(kind, expert * nbytes_per_param, expert_group)
         return t
 
-    fwd = sum(times[u.name].compute_fwd * n for u, n in mine)
-    bwd = sum((times[u.name].compute_bwd + times[u.name].recompute) * n for u, n in mine)
+    fwd = sums["compute_fwd"]
+    bwd = sums["compute_bwd"] + sums["recompute"]
     if cfg.zero_stage == 3:
         gather, scatter = both("all_gather", param_b), both("reduce_scatter", grad_b)
-        first = max(mine, key=lambda un: un[0].dense_params)[0]
-        share = (first.dense_params / cfg.tp) / max(dense, 1.0)
+        share = sums["first_dense"] / max(dense, 1.0)
         exposed_mb = (max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd)
                       + gather * share)
         return m * exposed_mb, m * (2 * gather + scatter)
@@ -199,28 +328,31 @@ def _dp_comm(cluster: Cluster, cfg: ParallelConfig, groups, dense: float, expert
         reduce, gather = both("reduce_scatter", grad_b), both("all_gather", param_b)
     if not options.overlap_dp_comm:
         return reduce + gather, reduce + gather
-    per_mb_bwd = bwd
-    return (max(0.0, reduce - per_mb_bwd) + max(0.0, gather - fwd), reduce + gather)
+    return max(0.0, reduce - bwd) + max(0.0, gather - fwd), reduce + gather
 
 
-def _breakdown(timeline: PipelineTimeline, chunks, times: dict[str, UnitTimes],
-               cfg: ParallelConfig, m: int) -> dict[str, float]:
-    """Exposed seconds of the busiest pipeline rank; idle time is the bubble."""
-    rank = max(range(cfg.pp), key=lambda r: timeline.busy_s[r])
-    mine = [(u, len(f)) for i, c in enumerate(chunks) if i % cfg.pp == rank for u, f in c]
-
-    def total(attr: str) -> float:
-        return m * sum(getattr(times[u.name], attr) * n for u, n in mine)
-
+def _breakdown(step: float, sums: dict[str, float], m: int) -> dict[str, float]:
+    """Exposed seconds of the busiest pipeline rank; its idle time is the bubble."""
     parts = {
-        "compute": total("compute_fwd") + total("compute_bwd"),
-        "recompute": total("recompute"),
-        "tp_comm": total("tp_fwd") + total("tp_bwd"),
-        "cp_comm": total("cp_fwd") + total("cp_bwd"),
-        "ep_comm": total("ep_fwd") + total("ep_bwd"),
+        "compute": m * (sums["compute_fwd"] + sums["compute_bwd"]),
+        "recompute": m * sums["recompute"],
+        "tp_comm": m * (sums["tp_fwd"] + sums["tp_bwd"]),
+        "cp_comm": m * (sums["cp_fwd"] + sums["cp_bwd"]),
+        "ep_comm": m * (sums["ep_fwd"] + sums["ep_bwd"]),
     }
-    parts["bubble"] = max(0.0, timeline.step_time_s - sum(parts.values()))
+    parts["bubble"] = max(0.0, step - sum(parts.values()))
     return parts
+
+
+def estimate_graph(graph: Graph, cluster: Cluster, config: ParallelConfig, *,
+                   global_batch_size: int, dtype: str = "bf16",
+                   options: EstimateOptions = EstimateOptions()) -> Estimate:
+    """Estimate from a graph traced for one micro-batch (`graph.batch_size` sequences)."""
+    if graph.batch_size != config.micro_batch_size:
+        raise ValueError(f"the graph was traced for batch {graph.batch_size} but the config's "
+                         f"micro_batch_size is {config.micro_batch_size}")
+    return evaluate(ModelCosts.from_graph(graph), cluster, config,
+                    global_batch_size=global_batch_size, dtype=dtype, options=options)
 
 
 def estimate(model: nn.Module | Graph, cluster: Cluster, config: ParallelConfig, *,

@@ -17,7 +17,8 @@ from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
                                CUDA_CONTEXT_BYTES, state_bytes_per_param)
 from costmodels.pipeline import PipelineTimeline
 
-__all__ = ["stage_memory", "activation_bytes"]
+__all__ = ["stage_memory", "activation_bytes", "stage_activation_bytes", "peak_inflight_bytes",
+           "analytic_inflight_bytes"]
 
 
 def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool) -> tuple[float, float]:
@@ -39,8 +40,34 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool) -> tuple[floa
     return full, 0.0
 
 
-def _peak_inflight_bytes(timeline: PipelineTimeline, rank: int, per_stage: dict[int, float]
-                         ) -> float:
+def stage_activation_bytes(chunks: list[Chunk], cfg: ParallelConfig, flash: bool
+                           ) -> tuple[list[float], list[float]]:
+    """Per chunk: activations kept per micro-batch, and the largest one-layer working set."""
+    kept, working = [], []
+    for chunk in chunks:
+        parts = [(activation_bytes(u, cfg, flash), len(f)) for u, f in chunk]
+        kept.append(sum(k * n for (k, _), n in parts))
+        working.append(max((w for (_, w), _ in parts), default=0.0))
+    return kept, working
+
+
+def analytic_inflight_bytes(cfg: ParallelConfig, num_microbatches: int, rank: int,
+                            kept: list[float]) -> float:
+    """Closed-form peak of what `rank` holds: GPipe all m; 1F1B and ZB-H1 min(p - rank, m)
+    micro-batches; interleaved Megatron's warm-up of min(2(p-1-rank) + (v-1)p, mv) chunk
+    micro-batches plus one (all mv when m == p), at the rank's average chunk size."""
+    p, v, m = cfg.pp, cfg.virtual_stages, num_microbatches
+    mine = kept[rank::p]
+    if cfg.pp_schedule == "gpipe":
+        return m * sum(mine)
+    if cfg.pp_schedule == "interleaved-1f1b" and v > 1:
+        held = m * v if m == p else min(2 * (p - 1 - rank) + (v - 1) * p + 1, m * v)
+        return held * sum(mine) / len(mine)
+    return min(p - rank, m) * sum(mine)
+
+
+def peak_inflight_bytes(timeline: PipelineTimeline, rank: int, per_stage: list[float]
+                        ) -> float:
     last_use: dict[tuple[int, int], float] = {}
     for op in timeline.ops[rank]:
         if op.kind.value != "F":
@@ -59,35 +86,28 @@ def _peak_inflight_bytes(timeline: PipelineTimeline, rank: int, per_stage: dict[
     return peak
 
 
-def stage_memory(chunks: list[Chunk], cfg: ParallelConfig, dtype: str,
-                 timeline: PipelineTimeline, flash: bool,
+def stage_memory(cfg: ParallelConfig, dtype: str, dense: list[float], expert: list[float],
+                 max_param_bytes: list[float], bytes_per_param: list[float],
+                 inflight: list[float], working: list[float],
                  zero3_max_live_params: int | None = None) -> list[dict[str, float]]:
-    per_stage = {}
-    working = {}
-    for s, chunk in enumerate(chunks):
-        kept = [(activation_bytes(u, cfg, flash), len(f)) for u, f in chunk]
-        per_stage[s] = sum(k * n for (k, _), n in kept)
-        working[s] = max((w for (_, w), _ in kept), default=0.0)
+    """Bytes per category for each pipeline rank, from its parameters on one GPU (dense,
+    expert), its largest unit's parameter bytes, the peak activation bytes it holds across
+    micro-batches (`inflight`) and one layer's working set (`working`)."""
     shards = cfg.dp * cfg.cp
+    dense_b = state_bytes_per_param(dtype, cfg.zero_stage, shards)
+    expert_b = state_bytes_per_param(dtype, cfg.zero_stage, max(1, shards // cfg.ep))
     out = []
     for rank in range(cfg.pp):
-        mine = [(u, len(f)) for s, c in enumerate(chunks) if s % cfg.pp == rank for u, f in c]
-        dense = sum(u.dense_params * n for u, n in mine) / cfg.tp
-        expert = sum(u.expert_params * n for u, n in mine) / (cfg.tp * cfg.ep)
-        states = dense * state_bytes_per_param(dtype, cfg.zero_stage, shards) + \
-            expert * state_bytes_per_param(dtype, cfg.zero_stage, max(1, shards // cfg.ep))
-        activations = _peak_inflight_bytes(timeline, rank, per_stage) + max(
-            working[s] for s in range(len(chunks)) if s % cfg.pp == rank)
+        states = dense[rank] * dense_b + expert[rank] * expert_b
+        activations = inflight[rank] + working[rank]
         gathered = 0.0
         if cfg.zero_stage == 3:  # the running unit and the prefetched next one, unsharded
-            gathered = 2 * max(u.param_bytes for u, _ in mine) / cfg.tp
+            gathered = 2 * max_param_bytes[rank]
             if zero3_max_live_params is not None:
-                per_param = max(u.param_bytes / max(1, u.dense_params + u.expert_params)
-                                for u, _ in mine)
-                gathered = min(gathered, zero3_max_live_params * per_param)
+                gathered = min(gathered, zero3_max_live_params * bytes_per_param[rank])
         mem = {"states": states, "activations": activations, "zero3_buffers": gathered,
                "comm_buffers": float(COMM_BUFFER_BYTES), "cuda_context": CUDA_CONTEXT_BYTES}
         mem["allocator_reserve"] = ALLOCATOR_RESERVE_FRACTION * (states + activations + gathered)
-        mem["_params"] = dense + expert
+        mem["_params"] = dense[rank] + expert[rank]
         out.append(mem)
     return out

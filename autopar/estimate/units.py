@@ -18,11 +18,11 @@ Pure functions of the IR; no torch import.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.ir import Graph, Node, OpKind
 
-__all__ = ["OpCost", "Unit", "units_from_graph"]
+__all__ = ["OpCost", "Unit", "units_from_graph", "vocab_sizes"]
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV)
 _FREE_KINDS = (OpKind.VIEW,)
@@ -61,6 +61,23 @@ class Unit:
     @property
     def count(self) -> int:
         return len(self.layer_fqns)
+
+    def scaled(self, factor: float) -> "Unit":
+        """The unit for `factor` times the traced batch: work and activations scale, params
+        do not. GEMM bytes also scale (their weight reads should not); GEMMs of training
+        shapes are compute-bound, so the roofline is unaffected."""
+        if factor == 1:
+            return self
+        ops = tuple(replace(op, flops_fwd=op.flops_fwd * factor, flops_bwd=op.flops_bwd * factor,
+                            bytes_fwd=op.bytes_fwd * factor, score_bytes=op.score_bytes * factor)
+                    for op in self.ops)
+        return replace(self, ops=ops, saved_bytes=self.saved_bytes * factor,
+                       saved_bytes_recompute=self.saved_bytes_recompute * factor,
+                       saved_bytes_memory_ops=self.saved_bytes_memory_ops * factor,
+                       act_bytes=self.act_bytes * factor,
+                       moe_dispatch_bytes=self.moe_dispatch_bytes * factor,
+                       attention_kv_bytes=self.attention_kv_bytes * factor,
+                       attention_score_bytes=self.attention_score_bytes * factor)
 
 
 def _segments(graph: Graph) -> list[tuple[str, list[Node], tuple[str, ...]]]:
@@ -156,10 +173,16 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         param_bytes=sum(seen_params.values()))
 
 
+def vocab_sizes(graph: Graph) -> set[int]:
+    """Rows of the embedding tables indexed by the model's token input (not positions)."""
+    return {p.shape[0] for n in graph.nodes if n.kind is OpKind.EMBEDDING
+            and any(src.startswith("input:") for src in n.input_sources)
+            for p in n.params if p.shape}
+
+
 def units_from_graph(graph: Graph) -> tuple[Unit, ...]:
     """The graph's units in execution order (blocks stand for all their copies)."""
-    embeddings = [n for n in graph.nodes if n.kind is OpKind.EMBEDDING]
-    vocab_dims = {p.shape[0] for n in embeddings for p in n.params if p.shape}
+    vocab_dims = vocab_sizes(graph)
     counted: set[str] = set()
     return tuple(_make_unit(name, nodes, fqns, vocab_dims, counted)
                  for name, nodes, fqns in _segments(graph))

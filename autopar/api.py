@@ -1,0 +1,64 @@
+"""`autopar.compile`: trace once, search the 5-D space, return the best `Plan`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from autopar.cluster import Cluster
+from autopar.estimate.core import EstimateOptions, ModelCosts
+from autopar.plan import Plan, megatron_tp_placements, param_placements
+from autopar.plan.placements import MESH_AXES
+from autopar.search.outer import SearchSettings, search
+
+__all__ = ["compile"]
+
+
+def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
+            seq_len: int | None = None, example_inputs: Any = None, dtype: str = "bf16",
+            constraints: dict[str, Any] | None = None,
+            options: EstimateOptions = EstimateOptions(),
+            settings: SearchSettings = SearchSettings()) -> Plan:
+    """The fastest plan that fits for `model` on `cluster` at this training shape.
+
+    Token models take `global_batch_size` (sequences) and `seq_len`; other models take
+    `example_inputs` for one micro-batch. `constraints` pins any ParallelConfig field, e.g.
+    {"tp": 2, "pp": 2}. Raises NoPlanFitsError when nothing fits, saying by how much.
+    """
+    from autopar.trace import trace
+
+    if not isinstance(cluster, Cluster):
+        raise ValueError(f"cluster must be an autopar.Cluster, got {type(cluster).__name__}")
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) \
+            or global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be an integer >= 1, got {global_batch_size!r}")
+    if example_inputs is None:
+        if seq_len is None:
+            raise ValueError("token models need seq_len (and global_batch_size); other models "
+                             "need example_inputs for one micro-batch")
+        graph = trace(model, global_batch_size=1, seq_len=seq_len, dtype=dtype)
+    else:
+        graph = trace(model, example_inputs=example_inputs, dtype=dtype)
+    costs = ModelCosts.from_graph(graph)
+    result = search(costs, cluster, global_batch_size=global_batch_size, dtype=dtype,
+                    constraints=constraints, options=options, settings=settings)
+    best = result.best
+    cfg = best.config
+    sizes = {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp}
+    return Plan(
+        config=cfg, estimate=best, stages=[list(s) for s in best.stage_layers],
+        placements=param_placements(graph, cfg, megatron_tp_placements(graph)),
+        mesh={"axes": list(MESH_AXES), "sizes": [sizes[a] for a in MESH_AXES],
+              "ep_within": "dp*cp", "ep": cfg.ep},
+        model={"class": graph.model_class, "fingerprint": graph.fingerprint(),
+               "num_params": graph.num_params, "num_layers": costs.num_layers},
+        cluster={"profile": cluster.name, "num_nodes": cluster.num_nodes,
+                 "world_size": cluster.world_size, "fingerprint": cluster.fingerprint()},
+        training={"global_batch_size": global_batch_size, "seq_len": graph.seq_len,
+                  "dtype": dtype, "options": {k: getattr(options, k)
+                                              for k in options.__dataclass_fields__}},
+        candidates=result.candidates,
+        search={"num_considered": result.num_considered,
+                "num_pruned_by_memory": result.num_pruned_by_memory,
+                "seconds": result.seconds})

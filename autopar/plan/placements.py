@@ -1,0 +1,77 @@
+"""Per-parameter placements keyed by mesh axis, for every parameter of the model.
+
+Tensor-parallel placements come from a map {representative param FQN: placement}, either
+the intra-op ILP's solution or `megatron_tp_placements` (the layout the estimate assumes):
+in each sub-layer (the nodes after a norm) the last GEMM before the residual add is
+row-parallel (weight [out, in] sharded on dim 1, its bias replicated) and the GEMMs before it
+are column-parallel (weight and bias sharded on dim 0); embeddings and the vocabulary head
+are vocab-parallel (dim 0); norms stay replicated. Block representatives expand to every
+layer of their block. The dp axis shards parameters on dim 0 under ZeRO-3 only; expert
+parameters are sharded over ep on their expert dim.
+"""
+
+from __future__ import annotations
+
+from autopar.config import ParallelConfig
+from autopar.estimate.units import vocab_sizes
+from autopar.ir import Graph, OpKind
+
+__all__ = ["megatron_tp_placements", "param_placements", "MESH_AXES"]
+
+MESH_AXES = ("pp", "dp", "cp", "tp")
+
+
+def megatron_tp_placements(graph: Graph) -> dict[str, str]:
+    vocab = vocab_sizes(graph)
+    out: dict[str, str] = {}
+    sublayer: list = []
+
+    def close(group: list) -> None:
+        gemms = [n for n in group if n.kind in (OpKind.MATMUL, OpKind.CONV) and n.params]
+        for i, node in enumerate(gemms):
+            row = i == len(gemms) - 1 and len(gemms) > 1
+            for p in node.params:
+                if p.shape and p.shape[0] in vocab and len(p.shape) == 2:
+                    out.setdefault(p.fqn, "S(0)")
+                elif len(p.shape) >= 2:
+                    out.setdefault(p.fqn, "S(1)" if row else "S(0)")
+                else:  # bias
+                    out.setdefault(p.fqn, "R" if row else "S(0)")
+
+    for node in graph.nodes:
+        if node.kind is OpKind.NORM:
+            close(sublayer)
+            sublayer = []
+        elif node.kind is OpKind.EMBEDDING:
+            tokens = any(src.startswith("input:") for src in node.input_sources)
+            for p in node.params:
+                out.setdefault(p.fqn, "S(0)" if tokens and p.shape[0] in vocab else "R")
+        sublayer.append(node)
+    close(sublayer)
+    return out
+
+
+def param_placements(graph: Graph, cfg: ParallelConfig, tp_map: dict[str, str]
+                     ) -> dict[str, dict[str, str]]:
+    """{param FQN: {axis: placement}} for every parameter of the model, sorted by FQN."""
+    expand: dict[str, list[str]] = {}
+    for block in graph.blocks:
+        for name in block.node_names:
+            expand[name] = list(block.layer_fqns)
+    result: dict[str, dict[str, str]] = {}
+    for node in graph.nodes:
+        layers = expand.get(node.name)
+        rep = next((b.representative for b in graph.blocks if node.name in b.node_names), None)
+        for p in node.params:
+            names = [p.fqn.replace(rep + ".", layer + ".", 1) for layer in layers] \
+                if layers and rep and p.fqn.startswith(rep + ".") else [p.fqn]
+            expert = ".experts" in p.fqn
+            axes = {"dp": "S(0)" if cfg.zero_stage == 3 else "R",
+                    "tp": tp_map.get(p.fqn, "R") if cfg.tp > 1 else "R"}
+            if cfg.cp > 1:
+                axes["cp"] = "R"
+            if cfg.ep > 1:
+                axes["ep"] = "S(0)" if expert else "R"
+            for name in names:
+                result[name] = dict(axes)
+    return dict(sorted(result.items()))

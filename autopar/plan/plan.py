@@ -1,0 +1,143 @@
+"""`Plan`: everything needed to run and to review a parallelization, as plain data.
+
+A plan holds the chosen `ParallelConfig`, its predicted `Estimate`, the mesh (axis names in
+order pp, dp, cp, tp, sizes), the pipeline stages as lists of module paths (virtual stages in
+order), per-parameter placements keyed by mesh axis ("R", "S(dim)", "P"), the training shape,
+the candidates the search evaluated, and provenance (model and cluster fingerprints, autopar
+version). `to_json` is deterministic (sorted keys, no timings), so the same inputs give a
+byte-identical file; `save` writes atomically and `load_plan` checks the version.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from autopar.config import ParallelConfig
+from autopar.estimate.core import Estimate
+
+__all__ = ["PLAN_VERSION", "Plan", "load_plan"]
+
+PLAN_VERSION = 1
+_SAVED_CANDIDATES = 50  # the best rows of the candidate table kept in the file
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe, deterministic values (floats rounded to 12 significant digits)."""
+    if isinstance(value, float):
+        return float(f"{value:.12g}") if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item"):  # numpy scalars from the candidate table
+        return _clean(value.item())
+    return value
+
+
+def _estimate_dict(est: Estimate) -> dict[str, Any]:
+    return {"step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s, "mfu": est.mfu,
+            "model_tflops_per_gpu": est.model_tflops_per_gpu,
+            "peak_memory_bytes": est.peak_memory_bytes,
+            "usable_memory_bytes": est.usable_memory_bytes, "fits": est.fits,
+            "breakdown": est.breakdown, "memory_by_stage": list(est.memory_by_stage),
+            "num_microbatches": est.num_microbatches}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    config: ParallelConfig
+    estimate: Estimate
+    stages: list[list[str]]
+    placements: dict[str, dict[str, str]]
+    mesh: dict[str, Any]
+    model: dict[str, Any]  # class, fingerprint, num_params, num_layers
+    cluster: dict[str, Any]  # profile, num_nodes, world_size, fingerprint
+    training: dict[str, Any]  # global_batch_size, seq_len, dtype, options
+    candidates: pd.DataFrame = field(repr=False)
+    search: dict[str, Any] = field(default_factory=dict, repr=False)  # not saved (timings)
+    version: int = PLAN_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        from autopar import __version__
+
+        top = self.candidates.head(_SAVED_CANDIDATES).to_dict(orient="records")
+        return _clean({
+            "plan_version": self.version, "autopar_version": __version__,
+            "config": self.config.to_dict(), "estimate": _estimate_dict(self.estimate),
+            "mesh": self.mesh, "stages": self.stages, "placements": self.placements,
+            "model": self.model, "cluster": self.cluster, "training": self.training,
+            "candidates": top,
+        })
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=1) + "\n"
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan atomically (a temporary file renamed over the target)."""
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(self.to_json())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    def report(self) -> str:
+        """A short text summary (the full report is built on top of this data)."""
+        est, cfg = self.estimate, self.config
+        lines = [
+            f"model    {self.model['class']}: {self.model['num_params'] / 1e9:.2f} B parameters, "
+            f"{self.model['num_layers']} layers",
+            f"cluster  {self.cluster['profile']} x {self.cluster['num_nodes']} nodes "
+            f"({self.cluster['world_size']} GPUs)",
+            f"batch    {self.training['global_batch_size']} x {self.training['seq_len']} tokens, "
+            f"{self.training['dtype']}",
+            f"plan     {cfg.short()}  ({est.num_microbatches} micro-batches)",
+            f"predicted step {est.step_time_s:.3f} s, {est.tokens_per_s:,.0f} tokens/s, "
+            f"MFU {100 * est.mfu:.1f}%, peak memory {est.peak_memory_bytes / 1e9:.1f} of "
+            f"{est.usable_memory_bytes / 1e9:.1f} GB",
+            "breakdown " + ", ".join(f"{k} {v:.3f}s" for k, v in est.breakdown.items()
+                                     if k not in ("dp_comm_total", "pp_p2p_per_transfer")),
+            f"stages   " + " | ".join(f"{len(s)} layers" for s in self.stages),
+        ]
+        return "\n".join(lines)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan saved by `Plan.save`; refuses other plan versions and corrupted files."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read plan {path}: {exc}; re-plan with autopar.compile") from None
+    if not isinstance(data, dict) or data.get("plan_version") != PLAN_VERSION:
+        raise ValueError(f"plan {path} has version {data.get('plan_version') if isinstance(data, dict) else None!r}; "
+                         f"this autopar reads version {PLAN_VERSION}: re-plan with autopar.compile")
+    try:
+        cfg = ParallelConfig(**data["config"])
+        e = data["estimate"]
+        est = Estimate(config=cfg, step_time_s=e["step_time_s"], tokens_per_s=e["tokens_per_s"],
+                       mfu=e["mfu"], model_tflops_per_gpu=e["model_tflops_per_gpu"],
+                       peak_memory_bytes=e["peak_memory_bytes"],
+                       usable_memory_bytes=e["usable_memory_bytes"], breakdown=e["breakdown"],
+                       memory_by_stage=tuple(e["memory_by_stage"]),
+                       stage_layers=tuple(tuple(s) for s in data["stages"]),
+                       num_microbatches=e["num_microbatches"])
+        return Plan(config=cfg, estimate=est, stages=data["stages"],
+                    placements=data["placements"], mesh=data["mesh"], model=data["model"],
+                    cluster=data["cluster"], training=data["training"],
+                    candidates=pd.DataFrame(data["candidates"]))
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"plan {path} is corrupted (missing or bad field {exc}); re-plan with "
+                         f"autopar.compile") from None

@@ -1,0 +1,1 @@
+"""The search: intra-op sharding ILP, inter-op stage DP, outer enumeration."""

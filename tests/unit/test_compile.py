@@ -1,0 +1,116 @@
+"""`autopar.compile`: rediscovery, constraints, determinism, explained infeasibility, plan I/O.
+
+Rediscovery: with plentiful memory the plan is pure data parallelism (no tp/pp/cp); with
+little memory the same model needs ZeRO-3. (Among pure-DP plans the model prefers ZeRO-1 over
+DDP when both hide their communication: ZeRO-1 also shards the optimizer step, which is what
+Megatron's distributed optimizer and FSDP are used for.)
+"""
+
+import json
+
+import pytest
+import torch
+
+import autopar
+from autopar.models.gpt import GPT, GPTConfig
+from autopar.search.outer import _tie_key
+
+
+def small_gpt():
+    with torch.device("meta"):
+        return GPT(GPTConfig(vocab_size=8192, max_seq_len=1024, dim=1024, n_layers=8,
+                             n_heads=16))
+
+
+H100 = autopar.Cluster.from_profile("dgx-h100", num_nodes=1)
+
+
+def test_plentiful_memory_gives_pure_data_parallelism():
+    plan = autopar.compile(small_gpt(), H100, global_batch_size=1024, seq_len=1024)
+    cfg = plan.config
+    assert (cfg.dp, cfg.tp, cfg.pp, cfg.cp) == (8, 1, 1, 1)
+    assert cfg.zero_stage in (0, 1)
+    assert plan.estimate.fits
+
+
+def test_tight_memory_needs_zero3():
+    tight = autopar.Cluster.from_profile("dgx-h100", num_nodes=1, device_memory_gb=32)
+    plan = autopar.compile(autopar.models.build("gpt3-6.7b"), tight, global_batch_size=64,
+                           seq_len=2048, constraints={"tp": 1, "pp": 1, "cp": 1})
+    assert plan.config.zero_stage == 3
+    roomy = autopar.compile(autopar.models.build("gpt3-6.7b"), H100, global_batch_size=64,
+                            seq_len=2048, constraints={"tp": 1, "pp": 1, "cp": 1})
+    assert roomy.config.zero_stage < 3
+
+
+def test_constraints_are_honoured_and_unknown_ones_refused():
+    plan = autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024,
+                           constraints={"tp": 2, "pp": 2})
+    assert (plan.config.tp, plan.config.pp) == (2, 2)
+    assert set(plan.candidates["tp"]) == {2} and set(plan.candidates["pp"]) == {2}
+    with pytest.raises(ValueError, match=r"unknown constraint\(s\) \['tensor_parallel'\]"):
+        autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024,
+                        constraints={"tensor_parallel": 2})
+    with pytest.raises(ValueError, match="no configuration satisfies the constraints"):
+        autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024,
+                        constraints={"tp": 3})
+
+
+def test_same_input_gives_a_byte_identical_plan(tmp_path):
+    a = autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024)
+    b = autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024)
+    assert a.to_json() == b.to_json()
+    path = a.save(tmp_path / "plan.json")
+    loaded = autopar.load_plan(path)
+    assert loaded.to_json() == a.to_json()
+
+
+def test_the_winner_is_the_fastest_fitting_exact_candidate_with_the_documented_tie_break():
+    plan = autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024)
+    exact = plan.candidates[plan.candidates["exact"] & plan.candidates["fits"]]
+    assert plan.estimate.step_time_s == pytest.approx(exact["step_time_s"].min())
+    best = exact[exact["step_time_s"] <= exact["step_time_s"].min() + 1e-12]
+    configs = [autopar.ParallelConfig(**{k: r[k] for k in autopar.ParallelConfig.__slots__})
+               for _, r in best.iterrows()]
+    assert plan.config == min(configs, key=_tie_key)
+
+
+def test_a_model_too_large_for_any_plan_is_explained():
+    with pytest.raises(autopar.NoPlanFitsError,
+                       match=r"no plan fits: the smallest per-GPU footprint is [\d.]+ GB .*; "
+                             r"the device has 40.0 GB"):
+        autopar.compile(autopar.models.build("llama3-405b"),
+                        autopar.Cluster.from_profile("dgx-a100-40g"), global_batch_size=8,
+                        seq_len=4096)
+
+
+def test_plan_holds_stages_placements_and_mesh():
+    plan = autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024,
+                           constraints={"tp": 2, "pp": 2, "zero_stage": 0})
+    assert [len(s) for s in plan.stages] and sum(map(len, plan.stages)) == 8 + 2
+    assert plan.mesh["axes"] == ["pp", "dp", "cp", "tp"]
+    assert plan.mesh["sizes"] == [2, plan.config.dp, 1, 2]
+    pl = plan.placements
+    assert pl["layers.3.feed_forward.w1.weight"]["tp"] == "S(0)"  # column-parallel
+    assert pl["layers.3.feed_forward.w2.weight"]["tp"] == "S(1)"  # row-parallel
+    assert pl["layers.3.ffn_norm.weight"]["tp"] == "R"
+    assert pl["tok_embeddings.weight"]["tp"] == "S(0)"  # vocab-parallel
+    assert len(pl) == len({k for k in pl}) and "layers.7.attention.wo.weight" in pl
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda d: d.update(plan_version=99), "has version 99"),
+    (lambda d: d.pop("config"), "corrupted"),
+])
+def test_load_refuses_other_versions_and_corrupted_files(tmp_path, mutate, match):
+    plan = autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024,
+                           constraints={"tp": 1, "pp": 1})
+    data = json.loads(plan.to_json())
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=match):
+        autopar.load_plan(path)
+    (tmp_path / "trunc.json").write_text(plan.to_json()[:100])
+    with pytest.raises(ValueError, match="cannot read plan"):
+        autopar.load_plan(tmp_path / "trunc.json")
