@@ -30,18 +30,19 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch.nn as nn
 
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig, check_config
-from autopar.estimate.memory import (analytic_inflight_bytes, peak_inflight_bytes,
-                                     stage_activation_bytes, stage_memory)
+from autopar.estimate.memory import activation_bytes, peak_inflight_bytes, stage_memory
 from autopar.estimate.stages import Chunk, assign_stages
 from autopar.estimate.timing import RankGroups, UnitTimes, rank_groups, unit_times
 from autopar.estimate.units import Unit, units_from_graph
 from autopar.ir import Graph, OpKind
 from costmodels.compute import optimizer_time_s
-from costmodels.memory import DTYPE_BYTES
+from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
+                               CUDA_CONTEXT_BYTES, DTYPE_BYTES, state_bytes_per_param)
 from costmodels.pipeline import PipelineTimeline, simulate_pipeline
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class Estimate:
     peak_memory_bytes: float
     usable_memory_bytes: float
     breakdown: dict[str, float]  # exposed seconds per category; they sum to step_time_s
-    memory_by_stage: tuple[dict[str, float], ...]  # bytes per category, per pipeline rank
+    memory_by_stage: tuple[dict[str, float], ...]  # bytes per category per rank (exact only)
     stage_layers: tuple[tuple[str, ...], ...]  # module paths per (virtual) stage
     num_microbatches: int
     timeline: PipelineTimeline | None = field(default=None, repr=False)  # None: closed form
@@ -121,6 +122,7 @@ class EvalCache:
         self.units: dict[int, tuple[Unit, ...]] = {}
         self.times: dict[tuple, dict[str, UnitTimes]] = {}
         self.layouts: dict[tuple, _Layout] = {}
+        self.structures: dict[tuple, _Structure] = {}
         self._comm: dict[tuple, float] = {}
 
     def collective_time(self, kind: str, nbytes: float, ranks) -> float:
@@ -150,29 +152,74 @@ class _Layout:
     max_param_bytes: list[float]  # largest unit per rank (ZeRO-3 gather unit)
     bytes_per_param: list[float]
     attr_sums: list[dict[str, float]]  # per rank, per micro-batch, UnitTimes attributes
+    stage_layers: tuple[tuple[str, ...], ...]
+    # vectors over pipeline ranks / closed-form terms, for the fast path
+    rank_work: np.ndarray  # forward + backward seconds per micro-batch
+    rank_kept: np.ndarray  # activation bytes per micro-batch, all chunks of the rank
+    rank_chunks_n: np.ndarray
+    rank_working: np.ndarray
+    stage_sum: float
+    stage_max: float
+    zb_tail: float  # max over stages of F + B - W
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Structure:
+    """Which layers of which unit each chunk holds, for one (pp, virtual stages) split."""
+
+    chunks: list[Chunk]
+    counts: np.ndarray  # [chunk, unit] layers
+    rank_counts: np.ndarray  # [rank, unit] layers
+    rank_chunks: list[list[int]]
+    stage_layers: tuple[tuple[str, ...], ...]
+
+
+def _structure(units: tuple[Unit, ...], pp: int, v: int) -> _Structure:
+    chunks = assign_stages(units, pp * v)
+    index = {u.name: i for i, u in enumerate(units)}
+    counts = np.zeros((len(chunks), len(units)))
+    for c, chunk in enumerate(chunks):
+        for u, fqns in chunk:
+            counts[c, index[u.name]] += len(fqns)
+    rank_chunks = [list(range(r, len(chunks), pp)) for r in range(pp)]
+    return _Structure(chunks=chunks, counts=counts,
+                      rank_counts=np.array([counts[idx].sum(axis=0) for idx in rank_chunks]),
+                      rank_chunks=rank_chunks,
+                      stage_layers=tuple(tuple(f for _, fqns in c for f in fqns) for c in chunks))
 
 
 def _layout(units: tuple[Unit, ...], times: dict[str, UnitTimes], cfg: ParallelConfig,
-            flash: bool) -> _Layout:
-    chunks = assign_stages(units, cfg.pp * cfg.virtual_stages)
-    rank_chunks = [list(range(r, len(chunks), cfg.pp)) for r in range(cfg.pp)]
-    kept, working = stage_activation_bytes(chunks, cfg, flash)
-    dense, expert, maxb, bpp, attrs = [], [], [], [], []
-    for idx in rank_chunks:
-        mine = [(u, len(f)) for c in idx for u, f in chunks[c]]
-        dense.append(sum(u.dense_params * n for u, n in mine) / cfg.tp)
-        expert.append(sum(u.expert_params * n for u, n in mine) / (cfg.tp * cfg.ep))
-        maxb.append(max(u.param_bytes for u, _ in mine) / cfg.tp)
-        bpp.append(max(u.param_bytes / max(1, u.dense_params + u.expert_params) for u, _ in mine))
-        attrs.append({a: sum(getattr(times[u.name], a) * n for u, n in mine) for a in _TIME_ATTRS}
-                     | {"first_dense": max(u.dense_params for u, _ in mine) / cfg.tp})
+            flash: bool, st: _Structure) -> _Layout:
+    """Per-chunk and per-rank sums as (layers per unit) x (per-layer value per unit)."""
+    t = [times[u.name] for u in units]
+    per_unit = lambda attr: np.array([getattr(x, attr) for x in t])  # noqa: E731
+    acts = [activation_bytes(u, cfg, flash) for u in units]
+    present = st.rank_counts > 0
+    fwd, bwd, wgrad = (st.counts @ per_unit(a) for a in ("forward", "backward", "compute_wgrad"))
+    kept = st.counts @ np.array([k for k, _ in acts])
+    working_u = np.array([w for _, w in acts])
+    working = np.where(st.counts > 0, working_u, 0.0).max(axis=1)
+    dense = st.rank_counts @ np.array([u.dense_params for u in units], float) / cfg.tp
+    expert = st.rank_counts @ np.array([u.expert_params for u in units], float) / (cfg.tp * cfg.ep)
+    pbytes = np.array([u.param_bytes for u in units], float)
+    bpp = pbytes / np.maximum(1, [u.dense_params + u.expert_params for u in units])
+    first = np.where(present, np.array([u.dense_params for u in units], float), 0).max(axis=1)
+    sums = {a: st.rank_counts @ per_unit(a) for a in _TIME_ATTRS}
+    attrs = [{a: float(sums[a][r]) for a in _TIME_ATTRS} | {"first_dense": first[r] / cfg.tp}
+             for r in range(cfg.pp)]
+    stage = fwd + bwd
     return _Layout(
-        chunks=chunks,
-        fwd=[sum(times[u.name].forward * len(f) for u, f in c) for c in chunks],
-        bwd=[sum(times[u.name].backward * len(f) for u, f in c) for c in chunks],
-        wgrad=[sum(times[u.name].compute_wgrad * len(f) for u, f in c) for c in chunks],
-        kept=kept, working=working, rank_chunks=rank_chunks, dense=dense, expert=expert,
-        max_param_bytes=maxb, bytes_per_param=bpp, attr_sums=attrs)
+        chunks=st.chunks, fwd=list(fwd), bwd=list(bwd), wgrad=list(wgrad), kept=list(kept),
+        working=list(working), rank_chunks=st.rank_chunks, dense=list(dense),
+        expert=list(expert), max_param_bytes=list(np.where(present, pbytes, 0).max(axis=1) / cfg.tp),
+        bytes_per_param=list(np.where(present, bpp, 0).max(axis=1)), attr_sums=attrs,
+        stage_layers=st.stage_layers,
+        rank_work=st.rank_counts @ (per_unit("forward") + per_unit("backward")),
+        rank_kept=st.rank_counts @ np.array([k for k, _ in acts]),
+        rank_chunks_n=np.array([len(idx) for idx in st.rank_chunks], dtype=float),
+        rank_working=np.where(present, working_u, 0.0).max(axis=1),
+        stage_sum=float(stage.sum()), stage_max=float(stage.max()),
+        zb_tail=float((fwd + bwd - wgrad).max()))
 
 
 def _num_experts(graph: Graph) -> int | None:
@@ -196,7 +243,7 @@ def _attention_heads(graph: Graph) -> tuple[int | None, int | None]:
 
 
 def _pipeline_bound(cfg: ParallelConfig, m: int, lay: _Layout, p2p: float
-                    ) -> tuple[float, list[float]]:
+                    ) -> tuple[float, np.ndarray]:
     """Closed-form step time of the schedule and busy time per rank (the search's ranking).
 
     GPipe/1F1B: sum of one micro-batch through every stage plus (m-1) times the slowest
@@ -205,19 +252,47 @@ def _pipeline_bound(cfg: ParallelConfig, m: int, lay: _Layout, p2p: float
     adds 2(p-1) p2p hops for the fill and drain.
     """
     p, v = cfg.pp, cfg.virtual_stages
-    fwd, bwd, wgrad = lay.fwd, lay.bwd, lay.wgrad
-    per_rank = [sum(fwd[c] + bwd[c] for c in idx) for idx in lay.rank_chunks]
-    busy = [m * t for t in per_rank]
-    fill = 2 * (p - 1) * p2p
+    busy = m * lay.rank_work
     if p == 1:
-        return busy[0], busy
+        return float(busy[0]), busy
+    fill = 2 * (p - 1) * p2p
     if cfg.pp_schedule == "interleaved-1f1b":
-        return (m + (p - 1) / v) * max(per_rank) + fill, busy
+        return (m + (p - 1) / v) * float(lay.rank_work.max()) + fill, busy
     if cfg.pp_schedule == "zero-bubble":
-        tail = max(f + b - w for f, b, w in zip(fwd, bwd, wgrad))
-        return m * max(per_rank) + (p - 1) * max(tail, 0.0) + fill, busy
-    stage = [f + b for f, b in zip(fwd, bwd)]
-    return sum(stage) + (m - 1) * max(stage) + fill, busy
+        return m * float(lay.rank_work.max()) + (p - 1) * max(lay.zb_tail, 0.0) + fill, busy
+    return lay.stage_sum + (m - 1) * lay.stage_max + fill, busy
+
+
+def _analytic_inflight(cfg: ParallelConfig, m: int, lay: _Layout) -> np.ndarray:
+    """Closed-form peak activation bytes per rank: GPipe all m micro-batches; 1F1B and ZB-H1
+    min(p - rank, m); interleaved Megatron's warm-up of min(2(p-1-rank) + (v-1)p, mv) chunk
+    micro-batches plus one (all mv when m == p), at the rank's average chunk size."""
+    p, v = cfg.pp, cfg.virtual_stages
+    ranks = np.arange(p)
+    if cfg.pp_schedule == "gpipe":
+        return m * lay.rank_kept
+    if cfg.pp_schedule == "interleaved-1f1b" and v > 1:
+        held = np.full(p, m * v, dtype=float) if m == p else \
+            np.minimum(2 * (p - 1 - ranks) + (v - 1) * p + 1, m * v)
+        return held * lay.rank_kept / lay.rank_chunks_n
+    return np.minimum(p - ranks, m) * lay.rank_kept
+
+
+def _fast_peak_memory(cfg: ParallelConfig, dtype: str, lay: _Layout, inflight: np.ndarray,
+                      zero3_cap: int | None) -> float:
+    """Largest per-rank total of `stage_memory`'s categories, as vector arithmetic."""
+    shards = cfg.dp * cfg.cp
+    states = np.asarray(lay.dense) * state_bytes_per_param(dtype, cfg.zero_stage, shards) + \
+        np.asarray(lay.expert) * state_bytes_per_param(dtype, cfg.zero_stage,
+                                                       max(1, shards // cfg.ep))
+    gathered = 0.0
+    if cfg.zero_stage == 3:
+        gathered = 2 * np.asarray(lay.max_param_bytes)
+        if zero3_cap is not None:
+            gathered = np.minimum(gathered, zero3_cap * np.asarray(lay.bytes_per_param))
+    live = states + inflight + lay.rank_working + gathered
+    return float((live * (1 + ALLOCATOR_RESERVE_FRACTION)).max()) + COMM_BUFFER_BYTES + \
+        CUDA_CONTEXT_BYTES
 
 
 def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
@@ -250,7 +325,10 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
     times = cache.times[key]
     lkey = key + (config.pp, config.virtual_stages)
     if lkey not in cache.layouts:
-        cache.layouts[lkey] = _layout(units, times, config, flash)
+        skey = (mbs, config.pp, config.virtual_stages)
+        if skey not in cache.structures:
+            cache.structures[skey] = _structure(units, config.pp, config.virtual_stages)
+        cache.layouts[lkey] = _layout(units, times, config, flash, cache.structures[skey])
     lay = cache.layouts[lkey]
     act = max(u.act_bytes for u in units) / config.cp / config.tp
     p2p = (cache.collective_time("send_recv", act, (0, groups.pp_next))
@@ -266,7 +344,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
         inflight = [peak_inflight_bytes(timeline, r, lay.kept) for r in range(config.pp)]
     else:
         pipe_s, busy = _pipeline_bound(config, m, lay, p2p)
-        inflight = [analytic_inflight_bytes(config, m, r, lay.kept) for r in range(config.pp)]
+        inflight = _analytic_inflight(config, m, lay)
 
     # --- data parallel and optimizer, on the pipeline rank with the most parameters --------
     heavy = max(range(config.pp), key=lambda r: lay.dense[r] + lay.expert[r])
@@ -278,23 +356,27 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
     optimizer = optimizer_time_s(cluster.hardware.device, master)
 
     step = pipe_s + dp_exposed + optimizer
-    breakdown = _breakdown(pipe_s, lay.attr_sums[max(range(config.pp), key=lambda r: busy[r])], m)
+    breakdown = _breakdown(pipe_s, lay.attr_sums[int(np.argmax(busy))], m)
     breakdown.update(dp_comm=dp_exposed, optimizer=optimizer, dp_comm_total=dp_total,
                      pp_p2p_per_transfer=p2p)
     peak_dense = cluster.hardware.device.peak_flops.get(dtype, 0.0)
     model_flops = 3.0 * costs.flops_fwd * (global_batch_size / costs.traced_batch)
     tokens = global_batch_size * (costs.seq_len or 1)
-    working = [max(lay.working[c] for c in idx) for idx in lay.rank_chunks]
-    memory = stage_memory(config, dtype, lay.dense, lay.expert, lay.max_param_bytes,
-                          lay.bytes_per_param, inflight, working, options.zero3_max_live_params)
-    peak = max(sum(v for k, v in mem.items() if not k.startswith("_")) for mem in memory)
+    if exact:
+        memory = stage_memory(config, dtype, lay.dense, lay.expert, lay.max_param_bytes,
+                              lay.bytes_per_param, inflight, list(lay.rank_working),
+                              options.zero3_max_live_params)
+        peak = max(sum(v for k, v in mem.items() if not k.startswith("_")) for mem in memory)
+    else:  # the search only needs the peak; per-stage categories come with the exact pass
+        memory = []
+        peak = _fast_peak_memory(config, dtype, lay, inflight, options.zero3_max_live_params)
     return Estimate(
         config=config, step_time_s=step, tokens_per_s=tokens / step,
         mfu=model_flops / (step * cluster.world_size * peak_dense) if peak_dense else 0.0,
         model_tflops_per_gpu=model_flops / (step * cluster.world_size) / 1e12,
         peak_memory_bytes=peak, usable_memory_bytes=cluster.hardware.device.memory_bytes,
         breakdown=breakdown, memory_by_stage=tuple(memory),
-        stage_layers=tuple(tuple(fqn for _, fqns in c for fqn in fqns) for c in lay.chunks),
+        stage_layers=lay.stage_layers,
         num_microbatches=m, timeline=timeline)
 
 

@@ -11,14 +11,12 @@ its forward until its last backward op (B, or W for zero-bubble).
 from __future__ import annotations
 
 from autopar.config import ParallelConfig
-from autopar.estimate.stages import Chunk
 from autopar.estimate.units import Unit
 from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
                                CUDA_CONTEXT_BYTES, state_bytes_per_param)
 from costmodels.pipeline import PipelineTimeline
 
-__all__ = ["stage_memory", "activation_bytes", "stage_activation_bytes", "peak_inflight_bytes",
-           "analytic_inflight_bytes"]
+__all__ = ["stage_memory", "activation_bytes", "peak_inflight_bytes"]
 
 
 def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool) -> tuple[float, float]:
@@ -38,32 +36,6 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool) -> tuple[floa
         dropped = (unit.saved_bytes - unit.saved_bytes_recompute) / (tp * cp) + scores
         return max(0.0, full - dropped), 0.0
     return full, 0.0
-
-
-def stage_activation_bytes(chunks: list[Chunk], cfg: ParallelConfig, flash: bool
-                           ) -> tuple[list[float], list[float]]:
-    """Per chunk: activations kept per micro-batch, and the largest one-layer working set."""
-    kept, working = [], []
-    for chunk in chunks:
-        parts = [(activation_bytes(u, cfg, flash), len(f)) for u, f in chunk]
-        kept.append(sum(k * n for (k, _), n in parts))
-        working.append(max((w for (_, w), _ in parts), default=0.0))
-    return kept, working
-
-
-def analytic_inflight_bytes(cfg: ParallelConfig, num_microbatches: int, rank: int,
-                            kept: list[float]) -> float:
-    """Closed-form peak of what `rank` holds: GPipe all m; 1F1B and ZB-H1 min(p - rank, m)
-    micro-batches; interleaved Megatron's warm-up of min(2(p-1-rank) + (v-1)p, mv) chunk
-    micro-batches plus one (all mv when m == p), at the rank's average chunk size."""
-    p, v, m = cfg.pp, cfg.virtual_stages, num_microbatches
-    mine = kept[rank::p]
-    if cfg.pp_schedule == "gpipe":
-        return m * sum(mine)
-    if cfg.pp_schedule == "interleaved-1f1b" and v > 1:
-        held = m * v if m == p else min(2 * (p - 1 - rank) + (v - 1) * p + 1, m * v)
-        return held * sum(mine) / len(mine)
-    return min(p - rank, m) * sum(mine)
 
 
 def peak_inflight_bytes(timeline: PipelineTimeline, rank: int, per_stage: list[float]

@@ -109,7 +109,7 @@ class Plan:
             f"{est.usable_memory_bytes / 1e9:.1f} GB",
             "breakdown " + ", ".join(f"{k} {v:.3f}s" for k, v in est.breakdown.items()
                                      if k not in ("dp_comm_total", "pp_p2p_per_transfer")),
-            f"stages   " + " | ".join(f"{len(s)} layers" for s in self.stages),
+            "stages   " + " | ".join(f"{len(s)} layers" for s in self.stages),
         ]
         return "\n".join(lines)
 

@@ -5,7 +5,6 @@ numbers each source prints: SC21's training-day estimates, Megatron's MFU, Mosai
 
 from __future__ import annotations
 
-import math
 import re
 from collections import Counter
 
