@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch.nn as nn
@@ -10,9 +11,12 @@ from autopar.cluster import Cluster
 from autopar.estimate.core import EstimateOptions, ModelCosts
 from autopar.plan import Plan, megatron_tp_placements, param_placements
 from autopar.plan.placements import MESH_AXES
+from autopar.search.intra_op import solve_block
 from autopar.search.outer import SearchSettings, search
 
 __all__ = ["compile"]
+
+log = logging.getLogger(__name__)
 
 
 def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
@@ -45,10 +49,11 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
                     constraints=constraints, options=options, settings=settings)
     best = result.best
     cfg = best.config
+    tp_map, intra_op = _tp_placements(model, graph, cluster, cfg, dtype, seq_len, example_inputs)
     sizes = {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp}
     return Plan(
         config=cfg, estimate=best, stages=[list(s) for s in best.stage_layers],
-        placements=param_placements(graph, cfg, megatron_tp_placements(graph)),
+        placements=param_placements(graph, cfg, tp_map), intra_op=intra_op,
         mesh={"axes": list(MESH_AXES), "sizes": [sizes[a] for a in MESH_AXES],
               "ep_within": "dp*cp", "ep": cfg.ep},
         model={"class": graph.model_class, "fingerprint": graph.fingerprint(),
@@ -62,3 +67,39 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
         search={"num_considered": result.num_considered,
                 "num_pruned_by_memory": result.num_pruned_by_memory,
                 "seconds": result.seconds})
+
+
+def _tp_placements(model, graph, cluster: Cluster, cfg, dtype: str, seq_len, example_inputs
+                   ) -> tuple[dict[str, str], dict[str, Any]]:
+    """Tensor-parallel placement of every parameter: the intra-op ILP's choice for each unique
+    block at the plan's tp and micro-batch, Megatron's vocab-parallel rule for the rest. Says
+    per block whether the ILP's layout is the Megatron layout the estimate was costed with."""
+    megatron = megatron_tp_placements(graph)
+    if cfg.tp == 1:
+        return megatron, {}
+    from autopar.trace import trace
+
+    mb_graph = graph
+    if example_inputs is None and cfg.micro_batch_size != graph.batch_size:
+        mb_graph = trace(model, global_batch_size=cfg.micro_batch_size, seq_len=seq_len,
+                         dtype=dtype)
+    tp_map = dict(megatron)
+    report: dict[str, Any] = {}
+    cache: dict = {}
+    for block in mb_graph.blocks:
+        sol = solve_block(mb_graph, block.node_names, tp=cfg.tp, cluster=cluster, dtype=dtype,
+                          cache=cache)
+        placements = dict(sol.param_placements)
+        tp_map.update(placements)
+        report[block.representative] = {
+            "tp": cfg.tp, "optimal": sol.optimal, "compute_s": sol.compute_s,
+            "comm_s": sol.comm_s, "forward_collectives": [list(c) for c in sol.forward_collectives],
+            "backward_collectives": [list(c) for c in sol.backward_collectives],
+            "matches_estimate_layout": all(megatron.get(f, "R") == p
+                                           for f, p in sorted(placements.items())),
+        }
+        if not report[block.representative]["matches_estimate_layout"]:
+            log.warning("the intra-op ILP prefers another tensor-parallel layout than "
+                        "Megatron's for %s at tp=%d; the plan uses the ILP's placements while "
+                        "the estimate was costed with Megatron's", block.representative, cfg.tp)
+    return tp_map, report

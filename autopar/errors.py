@@ -33,7 +33,8 @@ class StageMemoryError(ValueError):
     """No cut of the layers into pipeline stages fits the per-rank memory budget.
 
     The message gives the budget, the smallest peak any cut reaches and the stage (with its
-    layer range, states and activations) that binds; the numbers are kept as attributes.
+    layer range, states and activations) that binds; the numbers are kept as attributes. With
+    interleaved stages `min_peak_bytes` is a lower bound (a rank sums several chunks).
     """
 
     def __init__(self, message: str, *, budget_bytes: float, min_peak_bytes: float,
@@ -46,3 +47,17 @@ class StageMemoryError(ValueError):
 
 
 __all__ += ["StageMemoryError"]
+
+
+class ShardingInfeasibleError(ValueError):
+    """The intra-op sharding ILP has no solution; ``family`` names the constraint family that
+    binds (e.g. ``"memory_budget"``), ``smallest_bytes`` the least memory any plan needs when
+    it is the memory budget."""
+
+    def __init__(self, message: str, *, family: str, smallest_bytes: float | None = None):
+        super().__init__(message)
+        self.family = family
+        self.smallest_bytes = smallest_bytes
+
+
+__all__ += ["ShardingInfeasibleError"]

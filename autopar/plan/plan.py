@@ -62,6 +62,7 @@ class Plan:
     cluster: dict[str, Any]  # profile, num_nodes, world_size, fingerprint
     training: dict[str, Any]  # global_batch_size, seq_len, dtype, options
     candidates: pd.DataFrame = field(repr=False)
+    intra_op: dict[str, Any] = field(default_factory=dict)  # per block: the ILP's solution
     search: dict[str, Any] = field(default_factory=dict, repr=False)  # not saved (timings)
     version: int = PLAN_VERSION
 
@@ -74,7 +75,7 @@ class Plan:
             "config": self.config.to_dict(), "estimate": _estimate_dict(self.estimate),
             "mesh": self.mesh, "stages": self.stages, "placements": self.placements,
             "model": self.model, "cluster": self.cluster, "training": self.training,
-            "candidates": top,
+            "intra_op": self.intra_op, "candidates": top,
         })
 
     def to_json(self) -> str:
@@ -137,6 +138,7 @@ def load_plan(path: str | Path) -> Plan:
         return Plan(config=cfg, estimate=est, stages=data["stages"],
                     placements=data["placements"], mesh=data["mesh"], model=data["model"],
                     cluster=data["cluster"], training=data["training"],
+                    intra_op=data.get("intra_op", {}),
                     candidates=pd.DataFrame(data["candidates"]))
     except (KeyError, TypeError) as exc:
         raise ValueError(f"plan {path} is corrupted (missing or bad field {exc}); re-plan with "

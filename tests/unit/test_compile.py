@@ -91,11 +91,14 @@ def test_plan_holds_stages_placements_and_mesh():
     assert plan.mesh["axes"] == ["pp", "dp", "cp", "tp"]
     assert plan.mesh["sizes"] == [2, plan.config.dp, 1, 2]
     pl = plan.placements
-    assert pl["layers.3.feed_forward.w1.weight"]["tp"] == "S(0)"  # column-parallel
-    assert pl["layers.3.feed_forward.w2.weight"]["tp"] == "S(1)"  # row-parallel
-    assert pl["layers.3.ffn_norm.weight"]["tp"] == "R"
     assert pl["tok_embeddings.weight"]["tp"] == "S(0)"  # vocab-parallel
-    assert len(pl) == len({k for k in pl}) and "layers.7.attention.wo.weight" in pl
+    assert {p["tp"] for p in pl.values()} <= {"R", "S(0)", "S(1)"}
+    assert all(p["dp"] == "R" for p in pl.values())  # ZeRO-0 keeps parameters whole
+    assert "layers.7.attention.wo.weight" in pl and len(pl) == len(set(pl))
+    # block placements are the intra-op ILP's, the same for every layer of the block
+    assert pl["layers.0.feed_forward.w1.weight"] == pl["layers.7.feed_forward.w1.weight"]
+    (block,) = plan.intra_op.values()
+    assert block["tp"] == 2 and isinstance(block["matches_estimate_layout"], bool)
 
 
 @pytest.mark.parametrize("mutate,match", [
@@ -114,3 +117,21 @@ def test_load_refuses_other_versions_and_corrupted_files(tmp_path, mutate, match
     (tmp_path / "trunc.json").write_text(plan.to_json()[:100])
     with pytest.raises(ValueError, match="cannot read plan"):
         autopar.load_plan(tmp_path / "trunc.json")
+
+
+def test_llama_blocks_get_the_ilps_layout_which_is_megatrons():
+    from autopar.models.llama import Llama, LlamaConfig
+
+    with torch.device("meta"):  # Llama-3-8B widths: TP pays at micro-batch 1
+        model = Llama(LlamaConfig(vocab_size=128256, dim=4096, n_layers=4, n_heads=32,
+                                  n_kv_heads=8, ffn_dim=14336, max_seq_len=4096))
+    plan = autopar.compile(model, H100, global_batch_size=16, seq_len=4096,
+                           constraints={"tp": 4, "pp": 1, "cp": 1, "micro_batch_size": 1})
+    (block,) = plan.intra_op.values()
+    assert block["matches_estimate_layout"] and block["optimal"]
+    pl = plan.placements
+    for name in ("wq", "wk", "wv"):
+        assert pl[f"layers.2.attention.{name}.weight"]["tp"] == "S(0)"
+    assert pl["layers.2.attention.wo.weight"]["tp"] == "S(1)"
+    assert pl["layers.2.feed_forward.w2.weight"]["tp"] == "S(1)"
+    assert json.loads(plan.to_json())["intra_op"]

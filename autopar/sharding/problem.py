@@ -1,0 +1,366 @@
+"""The sharding problem of one block on one mesh axis: strategies, costs, memory, tensors.
+
+``build_problem`` turns a set of IR nodes into plain tables that both the ILP
+(:mod:`autopar.search.intra_op`) and a brute-force oracle read, and ``BlockProblem.evaluate``
+is the reference semantics of an assignment (one strategy index per node):
+
+    cost = Σ_v node_units[v][s_v]
+         + Σ_tensors Σ_{q ∈ demanded forward placements, q ≠ p}  reshard(p → q)
+         + Σ_tensors Σ_{g ∈ produced gradient placements, g ≠ w}  reshard(g → w)
+
+where ``p`` is the placement the producer's strategy gives the tensor and ``w`` the placement
+its backward wants the gradient in (``grad_placement(p)`` but for "R~P" strategies). A tensor
+demanded in the same placement by several consumers is resharded once; gradients arriving in
+the same placement are summed before one reshard. Times are integer nanoseconds (``to_units``) so the
+ILP and the oracle add the very same numbers.
+
+Node cost = forward + backward compute (GEMMs and convolutions on the GEMM roofline,
+attention on the fused-attention model, everything else memory bound with the estimate's
+``BACKWARD_MEMORY_RATIO``; views are free) divided by the strategy's work divisor, plus the
+strategy's internal collectives, plus an all-reduce of a replicated parameter's gradient when
+the strategy splits the work (the gradient is then partial on the axis).
+
+Boundary: the hidden state entering the block (a tensor from outside that needs a gradient,
+shaped like the block's output) is produced by a pseudo node ``<block-input>`` whose placement
+is chosen, and the block's output is consumed by a pseudo node ``<block-output>`` that must
+pick the same placement (the next copy of the block starts where this one ends). Other tensors
+from outside come from ``<external:NAME>`` pseudo nodes, replicated, and other tensors read
+outside go to ``<consumer:NAME>`` pseudo nodes that want them (and return their gradients)
+replicated.
+
+Memory of a strategy = parameter bytes × ``bytes_per_param`` (÷ axis size if sharded; a
+parameter is charged at its first user) + the node's saved activation bytes scaled by the
+sharded fraction of its inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from autopar.estimate.timing import BACKWARD_MEMORY_RATIO
+from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
+from autopar.sharding.placement import (PARTIAL, REPLICATE, is_shard, reshard_collective,
+                                        shard, shard_dim)
+from autopar.sharding.rules import strategies as rule_strategies
+from autopar.sharding.strategy import Collective, Strategy
+from costmodels.compute import attention_time_s, gemm_time_s, memory_time_s
+
+__all__ = ["BLOCK_INPUT", "BLOCK_OUTPUT", "BlockProblem", "ParamUse", "TensorUse",
+           "build_problem", "to_units"]
+
+BLOCK_INPUT = "<block-input>"
+BLOCK_OUTPUT = "<block-output>"
+UNITS_PER_S = 1e9  # objective in integer nanoseconds
+
+
+def to_units(seconds: float) -> int:
+    return int(round(seconds * UNITS_PER_S))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorUse:
+    """One produced tensor and the node inputs that read it."""
+
+    producer: str
+    output: int
+    nbytes: float
+    requires_grad: bool
+    consumers: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParamUse:
+    fqn: str
+    node: str
+    input_index: int
+    transposed: bool
+    numel: int
+    first_use: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockProblem:
+    """Plain tables of one block's sharding problem on an axis of ``axis_size`` ranks."""
+
+    axis_size: int
+    nodes: tuple[str, ...]
+    strategies: Mapping[str, tuple[Strategy, ...]]
+    compute_units: Mapping[str, tuple[int, ...]]
+    comm_units: Mapping[str, tuple[int, ...]]
+    memory_bytes: Mapping[str, tuple[float, ...]]
+    tensors: tuple[TensorUse, ...]
+    params: tuple[ParamUse, ...]
+    periodic: bool
+    grad_bytes_per_elem: int
+    collective_units: Callable[[Collective], int]
+
+    def out_placement(self, tensor: TensorUse, s: int) -> str:
+        return self.strategies[tensor.producer][s].outputs[tensor.output]
+
+    def param_placement(self, use: ParamUse, s: int) -> str:
+        """The parameter's own placement ("R" or "S(d)") under strategy ``s`` of its node."""
+        p = self.strategies[use.node][s].inputs[use.input_index]
+        if p == PARTIAL:
+            return REPLICATE
+        d = shard_dim(p)
+        return shard(1 - d) if d is not None and use.transposed else p
+
+    def out_grad_placement(self, tensor: TensorUse, s: int) -> str:
+        return self.strategies[tensor.producer][s].grad_outputs[tensor.output]
+
+    def reshards(self, tensor: TensorUse, choice: Mapping[str, int]
+                 ) -> tuple[list[Collective], list[Collective]]:
+        """Forward and backward reshard collectives of one tensor under ``choice``."""
+        p = self.out_placement(tensor, choice[tensor.producer])
+        want = self.out_grad_placement(tensor, choice[tensor.producer])
+        demanded, grads = set(), set()
+        for node, i in tensor.consumers:
+            st = self.strategies[node][choice[node]]
+            demanded.add(st.inputs[i])
+            grads.add(st.input_grads[i])
+        n = self.axis_size
+        fwd = [reshard_collective(p, q, tensor.nbytes, n) for q in sorted(demanded)]
+        bwd = []
+        if tensor.requires_grad:
+            bwd = [reshard_collective(g, want, tensor.nbytes, n) for g in sorted(grads)]
+        return [c for c in fwd if c], [c for c in bwd if c]
+
+    def feasible(self, choice: Mapping[str, int]) -> bool:
+        """Parameter placements agree across users; the boundary is periodic."""
+        seen: dict[str, str] = {}
+        for use in self.params:
+            pl = self.param_placement(use, choice[use.node])
+            if seen.setdefault(use.fqn, pl) != pl:
+                return False
+        if self.periodic:
+            s_in = self.strategies[BLOCK_INPUT][choice[BLOCK_INPUT]]
+            s_out = self.strategies[BLOCK_OUTPUT][choice[BLOCK_OUTPUT]]
+            return s_in.outputs[0] == s_out.inputs[0]
+        return True
+
+    def evaluate(self, choice: Mapping[str, int]) -> int | None:
+        """Objective (integer ns) of an assignment, ``None`` if it breaks a hard constraint."""
+        if not self.feasible(choice):
+            return None
+        total = sum(self.compute_units[v][choice[v]] + self.comm_units[v][choice[v]]
+                    for v in self.nodes)
+        for t in self.tensors:
+            fwd, bwd = self.reshards(t, choice)
+            total += sum(self.collective_units(c) for c in fwd + bwd)
+        return total
+
+    def memory(self, choice: Mapping[str, int]) -> float:
+        return sum(self.memory_bytes[v][choice[v]] for v in self.nodes)
+
+
+def _requires_grad(graph: Graph) -> dict[str, bool]:
+    """Whether each node's outputs need a gradient (depend on a trainable parameter)."""
+    req: dict[str, bool] = {}
+    for node in graph.nodes:
+        trainable = {p.fqn for p in node.params if p.requires_grad}
+        req[node.name] = any(
+            (src.startswith("param:") and src[6:] in trainable) or req.get(src, False)
+            for src in node.input_sources)
+    return req
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat", "complex"))
+
+
+def _node_compute_s(node: Node, device, dtype: str, divisor: int) -> float:
+    nbytes = (node.bytes_read + node.bytes_written) / divisor
+    if node.kind is OpKind.VIEW:
+        return 0.0
+    if node.kind in (OpKind.MATMUL, OpKind.CONV):
+        return (gemm_time_s(device, dtype, node.flops_fwd / divisor, nbytes)
+                + gemm_time_s(device, dtype, node.flops_bwd / divisor, 2 * nbytes))
+    if node.kind is OpKind.ATTENTION and node.attention is not None and node.flops_fwd:
+        a = node.attention
+        score = a.batch * a.num_heads * a.seq_q * a.seq_kv * dtype_num_bytes(node.outputs[0].dtype)
+        common = dict(io_bytes=nbytes, score_bytes=score / divisor, causal=a.causal,
+                      kernel="flash")
+        return (attention_time_s(device, dtype, flops=node.flops_fwd / divisor, backward=False,
+                                 **common)
+                + attention_time_s(device, dtype, flops=node.flops_bwd / divisor, backward=True,
+                                   **common))
+    return memory_time_s(device, nbytes) * (1 + BACKWARD_MEMORY_RATIO)
+
+
+def _activation_share(node: Node, st: Strategy, n: int) -> float:
+    """Fraction of the node's saved activations one rank keeps under ``st``."""
+    full = part = 0.0
+    tensors = [(t, p) for t, p, src in zip(node.inputs, st.inputs, node.input_sources)
+               if not src.startswith("param:")] + list(zip(node.outputs, st.outputs))
+    for t, p in tensors:
+        full += t.num_bytes
+        part += t.num_bytes / (n if is_shard(p) else 1)
+    return part / full if full else 1.0
+
+
+def _source_map(graph: Graph, names: set[str]) -> dict[tuple[str, int], tuple[str, int]]:
+    """(consumer, input index) -> (producer, output index) for node-produced inputs."""
+    out: dict[tuple[str, int], tuple[str, int]] = {}
+    for name in names:
+        node = graph.node(name)
+        seen: dict[str, int] = {}
+        for i, src in enumerate(node.input_sources):
+            if src == name or ":" in src or src == "const":
+                continue
+            try:
+                producer = graph.node(src)
+            except KeyError:
+                continue
+            k = seen.get(src, 0)
+            seen[src] = k + 1
+            matching = [j for j, t in enumerate(producer.outputs)
+                        if t.shape == node.inputs[i].shape]
+            out[(name, i)] = (src, matching[k] if k < len(matching) else (matching or [0])[0])
+    return out
+
+
+def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cluster,
+                  dtype: str, ranks: Sequence[int] | None = None, bytes_per_param: float = 16.0,
+                  boundary: str = "periodic") -> BlockProblem:
+    """Tables of the sharding problem of ``node_names`` on one axis of ``axis_size`` ranks."""
+    names = [n for n in node_names]
+    in_set = set(names)
+    device = cluster.hardware.device
+    group = tuple(ranks) if ranks is not None else tuple(range(axis_size))
+    grad_bytes = dtype_num_bytes({"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16",
+                                  "fp32": "float32"}.get(dtype, "float32"))
+    times: dict[Collective, int] = {}
+
+    def collective_units(c: Collective) -> int:
+        if c not in times:
+            times[c] = max(1, to_units(cluster.collective_time(c[0], c[1], group)))
+        return times[c]
+
+    req = _requires_grad(graph)
+    sources = _source_map(graph, in_set)
+    consumed_outside = {src for n in graph.nodes if n.name not in in_set
+                        for src in n.input_sources if src in in_set}
+    out_node = next((n for n in reversed(names) if n in consumed_outside), None)
+    out_shape = graph.node(out_node).outputs[0].shape if out_node else None
+
+    strategies: dict[str, tuple[Strategy, ...]] = {}
+    consumers: dict[tuple[str, int], list[tuple[str, int]]] = {}
+    meta: dict[tuple[str, int], tuple[float, bool]] = {}
+    external: dict[str, set[int]] = {}
+    hidden_in = None
+    for name in names:
+        node = graph.node(name)
+        strategies[name] = rule_strategies(node, axis_size)
+        for i, spec in enumerate(node.inputs):
+            if (name, i) not in sources:
+                continue
+            src, j = sources[(name, i)]
+            grad = req.get(src, False) and _is_float(spec.dtype)
+            if src not in in_set:
+                if grad and spec.shape == out_shape and hidden_in in (None, src):
+                    hidden_in, key = src, (BLOCK_INPUT, 0)
+                else:
+                    key = (f"<external:{src}>", j)
+                    external.setdefault(key[0], set()).add(j)
+            else:
+                key = (src, j)
+                grad = grad and req.get(src, False)
+            consumers.setdefault(key, []).append((name, i))
+            meta[key] = (float(spec.num_bytes), grad)
+
+    pseudo: dict[str, tuple[Strategy, ...]] = {}
+    periodic = hidden_in is not None and out_node is not None
+    if hidden_in is not None:
+        choices = [REPLICATE]
+        if boundary == "periodic":
+            choices += [shard(d) for d, s in enumerate(out_shape)
+                        if s >= axis_size and s % axis_size == 0 and axis_size > 1]
+        pseudo[BLOCK_INPUT] = tuple(Strategy(name=p, inputs=(), outputs=(p,), input_grads=())
+                                    for p in choices)
+        if periodic:
+            pseudo[BLOCK_OUTPUT] = tuple(Strategy(name=p, inputs=(p,), outputs=(),
+                                                  input_grads=(p,)) for p in choices)
+            spec = graph.node(out_node).outputs[0]
+            consumers.setdefault((out_node, 0), []).append((BLOCK_OUTPUT, 0))
+            meta.setdefault((out_node, 0), (float(spec.num_bytes), req.get(out_node, False)))
+    for name in names:  # other tensors leaving the set are taken replicated outside
+        if name in consumed_outside and not (periodic and name == out_node):
+            sink = f"<consumer:{name}>"
+            pseudo[sink] = (Strategy(name="R", inputs=(REPLICATE,), outputs=(),
+                                     input_grads=(REPLICATE,)),)
+            spec = graph.node(name).outputs[0]
+            consumers.setdefault((name, 0), []).append((sink, 0))
+            meta.setdefault((name, 0), (float(spec.num_bytes),
+                                        req.get(name, False) and _is_float(spec.dtype)))
+    for ext, outs in sorted(external.items()):
+        width = max(outs) + 1
+        pseudo[ext] = (Strategy(name="R", inputs=(), outputs=(REPLICATE,) * width,
+                                input_grads=()),)
+
+    nodes = tuple(sorted(pseudo)) + tuple(names)
+    strategies.update(pseudo)
+    compute, comm, memory = {}, {}, {}
+    params: list[ParamUse] = []
+    charged: set[str] = set()
+    for name in nodes:
+        sts = strategies[name]
+        if name in pseudo:
+            compute[name] = comm[name] = tuple(0 for _ in sts)
+            memory[name] = tuple(0.0 for _ in sts)
+            continue
+        node = graph.node(name)
+        uses = []
+        for i, src in enumerate(node.input_sources):
+            if not src.startswith("param:"):
+                continue
+            spec = next(p for p in node.params if p.fqn == src[6:])
+            shape = node.inputs[i].shape
+            transposed = (node.kind is OpKind.MATMUL and len(shape) == 2
+                          and tuple(reversed(shape)) == spec.shape)
+            use = ParamUse(fqn=spec.fqn, node=name, input_index=i, transposed=transposed,
+                           numel=spec.numel, first_use=spec.fqn not in charged)
+            charged.add(spec.fqn)
+            uses.append((use, spec.requires_grad))
+            params.append(use)
+        c_units, m_units, mem = [], [], []
+        for st in sts:
+            c_units.append(to_units(_node_compute_s(node, device, dtype, st.work_divisor)))
+            colls = list(st.fwd_collectives) + list(st.bwd_collectives)
+            bytes_ = node.saved_bytes * _activation_share(node, st, axis_size)
+            for use, trainable in uses:
+                sharded = is_shard(st.inputs[use.input_index])
+                if use.first_use:
+                    bytes_ += use.numel * bytes_per_param / (axis_size if sharded else 1)
+                if (trainable and st.inputs[use.input_index] == REPLICATE
+                        and st.input_grads[use.input_index] == PARTIAL):
+                    colls.append(("all_reduce", float(use.numel * grad_bytes)))
+            m_units.append(sum(collective_units(c) for c in colls))
+            mem.append(bytes_)
+        compute[name], comm[name], memory[name] = tuple(c_units), tuple(m_units), tuple(mem)
+
+    tensors = tuple(
+        TensorUse(producer=key[0], output=key[1], nbytes=meta[key][0], requires_grad=meta[key][1],
+                  consumers=tuple(consumers[key]))
+        for key in sorted(consumers, key=lambda k: (nodes.index(k[0]), k[1])))
+    assert all(not math.isnan(m) for v in memory.values() for m in v)
+    return BlockProblem(axis_size=axis_size, nodes=nodes, strategies=strategies,
+                        compute_units=compute, comm_units=comm, memory_bytes=memory,
+                        tensors=tensors, params=tuple(params), periodic=periodic,
+                        grad_bytes_per_elem=grad_bytes, collective_units=collective_units)
+
+
+def internal_collectives(problem: BlockProblem, graph: Graph, name: str, s: int
+                         ) -> tuple[list[Collective], list[Collective]]:
+    """Forward and backward collectives a node's strategy runs itself (incl. grad sync)."""
+    st = problem.strategies[name][s]
+    fwd, bwd = list(st.fwd_collectives), list(st.bwd_collectives)
+    for use in problem.params:
+        if use.node != name:
+            continue
+        spec = next(p for p in graph.node(name).params if p.fqn == use.fqn)
+        if (spec.requires_grad and st.inputs[use.input_index] == REPLICATE
+                and st.input_grads[use.input_index] == PARTIAL):
+            bwd.append(("all_reduce", float(use.numel * problem.grad_bytes_per_elem)))
+    return fwd, bwd

@@ -1,0 +1,276 @@
+"""The intra-op sharding ILP: brute-force oracle, rediscovery of Megatron TP, errors, caching."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import ShardingInfeasibleError
+from autopar.ir import Graph, Node, OpKind, ParamSpec, TensorSpec
+from autopar.models.registry import build, preset
+from autopar.search.intra_op import solve_block, solve_problem
+from autopar.sharding import expand_nd, reshard_collective, strategies
+from autopar.sharding.problem import build_problem
+from autopar.sharding.views import view_dim_map
+
+DT = "bfloat16"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return autopar.Cluster.from_profile("dgx-h100", num_nodes=1)
+
+
+# ---- small hand-built graphs for the oracle ---------------------------------------------
+
+def _t(shape):
+    return TensorSpec(shape=tuple(shape), dtype=DT)
+
+
+def _mm(name, src, x_shape, w_out, fqn):
+    m, k = x_shape
+    flops = 2 * m * k * w_out
+    nbytes = 2 * (m * k + k * w_out + m * w_out)
+    return Node(name=name, kind=OpKind.MATMUL, target="aten.mm.default",
+                inputs=(_t((m, k)), _t((k, w_out))), input_sources=(src, f"param:{fqn}"),
+                outputs=(_t((m, w_out)),), flops_fwd=flops, flops_bwd=2 * flops,
+                bytes_read=nbytes - 2 * m * w_out, bytes_written=2 * m * w_out,
+                params=(ParamSpec(fqn=fqn, shape=(w_out, k), dtype=DT),),
+                saved_bytes=2 * m * k)
+
+
+def _pointwise(name, target, srcs, shape, kind=OpKind.ELEMENTWISE):
+    n = 2 * shape[0] * shape[1]
+    return Node(name=name, kind=kind, target=target, inputs=tuple(_t(shape) for _ in srcs),
+                input_sources=tuple(srcs), outputs=(_t(shape),), bytes_read=n * len(srcs),
+                bytes_written=n, saved_bytes=n)
+
+
+def _graph(nodes):
+    return Graph(nodes=tuple(nodes), blocks=(), inputs=(_t((1, 1)),), model_class="Toy",
+                 batch_size=1)
+
+
+def _chain(m=2048, h=1024):
+    return _graph([
+        _mm("up", "input:0", (m, h), 4 * h, "up.weight"),
+        _pointwise("act", "aten.gelu.default", ["up"], (m, 4 * h)),
+        _mm("down", "act", (m, 4 * h), h, "down.weight"),
+        _pointwise("soft", "aten._softmax.default", ["down"], (m, h), OpKind.SOFTMAX),
+    ])
+
+
+def _diamond(m=2048, h=1024):
+    return _graph([
+        _mm("inp", "input:0", (m, h), h, "inp.weight"),
+        _mm("a", "inp", (m, h), 2 * h, "a.weight"),
+        _mm("b", "inp", (m, h), 2 * h, "b.weight"),
+        _pointwise("mul", "aten.mul.Tensor", ["a", "b"], (m, 2 * h)),
+        _mm("out", "mul", (m, 2 * h), h, "out.weight"),
+        _pointwise("res", "aten.add.Tensor", ["out", "inp"], (m, h)),
+    ])
+
+
+def _brute_force(problem, budget=None):
+    best = None
+    names = problem.nodes
+    for combo in itertools.product(*(range(len(problem.strategies[v])) for v in names)):
+        choice = dict(zip(names, combo))
+        cost = problem.evaluate(choice)
+        if cost is None or (budget is not None and problem.memory(choice) > budget):
+            continue
+        best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("make", [_chain, _diamond])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_ilp_matches_brute_force(make, tp, cluster):
+    g = make()
+    problem = build_problem(g, [n.name for n in g.nodes], axis_size=tp, cluster=cluster,
+                            dtype="bf16")
+    choice, optimal = solve_problem(problem)
+    assert optimal
+    assert problem.evaluate(choice) == _brute_force(problem)
+
+
+def test_ilp_matches_brute_force_under_memory_budget(cluster):
+    g = _diamond()
+    problem = build_problem(g, [n.name for n in g.nodes], axis_size=4, cluster=cluster,
+                            dtype="bf16")
+    free, _ = solve_problem(problem)
+    replicated = problem.memory({v: 0 for v in problem.nodes})
+    budget = 0.6 * replicated
+    choice, _ = solve_problem(problem, memory_budget_bytes=budget)
+    assert problem.memory(choice) <= budget
+    assert problem.evaluate(choice) == _brute_force(problem, budget)
+    assert problem.evaluate(choice) >= problem.evaluate(free)
+
+
+# ---- rediscovery on traced models -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama(cluster):
+    g = autopar.trace(build(preset("llama3-8b", n_layers=2)), global_batch_size=1,
+                      seq_len=2048, dtype="bf16")
+    return g, g.blocks[0].node_names
+
+
+def _hidden_bytes(g):
+    return g.batch_size * g.seq_len * 4096 * 2
+
+
+def _one_reduction_per_sublayer(collectives, nbytes):
+    """Two sub-layers, each either one all-reduce or one reduce-scatter + all-gather."""
+    kinds = sorted(k for k, b in collectives if b == nbytes)
+    return kinds in (["all_reduce"] * 2, ["all_gather"] * 2 + ["reduce_scatter"] * 2)
+
+
+def test_llama_block_tp8_is_megatron(llama, cluster):
+    g, names = llama
+    r = solve_block(g, names, tp=8, cluster=cluster, dtype="bf16")
+    place = {fqn.split(".", 2)[2]: p for fqn, p in r.param_placements.items()}
+    for col in ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
+                "feed_forward.w1.weight", "feed_forward.w3.weight"):
+        assert place[col] == "S(0)", col  # column parallel: output features
+    for row in ("attention.wo.weight", "feed_forward.w2.weight"):
+        assert place[row] == "S(1)", row  # row parallel: input features
+    sdpa = next(n for n in names if n.endswith("/sdpa"))
+    assert r.node_strategies[sdpa] == "S(heads)"
+    h = _hidden_bytes(g)
+    assert _one_reduction_per_sublayer(r.forward_collectives, h)
+    assert [c for c in r.forward_collectives if c[1] != h] == []
+    assert _one_reduction_per_sublayer(
+        [c for c in r.backward_collectives if c[0] != "all_reduce" or c[1] != 2 * 4096], h)
+    assert r.optimal
+
+
+def test_gpt_mlp_is_column_then_row(cluster):
+    g = autopar.trace(build(preset("gpt3-1.3b", n_layers=2)), global_batch_size=1,
+                      seq_len=2048, dtype="bf16")
+    names = g.blocks[0].node_names
+    r = solve_block(g, names, tp=4, cluster=cluster, dtype="bf16")
+    place = {fqn.split(".", 2)[2]: p for fqn, p in r.param_placements.items()}
+    assert place["feed_forward.w1.weight"] == "S(0)"
+    assert place["feed_forward.w1.bias"] == "S(0)"
+    assert place["feed_forward.w2.weight"] == "S(1)"
+    gelu = next(n for n in names if n.endswith("/gelu"))
+    assert r.output_placements[gelu] == ("S(2)",)  # the 4h activation never materialises
+
+
+def test_tp1_is_replicated_without_communication(llama, cluster):
+    g, names = llama
+    r = solve_block(g, names, tp=1, cluster=cluster, dtype="bf16")
+    assert set(r.node_strategies.values()) == {"R"}
+    assert set(r.param_placements.values()) == {"R"}
+    assert r.forward_collectives == r.backward_collectives == ()
+    assert r.comm_s == 0
+
+
+@pytest.mark.parametrize("vocab, expect_parallel", [(128256, True), (64, False)])
+def test_vocab_parallel_head_when_it_pays(vocab, expect_parallel, cluster):
+    g = autopar.trace(build(preset("llama3-8b", n_layers=2, vocab_size=vocab)),
+                      global_batch_size=1, seq_len=2048, dtype="bf16")
+    names = [n.name for n in g.nodes if g.block_of(n) is None]
+    r = solve_block(g, names, tp=8, cluster=cluster, dtype="bf16")
+    loss = next(n for n in names if n.endswith("cross_entropy"))
+    if expect_parallel:
+        assert r.param_placements["output.weight"] == "S(0)"  # LM head split on the vocab
+        assert r.node_strategies[loss] == "S(vocab)"
+        assert r.param_placements["tok_embeddings.weight"] != "R"
+    else:
+        assert r.param_placements["output.weight"] == "R"
+        assert r.param_placements["tok_embeddings.weight"] == "R"
+        assert r.node_strategies[loss] == "R"
+
+
+def test_resnet_block_finds_a_split(cluster):
+    g = autopar.trace(build("resnet50"), example_inputs=torch.empty(32, 3, 224, 224,
+                                                                    device="meta"), dtype="bf16")
+    block = next(b for b in g.blocks if b.representative == "layer3.1")
+    r = solve_block(g, block.node_names, tp=4, cluster=cluster, dtype="bf16")
+    assert set(r.node_strategies.values()) != {"R"}
+    problem = build_problem(g, block.node_names, axis_size=4, cluster=cluster, dtype="bf16")
+    replicated = problem.evaluate({v: 0 for v in problem.nodes})
+    assert round(r.objective_s * 1e9) <= replicated
+
+
+# ---- errors, determinism, caching -------------------------------------------------------
+
+def test_infeasible_memory_budget_names_the_family(cluster):
+    g = _diamond()
+    names = [n.name for n in g.nodes]
+    with pytest.raises(ShardingInfeasibleError, match="memory_budget: the smallest footprint") as e:
+        solve_block(g, names, tp=4, cluster=cluster, dtype="bf16", memory_budget_bytes=1e3)
+    assert e.value.family == "memory_budget" and e.value.smallest_bytes > 1e3
+    assert isinstance(e.value, ValueError)
+
+
+def test_bad_arguments_raise_value_error(cluster):
+    g = _chain()
+    with pytest.raises(ValueError, match="tp must be"):
+        solve_block(g, ["up"], tp=0, cluster=cluster, dtype="bf16")
+    with pytest.raises(ValueError, match="unknown"):
+        solve_block(g, ["nope"], tp=2, cluster=cluster, dtype="bf16")
+
+
+def test_deterministic_and_cached(llama, cluster):
+    g, names = llama
+    first = solve_block(g, names, tp=4, cluster=cluster, dtype="bf16")
+    second = solve_block(g, names, tp=4, cluster=cluster, dtype="bf16")
+    assert first == second
+    cache: dict = {}
+    a = solve_block(g, names, tp=4, cluster=cluster, dtype="bf16", cache=cache)
+    b = solve_block(g, names, tp=4, cluster=cluster, dtype="bf16", cache=cache)
+    assert a is b and len(cache) == 1 and a == first
+    solve_block(g, names, tp=8, cluster=cluster, dtype="bf16", cache=cache)
+    assert len(cache) == 2
+
+
+# ---- rules ------------------------------------------------------------------------------
+
+def test_reshard_collectives():
+    assert reshard_collective("S(0)", "R", 800, 8) == ("all_gather", 800)
+    assert reshard_collective("P", "R", 800, 8) == ("all_reduce", 800)
+    assert reshard_collective("P", "S(1)", 800, 8) == ("reduce_scatter", 800)
+    assert reshard_collective("S(0)", "S(1)", 800, 8) == ("all_to_all", 100)
+    assert reshard_collective("R", "S(1)", 800, 8) is None
+    assert reshard_collective("R", "P", 800, 8) is None
+
+
+def test_view_dim_maps():
+    assert view_dim_map("aten.view.default", (2, 128, 768), (256, 768)) == {0: 0, 2: 1}
+    assert view_dim_map("aten.view.default", (1, 128, 768), (128, 768)) == {1: 0, 2: 1}
+    assert view_dim_map("aten.view.default", (2, 128, 4096), (2, 128, 32, 128)) == {
+        0: 0, 1: 1, 2: 2}
+    assert view_dim_map("aten.transpose.int", (2, 128, 32, 64), (2, 32, 128, 64)) == {
+        0: 0, 1: 2, 2: 1, 3: 3}
+    # a swap of two equal-sized dims cannot be told from the identity: nothing is guessed
+    assert view_dim_map("aten.transpose.int", (2, 64, 64), (2, 64, 64)) == {0: 0}
+    assert view_dim_map("aten.unbind.int", (3, 2, 12, 64), (2, 12, 64)) == {1: 0, 2: 1, 3: 2}
+
+
+def test_matmul_rules_from_einsum():
+    node = _mm("up", "input:0", (64, 32), 128, "up.weight")
+    by_name = {s.name: s for s in strategies(node, 4)}
+    assert set(by_name) == {"R", "S(m)", "S(k)", "S(n)"}
+    assert by_name["S(n)"].inputs == ("R", "S(1)") and by_name["S(n)"].outputs == ("S(1)",)
+    assert by_name["S(k)"].inputs == ("S(1)", "S(0)") and by_name["S(k)"].outputs == ("P",)
+    assert by_name["S(m)"].input_grads == ("S(0)", "P")  # replicated weight: partial grad
+    assert strategies(node, 1) == (by_name["R"],)
+
+
+def test_expand_nd_is_the_product_of_axis_rules():
+    node = _mm("up", "input:0", (64, 32), 128, "up.weight")
+    nd = expand_nd({"dp": 2, "tp": 4}, [t.shape for t in node.inputs],
+                   [t.shape for t in node.outputs], lambda n: strategies(node, n))
+    assert len(nd) == len(strategies(node, 2)) * len(strategies(node, 4))
+    both = next(s for s in nd if s.name == "dp:S(m) x tp:S(n)")
+    assert both.work_divisor == 8
+    tiny = _mm("t", "input:0", (4, 4), 4, "t.weight")  # S(m) on both axes would need 8 | 4
+    nd = expand_nd({"dp": 2, "tp": 4}, [t.shape for t in tiny.inputs],
+                   [t.shape for t in tiny.outputs], lambda n: strategies(tiny, n))
+    assert all(s.name != "dp:S(m) x tp:S(m)" for s in nd)
