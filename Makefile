@@ -20,8 +20,9 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/autopar profiles
+	$(VENV)/bin/autopar plan --model llama3-70b --cluster dgx-h100 --nodes 16 --global-batch 512 --seq-len 8192
+	$(VENV)/bin/autopar plan --model gpt3-175b --cluster dgx-a100-80g --nodes 128 --global-batch 1536 --seq-len 2048 --dtype fp16
 	$(PY) benchmarks/collectives.py --profile dgx-h100 --role large --role heldout --role small
-	$(VENV)/bin/autopar collective --cluster dgx-h100 --nodes 16 --kind all_reduce --ranks 0-127:8 --size 1MiB 64MiB 1GiB
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

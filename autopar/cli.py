@@ -1,4 +1,4 @@
-"""The `autopar` command line: `autopar profiles` and `autopar collective` for now.
+"""The `autopar` command line: `plan`, `profiles` and `collective` for now.
 
 User mistakes end as one line on stderr and exit status 2, never a traceback.
 """
@@ -81,11 +81,51 @@ def _collective(console: Console, args: argparse.Namespace) -> None:
     console.print(table)
 
 
+def _parse_pins(items: list[str] | None) -> dict:
+    pins = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"cannot read pin {item!r}; write FIELD=VALUE, e.g. tp=8")
+        lowered = value.lower()
+        pins[key] = (int(value) if value.isdigit() else
+                     {"true": True, "false": False}.get(lowered, value))
+    return pins
+
+
+def _plan(console: Console, args: argparse.Namespace) -> None:
+    import autopar
+
+    if args.model not in autopar.models.list_presets():
+        raise ValueError(f"unknown model preset {args.model!r}; presets: "
+                         f"{', '.join(autopar.models.list_presets())}")
+    model = autopar.models.build(args.model)
+    cluster = Cluster.from_profile(args.cluster, num_nodes=args.nodes)
+    plan = autopar.compile(model, cluster, global_batch_size=args.global_batch,
+                           seq_len=args.seq_len, dtype=args.dtype,
+                           constraints=_parse_pins(args.pin))
+    console.print(f"[bold]autopar plan[/bold]: {args.model} on {cluster.describe()} "
+                  f"({plan.search['num_considered']:,} configs in {plan.search['seconds']:.1f} s)")
+    console.print(plan.report(), highlight=False)
+    if args.output:
+        console.print(f"saved {plan.save(args.output)}")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description="autopar: parallelization "
                                      "planner for PyTorch training")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("profiles", help="list the shipped hardware profiles")
+    plan = sub.add_parser("plan", help="find the fastest plan for a model preset on a cluster")
+    plan.add_argument("--model", required=True, help="a preset of autopar.models, e.g. llama3-70b")
+    plan.add_argument("--cluster", required=True, help="shipped profile name, e.g. dgx-h100")
+    plan.add_argument("--nodes", type=int, default=1)
+    plan.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    plan.add_argument("--seq-len", type=int, required=True)
+    plan.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp8", "fp32"))
+    plan.add_argument("--pin", action="append", metavar="FIELD=VALUE",
+                      help="pin a ParallelConfig field, e.g. --pin tp=8")
+    plan.add_argument("-o", "--output", help="write the plan JSON here")
     coll = sub.add_parser("collective", help="predicted time of one collective on a cluster")
     coll.add_argument("--cluster", default="dgx-h100", help="shipped profile name")
     coll.add_argument("--nodes", type=int, default=1)
@@ -103,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "profiles":
             _profiles(console)
+        elif args.command == "plan":
+            _plan(console, args)
         elif args.command == "collective":
             _collective(console, args)
     except ValueError as exc:

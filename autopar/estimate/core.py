@@ -156,6 +156,7 @@ class _Layout:
     # vectors over pipeline ranks / closed-form terms, for the fast path
     rank_work: np.ndarray  # forward + backward seconds per micro-batch
     rank_kept: np.ndarray  # activation bytes per micro-batch, all chunks of the rank
+    rank_counts: np.ndarray  # [rank, unit] layers
     rank_chunks_n: np.ndarray
     rank_working: np.ndarray
     stage_sum: float
@@ -203,10 +204,8 @@ def _layout(units: tuple[Unit, ...], times: dict[str, UnitTimes], cfg: ParallelC
     expert = st.rank_counts @ np.array([u.expert_params for u in units], float) / (cfg.tp * cfg.ep)
     pbytes = np.array([u.param_bytes for u in units], float)
     bpp = pbytes / np.maximum(1, [u.dense_params + u.expert_params for u in units])
-    first = np.where(present, np.array([u.dense_params for u in units], float), 0).max(axis=1)
     sums = {a: st.rank_counts @ per_unit(a) for a in _TIME_ATTRS}
-    attrs = [{a: float(sums[a][r]) for a in _TIME_ATTRS} | {"first_dense": first[r] / cfg.tp}
-             for r in range(cfg.pp)]
+    attrs = [{a: float(sums[a][r]) for a in _TIME_ATTRS} for r in range(cfg.pp)]
     stage = fwd + bwd
     return _Layout(
         chunks=st.chunks, fwd=list(fwd), bwd=list(bwd), wgrad=list(wgrad), kept=list(kept),
@@ -216,6 +215,7 @@ def _layout(units: tuple[Unit, ...], times: dict[str, UnitTimes], cfg: ParallelC
         stage_layers=st.stage_layers,
         rank_work=st.rank_counts @ (per_unit("forward") + per_unit("backward")),
         rank_kept=st.rank_counts @ np.array([k for k, _ in acts]),
+        rank_counts=st.rank_counts,
         rank_chunks_n=np.array([len(idx) for idx in st.rank_chunks], dtype=float),
         rank_working=np.where(present, working_u, 0.0).max(axis=1),
         stage_sum=float(stage.sum()), stage_max=float(stage.max()),
@@ -349,8 +349,11 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
     # --- data parallel and optimizer, on the pipeline rank with the most parameters --------
     heavy = max(range(config.pp), key=lambda r: lay.dense[r] + lay.expert[r])
     dense, expert = lay.dense[heavy], lay.expert[heavy]
+    units_here = [(float(n), u.dense_params / config.tp,
+                   u.expert_params / (config.tp * config.ep))
+                  for u, n in zip(units, lay.rank_counts[heavy]) if n > 0]
     dp_exposed, dp_total = _dp_comm(cache, config, groups, dense, expert, lay.attr_sums[heavy],
-                                    m, dtype, options)
+                                    m, dtype, options, units_here)
     shards = config.dp * config.cp
     master = (dense + expert) / (shards if config.zero_stage >= 1 else 1)
     optimizer = optimizer_time_s(cluster.hardware.device, master)
@@ -382,8 +385,13 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
 
 def _dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: float,
              expert: float, sums: dict[str, float], m: int, dtype: str,
-             options: EstimateOptions) -> tuple[float, float]:
-    """(exposed, total) seconds of data-parallel communication per step on one rank."""
+             options: EstimateOptions, gather_units: list[tuple[float, float, float]]
+             ) -> tuple[float, float]:
+    """(exposed, total) seconds of data-parallel communication per step on one rank.
+
+    ZeRO-3 gathers and reduce-scatters once per FSDP unit (a block layer, or the glue before
+    and after): `gather_units` lists (layers, dense params, expert params) per unit on the
+    rank, so each collective pays its own latency, which grows with the group size."""
     if len(groups.dp) == 1:
         return 0.0, 0.0
     grad_b = DTYPE_BYTES[options.grad_reduce_dtype] if dtype != "fp32" else 4
@@ -399,10 +407,16 @@ def _dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense:
     fwd = sums["compute_fwd"]
     bwd = sums["compute_bwd"] + sums["recompute"]
     if cfg.zero_stage == 3:
-        gather, scatter = both("all_gather", param_b), both("reduce_scatter", grad_b)
-        share = sums["first_dense"] / max(dense, 1.0)
-        exposed_mb = (max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd)
-                      + gather * share)
+        gather = scatter = first = 0.0
+        for layers, unit_dense, unit_expert in gather_units:
+            g = cluster.collective_time("all_gather", unit_dense * param_b, groups.dp)
+            r = cluster.collective_time("reduce_scatter", unit_dense * grad_b, groups.dp)
+            if unit_expert and len(expert_group) > 1:
+                g += cluster.collective_time("all_gather", unit_expert * param_b, expert_group)
+                r += cluster.collective_time("reduce_scatter", unit_expert * grad_b,
+                                             expert_group)
+            gather, scatter, first = gather + layers * g, scatter + layers * r, max(first, g)
+        exposed_mb = max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd) + first
         return m * exposed_mb, m * (2 * gather + scatter)
     if cfg.zero_stage == 0:
         reduce, gather = both("all_reduce", grad_b), 0.0
