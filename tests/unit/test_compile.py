@@ -135,3 +135,15 @@ def test_llama_blocks_get_the_ilps_layout_which_is_megatrons():
     assert pl["layers.2.attention.wo.weight"]["tp"] == "S(1)"
     assert pl["layers.2.feed_forward.w2.weight"]["tp"] == "S(1)"
     assert json.loads(plan.to_json())["intra_op"]
+
+
+@pytest.mark.parametrize("name", ["resnet50", "vit-b-16"])
+def test_non_transformer_models_compile_to_valid_plans(name):
+    cluster = autopar.Cluster.from_profile("dgx-a100-80g", num_nodes=2)
+    images = torch.empty(32, 3, 224, 224, device="meta")
+    plan = autopar.compile(autopar.models.build(name), cluster, global_batch_size=1024,
+                           example_inputs=images)
+    cfg = plan.config
+    assert cfg.world_size == 16 and 1024 % (cfg.dp * cfg.micro_batch_size) == 0
+    assert plan.estimate.fits and plan.estimate.step_time_s > 0
+    assert sum(map(len, plan.stages)) >= 1 and plan.placements
