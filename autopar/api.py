@@ -8,7 +8,10 @@ from typing import Any
 import torch.nn as nn
 
 from autopar.cluster import Cluster
-from autopar.estimate.core import EstimateOptions, ModelCosts
+from autopar.estimate.core import EstimateOptions, ModelCosts, evaluate, layer_costs
+from autopar.errors import StageMemoryError
+from autopar.search.inter_op import partition_stages
+from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES
 from autopar.plan import Plan, megatron_tp_placements, param_placements
 from autopar.plan.placements import MESH_AXES
 from autopar.search.intra_op import solve_block
@@ -47,7 +50,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
     costs = ModelCosts.from_graph(graph)
     result = search(costs, cluster, global_batch_size=global_batch_size, dtype=dtype,
                     constraints=constraints, options=options, settings=settings)
-    best = result.best
+    best = _rebalance_stages(costs, cluster, result.best, global_batch_size, dtype, options)
     cfg = best.config
     tp_map, intra_op = _tp_placements(model, graph, cluster, cfg, dtype, seq_len, example_inputs)
     sizes = {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp}
@@ -66,7 +69,8 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
         candidates=result.candidates,
         search={"num_considered": result.num_considered,
                 "num_pruned_by_memory": result.num_pruned_by_memory,
-                "seconds": result.seconds})
+                "seconds": result.seconds,
+                "stage_cut": "inter-op DP" if best is not result.best else "even (Megatron)"})
 
 
 def _tp_placements(model, graph, cluster: Cluster, cfg, dtype: str, seq_len, example_inputs
@@ -103,3 +107,32 @@ def _tp_placements(model, graph, cluster: Cluster, cfg, dtype: str, seq_len, exa
                         "Megatron's for %s at tp=%d; the plan uses the ILP's placements while "
                         "the estimate was costed with Megatron's", block.representative, cfg.tp)
     return tp_map, report
+
+
+def _rebalance_stages(costs: ModelCosts, cluster: Cluster, best, global_batch_size: int,
+                      dtype: str, options: EstimateOptions):
+    """Re-cut the winner's pipeline stages with the inter-op DP (non-uniform where layers
+    differ); keep the cut only if the simulated schedule is faster and it still fits."""
+    cfg = best.config
+    if cfg.pp == 1:
+        return best
+    per_layer = layer_costs(costs, cluster, cfg, dtype=dtype, options=options)
+    fixed = COMM_BUFFER_BYTES + CUDA_CONTEXT_BYTES
+    budget = cluster.hardware.device.memory_bytes / (1 + ALLOCATOR_RESERVE_FRACTION) - fixed
+    try:
+        cut = partition_stages(
+            forward_s=per_layer["forward"], backward_s=per_layer["backward"],
+            activation_bytes=per_layer["act"], state_bytes=per_layer["states"],
+            num_stages=cfg.pp, num_microbatches=best.num_microbatches,
+            schedule=cfg.pp_schedule, virtual_stages=cfg.virtual_stages,
+            p2p_s=best.breakdown["pp_p2p_per_transfer"], memory_budget_bytes=budget,
+            weight_grad_s=per_layer["wgrad"] if cfg.pp_schedule == "zero-bubble" else None)
+    except StageMemoryError:
+        return best
+    candidate = evaluate(costs, cluster, cfg, global_batch_size=global_batch_size, dtype=dtype,
+                         options=options, exact=True, stage_boundaries=tuple(cut.boundaries))
+    if candidate.fits and candidate.step_time_s < best.step_time_s:
+        log.info("inter-op DP re-cut the stages: %.3f s -> %.3f s per step",
+                 best.step_time_s, candidate.step_time_s)
+        return candidate
+    return best

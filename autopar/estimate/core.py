@@ -36,7 +36,7 @@ import torch.nn as nn
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig, check_config
 from autopar.estimate.memory import activation_bytes, peak_inflight_bytes, stage_memory
-from autopar.estimate.stages import Chunk, assign_stages
+from autopar.estimate.stages import Chunk, assign_stages, cut_stages, layer_sequence
 from autopar.estimate.timing import RankGroups, UnitTimes, rank_groups, unit_times
 from autopar.estimate.units import Unit, units_from_graph
 from autopar.ir import Graph, OpKind
@@ -48,7 +48,7 @@ from costmodels.pipeline import PipelineTimeline, simulate_pipeline
 log = logging.getLogger(__name__)
 
 __all__ = ["Estimate", "EstimateOptions", "EvalCache", "ModelCosts", "estimate",
-           "estimate_graph", "evaluate"]
+           "estimate_graph", "evaluate", "layer_costs"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -175,8 +175,9 @@ class _Structure:
     stage_layers: tuple[tuple[str, ...], ...]
 
 
-def _structure(units: tuple[Unit, ...], pp: int, v: int) -> _Structure:
-    chunks = assign_stages(units, pp * v)
+def _structure(units: tuple[Unit, ...], pp: int, v: int,
+               boundaries: tuple[tuple[int, int], ...] | None = None) -> _Structure:
+    chunks = assign_stages(units, pp * v) if boundaries is None else cut_stages(units, boundaries)
     index = {u.name: i for i, u in enumerate(units)}
     counts = np.zeros((len(chunks), len(units)))
     for c, chunk in enumerate(chunks):
@@ -298,8 +299,11 @@ def _fast_peak_memory(cfg: ParallelConfig, dtype: str, lay: _Layout, inflight: n
 def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
              global_batch_size: int, dtype: str = "bf16",
              options: EstimateOptions = EstimateOptions(), cache: EvalCache | None = None,
-             exact: bool = True) -> Estimate:
-    """Estimate `config` from model costs; `exact` simulates the schedule, else closed form."""
+             exact: bool = True,
+             stage_boundaries: tuple[tuple[int, int], ...] | None = None) -> Estimate:
+    """Estimate `config` from model costs; `exact` simulates the schedule, else closed form.
+    `stage_boundaries` (layer ranges over the whole model, glue included) replaces the
+    Megatron placement of layers on stages."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is unknown; allowed: {', '.join(DTYPE_BYTES)}")
     m = check_config(config, world_size=cluster.world_size, global_batch_size=global_batch_size,
@@ -323,11 +327,12 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
                                                overlap_tp=options.overlap_tp_comm)
                             for u in units}
     times = cache.times[key]
-    lkey = key + (config.pp, config.virtual_stages)
+    lkey = key + (config.pp, config.virtual_stages, stage_boundaries)
     if lkey not in cache.layouts:
-        skey = (mbs, config.pp, config.virtual_stages)
+        skey = (mbs, config.pp, config.virtual_stages, stage_boundaries)
         if skey not in cache.structures:
-            cache.structures[skey] = _structure(units, config.pp, config.virtual_stages)
+            cache.structures[skey] = _structure(units, config.pp, config.virtual_stages,
+                                                stage_boundaries)
         cache.layouts[lkey] = _layout(units, times, config, flash, cache.structures[skey])
     lay = cache.layouts[lkey]
     act = max(u.act_bytes for u in units) / config.cp / config.tp
@@ -381,6 +386,35 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
         breakdown=breakdown, memory_by_stage=tuple(memory),
         stage_layers=lay.stage_layers,
         num_microbatches=m, timeline=timeline)
+
+
+def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, dtype: str,
+                options: EstimateOptions, cache: EvalCache | None = None
+                ) -> dict[str, list[float]]:
+    """Per layer of the whole model (glue included), on one rank of `config`: forward,
+    backward and weight-grad seconds per micro-batch, activation bytes kept per micro-batch,
+    and model-state bytes -- the inputs of the inter-op stage DP."""
+    cache = cache or EvalCache(cluster)
+    units = costs.units_for(config.micro_batch_size)
+    times = {u.name: unit_times(u, cluster=cache, dtype=dtype, cfg=config,
+                                groups=rank_groups(config),
+                                attention_kernel=options.attention_kernel,
+                                overlap_tp=options.overlap_tp_comm) for u in units}
+    flash = options.attention_kernel != "math"
+    shards = config.dp * config.cp
+    dense_b = state_bytes_per_param(dtype, config.zero_stage, shards)
+    expert_b = state_bytes_per_param(dtype, config.zero_stage, max(1, shards // config.ep))
+    out: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "wgrad", "act",
+                                                   "states")}
+    for unit, _ in layer_sequence(units):
+        t = times[unit.name]
+        out["forward"].append(t.forward)
+        out["backward"].append(t.backward)
+        out["wgrad"].append(t.compute_wgrad)
+        out["act"].append(activation_bytes(unit, config, flash)[0])
+        out["states"].append(unit.dense_params / config.tp * dense_b
+                             + unit.expert_params / (config.tp * config.ep) * expert_b)
+    return out
 
 
 def _dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: float,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from autopar.estimate.units import Unit
 
-__all__ = ["Chunk", "assign_stages"]
+__all__ = ["Chunk", "assign_stages", "cut_stages", "layer_sequence"]
 
 Chunk = list[tuple[Unit, tuple[str, ...]]]  # (unit, the layer FQNs of it placed here)
 
@@ -48,3 +48,19 @@ def _group(items: list[tuple[Unit, str]]) -> Chunk:
         else:
             out.append((unit, (fqn,)))
     return out
+
+
+def layer_sequence(units: tuple[Unit, ...]) -> list[tuple[Unit, str]]:
+    """Every layer of the model in order, glue included: (unit, module path)."""
+    return [(u, fqn) for u in units for fqn in u.layer_fqns]
+
+
+def cut_stages(units: tuple[Unit, ...], boundaries: tuple[tuple[int, int], ...]) -> list[Chunk]:
+    """Chunks from explicit half-open layer ranges over `layer_sequence(units)` (e.g. the
+    inter-op stage DP's cut); the ranges must cover the sequence in order."""
+    items = layer_sequence(units)
+    if boundaries[0][0] != 0 or boundaries[-1][1] != len(items) or any(
+            a[1] != b[0] or a[0] >= a[1] for a, b in zip(boundaries, boundaries[1:])):
+        raise ValueError(f"stage boundaries {boundaries} do not cut the {len(items)} layers "
+                         f"into contiguous non-empty ranges")
+    return [_group(items[a:b]) for a, b in boundaries]

@@ -34,6 +34,7 @@ class OpCost:
     flops_fwd: float
     flops_bwd: float
     bytes_fwd: float
+    param_bytes: float = 0.0  # the part of bytes_fwd that reads parameters (batch-independent)
     expert: bool = False
     causal: bool = False
     score_bytes: float = 0.0  # attention: the b·a·s_q·s_kv score matrix in the compute dtype
@@ -63,13 +64,13 @@ class Unit:
         return len(self.layer_fqns)
 
     def scaled(self, factor: float) -> "Unit":
-        """The unit for `factor` times the traced batch: work and activations scale, params
-        do not. GEMM bytes also scale (their weight reads should not); GEMMs of training
-        shapes are compute-bound, so the roofline is unaffected."""
+        """The unit for `factor` times the traced batch: work and activations scale,
+        parameters and their reads do not."""
         if factor == 1:
             return self
         ops = tuple(replace(op, flops_fwd=op.flops_fwd * factor, flops_bwd=op.flops_bwd * factor,
-                            bytes_fwd=op.bytes_fwd * factor, score_bytes=op.score_bytes * factor)
+                            bytes_fwd=op.param_bytes + (op.bytes_fwd - op.param_bytes) * factor,
+                            score_bytes=op.score_bytes * factor)
                     for op in self.ops)
         return replace(self, ops=ops, saved_bytes=self.saved_bytes * factor,
                        saved_bytes_recompute=self.saved_bytes_recompute * factor,
@@ -134,9 +135,11 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
             continue
         kernels += 1
         io = node.bytes_read + node.bytes_written
+        weights = sum(p.num_bytes for p in node.params)
         if node.kind in _GEMM_KINDS:
             ops.append(OpCost(kind="gemm", flops_fwd=node.flops_fwd, flops_bwd=node.flops_bwd,
-                              bytes_fwd=io, expert=in_moe, vocab=_vocab_sized(node, vocab_dims)))
+                              bytes_fwd=io, param_bytes=weights, expert=in_moe,
+                              vocab=_vocab_sized(node, vocab_dims)))
         elif node.kind is OpKind.ATTENTION and node.attention is not None:
             a = node.attention
             score = a.batch * a.num_heads * a.seq_q * a.seq_kv * node.inputs[0].num_bytes \
@@ -150,7 +153,8 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
             scores += int(score * (2.5 if a.dropout_p > 0 else 1.0))
         else:
             ops.append(OpCost(kind="memory", flops_fwd=0.0, flops_bwd=0.0, bytes_fwd=io,
-                              expert=in_moe, vocab=node.kind is OpKind.EMBEDDING
+                              param_bytes=weights, expert=in_moe,
+                              vocab=node.kind is OpKind.EMBEDDING
                               and _vocab_sized(node, vocab_dims)))
             saved_memory += node.saved_bytes
         if node.kind is OpKind.NORM:

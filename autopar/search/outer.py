@@ -43,7 +43,7 @@ _RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SearchSettings:
     top_k_exact: int = 16  # candidates re-estimated with the simulated schedule
-    max_micro_batch_size: int = 16
+    max_micro_batch_size: int = 32
     max_virtual_stages: int = 4
     max_cp: int = 16
     progress: bool = True  # a progress bar once a search has run for a second

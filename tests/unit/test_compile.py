@@ -147,3 +147,22 @@ def test_non_transformer_models_compile_to_valid_plans(name):
     assert cfg.world_size == 16 and 1024 % (cfg.dp * cfg.micro_batch_size) == 0
     assert plan.estimate.fits and plan.estimate.step_time_s > 0
     assert sum(map(len, plan.stages)) >= 1 and plan.placements
+
+
+def test_inter_op_dp_gives_the_heavy_head_stage_fewer_layers():
+    from autopar.estimate import ModelCosts, evaluate
+    from autopar.models.llama import Llama, LlamaConfig
+
+    with torch.device("meta"):  # a 128K vocabulary makes the last stage's head heavy
+        model = Llama(LlamaConfig(vocab_size=128256, dim=1024, n_layers=8, n_heads=16,
+                                  n_kv_heads=8, ffn_dim=3584, max_seq_len=4096))
+    pins = {"tp": 1, "pp": 4, "cp": 1, "pp_schedule": "1f1b", "micro_batch_size": 1,
+            "zero_stage": 0}
+    plan = autopar.compile(model, H100, global_batch_size=32, seq_len=4096, constraints=pins)
+    blocks = [sum(f.startswith("layers.") for f in stage) for stage in plan.stages]
+    assert plan.search["stage_cut"] == "inter-op DP"
+    assert blocks[-1] < blocks[0] or blocks[-1] < max(blocks)
+    even = evaluate(ModelCosts.from_graph(autopar.trace(model, global_batch_size=1,
+                                                        seq_len=4096)),
+                    H100, plan.config, global_batch_size=32)
+    assert plan.estimate.step_time_s < even.step_time_s

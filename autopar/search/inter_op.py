@@ -1,0 +1,598 @@
+"""Inter-op search: cut a sequence of layers into contiguous pipeline stages (Alpa-style stage DP).
+
+This module owns the choice of layer ranges for the p·v pipeline stages of one configuration.
+It is a pure kernel on numbers: no torch, no graph, no cluster.
+
+Inputs, per layer l = 0..L-1 in model order, as seen by one rank: forward f_l and backward b_l
+seconds per micro-batch (TP communication and recompute already included), activation bytes
+a_l kept per micro-batch in flight, state bytes w_l (parameters, gradients, optimizer states).
+Also: p pipeline ranks, v virtual stages per rank, m micro-batches, the schedule, the p2p time
+c of one activation (or its gradient) crossing a stage boundary, and a per-rank budget M.
+
+Stages: S = p·v, stage s = layers [i_s, i_{s+1}) with 0 = i_0 < i_1 < ... < i_S = L (non-empty),
+stage s on rank s mod p. With tau(i, j) = sum_{l in [i, j)} (f_l + b_l):
+
+    t_s  = tau(i_s, i_{s+1}) + h,          h = 2c if p > 1 else 0
+    T    = (1/v) * sum_s t_s + (m*v - 1) * max_s t_s                        (predicted step)
+    mem_s = sum_{l in s} w_l + n_s * sum_{l in s} a_l
+    for every rank r:  sum_{s = r mod p} mem_s <= M                          (memory)
+
+For v = 1, T is Alpa's pipeline latency sum_s t_s + (m - 1) max_s t_s; for v > 1 it gives
+Megatron's interleaved closed form m(f + b) + (p - 1)(f + b)/v on equal stages. h charges
+every stage one round trip per micro-batch: in 1F1B's steady state each F/B pair waits for an
+activation to arrive and a gradient to come back, and the simulator shows end stages have little
+slack for it. n_s, the micro-batches of stage s in flight at the rank's peak: m for GPipe;
+min(p - s, m) for 1F1B and zero-bubble; for interleaved 1F1B the largest count of stage s's
+micro-batches in flight at once, read off the simulator's op order (order only, not durations).
+
+Exactness. Every cut has sum_s t_s = sum_l (f_l + b_l) + S*h, so T grows with max_s t_s alone
+and the optimum is the min-max (bottleneck) cut under memory. Alpa reaches the same point by
+enumerating candidate bounds t_max and solving a DP per bound; here one DP finds the bound:
+
+    D_0(0) = 0,   D_0(j > 0) = inf
+    D_s(j) = min over i < j with mem_s(i, j) <= M_s of  max(D_{s-1}(i), tau(i, j))
+    tau* = D_S(L)
+
+Among the cuts with every tau <= tau* a second DP picks the most even one (least sum tau^2):
+
+    E_s(j) = min over i < j, tau(i, j) <= tau*, mem_s(i, j) <= M_s of  E_{s-1}(i) + tau(i, j)^2
+
+and backtracks with ties to the smallest i: later stages (which hold fewer micro-batches under
+1F1B) take the extra layers. Each DP is S numpy passes over the rows a stage can start at
+(L - S + 2 of them) and all L + 1 ends: O(L^2 S) time at worst, O(L^2) memory. The result is re-simulated with `costmodels.pipeline.simulate_pipeline`,
+whose makespan is the number to believe; T is the formula's.
+
+Interleaved memory (v > 1) sums v non-adjacent stages per rank, which the prefix DP cannot
+carry. Pass 1 relaxes it: stage s gets M_s = M minus the least any other chunk of its rank can
+hold (one layer each); if its cut fits every rank it is optimal. Otherwise pass 2, a heuristic
+(`exact=False`), runs the DP under per-chunk budgets that sum to M on each rank (so its cut
+fits), split evenly or in proportion to seed cuts (pass 1's, the least-peak one, and one from a
+binary search on the bound with two repairs of the coupling), then polishes the best cut with
+chain moves. On the brute-force instances of the tests it usually finds the optimum, but it
+can miss a cut that fits a budget with little slack. For v = 1 the answer is always exact.
+
+Uniform layers (all f, b, a, w equal) short-circuit to the even split (sizes floor or ceil of
+L/S, the longer stages where fewest micro-batches are in flight, later stages first) when it
+fits: its bottleneck ceil(L/S)·(f + b) is a lower bound and its sum of squares is least.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.errors import StageMemoryError
+from costmodels.pipeline import OpKind, PipelineSchedule, simulate_pipeline
+
+__all__ = ["StagePartition", "partition_stages"]
+
+logger = logging.getLogger(__name__)
+
+# Search settings of the interleaved pass 2, not cost constants. Checked 2026-11 on 3000
+# derandomized brute-force instances like the unit tests' (L <= 8, p <= 2, v = 2): 8 split
+# rounds, 8 or 12 repair rounds or a zero tolerance found no better cut than these.
+_SPLIT_ROUNDS = 4       # refinements of the budget split (one DP pair each)
+_REPAIR_ROUNDS = 6      # rounds of each coupling repair per bottleneck bound tried
+_DESCENT_STEPS = 64     # chain moves of the final polish
+_BOUND_TOLERANCE = 0.01  # stop narrowing the seed's bound within 1%; the DP under the split
+                         # taken from the seed then finds that split's exact least bottleneck
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagePartition:
+    """Layer ranges of the p·v pipeline stages and what they cost; stage s runs on rank s mod p.
+
+    Per-stage tuples are in model order. Times are seconds per micro-batch, memory is bytes.
+    """
+
+    schedule: PipelineSchedule
+    num_stages: int                  # pipeline ranks p
+    virtual_stages: int              # v; len(boundaries) == p * v
+    num_microbatches: int
+    boundaries: tuple[tuple[int, int], ...]   # (start, end) half-open layer index ranges
+    stage_forward_s: tuple[float, ...]
+    stage_backward_s: tuple[float, ...]
+    stage_time_s: tuple[float, ...]           # forward + backward + p2p round trip
+    stage_inflight: tuple[int, ...]           # micro-batches held at the rank's peak
+    stage_memory_bytes: tuple[float, ...]     # states + activations x in flight
+    rank_memory_bytes: tuple[float, ...]      # per rank: the sum over its chunks
+    memory_budget_bytes: float
+    bottleneck_s: float                       # max of stage_time_s
+    predicted_step_time_s: float              # sum(t)/v + (m·v - 1)·max(t)
+    simulated_step_time_s: float              # simulate_pipeline's makespan: the truth
+    exact: bool                               # False only for a pass-2 interleaved cut
+    method: str                               # "even-split" | "dp" | "dp-split-budget"
+
+    @property
+    def layers_per_stage(self) -> tuple[int, ...]:
+        return tuple(end - start for start, end in self.boundaries)
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(self.rank_memory_bytes)
+
+
+# -- validation -------------------------------------------------------------------------------
+
+def _count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _per_layer(name: str, values: Sequence[float], num_layers: int | None,
+               unit: str) -> np.ndarray:
+    try:
+        out = np.asarray([float(x) for x in values], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a sequence of numbers ({unit} per layer), "
+                         f"got {values!r}") from None
+    if out.size == 0:
+        raise ValueError(f"{name} is empty; give one entry per layer")
+    if num_layers is not None and out.size != num_layers:
+        raise ValueError(f"{name} has {out.size} entries; expected {num_layers}, one per layer "
+                         f"like forward_s")
+    bad = np.flatnonzero(~(np.isfinite(out) & (out >= 0.0)))
+    if bad.size:
+        raise ValueError(f"{name}[{bad[0]}] = {out[bad[0]]!r}: need finite {unit} >= 0")
+    return out
+
+
+def _schedule(schedule: PipelineSchedule | str) -> PipelineSchedule:
+    try:
+        return PipelineSchedule(str(schedule))
+    except ValueError:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; allowed: "
+                         f"{', '.join(s.value for s in PipelineSchedule)}") from None
+
+
+# -- micro-batches in flight per stage ---------------------------------------------------------
+
+@functools.lru_cache(maxsize=128)  # a memo of a pure function of its arguments, nothing else
+def _inflight(kind: PipelineSchedule, p: int, m: int, v: int) -> tuple[int, ...]:
+    if kind is PipelineSchedule.GPIPE:
+        return (m,) * p
+    if kind is not PipelineSchedule.INTERLEAVED_1F1B:
+        return tuple(min(p - s, m) for s in range(p))
+    timeline = simulate_pipeline(schedule=kind, num_stages=p, num_microbatches=m,
+                                 virtual_stages=v, forward_s=1.0, backward_s=1.0)
+    live = [0] * (p * v)
+    peak = [0] * (p * v)
+    for rank_ops in timeline.ops:
+        for op in rank_ops:
+            if op.kind is OpKind.F:
+                live[op.stage] += 1
+                peak[op.stage] = max(peak[op.stage], live[op.stage])
+            elif op.kind is OpKind.B:
+                live[op.stage] -= 1
+    return tuple(peak)
+
+
+# -- the dynamic programs -----------------------------------------------------------------------
+
+class _Ranges:
+    """Range sums tau, state bytes and activation bytes for every (i, j), i < j, as matrices
+    of (L+1) x (L+1), inf where i >= j (no stage)."""
+
+    def __init__(self, compute: np.ndarray, act: np.ndarray, state: np.ndarray):
+        self.num_layers = compute.size
+        self.size = compute.size + 1
+        self.valid = np.triu(np.ones((self.size, self.size), dtype=bool), k=1)
+        self.tau = np.where(self.valid, _span(compute), np.inf)
+        self.act = np.where(self.valid, _span(act), np.inf)
+        self.state = np.where(self.valid, _span(state), np.inf)
+
+    def held(self, inflight: int, rows: slice) -> np.ndarray:
+        """Bytes a stage [i, j) holds with `inflight` micro-batches in flight, rows i only."""
+        return self.state[rows] + inflight * self.act[rows]
+
+    def allowed(self, matrix: np.ndarray, inflight: int, budget: float,
+                rows: slice) -> np.ndarray:
+        """matrix[rows] where the stage fits `budget`, inf elsewhere."""
+        if budget == math.inf:
+            return matrix[rows]
+        return np.where(self.held(inflight, rows) <= budget, matrix[rows], np.inf)
+
+
+def _span(values: np.ndarray) -> np.ndarray:
+    prefix = np.concatenate(([0.0], np.cumsum(values)))
+    return prefix[None, :] - prefix[:, None]
+
+
+def _cut_dp(num: int, size: int, cost_of: Callable[[int, slice], np.ndarray],
+            minimax: bool) -> list[tuple[int, int]] | None:
+    """The cut into `num` stages least in max_s (minimax) or sum_s of cost(s, i_s, i_{s+1}).
+
+    cost_of(s, rows) gives stage s's costs for starts i in `rows` and every end j, inf where
+    stage s may not be [i, j); None if every cut costs inf. Stage s can only start at
+    s <= i <= L - (num - s), so only those rows are asked for. Backtracking takes the smallest
+    start among equal values, so later stages take the extra layers.
+    """
+    cols = np.arange(size)
+    best = np.full(size, np.inf)
+    best[0] = 0.0
+    choice = []
+    for s in range(num):
+        rows = slice(s, size - num + s)
+        cand = best[rows, None]
+        cost = cost_of(s, rows)
+        cand = np.maximum(cand, cost) if minimax else cand + cost
+        start = cand.argmin(axis=0)
+        best = cand[start, cols]
+        choice.append(start + s)
+    if not math.isfinite(best[-1]):
+        return None
+    cut, end = [], size - 1
+    for start in reversed(choice):
+        cut.append((int(start[end]), end))
+        end = int(start[end])
+    return cut[::-1]
+
+
+def _fastest(ranges: _Ranges, inflight: tuple[int, ...], budgets: list[float]
+             ) -> list[tuple[int, int]] | None:
+    """Step 1: a cut of least bottleneck tau with stage s within budgets[s]."""
+    return _cut_dp(len(inflight), ranges.size,
+                   lambda s, rows: ranges.allowed(ranges.tau, inflight[s], budgets[s], rows),
+                   minimax=True)
+
+
+def _solve(ranges: _Ranges, inflight: tuple[int, ...], budgets: list[float]
+           ) -> list[tuple[int, int]] | None:
+    """Step 1 (least bottleneck tau*) then step 2 (least sum tau^2 with every tau <= tau*)."""
+    fastest = _fastest(ranges, inflight, budgets)
+    if fastest is None:
+        return None
+    bound = max(ranges.tau[i, j] for i, j in fastest)
+    square = np.where(ranges.tau <= bound, ranges.tau * ranges.tau, np.inf)
+    even = _cut_dp(len(inflight), ranges.size,
+                   lambda s, rows: ranges.allowed(square, inflight[s], budgets[s], rows),
+                   minimax=False)
+    assert even is not None, "the bottleneck bound admits the fastest cut"
+    return even
+
+
+# -- the search -------------------------------------------------------------------------------
+
+def partition_stages(*, forward_s: Sequence[float], backward_s: Sequence[float],
+                     activation_bytes: Sequence[float], state_bytes: Sequence[float],
+                     num_stages: int, num_microbatches: int,
+                     schedule: PipelineSchedule | str = "1f1b", virtual_stages: int = 1,
+                     p2p_s: float = 0.0, memory_budget_bytes: float = math.inf,
+                     weight_grad_s: Sequence[float] | None = None) -> StagePartition:
+    """Cut L layers into num_stages·virtual_stages contiguous stages with the least step time.
+
+    Per-layer sequences (`forward_s`, `backward_s`, `activation_bytes` kept per micro-batch,
+    `state_bytes`) are in model order, one entry per layer. `p2p_s` is the time of one send
+    across a stage boundary. `memory_budget_bytes` bounds each pipeline rank. `weight_grad_s`
+    (the weight-grad part of each layer's backward) is needed only by ``zero-bubble``, for the
+    simulator. See the module docstring for the objective and the algorithm.
+
+    Raises ValueError for malformed inputs, num_stages·virtual_stages > L, virtual_stages > 1
+    outside ``interleaved-1f1b`` and the simulator's other shape rules, and StageMemoryError
+    (a ValueError) when no cut fits the budget, giving the smallest peak reachable and the stage
+    that binds.
+    """
+    kind = _schedule(schedule)
+    p = _count("num_stages", num_stages)
+    m = _count("num_microbatches", num_microbatches)
+    v = _count("virtual_stages", virtual_stages)
+    fwd = _per_layer("forward_s", forward_s, None, "seconds")
+    num_layers = fwd.size
+    bwd = _per_layer("backward_s", backward_s, num_layers, "seconds")
+    act = _per_layer("activation_bytes", activation_bytes, num_layers, "bytes")
+    state = _per_layer("state_bytes", state_bytes, num_layers, "bytes")
+    wgrad = None
+    if weight_grad_s is not None:
+        wgrad = _per_layer("weight_grad_s", weight_grad_s, num_layers, "seconds")
+    elif kind is PipelineSchedule.ZERO_BUBBLE:
+        raise ValueError("schedule 'zero-bubble' needs weight_grad_s, the weight-grad part of "
+                         "each layer's backward, to simulate the split backward")
+    hop = float(_per_layer("p2p_s", [p2p_s], 1, "seconds")[0])
+    hop = hop if p > 1 else 0.0  # one rank: every stage boundary stays on it
+    budget = float(memory_budget_bytes)
+    if math.isnan(budget) or budget <= 0.0:
+        raise ValueError(f"memory_budget_bytes must be > 0 (math.inf for no limit), "
+                         f"got {memory_budget_bytes!r}")
+    if v > 1 and kind is not PipelineSchedule.INTERLEAVED_1F1B:
+        raise ValueError(f"virtual_stages={v} needs schedule 'interleaved-1f1b'; "
+                         f"{kind.value!r} takes virtual_stages=1")
+    num = p * v
+    if num > num_layers:
+        raise ValueError(f"num_stages*virtual_stages = {p}*{v} = {num} pipeline stages for "
+                         f"{num_layers} layers: every stage needs at least one layer; lower "
+                         f"num_stages or virtual_stages (at most {num_layers} stages in all)")
+    inflight = _inflight(kind, p, m, v)  # raises the simulator's ValueError for bad shapes
+
+    cut, exact, method = None, True, "even-split"
+    if _uniform(fwd, bwd, act, state):
+        cut = _even_split(num_layers, inflight)
+        if max(_rank_memory(cut, inflight, act, state, p)) > budget:
+            cut = None
+    if cut is None:
+        ranges = _Ranges(fwd + bwd, act, state)
+        cut, exact, method = _search(ranges, inflight, act, state, p, v, budget)
+    return _result(kind, p, m, v, cut, inflight, fwd, bwd, wgrad, act, state, hop, budget,
+                   exact, method)
+
+
+def _uniform(*per_layer: np.ndarray) -> bool:
+    return all(bool(np.all(x == x[0])) for x in per_layer)
+
+
+def _even_split(num_layers: int, inflight: tuple[int, ...]) -> list[tuple[int, int]]:
+    num = len(inflight)
+    base, extra = divmod(num_layers, num)
+    longer = set(sorted(range(num), key=lambda s: (inflight[s], -s))[:extra])
+    cut, start = [], 0
+    for s in range(num):
+        end = start + base + (s in longer)
+        cut.append((start, end))
+        start = end
+    return cut
+
+
+def _search(ranges: _Ranges, inflight: tuple[int, ...], act: np.ndarray, state: np.ndarray,
+            p: int, v: int, budget: float) -> tuple[list[tuple[int, int]], bool, str]:
+    num = p * v
+    if v == 1:
+        cut = _solve(ranges, inflight, [budget] * num)
+        if cut is None:
+            raise _infeasible(ranges, inflight, p, v, budget, [budget] * num)
+        return cut, True, "dp"
+    least = [float(np.min(state + n * act)) for n in inflight]  # one layer's worth per chunk
+    relaxed = []
+    for s in range(num):
+        others = sum(least[o] for o in range(s % p, num, p) if o != s)
+        relaxed.append(budget - others)
+    cut = _solve(ranges, inflight, relaxed)
+    if cut is None:
+        raise _infeasible(ranges, inflight, p, v, budget, relaxed)
+    if max(_rank_memory(cut, inflight, act, state, p)) <= budget:
+        return cut, True, "dp"
+    frugal = _least_memory_cut(ranges, inflight, [budget - r for r in relaxed])
+    best = _split_search(ranges, inflight, act, state, p, budget, [cut, frugal])
+    upper = math.inf if best is None else max(ranges.tau[i, j] for i, j in best)
+    lean = _lean_search(ranges, inflight, act, state, p, budget, relaxed, upper)
+    if lean is not None:
+        best = _split_search(ranges, inflight, act, state, p, budget, [lean, best or lean])
+    if best is not None:
+        best = _descend(best, inflight, act, state, ranges, p, budget)
+    if best is None:
+        use = _rank_memory(frugal, inflight, act, state, p)
+        rank = int(np.argmax(use))
+        floor = _infeasible(ranges, inflight, p, v, budget, relaxed).min_peak_bytes
+        raise StageMemoryError(
+            f"no interleaved cut of {ranges.num_layers} layers into {p}x{v} stages was found "
+            f"within the memory budget of {_gb(budget)} per rank: the leanest cut found "
+            f"({[j - i for i, j in frugal]} layers per stage) needs {_gb(use[rank])} on rank "
+            f"{rank}, and any cut needs at least {_gb(floor)} (a cut between the two may "
+            f"exist); lower virtual_stages, add pipeline stages, recompute activations or "
+            f"shard states with ZeRO",
+            budget_bytes=budget, min_peak_bytes=floor)
+    logger.debug("interleaved cut from a split budget (pass 2), not proven optimal")
+    return best, False, "dp-split-budget"
+
+
+def _lean_search(ranges: _Ranges, inflight: tuple[int, ...], act: np.ndarray,
+                 state: np.ndarray, p: int, budget: float, relaxed: list[float],
+                 upper: float) -> list[tuple[int, int]] | None:
+    """Pass 2 seed: a cut that fits every rank, its bottleneck T (< `upper`) binary-searched.
+
+    At a bound T, `settle` iterates the least-peak cut with each stage charged what its rank's
+    other chunks held in the previous cut; `weigh` takes the cut least in sum_s lambda_rank
+    mem_s, raising lambda where a rank overflows (exact for p = 1). Neither is monotone in T.
+    """
+    num = len(inflight)
+
+    def settle(bound: float) -> list[tuple[int, int]] | None:
+        # charge each stage what the other chunks of its rank held in the last cut
+        extra, seen = [budget - r for r in relaxed], set()
+        for _ in range(_REPAIR_ROUNDS):
+            cut = _least_memory_cut(ranges, inflight, extra, bound)
+            if cut is None or tuple(cut) in seen:
+                return None
+            use = _stage_memory(cut, inflight, act, state)
+            if max(math.fsum(use[r::p]) for r in range(p)) <= budget:
+                return cut
+            seen.add(tuple(cut))
+            extra = [math.fsum(use[s % p::p]) - use[s] for s in range(num)]
+        return None
+
+    def weigh(bound: float) -> list[tuple[int, int]] | None:
+        # least sum_s lambda_rank * mem_s, raising lambda where a rank overflows
+        slow = np.where(ranges.tau <= bound, 0.0, np.inf)
+        weight = [1.0] * p
+
+        def cost(s: int, rows: slice) -> np.ndarray:
+            held = ranges.held(inflight[s], rows) + slow[rows]
+            return weight[s % p] * np.where(held <= relaxed[s], held, np.inf)
+
+        for _ in range(_REPAIR_ROUNDS):
+            cut = _cut_dp(num, ranges.size, cost, minimax=False)
+            if cut is None:
+                return None
+            use = _rank_memory(cut, inflight, act, state, p)
+            if max(use) <= budget:
+                return cut
+            weight = [w * max(u / budget, 0.5) ** 2 for w, u in zip(weight, use)]
+        return None
+
+    def fitting(bound: float) -> list[tuple[int, int]] | None:
+        return settle(bound) or weigh(bound)
+
+    fastest = _fastest(ranges, inflight, relaxed)
+    lower = max(ranges.tau[i, j] for i, j in fastest) if fastest else math.inf
+    bounds = np.unique(ranges.tau[ranges.valid])
+    bounds = bounds[(bounds >= lower) & (bounds < upper)]
+    if bounds.size == 0:
+        return None
+    best = fitting(float(bounds[-1]))
+    lo, hi = 0, len(bounds) - 1  # fitting(bounds[hi]) found `best`
+    while best is not None and lo < hi and bounds[hi] > bounds[lo] * (1 + _BOUND_TOLERANCE):
+        mid = (lo + hi) // 2
+        found = fitting(float(bounds[mid]))
+        if found is None:
+            lo = mid + 1
+        else:
+            best, hi = found, mid
+    return best
+
+
+def _split_search(ranges: _Ranges, inflight: tuple[int, ...], act: np.ndarray,
+                  state: np.ndarray, p: int, budget: float, seeds: list[list[tuple[int, int]]]
+                  ) -> list[tuple[int, int]] | None:
+    """Pass 2: the best cut under per-chunk budgets summing to M per rank, split evenly, in
+    proportion to each seed cut's use, then (while it helps) to the best cut's own use."""
+    num = len(inflight)
+    v = num // p
+
+    def proportional(cut: list[tuple[int, int]]) -> list[float]:
+        use = _stage_memory(cut, inflight, act, state)
+        rank_use = [math.fsum(use[r::p]) for r in range(p)]
+        return [budget * use[s] / rank_use[s % p] if rank_use[s % p] > 0 else budget / v
+                for s in range(num)]
+
+    splits = [[budget / v] * num] + [proportional(cut) for cut in seeds]
+    best, best_key = None, None
+    for _ in range(_SPLIT_ROUNDS):
+        improved = False
+        for split in splits:
+            found = _solve(ranges, inflight, split)
+            if found is None:
+                continue
+            taus = [float(ranges.tau[i, j]) for i, j in found]
+            key = (max(taus), math.fsum(t * t for t in taus))
+            if best_key is None or key < best_key:
+                best, best_key, improved = found, key, True
+        if not improved:
+            break
+        splits = [proportional(best)]
+    return best
+
+
+def _descend(cut: list[tuple[int, int]], inflight: tuple[int, ...], act: np.ndarray,
+             state: np.ndarray, ranges: _Ranges, p: int, budget: float
+             ) -> list[tuple[int, int]]:
+    """Pass 2 polish: a bottleneck stage b hands its first layer back (starts of stages k..b
+    move +1) or its last layer on (starts of b+1..l move -1); the chain move that fits every
+    rank and lowers (max tau, stages at the max, sum tau^2) most is taken, while one does."""
+    num = len(cut)
+    tau, hold, act_sum = ranges.tau, ranges.state, ranges.act
+
+    def score(edges: list[int]) -> tuple[float, int, float] | None:
+        spans = [(edges[s], edges[s + 1]) for s in range(num)]
+        use = [hold[i, j] + n * act_sum[i, j] for (i, j), n in zip(spans, inflight)]
+        if max(sum(use[r::p]) for r in range(p)) > budget:
+            return None
+        taus = [tau[i, j] for i, j in spans]
+        top = max(taus)
+        return top, sum(t == top for t in taus), sum(t * t for t in taus)
+
+    edges = [i for i, _ in cut] + [cut[-1][1]]
+    key = score(edges)
+    assert key is not None, "pass 2 starts from a cut that fits"
+    for _ in range(_DESCENT_STEPS):
+        taus = [tau[edges[s], edges[s + 1]] for s in range(num)]
+        moves = []
+        for b in (s for s in range(num) if taus[s] == key[0] and edges[s + 1] - edges[s] > 1):
+            moves += [[e + (k <= x <= b) for x, e in enumerate(edges)] for k in range(1, b + 1)]
+            moves += [[e - (b < x <= l) for x, e in enumerate(edges)]
+                      for l in range(b + 1, num)]
+        scored = [(new_key, edges) for edges in moves if (new_key := score(edges)) is not None]
+        better = min(scored, default=None)
+        if better is None or better[0] >= key:
+            break
+        key, edges = better
+    found = [(edges[s], edges[s + 1]) for s in range(num)]
+    if max(_rank_memory(found, inflight, act, state, p)) > budget:  # rounding of prefix sums
+        return cut
+    return found
+
+
+def _stage_memory(cut: list[tuple[int, int]], inflight: tuple[int, ...], act: np.ndarray,
+                  state: np.ndarray) -> list[float]:
+    return [math.fsum(state[i:j]) + n * math.fsum(act[i:j]) for (i, j), n in zip(cut, inflight)]
+
+
+def _rank_memory(cut: list[tuple[int, int]], inflight: tuple[int, ...], act: np.ndarray,
+                 state: np.ndarray, p: int) -> list[float]:
+    per_stage = _stage_memory(cut, inflight, act, state)
+    return [math.fsum(per_stage[r::p]) for r in range(p)]
+
+
+def _gb(num_bytes: float) -> str:
+    scale, unit = next(((x, u) for x, u in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB"))
+                        if num_bytes >= x), (1.0, "B"))
+    return f"{num_bytes / scale:.4g} {unit}"
+
+
+def _least_memory_cut(ranges: _Ranges, inflight: tuple[int, ...], extra: list[float],
+                      bound: float = math.inf) -> list[tuple[int, int]] | None:
+    """The cut least in max over stages of (what stage s holds + extra[s]), every tau <= bound."""
+    slow = np.where(ranges.tau <= bound, 0.0, np.inf)
+    return _cut_dp(len(inflight), ranges.size,
+                   lambda s, rows: ranges.held(inflight[s], rows) + (slow[rows] + extra[s]),
+                   minimax=True)
+
+
+def _infeasible(ranges: _Ranges, inflight: tuple[int, ...], p: int, v: int, budget: float,
+                budgets: list[float]) -> StageMemoryError:
+    """The error for a budget no cut meets: the least peak any cut reaches and where it binds
+    (stage s also charged budget - budgets[s]: exact for v = 1, a lower bound for v > 1)."""
+    num = len(inflight)
+    extra = [budget - b for b in budgets]
+    cut = _least_memory_cut(ranges, inflight, extra)
+    assert cut is not None, "every cut has a finite memory"
+    usage = [float(ranges.state[i, j] + n * ranges.act[i, j]) + e
+             for (i, j), n, e in zip(cut, inflight, extra)]
+    s = int(np.argmax(usage))
+    peak = usage[s]
+    i, j = cut[s]
+    states, acts = float(ranges.state[i, j]), float(ranges.act[i, j])
+    where = (f"stage {s} (rank {s % p}), layers [{i}, {j}): states {_gb(states)} + "
+             f"activations {_gb(acts)} x {inflight[s]} micro-batches in flight")
+    bound = "exactly" if v == 1 else "at least"
+    if v > 1:
+        where += f" + at least {_gb(extra[s])} for the other chunks of its rank"
+    logger.debug("no stage cut fits %s; least peak %s", _gb(budget), _gb(peak))
+    return StageMemoryError(
+        f"no cut of {ranges.num_layers} layers into {num} pipeline stages fits the memory budget "
+        f"of {_gb(budget)} per rank: the smallest peak any cut reaches is {bound} {_gb(peak)}, "
+        f"bound by {where}; raise the budget, add pipeline stages, use a schedule with fewer "
+        f"micro-batches in flight (1f1b instead of gpipe), recompute activations or shard "
+        f"states with ZeRO",
+        budget_bytes=budget, min_peak_bytes=peak, stage=s, layers=(i, j))
+
+
+def _result(kind: PipelineSchedule, p: int, m: int, v: int, cut: list[tuple[int, int]],
+            inflight: tuple[int, ...], fwd: np.ndarray, bwd: np.ndarray,
+            wgrad: np.ndarray | None, act: np.ndarray, state: np.ndarray, hop: float,
+            budget: float, exact: bool, method: str) -> StagePartition:
+    stage_f = tuple(math.fsum(fwd[i:j]) for i, j in cut)
+    stage_b = tuple(math.fsum(bwd[i:j]) for i, j in cut)
+    times = tuple(f + b + 2.0 * hop for f, b in zip(stage_f, stage_b))
+    bottleneck = max(times)
+    predicted = math.fsum(times) / v + (m * v - 1) * bottleneck
+    stage_w = None if wgrad is None else [min(math.fsum(wgrad[i:j]), b)
+                                          for (i, j), b in zip(cut, stage_b)]
+    simulated = simulate_pipeline(schedule=kind, num_stages=p, num_microbatches=m,
+                                  virtual_stages=v, forward_s=stage_f, backward_s=stage_b,
+                                  weight_grad_s=stage_w, p2p_s=hop,
+                                  record_ops=False).step_time_s
+    logger.debug("%s p=%d v=%d m=%d: %s layers/stage, bottleneck %.6g s, predicted %.6g s, "
+                 "simulated %.6g s (%s)", kind.value, p, v, m,
+                 [j - i for i, j in cut], bottleneck, predicted, simulated, method)
+    return StagePartition(
+        schedule=kind, num_stages=p, virtual_stages=v, num_microbatches=m,
+        boundaries=tuple(cut), stage_forward_s=stage_f, stage_backward_s=stage_b,
+        stage_time_s=times, stage_inflight=inflight,
+        stage_memory_bytes=tuple(_stage_memory(cut, inflight, act, state)),
+        rank_memory_bytes=tuple(_rank_memory(cut, inflight, act, state, p)),
+        memory_budget_bytes=budget, bottleneck_s=bottleneck, predicted_step_time_s=predicted,
+        simulated_step_time_s=simulated, exact=exact, method=method)
