@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
 from autopar import EstimateOptions  # noqa: E402
+from autopar.estimate import ModelCosts, evaluate  # noqa: E402
 from benchmarks.published_runs import SOFTWARE, load_runs  # noqa: E402
 
 _FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "micro_batch_size", "pp_schedule",
@@ -46,9 +47,12 @@ def main() -> None:
             continue
         options = EstimateOptions(**SOFTWARE[run.group][0])
         cluster = run.make_cluster()
-        published = autopar.estimate(run.build_model(), cluster, run.config,
-                                     global_batch_size=run.global_batch_size,
-                                     seq_len=run.seq_len, dtype=run.dtype, options=options)
+        # the published config through the same cost path compile ranks with (one trace per
+        # sequence, scaled to the micro-batch), so equal configs compare equal
+        costs = ModelCosts.from_graph(autopar.trace(run.build_model(), global_batch_size=1,
+                                                    seq_len=run.seq_len, dtype=run.dtype))
+        published = evaluate(costs, cluster, run.config, global_batch_size=run.global_batch_size,
+                             dtype=run.dtype, options=options)
         start = time.perf_counter()
         plan = autopar.compile(run.build_model(), cluster, global_batch_size=run.global_batch_size,
                                seq_len=run.seq_len, dtype=run.dtype, options=options,
