@@ -56,7 +56,7 @@ from enum import StrEnum
 from typing import NamedTuple, Sequence
 
 __all__ = ["PipelineSchedule", "OpKind", "PipelineOp", "PipelineTimeline", "simulate_pipeline",
-           "gpipe_step_time", "one_f_one_b_step_time", "interleaved_step_time"]
+           "gpipe_step_time", "one_f_one_b_step_time", "interleaved_step_time", "parse_schedule"]
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,8 @@ def _times(name: str, values: Sequence[float] | float, length: int, what: str) -
     return out
 
 
-def _schedule(schedule: PipelineSchedule | str) -> PipelineSchedule:
+def parse_schedule(schedule: PipelineSchedule | str) -> PipelineSchedule:
+    """The schedule enum for a name; ValueError listing the allowed names otherwise."""
     try:
         return PipelineSchedule(str(schedule))
     except ValueError:
@@ -313,7 +314,7 @@ def simulate_pipeline(*, schedule: PipelineSchedule | str, num_stages: int,
     num_stages, ``zero-bubble`` without weight_grad_s, sequences of the wrong length, and
     negative or non-finite times (or a weight-grad time above its backward).
     """
-    kind = _schedule(schedule)
+    kind = parse_schedule(schedule)
     p = _count("num_stages", num_stages)
     m = _count("num_microbatches", num_microbatches)
     v = _count("virtual_stages", virtual_stages)

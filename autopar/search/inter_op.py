@@ -67,7 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.errors import StageMemoryError
-from costmodels.pipeline import OpKind, PipelineSchedule, simulate_pipeline
+from costmodels.pipeline import OpKind, PipelineSchedule, parse_schedule, simulate_pipeline
 
 __all__ = ["StagePartition", "partition_stages"]
 
@@ -141,14 +141,6 @@ def _per_layer(name: str, values: Sequence[float], num_layers: int | None,
     if bad.size:
         raise ValueError(f"{name}[{bad[0]}] = {out[bad[0]]!r}: need finite {unit} >= 0")
     return out
-
-
-def _schedule(schedule: PipelineSchedule | str) -> PipelineSchedule:
-    try:
-        return PipelineSchedule(str(schedule))
-    except ValueError:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; allowed: "
-                         f"{', '.join(s.value for s in PipelineSchedule)}") from None
 
 
 # -- micro-batches in flight per stage ---------------------------------------------------------
@@ -278,7 +270,7 @@ def partition_stages(*, forward_s: Sequence[float], backward_s: Sequence[float],
     (a ValueError) when no cut fits the budget, giving the smallest peak reachable and the stage
     that binds.
     """
-    kind = _schedule(schedule)
+    kind = parse_schedule(schedule)
     p = _count("num_stages", num_stages)
     m = _count("num_microbatches", num_microbatches)
     v = _count("virtual_stages", virtual_stages)
