@@ -48,7 +48,7 @@ from costmodels.pipeline import PipelineTimeline, simulate_pipeline
 log = logging.getLogger(__name__)
 
 __all__ = ["Estimate", "EstimateOptions", "EvalCache", "ModelCosts", "estimate",
-           "estimate_graph", "evaluate", "layer_costs"]
+           "estimate_graph", "evaluate", "layer_costs", "step_lower_bound"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -317,15 +317,10 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
     units = cache.units[mbs]
     groups = rank_groups(config)
     flash = options.attention_kernel != "math"
-    key = (mbs, config.tp, config.cp, config.ep,
-           config.sequence_parallel, config.recompute, options.attention_kernel,
-           options.overlap_tp_comm, dtype)
-    if key not in cache.times:
-        cache.times[key] = {u.name: unit_times(u, cluster=cache, dtype=dtype, cfg=config,
-                                               groups=groups,
-                                               attention_kernel=options.attention_kernel,
-                                               overlap_tp=options.overlap_tp_comm)
-                            for u in units}
+    step_lower_bound(costs, cluster, config, global_batch_size=global_batch_size, dtype=dtype,
+                     options=options, cache=cache)  # fills the unit-time cache
+    key = (mbs, config.tp, config.cp, config.ep, config.sequence_parallel, config.recompute,
+           options.attention_kernel, options.overlap_tp_comm, dtype)
     times = cache.times[key]
     lkey = key + (config.pp, config.virtual_stages, stage_boundaries)
     if lkey not in cache.layouts:
@@ -386,6 +381,29 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
         breakdown=breakdown, memory_by_stage=tuple(memory),
         stage_layers=lay.stage_layers,
         num_microbatches=m, timeline=timeline)
+
+
+def step_lower_bound(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
+                     global_batch_size: int, dtype: str, options: EstimateOptions,
+                     cache: EvalCache) -> float:
+    """A bound no schedule beats: every micro-batch's forward and backward work, spread evenly
+    over the pipeline ranks, with no bubble, exposed data-parallel traffic or optimizer."""
+    mbs = config.micro_batch_size
+    if mbs not in cache.units:
+        cache.units[mbs] = costs.units_for(mbs)
+    units = cache.units[mbs]
+    key = (mbs, config.tp, config.cp, config.ep, config.sequence_parallel, config.recompute,
+           options.attention_kernel, options.overlap_tp_comm, dtype)
+    if key not in cache.times:
+        cache.times[key] = {u.name: unit_times(u, cluster=cache, dtype=dtype, cfg=config,
+                                               groups=rank_groups(config),
+                                               attention_kernel=options.attention_kernel,
+                                               overlap_tp=options.overlap_tp_comm)
+                            for u in units}
+    times = cache.times[key]
+    work = sum((times[u.name].forward + times[u.name].backward) * u.count for u in units)
+    m = global_batch_size // (config.dp * mbs)
+    return m * work / config.pp
 
 
 def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, dtype: str,

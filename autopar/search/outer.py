@@ -7,9 +7,12 @@ node (the mesh order is pp, dp, cp, tp with tp innermost; rank r lives on node r
 
 Cost: the model is traced once; per-unit times are cached per (micro-batch, tp, cp, ep, SP,
 recompute) and collective times per (kind, bytes, group), so a config costs a few sums. Each
-config is first checked against a memory lower bound (model states alone), then ranked with
-the closed-form pipeline bound; the `top_k_exact` best are re-estimated with the simulated
-schedule and the winner is the fastest of those that fits. Ties (equal step time to 1e-12 s)
+config is first checked against a memory lower bound (model states alone); the rest are
+visited in order of a step-time lower bound (`step_lower_bound`: all work spread evenly over
+the pipeline ranks) and ranked with the closed-form pipeline estimate, stopping once the bound
+exceeds the `top_k_exact`-th best fitting time -- no config skipped then could have entered
+the top k, so the result is the same as evaluating all. The top k are re-estimated with the
+simulated schedule and the winner is the fastest of those that fits. Ties (equal step time to 1e-12 s)
 go to the simpler config: the fields compared in the order (pp, tp, cp, ep, dp, zero_stage,
 recompute, micro_batch_size, pp_schedule, virtual_stages, sequence_parallel), smaller first
 -- so DDP beats ZeRO when they cost the same, and the same input always gives the same plan.
@@ -27,7 +30,8 @@ import pandas as pd
 from autopar.cluster import Cluster
 from autopar.config import PP_SCHEDULES, ParallelConfig, divisors
 from autopar.errors import NoPlanFitsError
-from autopar.estimate.core import Estimate, EstimateOptions, EvalCache, ModelCosts, evaluate
+from autopar.estimate.core import (Estimate, EstimateOptions, EvalCache, ModelCosts, evaluate,
+                                   step_lower_bound)
 from costmodels.memory import (COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES, state_bytes_per_param)
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,7 @@ class SearchResult:
     candidates: pd.DataFrame
     num_considered: int
     num_pruned_by_memory: int
+    num_pruned_by_bound: int
     seconds: float
 
 
@@ -194,9 +199,8 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     progress = _Progress(settings.progress)
     fast: list[Estimate] = []
     pruned, smallest, errors = 0, None, []
-    for i, cfg in enumerate(configs):
-        if i % 256 == 0:
-            progress.tick(i, len(configs))
+    ordered = []
+    for cfg in configs:
         bound = _states_lower_bound(costs, cfg, dtype)
         if bound > usable:
             pruned += 1
@@ -204,10 +208,29 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
                 smallest = (bound, cfg)
             continue
         try:
-            fast.append(evaluate(costs, cluster, cfg, global_batch_size=global_batch_size,
-                                 dtype=dtype, options=options, cache=cache, exact=False))
+            ordered.append((step_lower_bound(costs, cluster, cfg,
+                                             global_batch_size=global_batch_size, dtype=dtype,
+                                             options=options, cache=cache), _tie_key(cfg), cfg))
+        except ValueError as exc:
+            errors.append(f"{cfg.short()}: {exc}")
+    ordered.sort(key=lambda t: (t[0], t[1]))
+    best_times: list[float] = []  # the k fastest fitting closed-form times, ascending
+    skipped = 0
+    for i, (bound, _, cfg) in enumerate(ordered):
+        if i % 256 == 0:
+            progress.tick(i, len(ordered))
+        if len(best_times) == settings.top_k_exact and bound > best_times[-1]:
+            skipped = len(ordered) - i
+            break
+        try:
+            est = evaluate(costs, cluster, cfg, global_batch_size=global_batch_size,
+                           dtype=dtype, options=options, cache=cache, exact=False)
         except ValueError as exc:  # e.g. a head/expert divisibility the enumeration let by
             errors.append(f"{cfg.short()}: {exc}")
+            continue
+        fast.append(est)
+        if est.fits:
+            best_times = sorted(best_times + [est.step_time_s])[:settings.top_k_exact]
     progress.close()
     if not configs or (not fast and errors and not pruned):
         detail = f" (first rejection: {errors[0]})" if errors else ""
@@ -232,9 +255,11 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     table = pd.DataFrame(rows).sort_values(
         ["fits", "step_time_s"], ascending=[False, True], kind="mergesort").reset_index(drop=True)
     seconds = time.perf_counter() - start
-    log.info("searched %d configs (%d pruned by memory) in %.2f s", len(configs), pruned, seconds)
+    log.info("searched %d configs (%d pruned by memory, %d by the step-time bound) in %.2f s",
+             len(configs), pruned, skipped, seconds)
     return SearchResult(best=best, candidates=table, num_considered=len(configs),
-                        num_pruned_by_memory=pruned, seconds=seconds)
+                        num_pruned_by_memory=pruned, num_pruned_by_bound=skipped,
+                        seconds=seconds)
 
 
 def _no_fit(costs, cluster, fast, smallest, usable, gbs, dtype, options, cache) -> NoPlanFitsError:
