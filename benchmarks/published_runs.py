@@ -204,16 +204,19 @@ def interleave_degree(num_layers: int, pp: int) -> int:
 # Software each group ran, as the sources state it (EstimateOptions fields). These describe the
 # framework of the run, not a fitted correction: they are the same for every row of a group.
 SOFTWARE: dict[str, tuple[dict[str, Any], str]] = {
-    "sc21-t1": ({"attention_kernel": "math", "overlap_dp_comm": False},
+    "sc21-t1": ({"attention_kernel": "math", "overlap_dp_comm": False,
+                 "grad_reduce_dtype": "fp16"},
                 "Megatron-LM 2021: fused scale-mask-softmax on materialized scores (flash "
-                "attention is 2022); gradients all-reduced after backward (overlap came in 2023)"),
-    "sc21-t2-ptdp": ({"attention_kernel": "math", "overlap_dp_comm": False},
+                "attention is 2022); gradients all-reduced after backward (overlap came in 2023) "
+                "in fp16 (--accumulate-allreduce-grads-in-fp32 was an opt-in flag)"),
+    "sc21-t2-ptdp": ({"attention_kernel": "math", "overlap_dp_comm": False,
+                      "grad_reduce_dtype": "fp16"},
                      "same Megatron-LM 2021 software as Table 1"),
     "sc21-t2-zero3": ({"attention_kernel": "math", "overlap_dp_comm": True,
-                       "zero3_max_live_params": 10**9},
+                       "zero3_max_live_params": 10**9, "grad_reduce_dtype": "fp16"},
                       "DeepSpeed ZeRO-3 (2021): materialized attention scores; parameter "
                       "prefetch overlaps gathers with compute; live gathered parameters capped "
-                      "by stage3_max_live_parameters (default 1e9)"),
+                      "by stage3_max_live_parameters (default 1e9); fp16 communication"),
     "mlm-h100": ({"attention_kernel": "cudnn", "overlap_dp_comm": True, "overlap_tp_comm": True},
                  "Megatron-LM r0.8 with Transformer Engine: cuDNN fused attention; --overlap-"
                  "grad-reduce, --overlap-param-gather, --tp-comm-overlap (CSV notes)"),

@@ -63,7 +63,7 @@ MATH_ATTENTION_SCORE_PASSES_BWD = 6
 # median |error| of each -- and checked on the held-out groups (SC21 Table 2,
 # MosaicML A100/H100, Megatron H100 strong scaling) by benchmarks/published_runs.py.
 # Architectures without a fit use the mean of the fitted values (an assumption).
-SUSTAINED_COMPUTE_FRACTION = {"ampere": 0.82, "hopper": 0.71}
+SUSTAINED_COMPUTE_FRACTION = {"ampere": 0.81, "hopper": 0.71}
 
 
 def sustained_fraction(arch: str) -> float:

@@ -360,8 +360,8 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
 
     step = pipe_s + dp_exposed + optimizer
     breakdown = _breakdown(pipe_s, lay.attr_sums[int(np.argmax(busy))], m)
-    breakdown.update(dp_comm=dp_exposed, optimizer=optimizer, dp_comm_total=dp_total,
-                     pp_p2p_per_transfer=p2p)
+    breakdown.update(dp_comm=float(dp_exposed), optimizer=float(optimizer),
+                     dp_comm_total=float(dp_total), pp_p2p_per_transfer=float(p2p))
     peak_dense = cluster.hardware.device.peak_flops.get(dtype, 0.0)
     model_flops = 3.0 * costs.flops_fwd * (global_batch_size / costs.traced_batch)
     tokens = global_batch_size * (costs.seq_len or 1)
