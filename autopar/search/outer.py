@@ -48,7 +48,7 @@ _RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
 class SearchSettings:
     top_k_exact: int = 16  # candidates re-estimated with the simulated schedule
     max_micro_batch_size: int = 32
-    max_virtual_stages: int = 4
+    max_virtual_stages: int = 8
     max_cp: int = 16
     progress: bool = True  # a progress bar once a search has run for a second
 
