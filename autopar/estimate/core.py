@@ -386,8 +386,11 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
 def step_lower_bound(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
                      global_batch_size: int, dtype: str, options: EstimateOptions,
                      cache: EvalCache) -> float:
-    """A bound no schedule beats: every micro-batch's forward and backward work, spread evenly
-    over the pipeline ranks, with no bubble, exposed data-parallel traffic or optimizer."""
+    """A bound the closed-form estimate never goes below: every micro-batch's work spread
+    evenly over the pipeline ranks, plus the fill its schedule implies ((p-1) stages for
+    GPipe/1F1B, (p-1)/v for interleaved, none for ZB-H1), with no exposed data-parallel
+    traffic or optimizer. (Alpa's bound sum + (m-1) max >= (m + p - 1) x mean, since max >=
+    mean; the interleaved and ZB-H1 forms likewise.)"""
     mbs = config.micro_batch_size
     if mbs not in cache.units:
         cache.units[mbs] = costs.units_for(mbs)
@@ -402,8 +405,14 @@ def step_lower_bound(costs: ModelCosts, cluster: Cluster, config: ParallelConfig
                             for u in units}
     times = cache.times[key]
     work = sum((times[u.name].forward + times[u.name].backward) * u.count for u in units)
-    m = global_batch_size // (config.dp * mbs)
-    return m * work / config.pp
+    m, p = global_batch_size // (config.dp * mbs), config.pp
+    if p == 1 or config.pp_schedule == "zero-bubble":
+        fill = 0.0
+    elif config.pp_schedule == "interleaved-1f1b":
+        fill = (p - 1) / config.virtual_stages
+    else:
+        fill = p - 1.0
+    return (m + fill) * work / p
 
 
 def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, dtype: str,
