@@ -78,6 +78,11 @@ class Estimate:
     memory_by_stage: tuple[dict[str, float], ...]  # bytes per category per rank (exact only)
     stage_layers: tuple[tuple[str, ...], ...]  # module paths per (virtual) stage
     num_microbatches: int
+    # per (virtual) stage, per micro-batch on one rank: what the schedule was simulated with
+    stage_forward_s: tuple[float, ...] = ()
+    stage_backward_s: tuple[float, ...] = ()
+    stage_wgrad_s: tuple[float, ...] = ()
+    p2p_s: float = 0.0
     timeline: PipelineTimeline | None = field(default=None, repr=False)  # None: closed form
 
     @property
@@ -379,8 +384,10 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
         model_tflops_per_gpu=model_flops / (step * cluster.world_size) / 1e12,
         peak_memory_bytes=peak, usable_memory_bytes=cluster.hardware.device.memory_bytes,
         breakdown=breakdown, memory_by_stage=tuple(memory),
-        stage_layers=lay.stage_layers,
-        num_microbatches=m, timeline=timeline)
+        stage_layers=lay.stage_layers, num_microbatches=m,
+        stage_forward_s=tuple(float(x) for x in lay.fwd),
+        stage_backward_s=tuple(float(x) for x in lay.bwd),
+        stage_wgrad_s=tuple(float(x) for x in lay.wgrad), p2p_s=float(p2p), timeline=timeline)
 
 
 def step_lower_bound(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,

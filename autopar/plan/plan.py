@@ -48,7 +48,10 @@ def _estimate_dict(est: Estimate) -> dict[str, Any]:
             "peak_memory_bytes": est.peak_memory_bytes,
             "usable_memory_bytes": est.usable_memory_bytes, "fits": est.fits,
             "breakdown": est.breakdown, "memory_by_stage": list(est.memory_by_stage),
-            "num_microbatches": est.num_microbatches}
+            "num_microbatches": est.num_microbatches,
+            "stage_forward_s": list(est.stage_forward_s),
+            "stage_backward_s": list(est.stage_backward_s),
+            "stage_wgrad_s": list(est.stage_wgrad_s), "p2p_s": est.p2p_s}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,7 +137,11 @@ def load_plan(path: str | Path) -> Plan:
                        usable_memory_bytes=e["usable_memory_bytes"], breakdown=e["breakdown"],
                        memory_by_stage=tuple(e["memory_by_stage"]),
                        stage_layers=tuple(tuple(s) for s in data["stages"]),
-                       num_microbatches=e["num_microbatches"])
+                       num_microbatches=e["num_microbatches"],
+                       stage_forward_s=tuple(e.get("stage_forward_s", ())),
+                       stage_backward_s=tuple(e.get("stage_backward_s", ())),
+                       stage_wgrad_s=tuple(e.get("stage_wgrad_s", ())),
+                       p2p_s=e.get("p2p_s", 0.0))
         return Plan(config=cfg, estimate=est, stages=data["stages"],
                     placements=data["placements"], mesh=data["mesh"], model=data["model"],
                     cluster=data["cluster"], training=data["training"],
