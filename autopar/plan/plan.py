@@ -23,7 +23,7 @@ import pandas as pd
 from autopar.config import ParallelConfig
 from autopar.estimate.core import Estimate
 
-__all__ = ["PLAN_VERSION", "Plan", "load_plan"]
+__all__ = ["PLAN_VERSION", "Plan", "check_plan", "load_plan"]
 
 PLAN_VERSION = 1
 _SAVED_CANDIDATES = 50  # the best rows of the candidate table kept in the file
@@ -118,8 +118,31 @@ class Plan:
         return "\n".join(lines)
 
 
-def load_plan(path: str | Path) -> Plan:
-    """Read a plan saved by `Plan.save`; refuses other plan versions and corrupted files."""
+def check_plan(plan: Plan, *, model: Any = None, cluster: Any = None) -> None:
+    """Raise ValueError when `plan` was made for another model (graph fingerprint) or another
+    cluster (hardware fingerprint and node count), saying which and how to re-plan."""
+    if cluster is not None and cluster.fingerprint() != plan.cluster["fingerprint"]:
+        raise ValueError(
+            f"this plan was made for {plan.cluster['profile']} x {plan.cluster['num_nodes']} "
+            f"nodes, not for {cluster.name} x {cluster.num_nodes}: re-plan with "
+            f"autopar.compile(model, cluster, ...) for this cluster")
+    if model is not None:
+        from autopar.trace import trace
+
+        seq = plan.training.get("seq_len")
+        graph = trace(model, global_batch_size=1, seq_len=seq, dtype=plan.training["dtype"]) \
+            if seq else None
+        if graph is not None and graph.fingerprint() != plan.model["fingerprint"]:
+            raise ValueError(
+                f"this plan was made for another model ({plan.model['class']}, "
+                f"{plan.model['num_params'] / 1e9:.2f} B parameters; this one is "
+                f"{graph.model_class}, {graph.num_params / 1e9:.2f} B): re-plan with "
+                f"autopar.compile for this model")
+
+
+def load_plan(path: str | Path, *, model: Any = None, cluster: Any = None) -> Plan:
+    """Read a plan saved by `Plan.save`; refuses other plan versions and corrupted files, and,
+    when `model` / `cluster` are given, a plan made for another model or cluster."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -142,7 +165,7 @@ def load_plan(path: str | Path) -> Plan:
                        stage_backward_s=tuple(e.get("stage_backward_s", ())),
                        stage_wgrad_s=tuple(e.get("stage_wgrad_s", ())),
                        p2p_s=e.get("p2p_s", 0.0))
-        return Plan(config=cfg, estimate=est, stages=data["stages"],
+        plan = Plan(config=cfg, estimate=est, stages=data["stages"],
                     placements=data["placements"], mesh=data["mesh"], model=data["model"],
                     cluster=data["cluster"], training=data["training"],
                     intra_op=data.get("intra_op", {}),
@@ -150,3 +173,5 @@ def load_plan(path: str | Path) -> Plan:
     except (KeyError, TypeError) as exc:
         raise ValueError(f"plan {path} is corrupted (missing or bad field {exc}); re-plan with "
                          f"autopar.compile") from None
+    check_plan(plan, model=model, cluster=cluster)
+    return plan

@@ -166,3 +166,18 @@ def test_inter_op_dp_gives_the_heavy_head_stage_fewer_layers():
                                                         seq_len=4096)),
                     H100, plan.config, global_batch_size=32)
     assert plan.estimate.step_time_s < even.step_time_s
+
+
+def test_load_refuses_a_plan_for_another_model_or_cluster(tmp_path):
+    plan = autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024,
+                           constraints={"tp": 1, "pp": 1})
+    path = plan.save(tmp_path / "plan.json")
+    assert autopar.load_plan(path, model=small_gpt(), cluster=H100).config == plan.config
+    other = autopar.Cluster.from_profile("dgx-h100", num_nodes=2)
+    with pytest.raises(ValueError, match="made for dgx-h100 x 1 nodes, not for dgx-h100 x 2.*re-plan"):
+        autopar.load_plan(path, cluster=other)
+    with torch.device("meta"):
+        bigger = GPT(GPTConfig(vocab_size=8192, max_seq_len=1024, dim=1024, n_layers=9,
+                               n_heads=16))
+    with pytest.raises(ValueError, match="made for another model.*re-plan"):
+        autopar.load_plan(path, model=bigger)
