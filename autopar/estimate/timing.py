@@ -128,7 +128,10 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
     cp_fwd = cp_bwd = 0.0
     if cfg.cp > 1 and unit.attention_kv_bytes:
         chunk = unit.attention_kv_bytes / (cfg.cp * cfg.tp)
-        hop = cluster.collective_time("send_recv", chunk, groups.cp[:2])
+        # a ring is as slow as its slowest link: the wrap-around pair crosses nodes whenever
+        # the group spans nodes
+        hop = max(cluster.collective_time("send_recv", chunk, groups.cp[:2]),
+                  cluster.collective_time("send_recv", chunk, (groups.cp[-1], groups.cp[0])))
         ring = (cfg.cp - 1) * hop
         cp_fwd = max(0.0, ring - attn_fwd)
         cp_bwd = max(0.0, 2 * ring - attn_bwd)

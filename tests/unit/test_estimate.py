@@ -146,3 +146,17 @@ def test_zero3_gather_buffers_are_two_blocks_or_the_live_parameter_cap():
     assert fsdp.memory_by_stage[0]["zero3_buffers"] >= 2 * block * 2
     _, capped = run(dp=8, zero_stage=3, options=EstimateOptions(zero3_max_live_params=1000))
     assert capped.memory_by_stage[0]["zero3_buffers"] == pytest.approx(1000 * 2)
+
+
+def test_cp_ring_is_timed_by_its_slowest_link():
+    # 16 ranks of context parallelism on 2 nodes: the ring's cross-node hop sets its pace
+    from autopar.estimate.timing import rank_groups
+
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=2)
+    groups = rank_groups(ParallelConfig(cp=16))
+    inside = cluster.collective_time("send_recv", 2**21, groups.cp[:2])
+    across = cluster.collective_time("send_recv", 2**21, (groups.cp[-1], groups.cp[0]))
+    assert across > inside
+    one_node = run(cp=8, gbs=16)[1].breakdown["cp_comm"]
+    two_nodes = run(nodes=2, cp=16, gbs=16)[1].breakdown["cp_comm"]
+    assert two_nodes > one_node
