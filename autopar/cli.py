@@ -1,4 +1,4 @@
-"""The `autopar` command line: `plan`, `profiles` and `collective` for now.
+"""The `autopar` command line: `plan`, `export`, `profiles` and `collective`.
 
 User mistakes end as one line on stderr and exit status 2, never a traceback.
 """
@@ -111,6 +111,16 @@ def _plan(console: Console, args: argparse.Namespace) -> None:
         console.print(f"saved {plan.save(args.output)}")
 
 
+def _export(args: argparse.Namespace) -> None:
+    from autopar.plan import load_plan
+    from autopar.plan.export import export_plan
+
+    result = export_plan(load_plan(args.plan), args.format)
+    sys.stdout.write(result.text if result.text.endswith("\n") else result.text + "\n")
+    for note in result.notes:
+        print(f"note: {note}", file=sys.stderr)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description="autopar: parallelization "
                                      "planner for PyTorch training")
@@ -126,6 +136,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--pin", action="append", metavar="FIELD=VALUE",
                       help="pin a ParallelConfig field, e.g. --pin tp=8")
     plan.add_argument("-o", "--output", help="write the plan JSON here")
+    export = sub.add_parser("export", help="a saved plan as Megatron-LM flags, a torchtitan "
+                            "job config or a DeepSpeed config")
+    export.add_argument("plan", help="plan JSON written by `autopar plan -o`")
+    export.add_argument("--format", required=True, choices=("megatron", "torchtitan",
+                                                            "deepspeed"))
     coll = sub.add_parser("collective", help="predicted time of one collective on a cluster")
     coll.add_argument("--cluster", default="dgx-h100", help="shipped profile name")
     coll.add_argument("--nodes", type=int, default=1)
@@ -145,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             _profiles(console)
         elif args.command == "plan":
             _plan(console, args)
+        elif args.command == "export":
+            _export(args)
         elif args.command == "collective":
             _collective(console, args)
     except ValueError as exc:

@@ -1,0 +1,474 @@
+"""Export a `Plan` to the settings of other trainers: Megatron-LM, torchtitan and DeepSpeed.
+
+`export_plan(plan, fmt)` returns an `ExportResult` whose `text` is what the user passes to the
+target (command-line flags, a TOML job config, a JSON config) and whose `notes` name, one per
+line, each thing in the plan the target cannot express exactly, with what to do instead.
+Every value comes from the plan: degrees, batch shape, precision, schedule, recompute policy,
+stage boundaries and the software options the estimate assumed (`plan.training["options"]`).
+
+Stage boundaries. `plan.stages` lists module paths per (virtual) stage in model order; a
+repeated block appears under its own path (``layers.3``), the glue around the blocks under its
+top-level module names joined by ``+`` (``pos_embeddings+tok_embeddings``, ``norm+output``).
+Megatron counts decoder layers per stage, torchtitan takes module names per stage, DeepSpeed
+balances stages itself.
+
+Option names, with the files they were read from (names and semantics only):
+
+- Megatron-LM, NVIDIA/Megatron-LM ``megatron/training/arguments.py``: --tensor-model-parallel-size,
+  --pipeline-model-parallel-size, --context-parallel-size, --expert-model-parallel-size
+  (``_add_moe_args``), --num-layers, --num-layers-per-virtual-pipeline-stage,
+  --decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers,
+  --pipeline-model-parallel-layout, --sequence-parallel, --use-distributed-optimizer,
+  --use-megatron-fsdp, --data-parallel-sharding-strategy (no_shard, optim, optim_grads,
+  optim_grads_params), --use-torch-fsdp2, --micro-batch-size, --global-batch-size,
+  --seq-length, --bf16, --fp16, --fp8-format, --grad-reduce-in-bf16, --recompute-granularity,
+  --recompute-method, --recompute-num-layers, --overlap-grad-reduce, --overlap-param-gather,
+  --tp-comm-overlap, --attention-backend (values from ``megatron/core/transformer/enums.py``
+  AttnBackend). The layout grammar (E embedding, t decoder layer, L loss, ``|`` between
+  stages, ``x*n`` repeats) is from ``megatron/core/transformer/pipeline_parallel_layer_layout.py``.
+  Megatron-LM itself has no zero-bubble schedule (sail-sg/zero-bubble-pipeline-parallelism is a
+  fork of it).
+- torchtitan, pytorch/torchtitan ``torchtitan/config/job_config.py``: [training]
+  local_batch_size, global_batch_size, seq_len, mixed_precision_param, mixed_precision_reduce,
+  compile; [parallelism] data_parallel_replicate_degree, data_parallel_shard_degree,
+  fsdp_reshard_after_forward ("default" | "always" | "never"), tensor_parallel_degree,
+  enable_async_tensor_parallel, pipeline_parallel_degree, module_fqns_per_model_part (older
+  releases: pipeline_parallel_split_points), pipeline_parallel_schedule,
+  pipeline_parallel_microbatch_size, context_parallel_degree, context_parallel_rotate_method,
+  expert_parallel_degree; [activation_checkpoint] mode, selective_ac_option; [model]
+  converters. Schedule names are PyTorch's ``torch.distributed.pipelining.schedules``
+  ``get_schedule_class`` keys (GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble,
+  ZBVZeroBubble). ``torchtitan/config/configs/parallelism.py`` (newer) has
+  enable_sequence_parallel.
+- DeepSpeed, deepspeedai/DeepSpeed ``deepspeed/runtime/constants.py``: train_batch_size,
+  train_micro_batch_size_per_gpu, gradient_accumulation_steps, bf16.enabled, fp16.enabled,
+  communication_data_type; ``deepspeed/runtime/zero/config.py``: zero_optimization.stage,
+  overlap_comm, stage3_max_live_parameters; activation_checkpointing.partition_activations and
+  number_checkpoints (DeepSpeed's activation checkpointing config);
+  ``deepspeed/runtime/tensor_parallel/config.py``: tensor_parallel.autotp_size, tp_overlap_comm
+  (AutoTP training covers ZeRO stages 0-2, deepspeed.ai/tutorials/autotp-training);
+  ``deepspeed/runtime/pipe/engine.py`` refuses ZeRO-2/3 with pipeline parallelism.
+  Megatron-DeepSpeed (deepspeedai/Megatron-DeepSpeed ``megatron/arguments.py``):
+  --ds-sequence-parallel-size (Ulysses), --enable-zbh1-pipeline (its pull request #396).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["EXPORT_FORMATS", "ExportResult", "export_plan"]
+
+EXPORT_FORMATS = ("megatron", "torchtitan", "deepspeed")
+
+_BLOCK = re.compile(r"(?:.+\.)?\d+")  # a repeated block's path ends in its index
+_SYNTHETIC_GLUE = re.compile(r"pre|post|glue\d+")  # glue that owns no module
+_DTYPE_FLAGS = {"bf16": [["--bf16"]], "fp16": [["--fp16"]],
+                "fp8": [["--bf16"], ["--fp8-format", "hybrid"]], "fp32": []}
+_MEGATRON_ATTENTION = {"flash": "flash", "flash3": "flash", "cudnn": "fused", "math": "unfused"}
+_TITAN_SCHEDULE = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
+                   "zero-bubble": "InterleavedZeroBubble"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExportResult:
+    format: str
+    text: str  # the flags / file content
+    notes: tuple[str, ...] = ()  # one per thing the target cannot express exactly
+
+
+def export_plan(plan: Any, fmt: str) -> ExportResult:
+    """The plan as `fmt` ("megatron", "torchtitan" or "deepspeed") settings, with notes."""
+    exporters: dict[str, Callable[[Any], tuple[str, list[str]]]] = {
+        "megatron": _megatron, "torchtitan": _torchtitan, "deepspeed": _deepspeed}
+    if fmt not in exporters:
+        raise ValueError(f"unknown export format {fmt!r}; allowed: {', '.join(EXPORT_FORMATS)}")
+    text, notes = exporters[fmt](plan)
+    return ExportResult(format=fmt, text=text, notes=tuple(notes))
+
+
+# ---------------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Shape:
+    """What every exporter reads from a plan, derived once."""
+
+    world_size: int
+    global_batch_size: int
+    seq_len: int
+    dtype: str
+    num_microbatches: int
+    layers_per_stage: tuple[int, ...]  # repeated blocks per (virtual) stage, in model order
+    modules_per_stage: tuple[tuple[str, ...], ...]  # real module paths per stage
+    middle_glue: tuple[str, ...]  # glue between blocks (not before the first / after the last)
+    glue_parents: tuple[str, ...]  # glue names that are a parent module of the blocks
+    options: dict[str, Any]
+
+    @property
+    def num_layers(self) -> int:
+        return sum(self.layers_per_stage)
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.layers_per_stage)) == 1 and self.layers_per_stage[0] > 0
+
+
+def _is_block(name: str) -> bool:
+    return "+" not in name and _BLOCK.fullmatch(name) is not None
+
+
+def _shape(plan: Any) -> _Shape:
+    cfg, training = plan.config, plan.training
+    flat = [name for stage in plan.stages for name in stage]
+    blocks = [i for i, name in enumerate(flat) if _is_block(name)]
+    first, last = (blocks[0], blocks[-1]) if blocks else (len(flat), -1)
+    middle = tuple(name for i, name in enumerate(flat) if first < i < last and not _is_block(name))
+    modules, parents = [], set()
+    for stage in plan.stages:
+        names: list[str] = []
+        for entry in stage:
+            if _is_block(entry):
+                names.append(entry)
+                continue
+            for module in entry.split("+"):
+                if _SYNTHETIC_GLUE.fullmatch(module):
+                    continue
+                names.append(module)
+                if any(flat[i].startswith(module + ".") for i in blocks):
+                    parents.add(module)
+        modules.append(tuple(names))
+    return _Shape(
+        world_size=int(plan.cluster["world_size"]),
+        global_batch_size=int(training["global_batch_size"]), seq_len=int(training["seq_len"]),
+        dtype=str(training["dtype"]),
+        num_microbatches=int(training["global_batch_size"]) // (cfg.dp * cfg.micro_batch_size),
+        layers_per_stage=tuple(sum(_is_block(n) for n in stage) for stage in plan.stages),
+        modules_per_stage=tuple(modules), middle_glue=middle, glue_parents=tuple(sorted(parents)),
+        options=dict(training.get("options") or {}))
+
+
+# ---------------------------------------------------------------------------------- Megatron
+
+
+def _megatron(plan: Any) -> tuple[str, list[str]]:
+    cfg, shape = plan.config, _shape(plan)
+    opts, notes = shape.options, []
+    flags: list[list[str]] = [
+        ["--tensor-model-parallel-size", str(cfg.tp)],
+        ["--pipeline-model-parallel-size", str(cfg.pp)],
+        ["--context-parallel-size", str(cfg.cp)],
+        ["--expert-model-parallel-size", str(cfg.ep)],
+    ]
+    if shape.num_layers:
+        flags.append(["--num-layers", str(shape.num_layers)])
+    flags += _megatron_stages(cfg, shape, notes)
+    if cfg.sequence_parallel:
+        flags.append(["--sequence-parallel"])
+    if cfg.zero_stage >= 1:
+        flags.append(["--use-distributed-optimizer"])
+    flags += [["--micro-batch-size", str(cfg.micro_batch_size)],
+              ["--global-batch-size", str(shape.global_batch_size)],
+              ["--seq-length", str(shape.seq_len)]]
+    flags += _DTYPE_FLAGS.get(shape.dtype, [])
+    if cfg.recompute == "full":
+        flags += [["--recompute-granularity", "full"], ["--recompute-method", "uniform"],
+                  ["--recompute-num-layers", "1"]]
+    elif cfg.recompute == "selective":
+        flags.append(["--recompute-granularity", "selective"])
+    flags += _megatron_options(cfg, shape, opts, notes)
+    notes.insert(0, f"data parallelism is not a flag: Megatron-LM derives dp = world size / "
+                    f"(tp*pp*cp) = {shape.world_size} / ({cfg.tp}*{cfg.pp}*{cfg.cp}) = {cfg.dp}, "
+                    f"so launch on {shape.world_size} GPUs")
+    notes += _megatron_zero_notes(cfg)
+    if cfg.pp > 1 and cfg.pp_schedule == "gpipe":
+        notes.append("pp_schedule gpipe: Megatron-LM has no GPipe schedule and runs 1F1B, which "
+                     "has the same bubble and keeps fewer micro-batches of activations")
+    if cfg.pp > 1 and cfg.pp_schedule == "zero-bubble":
+        notes.append("pp_schedule zero-bubble: Megatron-LM has no zero-bubble flag and runs 1F1B "
+                     "(a larger bubble than planned); the ZB-H1 schedule lives in the "
+                     "sail-sg/zero-bubble-pipeline-parallelism fork of Megatron-LM")
+    return "\n".join(shlex.join(f) for f in flags) + "\n", notes
+
+
+def _megatron_stages(cfg: Any, shape: _Shape, notes: list[str]) -> list[list[str]]:
+    """Layers per stage: an even split, the first/last-stage counts, or an explicit layout."""
+    counts, v = shape.layers_per_stage, cfg.virtual_stages
+    if cfg.pp == 1 or not shape.num_layers:
+        return []
+    if shape.middle_glue:
+        notes.append(f"modules between the transformer layers ({', '.join(shape.middle_glue)}) "
+                     f"have no place in a Megatron-LM pipeline layout; they are left out of it")
+    if shape.uniform:
+        return [["--num-layers-per-virtual-pipeline-stage", str(counts[0])]] if v > 1 else []
+    middle = counts[1:-1]
+    if v == 1 and min(counts) > 0 and len(set(middle)) <= 1:
+        return [["--decoder-first-pipeline-num-layers", str(counts[0])],
+                ["--decoder-last-pipeline-num-layers", str(counts[-1])]]
+    parts = [f"t*{n}" if n > 1 else "t" * n for n in counts]
+    parts[0], parts[-1] = "E" + parts[0], parts[-1] + "L"
+    return [["--pipeline-model-parallel-layout", "|".join(parts)]]
+
+
+def _megatron_options(cfg: Any, shape: _Shape, opts: dict[str, Any],
+                      notes: list[str]) -> list[list[str]]:
+    flags: list[list[str]] = []
+    if opts.get("overlap_dp_comm") and cfg.dp * cfg.cp > 1:
+        flags.append(["--overlap-grad-reduce"])
+        if cfg.zero_stage >= 1:
+            flags.append(["--overlap-param-gather"])
+    if opts.get("overlap_tp_comm") and cfg.tp > 1:
+        if cfg.sequence_parallel:
+            flags.append(["--tp-comm-overlap"])
+        else:
+            notes.append("overlap_tp_comm: Megatron-LM's --tp-comm-overlap needs "
+                         "--sequence-parallel, which the plan does not use; the flag is left out")
+    reduce = opts.get("grad_reduce_dtype", "fp32")
+    if reduce == "bf16":
+        flags.append(["--grad-reduce-in-bf16"])
+    elif reduce == "fp16" and shape.dtype != "fp16":
+        notes.append("grad_reduce_dtype fp16: Megatron-LM reduces gradients in fp32 or bf16 "
+                     "(--grad-reduce-in-bf16), not fp16")
+    kernel = opts.get("attention_kernel")
+    if kernel in _MEGATRON_ATTENTION:
+        flags.append(["--attention-backend", _MEGATRON_ATTENTION[kernel]])
+    return flags
+
+
+def _megatron_zero_notes(cfg: Any) -> list[str]:
+    if cfg.zero_stage == 2:
+        return [("zero_stage 2: Megatron-LM's distributed optimizer shards optimizer states but "
+                 "keeps a full gradient buffer on every rank (ZeRO-1 memory); for sharded "
+                 "gradients use Megatron FSDP instead: --use-megatron-fsdp "
+                 "--data-parallel-sharding-strategy optim_grads")]
+    if cfg.zero_stage == 3:
+        return [("zero_stage 3: the classic Megatron-LM trainer does not shard parameters "
+                 "(--use-distributed-optimizer is ZeRO-1); use Megatron FSDP instead "
+                 "(--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params) "
+                 "or --use-torch-fsdp2")]
+    return []
+
+
+# ---------------------------------------------------------------------------------- torchtitan
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, int):
+        return str(value)
+    return json.dumps(str(value))
+
+
+def _toml(sections: dict[str, dict[str, Any]], comments: dict[str, list[str]]) -> str:
+    lines: list[str] = []
+    for name, fields in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"# {c}" for c in comments.get(name, [])]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in fields.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _torchtitan(plan: Any) -> tuple[str, list[str]]:
+    cfg, shape = plan.config, _shape(plan)
+    opts, notes = shape.options, []
+    sharded = cfg.zero_stage == 3
+    async_tp = bool(opts.get("overlap_tp_comm")) and cfg.tp > 1
+    training: dict[str, Any] = {
+        "local_batch_size": (shape.global_batch_size // cfg.dp if cfg.pp > 1
+                             else cfg.micro_batch_size),
+        "global_batch_size": shape.global_batch_size, "seq_len": shape.seq_len,
+        "mixed_precision_param": "float32" if shape.dtype == "fp32" else "bfloat16",
+        "mixed_precision_reduce": "float32",
+    }
+    if async_tp:
+        training["compile"] = True  # torchtitan's async TP works only under torch.compile
+    parallelism: dict[str, Any] = {
+        "data_parallel_replicate_degree": 1 if sharded else cfg.dp,
+        "data_parallel_shard_degree": cfg.dp if sharded else 1,
+        "fsdp_reshard_after_forward": ("never" if sharded and cfg.pp > 1
+                                       and cfg.pp_schedule == "zero-bubble" else "default"),
+        "tensor_parallel_degree": cfg.tp, "enable_async_tensor_parallel": async_tp,
+        "pipeline_parallel_degree": cfg.pp,
+        "context_parallel_degree": cfg.cp, "expert_parallel_degree": cfg.ep,
+    }
+    comments: dict[str, list[str]] = {}
+    if cfg.pp > 1:
+        schedule = cfg.pp_schedule if cfg.virtual_stages > 1 or \
+            cfg.pp_schedule != "interleaved-1f1b" else "1f1b"
+        parallelism["pipeline_parallel_schedule"] = _TITAN_SCHEDULE[schedule]
+        parallelism["pipeline_parallel_microbatch_size"] = cfg.micro_batch_size
+        parallelism["module_fqns_per_model_part"] = [list(s) for s in shape.modules_per_stage]
+        splits = [s[0] for s in shape.modules_per_stage[1:] if s]
+        comments["parallelism"] = [("releases without module_fqns_per_model_part take "
+                                    f"pipeline_parallel_split_points = {_toml_value(splits)}")]
+    checkpoint: dict[str, Any] = {"mode": cfg.recompute}
+    if cfg.recompute == "selective":
+        checkpoint["selective_ac_option"] = "op"
+    sections = {"training": training, "parallelism": parallelism,
+                "activation_checkpoint": checkpoint}
+    if shape.dtype == "fp8":
+        sections["model"] = {"converters": ["float8"]}
+    notes += _torchtitan_notes(cfg, shape, opts)
+    return _toml(sections, comments), notes
+
+
+def _torchtitan_notes(cfg: Any, shape: _Shape, opts: dict[str, Any]) -> list[str]:
+    notes = []
+    if cfg.zero_stage in (1, 2) and cfg.cp == 1 and cfg.dp > 1:
+        notes.append(f"zero_stage {cfg.zero_stage}: torchtitan has no optimizer-state-only or "
+                     f"gradient-only sharding; the config uses DDP (data_parallel_replicate_degree"
+                     f" = {cfg.dp}), which keeps full optimizer states on every rank (more memory"
+                     f" than planned). The nearest sharded setting is data_parallel_shard_degree "
+                     f"= {cfg.dp} with fsdp_reshard_after_forward = \"never\" (FSDP2 in ZeRO-2 "
+                     f"style: parameters stay gathered from forward to backward)")
+    elif cfg.zero_stage < 3 and cfg.cp > 1:
+        notes.append(f"zero_stage {cfg.zero_stage}: with context_parallel_degree = {cfg.cp} "
+                     f"torchtitan applies FSDP over the context-parallel ranks, so parameters, "
+                     f"gradients and optimizer states are sharded {cfg.cp} ways (ZeRO-3 within "
+                     f"each cp group, replicated over data_parallel_replicate_degree = {cfg.dp}) "
+                     f"where the plan has ZeRO-{cfg.zero_stage} over dp*cp = {cfg.dp * cfg.cp}")
+    if cfg.tp > 1 and not cfg.sequence_parallel:
+        notes.append("sequence_parallel off: torchtitan always pairs tensor parallelism with "
+                     "sequence parallelism (newer releases: [parallelism] "
+                     "enable_sequence_parallel = false)")
+    if shape.dtype == "fp16":
+        notes.append("dtype fp16: torchtitan's mixed_precision_param is bfloat16 or float32; "
+                     "bfloat16 is set")
+    if shape.dtype == "fp8":
+        notes.append("dtype fp8: set through the float8 model converter (needs torchao); the "
+                     "float8 recipe (tensorwise or rowwise scaling) is not part of the plan")
+    if opts.get("grad_reduce_dtype", "fp32") != "fp32":
+        notes.append(f"grad_reduce_dtype {opts['grad_reduce_dtype']}: torchtitan reduces "
+                     f"gradients in float32 (mixed_precision_reduce)")
+    if cfg.recompute == "selective":
+        notes.append("recompute selective: torchtitan's op-level selective checkpointing "
+                     "(selective_ac_option = \"op\") keeps a different set of activations than "
+                     "the attention-only recompute the plan was costed with")
+    if cfg.pp > 1 and cfg.pp_schedule == "zero-bubble":
+        notes.append(f"pp_schedule zero-bubble: the plan is ZB-H1 with one stage per rank; "
+                     f"PyTorch's zero-bubble schedules are multi-stage (InterleavedZeroBubble "
+                     f"for two or more stages per rank, ZBVZeroBubble for exactly two), so "
+                     f"torchtitan may refuse {cfg.pp} parts on {cfg.pp} ranks: split each "
+                     f"rank's layers in two ({2 * cfg.pp} parts) for ZBVZeroBubble, or use 1F1B")
+    if cfg.cp > 1:
+        notes.append("context parallel: torchtitan exchanges K/V shards by all-gather or "
+                     "all-to-all (context_parallel_rotate_method); the plan costed a ring that "
+                     "passes K/V to the next rank")
+    shard_ranks = (cfg.dp if cfg.zero_stage == 3 else 1) * cfg.cp
+    if cfg.ep > 1 and not cfg.cp <= cfg.ep <= shard_ranks:
+        notes.append(f"expert parallel {cfg.ep}: torchtitan takes expert-parallel ranks from "
+                     f"the FSDP-shard x context-parallel ranks (cp <= ep <= "
+                     f"data_parallel_shard_degree * cp = {shard_ranks} here); with ZeRO "
+                     f"{cfg.zero_stage} mapped to replication that range does not hold; use "
+                     f"data_parallel_shard_degree = {cfg.dp} (ZeRO-3)")
+    if shape.glue_parents:
+        notes.append(f"module_fqns_per_model_part lists {', '.join(shape.glue_parents)}, a parent"
+                     f" of the transformer layers (the plan groups the embedding and the final "
+                     f"norm under it); replace it with the embedding and norm module paths")
+    if shape.middle_glue:
+        notes.append(f"modules between the transformer layers ({', '.join(shape.middle_glue)}) "
+                     f"are listed by top-level name only; check the stage they fall in")
+    return notes
+
+
+# ---------------------------------------------------------------------------------- DeepSpeed
+
+
+def _deepspeed(plan: Any) -> tuple[str, list[str]]:
+    cfg, shape = plan.config, _shape(plan)
+    opts, notes = shape.options, []
+    zero: dict[str, Any] = {"stage": cfg.zero_stage,
+                            "overlap_comm": bool(opts.get("overlap_dp_comm", False))}
+    if cfg.zero_stage == 3 and opts.get("zero3_max_live_params") is not None:
+        zero["stage3_max_live_parameters"] = int(opts["zero3_max_live_params"])
+    config: dict[str, Any] = {
+        "train_batch_size": shape.global_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": shape.num_microbatches,
+        "bf16": {"enabled": shape.dtype in ("bf16", "fp8")},
+        "fp16": {"enabled": shape.dtype == "fp16"},
+        "zero_optimization": zero,
+        "communication_data_type": opts.get("grad_reduce_dtype", "fp32"),
+    }
+    if cfg.tp > 1:
+        config["tensor_parallel"] = {"autotp_size": cfg.tp,
+                                     "tp_overlap_comm": bool(opts.get("overlap_tp_comm", False))}
+    if cfg.recompute == "full":
+        config["activation_checkpointing"] = {"partition_activations": False,
+                                              "number_checkpoints": max(shape.layers_per_stage)}
+    notes += _deepspeed_model_notes(cfg, shape)
+    notes += _deepspeed_pipeline_notes(cfg, shape)
+    return json.dumps(config, indent=2) + "\n", notes
+
+
+def _deepspeed_model_notes(cfg: Any, shape: _Shape) -> list[str]:
+    notes = []
+    if cfg.tp > 1:
+        notes.append(f"tensor parallel {cfg.tp}: set as tensor_parallel.autotp_size (DeepSpeed "
+                     f"AutoTP training, which chooses the column/row split of Hugging Face-style "
+                     f"linear layers itself, not the plan's placements); with Megatron-DeepSpeed "
+                     f"use --tensor-model-parallel-size {cfg.tp} instead")
+        if cfg.zero_stage == 3:
+            notes.append("zero_stage 3 with tensor parallelism: AutoTP training supports ZeRO "
+                         "stages 0-2 only; use Megatron-DeepSpeed's tensor parallelism with "
+                         "ZeRO-3, or ZeRO-2")
+        if cfg.sequence_parallel:
+            notes.append("sequence_parallel: Megatron-style sequence parallelism has no "
+                         "DeepSpeed config key; Megatron-DeepSpeed enables it with "
+                         "--sequence-parallel")
+    if cfg.cp > 1:
+        notes.append(f"context parallel {cfg.cp}: DeepSpeed's sequence parallelism is Ulysses "
+                     f"(all-to-all over attention heads, not the planned K/V ring): "
+                     f"Megatron-DeepSpeed --ds-sequence-parallel-size {cfg.cp}, or "
+                     f"deepspeed.sequence.layer.DistributedAttention on a {cfg.cp}-rank group")
+    if cfg.ep > 1:
+        notes.append(f"expert parallel {cfg.ep}: not a config key; build the MoE layers as "
+                     f"deepspeed.moe.layer.MoE(..., ep_size={cfg.ep})")
+    if cfg.recompute == "full":
+        notes.append("recompute full: the config only tunes checkpointing; the model must wrap "
+                     "each layer in deepspeed.checkpointing.checkpoint (with PipelineModule: "
+                     "activation_checkpoint_interval=1)")
+    elif cfg.recompute == "selective":
+        notes.append("recompute selective: DeepSpeed has no selective (attention-only) "
+                     "recompute; wrap the attention core in deepspeed.checkpointing.checkpoint "
+                     "in the model")
+    if shape.dtype == "fp8":
+        notes.append("dtype fp8: DeepSpeed has no fp8 precision key; bf16 is set, fp8 GEMMs "
+                     "need Transformer Engine layers in the model")
+    return notes
+
+
+def _deepspeed_pipeline_notes(cfg: Any, shape: _Shape) -> list[str]:
+    if cfg.pp == 1:
+        return []
+    counts = list(shape.layers_per_stage)
+    notes = [(f"pipeline parallel {cfg.pp}: not a config key; build the model as "
+              f"deepspeed.pipe.PipelineModule(layers=..., num_stages={cfg.pp}, "
+              f"partition_method=\"uniform\"); gradient_accumulation_steps = "
+              f"{shape.num_microbatches} micro-batches flow through the pipeline per step")]
+    if cfg.virtual_stages == 1 and not shape.uniform:
+        notes.append(f"stage boundaries: the plan puts {counts} transformer layers on the "
+                     f"stages; DeepSpeed's partition methods (parameters, uniform, type:regex) "
+                     f"balance stages themselves and cannot take these boundaries")
+    if cfg.zero_stage >= 2:
+        notes.append(f"zero_stage {cfg.zero_stage}: DeepSpeed's pipeline engine refuses ZeRO "
+                     f"stages 2 and 3; use stage 1 with pipeline parallelism")
+    if cfg.pp_schedule == "gpipe":
+        notes.append("pp_schedule gpipe: DeepSpeed's pipeline engine runs its own 1F1B-style "
+                     "schedule (same bubble, fewer activations kept)")
+    elif cfg.pp_schedule == "interleaved-1f1b" and cfg.virtual_stages > 1:
+        notes.append(f"pp_schedule interleaved-1f1b with {cfg.virtual_stages} virtual stages: "
+                     f"DeepSpeed's pipeline engine has no interleaved schedule and runs one "
+                     f"stage per rank ({counts} layers per virtual stage in the plan)")
+    elif cfg.pp_schedule == "zero-bubble":
+        notes.append("pp_schedule zero-bubble: DeepSpeed's pipeline engine runs 1F1B; "
+                     "Megatron-DeepSpeed adds ZB-H1 with --enable-zbh1-pipeline")
+    return notes
