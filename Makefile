@@ -20,8 +20,8 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/autopar profiles
-	$(VENV)/bin/autopar plan --model llama3-70b --cluster dgx-h100 --nodes 16 --global-batch 512 --seq-len 8192
-	$(VENV)/bin/autopar plan --model gpt3-175b --cluster dgx-a100-80g --nodes 128 --global-batch 1536 --seq-len 2048 --dtype fp16
+	$(VENV)/bin/autopar plan --model llama3-70b --cluster dgx-h100 --nodes 16 --global-batch 512 --seq-len 8192 --plots out/llama3-70b
+	$(VENV)/bin/autopar plan --model gpt3-175b --cluster dgx-a100-80g --nodes 128 --global-batch 1536 --seq-len 2048 --dtype fp16 --plots out/gpt3-175b
 	$(PY) benchmarks/collectives.py --profile dgx-h100 --role large --role heldout --role small
 
 test: $(STAMP)

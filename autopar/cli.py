@@ -1,4 +1,4 @@
-"""The `autopar` command line: `plan`, `export`, `profiles` and `collective`.
+"""The `autopar` command line: `plan`, `report`, `explain`, `export`, `profiles`, `collective`.
 
 User mistakes end as one line on stderr and exit status 2, never a traceback.
 """
@@ -104,11 +104,36 @@ def _plan(console: Console, args: argparse.Namespace) -> None:
     plan = autopar.compile(model, cluster, global_batch_size=args.global_batch,
                            seq_len=args.seq_len, dtype=args.dtype,
                            constraints=_parse_pins(args.pin))
-    console.print(f"[bold]autopar plan[/bold]: {args.model} on {cluster.describe()} "
-                  f"({plan.search['num_considered']:,} configs in {plan.search['seconds']:.1f} s)")
-    console.print(plan.report(), highlight=False)
+    console.print(f"autopar plan: {args.model} on {cluster.describe()} "
+                  f"({plan.search['num_considered']:,} configs in {plan.search['seconds']:.1f} s)",
+                  markup=False, highlight=False)
+    sys.stdout.write(plan.report() + "\n")
     if args.output:
-        console.print(f"saved {plan.save(args.output)}")
+        print(f"saved {plan.save(args.output)}")
+    if args.plots:
+        from autopar.plan.plots import plot_plan
+
+        for name, path in sorted(plot_plan(plan, args.plots).items()):
+            print(f"wrote {path}")
+
+
+def _report(args: argparse.Namespace) -> None:
+    from autopar.plan import load_plan
+
+    sys.stdout.write(load_plan(args.plan).report(fmt=args.format) + "\n")
+
+
+def _explain(args: argparse.Namespace) -> None:
+    import autopar
+    from autopar.plan import load_plan
+
+    plan = load_plan(args.plan)
+    if args.model not in autopar.models.list_presets():
+        raise ValueError(f"unknown model preset {args.model!r}; presets: "
+                         f"{', '.join(autopar.models.list_presets())}")
+    cluster = Cluster.from_profile(plan.cluster["profile"], num_nodes=plan.cluster["num_nodes"])
+    result = plan.explain(autopar.models.build(args.model), cluster, **_parse_pins(args.pin))
+    sys.stdout.write(result.render(args.format) + "\n")
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -136,6 +161,17 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--pin", action="append", metavar="FIELD=VALUE",
                       help="pin a ParallelConfig field, e.g. --pin tp=8")
     plan.add_argument("-o", "--output", help="write the plan JSON here")
+    plan.add_argument("--plots", metavar="DIR", help="write timeline/memory/candidates/"
+                      "breakdown PNGs here")
+    report = sub.add_parser("report", help="the report of a saved plan")
+    report.add_argument("plan")
+    report.add_argument("--format", default="text", choices=("text", "md"))
+    explain = sub.add_parser("explain", help="why not another degree: re-plan a saved plan "
+                             "under extra pins and compare term by term")
+    explain.add_argument("plan")
+    explain.add_argument("--model", required=True, help="the model preset the plan was made for")
+    explain.add_argument("--pin", action="append", required=True, metavar="FIELD=VALUE")
+    explain.add_argument("--format", default="text", choices=("text", "md"))
     export = sub.add_parser("export", help="a saved plan as Megatron-LM flags, a torchtitan "
                             "job config or a DeepSpeed config")
     export.add_argument("plan", help="plan JSON written by `autopar plan -o`")
@@ -162,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             _plan(console, args)
         elif args.command == "export":
             _export(args)
+        elif args.command == "report":
+            _report(args)
+        elif args.command == "explain":
+            _explain(args)
         elif args.command == "collective":
             _collective(console, args)
     except ValueError as exc:

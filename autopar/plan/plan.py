@@ -72,7 +72,11 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         from autopar import __version__
 
-        top = self.candidates.head(_SAVED_CANDIDATES).to_dict(orient="records")
+        table = self.candidates
+        keep = table.index < _SAVED_CANDIDATES
+        if "exact" in table:  # every simulated row, so "next candidates" survive a reload
+            keep |= table["exact"].astype(bool)
+        top = table[keep].to_dict(orient="records")
         return _clean({
             "plan_version": self.version, "autopar_version": __version__,
             "config": self.config.to_dict(), "estimate": _estimate_dict(self.estimate),
@@ -97,25 +101,18 @@ class Plan:
             raise
         return path
 
-    def report(self) -> str:
-        """A short text summary (the full report is built on top of this data)."""
-        est, cfg = self.estimate, self.config
-        lines = [
-            f"model    {self.model['class']}: {self.model['num_params'] / 1e9:.2f} B parameters, "
-            f"{self.model['num_layers']} layers",
-            f"cluster  {self.cluster['profile']} x {self.cluster['num_nodes']} nodes "
-            f"({self.cluster['world_size']} GPUs)",
-            f"batch    {self.training['global_batch_size']} x {self.training['seq_len']} tokens, "
-            f"{self.training['dtype']}",
-            f"plan     {cfg.short()}  ({est.num_microbatches} micro-batches)",
-            f"predicted step {est.step_time_s:.3f} s, {est.tokens_per_s:,.0f} tokens/s, "
-            f"MFU {100 * est.mfu:.1f}%, peak memory {est.peak_memory_bytes / 1e9:.1f} of "
-            f"{est.usable_memory_bytes / 1e9:.1f} GB",
-            "breakdown " + ", ".join(f"{k} {v:.3f}s" for k, v in est.breakdown.items()
-                                     if k not in ("dp_comm_total", "pp_p2p_per_transfer")),
-            "stages   " + " | ".join(f"{len(s)} layers" for s in self.stages),
-        ]
-        return "\n".join(lines)
+    def explain(self, model: Any, cluster: Any, **pins: Any):
+        """The best plan under extra pins (e.g. tp=16) and the difference term by term; see
+        `autopar.plan.explain.explain` (it re-plans, so it needs the model and the cluster)."""
+        from autopar.plan.explain import explain
+
+        return explain(self, model, cluster, **pins)
+
+    def report(self, fmt: str = "text") -> str:
+        """The full report: rich tables as plain text, or GitHub markdown with `fmt="md"`."""
+        from autopar.plan.report import render_report
+
+        return render_report(self, fmt)
 
 
 def check_plan(plan: Plan, *, model: Any = None, cluster: Any = None) -> None:
