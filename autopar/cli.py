@@ -93,13 +93,30 @@ def _parse_pins(items: list[str] | None) -> dict:
     return pins
 
 
+def _load_model(spec: str):
+    """A preset name of autopar.models, or MODULE:FN calling FN() for the model."""
+    import importlib
+
+    import autopar
+
+    if ":" in spec:
+        module_name, _, fn_name = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"cannot load model factory {spec!r}: {exc}; write MODULE:FN with "
+                             f"MODULE importable (e.g. on PYTHONPATH)") from None
+        return fn()
+    if spec not in autopar.models.list_presets():
+        raise ValueError(f"unknown model preset {spec!r}; presets: "
+                         f"{', '.join(autopar.models.list_presets())} (or MODULE:FN)")
+    return autopar.models.build(spec)
+
+
 def _plan(console: Console, args: argparse.Namespace) -> None:
     import autopar
 
-    if args.model not in autopar.models.list_presets():
-        raise ValueError(f"unknown model preset {args.model!r}; presets: "
-                         f"{', '.join(autopar.models.list_presets())}")
-    model = autopar.models.build(args.model)
+    model = _load_model(args.model)
     cluster = Cluster.from_profile(args.cluster, num_nodes=args.nodes)
     plan = autopar.compile(model, cluster, global_batch_size=args.global_batch,
                            seq_len=args.seq_len, dtype=args.dtype,
@@ -124,15 +141,11 @@ def _report(args: argparse.Namespace) -> None:
 
 
 def _explain(args: argparse.Namespace) -> None:
-    import autopar
     from autopar.plan import load_plan
 
     plan = load_plan(args.plan)
-    if args.model not in autopar.models.list_presets():
-        raise ValueError(f"unknown model preset {args.model!r}; presets: "
-                         f"{', '.join(autopar.models.list_presets())}")
     cluster = Cluster.from_profile(plan.cluster["profile"], num_nodes=plan.cluster["num_nodes"])
-    result = plan.explain(autopar.models.build(args.model), cluster, **_parse_pins(args.pin))
+    result = plan.explain(_load_model(args.model), cluster, **_parse_pins(args.pin))
     sys.stdout.write(result.render(args.format) + "\n")
 
 
@@ -152,7 +165,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("profiles", help="list the shipped hardware profiles")
     plan = sub.add_parser("plan", help="find the fastest plan for a model preset on a cluster")
-    plan.add_argument("--model", required=True, help="a preset of autopar.models, e.g. llama3-70b")
+    plan.add_argument("--model", required=True, help="a preset of autopar.models (e.g. "
+                      "llama3-70b) or MODULE:FN returning the model (meta device is fine)")
     plan.add_argument("--cluster", required=True, help="shipped profile name, e.g. dgx-h100")
     plan.add_argument("--nodes", type=int, default=1)
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per step")
@@ -169,7 +183,8 @@ def _parser() -> argparse.ArgumentParser:
     explain = sub.add_parser("explain", help="why not another degree: re-plan a saved plan "
                              "under extra pins and compare term by term")
     explain.add_argument("plan")
-    explain.add_argument("--model", required=True, help="the model preset the plan was made for")
+    explain.add_argument("--model", required=True, help="the model (preset or MODULE:FN) the "
+                         "plan was made for")
     explain.add_argument("--pin", action="append", required=True, metavar="FIELD=VALUE")
     explain.add_argument("--format", default="text", choices=("text", "md"))
     export = sub.add_parser("export", help="a saved plan as Megatron-LM flags, a torchtitan "

@@ -1,0 +1,68 @@
+"""The `autopar` command line end to end, in a subprocess, as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def autopar(*args, check=True):
+    env = {**os.environ, "PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "autopar.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli")
+    path = out / "plan.json"
+    proc = autopar("plan", "--model", "cli_models:tiny_gpt", "--cluster", "dgx-h100",
+                   "--global-batch", "32", "--seq-len", "512", "--pin", "pp=2",
+                   "-o", str(path), "--plots", str(out / "plots"))
+    assert "Prediction" in proc.stdout and f"saved {path}" in proc.stdout
+    assert sorted(p.name for p in (out / "plots").iterdir()) == [
+        "breakdown.png", "candidates.png", "memory.png", "timeline.png"]
+    return path
+
+
+def test_plan_report_export_and_explain(plan_file):
+    data = json.loads(plan_file.read_text())
+    assert data["config"]["pp"] == 2 and data["training"]["constraints"] == {"pp": 2}
+    assert "Next candidates" in autopar("report", str(plan_file)).stdout
+    assert autopar("report", str(plan_file), "--format", "md").stdout.count("|") > 20
+    flags = autopar("export", str(plan_file), "--format", "megatron")
+    assert "--pipeline-model-parallel-size 2" in flags.stdout
+    assert "note:" in flags.stderr
+    why = autopar("explain", str(plan_file), "--model", "cli_models:tiny_gpt", "--pin", "tp=2")
+    assert "why not tp=2?" in why.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["plan", "--model", "nope", "--cluster", "dgx-h100", "--global-batch", "8",
+      "--seq-len", "128"], "unknown model preset 'nope'"),
+    (["plan", "--model", "gpt2", "--cluster", "dgx-h900", "--global-batch", "8",
+      "--seq-len", "128"], "unknown hardware profile 'dgx-h900'"),
+    (["plan", "--model", "gpt2", "--cluster", "dgx-h100", "--global-batch", "8",
+      "--seq-len", "128", "--pin", "tp=3"], "no configuration satisfies the constraints"),
+    (["report", "/nonexistent/plan.json"], "cannot read plan"),
+    (["collective", "--size", "lots"], "cannot read size 'lots'"),
+])
+def test_user_mistakes_end_in_one_line_and_exit_2(args, message):
+    proc = autopar(*args, check=False)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_profiles_lists_every_shipped_profile():
+    out = autopar("profiles").stdout
+    for name in ("dgx-h100", "gb200-nvl72", "mi300x-8", "cpu-gloo"):
+        assert name in out
