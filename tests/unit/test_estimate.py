@@ -160,3 +160,20 @@ def test_cp_ring_is_timed_by_its_slowest_link():
     one_node = run(cp=8, gbs=16)[1].breakdown["cp_comm"]
     two_nodes = run(nodes=2, cp=16, gbs=16)[1].breakdown["cp_comm"]
     assert two_nodes > one_node
+
+
+@pytest.mark.parametrize("schedule,pp,v", [("gpipe", 4, 1), ("1f1b", 4, 1),
+                                           ("interleaved-1f1b", 2, 2), ("zero-bubble", 4, 1)])
+def test_closed_form_ranking_tracks_the_simulated_schedule(schedule, pp, v):
+    # the search ranks with the closed form and re-estimates its best with the simulation:
+    # they must agree closely, and on memory exactly where in-flight counts are closed-form
+    from autopar.estimate import ModelCosts, evaluate
+
+    costs = ModelCosts.from_graph(graph(1))
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=1)
+    cfg = ParallelConfig(dp=8 // pp, pp=pp, pp_schedule=schedule, virtual_stages=v)
+    exact = evaluate(costs, cluster, cfg, global_batch_size=32, exact=True)
+    fast = evaluate(costs, cluster, cfg, global_batch_size=32, exact=False)
+    assert fast.step_time_s == pytest.approx(exact.step_time_s, rel=0.15)
+    if schedule in ("gpipe", "1f1b"):
+        assert fast.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=1e-9)
