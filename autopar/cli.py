@@ -192,6 +192,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("plan", help="plan JSON written by `autopar plan -o`")
     export.add_argument("--format", required=True, choices=("megatron", "torchtitan",
                                                             "deepspeed"))
+    codegen = sub.add_parser("codegen", help="write a torchrun training script that runs a "
+                             "saved plan (and its --reference single-process run)")
+    from autopar.codegen import add_arguments as add_codegen_arguments
+
+    add_codegen_arguments(codegen)
     coll = sub.add_parser("collective", help="predicted time of one collective on a cluster")
     coll.add_argument("--cluster", default="dgx-h100", help="shipped profile name")
     coll.add_argument("--nodes", type=int, default=1)
@@ -217,6 +222,14 @@ def main(argv: list[str] | None = None) -> int:
             _report(args)
         elif args.command == "explain":
             _explain(args)
+        elif args.command == "codegen":
+            from autopar.codegen import run as run_codegen
+            from autopar.plan import load_plan
+
+            out = run_codegen(args)
+            n = load_plan(args.plan).cluster["world_size"]
+            print(f"wrote {out}; run it with: torchrun --nproc_per_node={n} {out} --steps 10 "
+                  f"(and python {out} --reference for the single-process reference)")
         elif args.command == "collective":
             _collective(console, args)
     except ValueError as exc:

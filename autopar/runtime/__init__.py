@@ -1,0 +1,19 @@
+"""autopar.runtime: applies a Plan to a model inside each rank on PyTorch's distributed engine
+(DeviceMesh, DTensor tensor/sequence parallel, FSDP2 / DDP, torch.distributed.pipelining).
+
+This package is the only part of autopar that imports ``torch.distributed``; generated training
+scripts (``autopar.codegen``) import it rather than inlining it.
+"""
+
+from autopar.runtime.apply import (
+    RuntimeModel,
+    apply_plan,
+    check_world_size,
+    init_distributed,
+    lm_loss,
+    shutdown,
+)
+from autopar.runtime.train import make_optimizer, peak_memory_mb, synthetic_batch
+
+__all__ = ["RuntimeModel", "apply_plan", "check_world_size", "init_distributed", "lm_loss",
+           "make_optimizer", "peak_memory_mb", "shutdown", "synthetic_batch"]

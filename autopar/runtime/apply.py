@@ -1,0 +1,228 @@
+"""Apply a plan to a model inside one rank: mesh, tensor/sequence parallel, pipeline stages,
+activation recompute and data parallel (ZeRO), on PyTorch's distributed engine.
+
+Order, per rank: build this rank's pipeline stage modules (or keep the whole model), shard them
+over ``tp`` (DTensor), wrap blocks for recompute, shard or replicate them over ``dp``
+(FSDP2 / DDP), then wrap them in ``PipelineStage`` and the plan's schedule.
+
+ZeRO mapping (see ../shared/data/runtime_cpu.md §c): stage 3 → FSDP2 ``fully_shard`` per block
+then root with ``reshard_after_forward=True``; stages 1 and 2 → ``fully_shard`` with
+``reshard_after_forward=False``, which shards gradients and optimizer state but keeps the
+parameters gathered between forward and backward (ZeRO-2-like; FSDP2 has no pure ZeRO-1);
+stage 0 → DDP when dp is the only parallel axis, else the ZeRO-2-like FSDP2 (DDP does not
+take DTensor parameters).  Zero-bubble pipelines with ZeRO-3 also run without resharding after
+forward (runtime_cpu.md §e).  Context and expert parallelism are not in this runtime yet.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.runtime.pipeline import (
+    build_stage_modules,
+    make_pipeline_stages,
+    make_schedule,
+    stage_ids_for_rank,
+)
+from autopar.runtime.tensor_parallel import apply_tensor_parallel
+
+__all__ = ["RuntimeModel", "apply_plan", "check_world_size", "init_distributed", "lm_loss",
+           "shutdown"]
+
+log = logging.getLogger(__name__)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over all positions."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+
+
+def check_world_size(plan: Any, world_size: int) -> None:
+    """ValueError unless the launch has exactly the plan's number of ranks (no collectives)."""
+    want = int(plan.cluster["world_size"])
+    if world_size != want:
+        raise ValueError(f"this plan needs {want} processes (mesh {dict(zip(plan.mesh['axes'], plan.mesh['sizes']))}, "
+                         f"cluster {plan.cluster['profile']}), but {world_size} were launched: run "
+                         f"torchrun --nproc_per_node={want} ..., or re-plan for {world_size} ranks")
+
+
+def init_distributed(timeout_s: float = 60.0) -> tuple[int, int, torch.device]:
+    """Initialise the default process group from torchrun's environment (gloo on CPU, nccl on
+    GPU) with a short timeout, so a failure on one rank does not hang the others for 30 min.
+    Returns (rank, world size, this rank's device)."""
+    import os
+
+    if torch.cuda.is_available():
+        backend, device = "nccl", torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        backend, device = "gloo", torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _blocks(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(container, key) of every block in the module's block lists (ModuleList / ModuleDict)."""
+    found = []
+    for child in module.children():
+        if isinstance(child, nn.ModuleList):
+            found += [(child, i) for i in range(len(child))]
+        elif isinstance(child, nn.ModuleDict):
+            found += [(child, k) for k, _ in child.items()]
+    return found
+
+
+def _apply_recompute(module: nn.Module, policy: str) -> None:
+    if policy == "none":
+        return
+    if policy == "selective":
+        log.warning("recompute='selective' runs as no recompute in this runtime (same numerics, "
+                    "more activation memory than the plan predicts)")
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
+
+    for container, key in _blocks(module):
+        container[key] = checkpoint_wrapper(container[key])
+
+
+def _apply_data_parallel(module: nn.Module, plan: Any, dp_mesh: Any, *, pure_dp: bool) -> nn.Module:
+    zero = plan.config.zero_stage
+    if zero == 0 and pure_dp:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module, process_group=dp_mesh.get_group())
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = zero == 3
+    if reshard and plan.config.pp > 1 and plan.config.pp_schedule == "zero-bubble":
+        # runtime_cpu.md §e: zero-bubble schedules with FSDP2 resharding after forward deadlock
+        # or give wrong weight gradients; keep the parameters gathered between F and B/W.
+        log.warning("zero-bubble pipeline with ZeRO-3: running reshard_after_forward=False")
+        reshard = False
+    if zero == 0:
+        log.info("zero_stage=0 with tp/pp: using FSDP2 without reshard-after-forward")
+    for container, key in _blocks(module):
+        fully_shard(container[key], mesh=dp_mesh, reshard_after_forward=reshard)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+    return module
+
+
+@dataclass
+class RuntimeModel:
+    """This rank's share of the model and how to run one training step on it."""
+
+    modules: list[nn.Module]
+    mesh: Any
+    dp_rank: int
+    dp_size: int
+    tp_rank: int
+    stage_ids: list[int]
+    num_stages: int
+    n_microbatches: int
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    schedule: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def parameters(self):
+        seen = set()
+        for m in self.modules:
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    @property
+    def is_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+        """Forward and backward on this rank's data-parallel slice of the global batch; returns
+        the global mean loss (the same number on every rank)."""
+        if inputs.shape[0] % self.dp_size:
+            raise ValueError(f"global batch {inputs.shape[0]} is not divisible by dp={self.dp_size}")
+        b = inputs.shape[0] // self.dp_size
+        x = inputs[self.dp_rank * b:(self.dp_rank + 1) * b]
+        y = labels[self.dp_rank * b:(self.dp_rank + 1) * b]
+        if self.schedule is None:
+            loss = self.loss_fn(self.modules[0](x), y)
+            loss.backward()
+            local = loss.detach()
+        else:
+            args = (x,) if 0 in self.stage_ids else ()
+            losses: list[torch.Tensor] = []
+            kwargs = {"target": y, "losses": losses} if self.is_last else {}
+            self.schedule.step(*args, **kwargs)
+            local = torch.stack(losses).mean().detach() if self.is_last else torch.zeros(())
+        counts = self.is_last and self.tp_rank == 0
+        total = (local.float() / self.dp_size) if counts else torch.zeros((), dtype=torch.float32)
+        total = total.to(self.device)
+        dist.all_reduce(total)
+        return float(total)
+
+
+def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu",
+               loss_fn: Callable | None = None) -> RuntimeModel:
+    """Shard ``model`` (the full model with its weights, identical on every rank) as ``plan``
+    says.  Needs an initialised default process group of the plan's world size."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = torch.device(device)
+    cfg = plan.config
+    if cfg.cp > 1:
+        raise NotImplementedError("context parallel (cp > 1) is not in this runtime yet; "
+                                  "pin cp=1 when compiling")
+    if cfg.ep > 1:
+        raise NotImplementedError("expert parallel (ep > 1) is not in this runtime yet; "
+                                  "pin ep=1 when compiling")
+    check_world_size(plan, dist.get_world_size())
+    axes, sizes = list(plan.mesh["axes"]), [int(s) for s in plan.mesh["sizes"]]
+    mesh = init_device_mesh(device.type, tuple(sizes), mesh_dim_names=tuple(axes))
+    deg = dict(zip(axes, sizes))
+    pp, tp, dp = deg.get("pp", 1), deg.get("tp", 1), deg.get("dp", 1)
+    loss_fn = loss_fn or lm_loss
+    gbs = int(plan.training["global_batch_size"])
+    n_micro = gbs // (dp * cfg.micro_batch_size)
+    if pp > 1:
+        ids = stage_ids_for_rank(mesh["pp"].get_local_rank(), pp, len(plan.stages))
+        modules = build_stage_modules(model, plan.stages, ids)
+    else:
+        ids, modules = [0], [model]
+    modules = [m.to(device) for m in modules]
+    if tp > 1:
+        for m in modules:
+            apply_tensor_parallel(m, plan, mesh["tp"])
+    for m in modules:
+        _apply_recompute(m, cfg.recompute)
+    if dp > 1:
+        modules = [_apply_data_parallel(m, plan, mesh["dp"], pure_dp=(pp == 1 and tp == 1))
+                   for m in modules]
+    rt = RuntimeModel(modules=modules, mesh=mesh,
+                      dp_rank=mesh["dp"].get_local_rank() if dp > 1 else 0, dp_size=dp,
+                      tp_rank=mesh["tp"].get_local_rank() if tp > 1 else 0, stage_ids=ids,
+                      num_stages=len(plan.stages) if pp > 1 else 1, n_microbatches=n_micro,
+                      loss_fn=loss_fn, device=device)
+    if pp > 1:
+        stages = make_pipeline_stages(modules, ids, len(plan.stages), device,
+                                      mesh["pp"].get_group())
+        rt.schedule = make_schedule(plan, stages, n_micro, loss_fn)
+        rt.extra["stages"] = stages
+    log.info("rank %d: mesh %s, stages %s, %d micro-batches", dist.get_rank(), deg, ids, n_micro)
+    return rt

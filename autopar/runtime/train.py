@@ -1,0 +1,46 @@
+"""Small training helpers shared by generated scripts and their ``--reference`` mode:
+synthetic causal-LM batches, the optimizer, and the peak-memory reading."""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["make_optimizer", "peak_memory_mb", "synthetic_batch", "vocab_size"]
+
+LEARNING_RATE = 1e-3  # fixed, so a sharded run and its reference take the same steps
+
+
+def vocab_size(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "vocab_size"):
+        return int(cfg.vocab_size)
+    for mod in model.modules():
+        if isinstance(mod, nn.Embedding):
+            return int(mod.num_embeddings)
+    raise ValueError("cannot tell the vocabulary size: the model has no config.vocab_size and "
+                     "no nn.Embedding; pass --loss for a non-token model")
+
+
+def synthetic_batch(step: int, seed: int, batch: int, seq_len: int, vocab: int):
+    """(inputs, labels) of shape [batch, seq_len]: seeded random tokens, labels shifted by one.
+    Every rank draws the full global batch and keeps its own slice."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def make_optimizer(params: Iterable[torch.nn.Parameter], lr: float = LEARNING_RATE):
+    """AdamW with a fixed learning rate (for-loop implementation: it accepts a mix of DTensor
+    and plain-tensor parameters)."""
+    return torch.optim.AdamW(list(params), lr=lr, foreach=False)
+
+
+def peak_memory_mb() -> float:
+    """Peak device memory (CUDA) or peak resident set size of this process (CPU), in MiB."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

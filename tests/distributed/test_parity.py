@@ -1,0 +1,148 @@
+"""Multi-rank gloo parity: plans compiled by ``autopar.compile``, saved, turned into a training
+script by ``autopar.codegen``, launched with ``torchrun``, must print the same per-step losses
+as the script's ``--reference`` run (one process, unsharded), to 1e-4 relative.  Also the bad
+launches: a wrong world size and a plan for another model stop with a message, before any
+collective."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.codegen import codegen_main, generate_script
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import tiny_models
+
+PY = sys.executable
+TORCHRUN = str(Path(PY).with_name("torchrun"))
+STEPS = 3
+TOL = 1e-4
+STEP_LINE = re.compile(r"^step (\d+) loss (\S+)", re.MULTILINE)
+
+# (id, ranks, model factory, constraints pinned in autopar.compile)
+CONFIGS = [
+    ("dp", 2, "tiny_llama", {"dp": 2, "zero_stage": 0}),
+    ("zero3", 2, "tiny_llama", {"dp": 2, "zero_stage": 3}),
+    ("tp", 2, "tiny_llama", {"tp": 2, "sequence_parallel": False}),
+    ("tp_sp", 2, "tiny_llama_wide", {"tp": 2, "sequence_parallel": True}),
+    ("pp_1f1b", 2, "tiny_llama", {"pp": 2, "pp_schedule": "1f1b", "micro_batch_size": 2}),
+    ("pp_gpipe", 2, "tiny_llama", {"pp": 2, "pp_schedule": "gpipe", "micro_batch_size": 2}),
+    ("tp_pp", 4, "tiny_llama_wide", {"tp": 2, "pp": 2, "pp_schedule": "1f1b",
+                                     "micro_batch_size": 2, "sequence_parallel": False}),
+    ("pp_interleaved", 2, "tiny_llama", {"pp": 2, "pp_schedule": "interleaved-1f1b",
+                                         "virtual_stages": 2, "micro_batch_size": 2}),
+    ("pp_zero_bubble", 2, "tiny_llama", {"pp": 2, "pp_schedule": "zero-bubble",
+                                         "micro_batch_size": 2}),
+    ("zero2_recompute", 2, "tiny_llama", {"dp": 2, "zero_stage": 2, "recompute": "full"}),
+    ("zero3_tp_sp", 4, "tiny_llama_wide", {"dp": 2, "tp": 2, "zero_stage": 3,
+                                           "sequence_parallel": True}),
+    ("zero1_pp", 4, "tiny_llama", {"dp": 2, "pp": 2, "zero_stage": 1, "pp_schedule": "1f1b",
+                                   "micro_batch_size": 2}),
+    ("zero3_tp_pp_8", 8, "tiny_llama_wide", {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 3,
+                                             "pp_schedule": "1f1b", "micro_batch_size": 2,
+                                             "sequence_parallel": False}),
+]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _make_script(tmp: Path, name: str, ranks: int, factory: str, constraints: dict) -> Path:
+    cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=ranks)
+    model = getattr(tiny_models, factory)()
+    plan = autopar.compile(model, cluster, global_batch_size=8, seq_len=64, dtype="fp32",
+                           constraints=constraints)
+    for key, value in constraints.items():
+        assert getattr(plan.config, key) == value, (key, plan.config)
+    plan_path = plan.save(tmp / f"{name}.json")
+    script = tmp / f"{name}.py"
+    script.write_text(generate_script(plan, f"tiny_models:{factory}", plan_path=plan_path))
+    return script
+
+
+def _run(cmd: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=_env())
+
+
+def _losses(out: str) -> list[float]:
+    return [float(x) for _, x in STEP_LINE.findall(out)]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Reference losses per model factory (the reference run depends only on the model, the
+    batch shape and the seed, which all configs of one factory share)."""
+    cache: dict[str, list[float]] = {}
+
+    def get(script: Path, factory: str) -> list[float]:
+        if factory not in cache:
+            res = _run([PY, str(script), "--reference", "--steps", str(STEPS), "--seed", "0"])
+            assert res.returncode == 0, res.stdout + res.stderr
+            cache[factory] = _losses(res.stdout)
+            assert len(cache[factory]) == STEPS, res.stdout
+        return cache[factory]
+
+    return get
+
+
+@pytest.mark.parametrize("name,ranks,factory,constraints", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_parity(tmp_path, references, name, ranks, factory, constraints):
+    script = _make_script(tmp_path, name, ranks, factory, constraints)
+    ref = references(script, factory)
+    res = _run([TORCHRUN, "--standalone", f"--nproc_per_node={ranks}", str(script),
+                "--steps", str(STEPS), "--seed", "0"])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = _losses(res.stdout)
+    assert len(got) == STEPS, res.stdout
+    rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
+    print(f"{name}: max relative loss difference {rel:.2e}")
+    assert rel <= TOL, (got, ref)
+    assert "summary: median step" in res.stdout
+
+
+def test_wrong_world_size_stops_before_any_collective(tmp_path):
+    script = _make_script(tmp_path, "dp", 2, "tiny_llama", {"dp": 2, "zero_stage": 0})
+    res = _run([TORCHRUN, "--standalone", "--nproc_per_node=1", str(script), "--steps", "1"])
+    assert res.returncode != 0
+    assert "this plan needs 2 processes" in res.stderr and "1 were launched" in res.stderr
+    assert "step 1" not in res.stdout
+    # the script's own message, not a failure inside the process group or the runtime
+    assert "error: this plan needs" in res.stderr and "autopar/runtime/apply.py" not in res.stderr
+
+
+def test_plan_for_another_model_stops(tmp_path):
+    script = _make_script(tmp_path, "dp", 2, "tiny_llama", {"dp": 2, "zero_stage": 0})
+    text = script.read_text().replace("tiny_models import tiny_llama ", "tiny_models import other_llama ")
+    assert "other_llama" in text
+    script.write_text(text)
+    res = _run([PY, str(script), "--reference", "--steps", "1"])
+    assert res.returncode != 0
+    assert "this plan was made for another model" in res.stderr
+    assert "step 1" not in res.stdout
+
+
+def test_codegen_main_writes_a_script(tmp_path):
+    cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=2)
+    plan = autopar.compile(tiny_models.tiny_llama(), cluster, global_batch_size=8, seq_len=64,
+                           dtype="fp32", constraints={"dp": 2, "zero_stage": 0})
+    plan.save(tmp_path / "plan.json")
+    out = tmp_path / "train.py"
+    assert codegen_main([str(tmp_path / "plan.json"), "--model-factory", "tiny_models:tiny_llama",
+                         "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "from autopar import runtime" in text and "def apply_plan" not in text
+    compile(text, str(out), "exec")
+    with pytest.raises(ValueError, match="MODULE:FN"):
+        generate_script(plan, "not a spec", plan_path=tmp_path / "plan.json")

@@ -1,0 +1,71 @@
+"""Single-process checks of the runtime's plan-reading pieces (no process group): tensor-parallel
+styles from placements, pipeline stage modules that keep the reference FQNs and compose to the
+full model, and the clear refusals (context / expert parallel, wrong world size)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autopar
+from autopar.runtime import apply_plan, check_world_size
+from autopar.runtime.pipeline import build_stage_modules, stage_ids_for_rank
+from autopar.runtime.tensor_parallel import tp_styles
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tiny_models  # noqa: E402
+
+
+def _plan(factory, ranks, **constraints):
+    cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=ranks)
+    return autopar.compile(factory(), cluster, global_batch_size=8, seq_len=64, dtype="fp32",
+                           constraints=constraints)
+
+
+def test_tp_styles_follow_megatron_placements():
+    plan = _plan(tiny_models.tiny_llama_wide, 2, tp=2)
+    styles = tp_styles(tiny_models.tiny_llama_wide(), plan.placements)
+    assert styles["tok_embeddings"] == "vocab"
+    for name, kind in styles.items():
+        if name.endswith((".wq", ".wk", ".wv", ".w1", ".w3")) or name == "output":
+            assert kind == "colwise", name
+        if name.endswith((".wo", ".w2")):
+            assert kind == "rowwise", name
+
+
+@pytest.mark.parametrize("pp,virtual", [(2, 1), (2, 2)])
+def test_stage_modules_keep_fqns_and_compose(pp, virtual):
+    extra = {"pp_schedule": "interleaved-1f1b", "virtual_stages": virtual} if virtual > 1 else {}
+    plan = _plan(tiny_models.tiny_llama, pp, pp=pp, micro_batch_size=2, **extra)
+    model = tiny_models.tiny_llama()
+    n = len(plan.stages)
+    assert n == pp * virtual
+    mods = build_stage_modules(model, plan.stages, list(range(n)))
+    full = dict(model.named_parameters())
+    names = [k for m in mods for k, _ in m.named_parameters()]
+    assert sorted(names) == sorted(full)  # every parameter on exactly one stage, same FQN
+    for m in mods:
+        for k, p in m.named_parameters():
+            assert torch.equal(p, full[k])
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    h = tokens
+    for m in mods:
+        h = m(h)
+    torch.testing.assert_close(h, model(tokens), rtol=0, atol=1e-6)
+    assert stage_ids_for_rank(1, pp, n) == list(range(1, n, pp))
+
+
+def test_context_parallel_is_refused_clearly():
+    plan = _plan(tiny_models.tiny_llama, 2, cp=2)
+    with pytest.raises(NotImplementedError, match="context parallel"):
+        apply_plan(tiny_models.tiny_llama(), plan)
+
+
+def test_world_size_check():
+    plan = _plan(tiny_models.tiny_llama, 2, dp=2)
+    check_world_size(plan, 2)
+    with pytest.raises(ValueError, match="needs 2 processes"):
+        check_world_size(plan, 4)

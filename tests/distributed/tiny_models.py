@@ -1,0 +1,28 @@
+"""Tiny reference models for the multi-rank parity tests (module-level factories, so a generated
+script can import them as ``tests.distributed.tiny_models:FN``)."""
+
+import torch
+
+from autopar.models.llama import Llama, LlamaConfig
+
+
+def tiny_llama():
+    """dim 64, 4 layers, vocab 128: the ILP replicates the blocks on tp (only the embedding and
+    head shard)."""
+    torch.manual_seed(1234)
+    return Llama(LlamaConfig(vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                             ffn_dim=128, max_seq_len=64))
+
+
+def tiny_llama_wide():
+    """dim 256 / ffn 1024: wide enough that the ILP picks Megatron column→row TP in every block."""
+    torch.manual_seed(1234)
+    return Llama(LlamaConfig(vocab_size=128, dim=256, n_layers=2, n_heads=8, n_kv_heads=4,
+                             ffn_dim=1024, max_seq_len=64))
+
+
+def other_llama():
+    """A different model (6 layers), for the wrong-model check."""
+    torch.manual_seed(1234)
+    return Llama(LlamaConfig(vocab_size=128, dim=64, n_layers=6, n_heads=4, n_kv_heads=2,
+                             ffn_dim=128, max_seq_len=64))
