@@ -76,9 +76,11 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
 
 def _tp_placements(model, graph, cluster: Cluster, cfg, dtype: str, seq_len, example_inputs
                    ) -> tuple[dict[str, str], dict[str, Any]]:
-    """Tensor-parallel placement of every parameter: the intra-op ILP's choice for each unique
-    block at the plan's tp and micro-batch, Megatron's vocab-parallel rule for the rest. Says
-    per block whether the ILP's layout is the Megatron layout the estimate was costed with."""
+    """Tensor-parallel placement of every parameter: the intra-op ILP solves each unique block
+    at the plan's tp and micro-batch.  Where its layout is Megatron's (the layout the outer
+    search and the estimate cost), the plan takes it; where it differs, the plan keeps
+    Megatron's layout so that its predicted time and memory are those of what it runs, and
+    records the ILP's preferred placements per block (``ilp_placements``) as advice."""
     megatron = megatron_tp_placements(graph)
     if cfg.tp == 1:
         return megatron, {}
@@ -95,18 +97,21 @@ def _tp_placements(model, graph, cluster: Cluster, cfg, dtype: str, seq_len, exa
         sol = solve_block(mb_graph, block.node_names, tp=cfg.tp, cluster=cluster, dtype=dtype,
                           cache=cache)
         placements = dict(sol.param_placements)
-        tp_map.update(placements)
+        same = all(megatron.get(f, "R") == p for f, p in sorted(placements.items()))
         report[block.representative] = {
             "tp": cfg.tp, "optimal": sol.optimal, "compute_s": sol.compute_s,
             "comm_s": sol.comm_s, "forward_collectives": [list(c) for c in sol.forward_collectives],
             "backward_collectives": [list(c) for c in sol.backward_collectives],
-            "matches_estimate_layout": all(megatron.get(f, "R") == p
-                                           for f, p in sorted(placements.items())),
+            "matches_estimate_layout": same,
         }
-        if not report[block.representative]["matches_estimate_layout"]:
+        if same:
+            tp_map.update(placements)
+        else:
+            report[block.representative]["ilp_placements"] = dict(sorted(placements.items()))
             log.warning("the intra-op ILP prefers another tensor-parallel layout than "
-                        "Megatron's for %s at tp=%d; the plan uses the ILP's placements while "
-                        "the estimate was costed with Megatron's", block.representative, cfg.tp)
+                        "Megatron's for %s at tp=%d; the plan keeps Megatron's, which its "
+                        "estimate costs (the ILP's is in plan.intra_op[...]['ilp_placements'])",
+                        block.representative, cfg.tp)
     return tp_map, report
 
 

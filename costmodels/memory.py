@@ -12,7 +12,7 @@ No torch import.
 
 from __future__ import annotations
 
-__all__ = ["DTYPE_BYTES", "state_bytes_per_param", "CUDA_CONTEXT_BYTES", "COMM_BUFFER_BYTES",
+__all__ = ["DTYPE_BYTES", "state_bytes_per_param", "state_bytes_split", "CUDA_CONTEXT_BYTES", "COMM_BUFFER_BYTES",
            "ALLOCATOR_RESERVE_FRACTION"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -33,21 +33,23 @@ COMM_BUFFER_BYTES = 2 * 25 * 2**20 + 4 * 64 * 2**20
 ALLOCATOR_RESERVE_FRACTION = 0.05
 
 
-def state_bytes_per_param(dtype: str, zero_stage: int, shards: int) -> float:
-    """Bytes of weights, gradients and Adam states per parameter on one rank."""
+def state_bytes_split(dtype: str, zero_stage: int, shards: int) -> tuple[float, float, float]:
+    """Bytes of (weights, gradients, optimizer states) per parameter on one rank; the optimizer
+    states include the fp32 master copy of mixed-precision training."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPE_BYTES)}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if dtype == "fp32":
         weights, grads, optim = 4.0, 4.0, 8.0
     else:
         weights = grads = 2.0
         optim = 12.0
-    if zero_stage == 0:
-        return weights + grads + optim
-    if zero_stage == 1:
-        return weights + grads + optim / shards
-    if zero_stage == 2:
-        return weights + (grads + optim) / shards
-    if zero_stage == 3:
-        return (weights + grads + optim) / shards
-    raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    return (weights / shards if zero_stage >= 3 else weights,
+            grads / shards if zero_stage >= 2 else grads,
+            optim / shards if zero_stage >= 1 else optim)
+
+
+def state_bytes_per_param(dtype: str, zero_stage: int, shards: int) -> float:
+    """Bytes of weights, gradients and Adam states per parameter on one rank."""
+    return sum(state_bytes_split(dtype, zero_stage, shards))

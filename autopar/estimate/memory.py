@@ -13,7 +13,7 @@ from __future__ import annotations
 from autopar.config import ParallelConfig
 from autopar.estimate.units import Unit
 from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
-                               CUDA_CONTEXT_BYTES, state_bytes_per_param)
+                               CUDA_CONTEXT_BYTES, state_bytes_split)
 from costmodels.pipeline import PipelineTimeline
 
 __all__ = ["stage_memory", "activation_bytes", "peak_inflight_bytes"]
@@ -66,11 +66,12 @@ def stage_memory(cfg: ParallelConfig, dtype: str, dense: list[float], expert: li
     expert), its largest unit's parameter bytes, the peak activation bytes it holds across
     micro-batches (`inflight`) and one layer's working set (`working`)."""
     shards = cfg.dp * cfg.cp
-    dense_b = state_bytes_per_param(dtype, cfg.zero_stage, shards)
-    expert_b = state_bytes_per_param(dtype, cfg.zero_stage, max(1, shards // cfg.ep))
+    dense_split = state_bytes_split(dtype, cfg.zero_stage, shards)
+    expert_split = state_bytes_split(dtype, cfg.zero_stage, max(1, shards // cfg.ep))
     out = []
     for rank in range(cfg.pp):
-        states = dense[rank] * dense_b + expert[rank] * expert_b
+        split = [dense[rank] * d + expert[rank] * e for d, e in zip(dense_split, expert_split)]
+        states = sum(split)
         activations = inflight[rank] + working[rank]
         gathered = 0.0
         if cfg.zero_stage == 3:  # the running unit and the prefetched next one, unsharded
@@ -81,5 +82,6 @@ def stage_memory(cfg: ParallelConfig, dtype: str, dense: list[float], expert: li
                "comm_buffers": float(COMM_BUFFER_BYTES), "cuda_context": CUDA_CONTEXT_BYTES}
         mem["allocator_reserve"] = ALLOCATOR_RESERVE_FRACTION * (states + activations + gathered)
         mem["_params"] = dense[rank] + expert[rank]
+        mem["_weights"], mem["_grads"], mem["_optimizer"] = split  # the parts of "states"
         out.append(mem)
     return out

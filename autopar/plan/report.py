@@ -387,8 +387,8 @@ def _placements(plan: Plan) -> Section:
                      f"{'optimal' if info.get('optimal') else 'not proven optimal'}, comm "
                      f"{fmt_seconds(info.get('comm_s', 0.0))} per layer; "
                      + ("same layout as the Megatron layout the estimate costs" if same else
-                        "differs from the Megatron layout the estimate was costed with; the "
-                        "plan keeps the ILP's placements"))
+                        "prefers another layout than Megatron's; the plan keeps Megatron's, "
+                        "which the estimate costs (the ILP's: intra_op 'ilp_placements')"))
     return Section(title="Placements per module kind", lines=lines, tables=(
         Table(columns=("module", "instances", "tensors", *axis_names), rows=tuple(rows),
               right=frozenset({1, 2})),), after=tuple(after))

@@ -5,13 +5,7 @@ Order, per rank: build this rank's pipeline stage modules (or keep the whole mod
 over ``tp`` (DTensor), wrap blocks for recompute, shard or replicate them over ``dp``
 (FSDP2 / DDP), then wrap them in ``PipelineStage`` and the plan's schedule.
 
-ZeRO mapping (see ../shared/data/runtime_cpu.md §c): stage 3 → FSDP2 ``fully_shard`` per block
-then root with ``reshard_after_forward=True``; stages 1 and 2 → ``fully_shard`` with
-``reshard_after_forward=False``, which shards gradients and optimizer state but keeps the
-parameters gathered between forward and backward (ZeRO-2-like; FSDP2 has no pure ZeRO-1);
-stage 0 → DDP when dp is the only parallel axis, else the ZeRO-2-like FSDP2 (DDP does not
-take DTensor parameters).  Zero-bubble pipelines with ZeRO-3 also run without resharding after
-forward (runtime_cpu.md §e).  Context and expert parallelism are not in this runtime yet.
+Data parallel and the ZeRO stages: ``autopar.runtime.data_parallel``.
 """
 
 from __future__ import annotations
@@ -27,6 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.runtime.data_parallel import apply_data_parallel as _apply_data_parallel
+from autopar.runtime.data_parallel import sync_gradients
 from autopar.runtime.pipeline import (
     build_stage_modules,
     make_pipeline_stages,
@@ -102,28 +98,6 @@ def _apply_recompute(module: nn.Module, policy: str) -> None:
         container[key] = checkpoint_wrapper(container[key])
 
 
-def _apply_data_parallel(module: nn.Module, plan: Any, dp_mesh: Any, *, pure_dp: bool) -> nn.Module:
-    zero = plan.config.zero_stage
-    if zero == 0 and pure_dp:
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(module, process_group=dp_mesh.get_group())
-    from torch.distributed.fsdp import fully_shard
-
-    reshard = zero == 3
-    if reshard and plan.config.pp > 1 and plan.config.pp_schedule == "zero-bubble":
-        # runtime_cpu.md §e: zero-bubble schedules with FSDP2 resharding after forward deadlock
-        # or give wrong weight gradients; keep the parameters gathered between F and B/W.
-        log.warning("zero-bubble pipeline with ZeRO-3: running reshard_after_forward=False")
-        reshard = False
-    if zero == 0:
-        log.info("zero_stage=0 with tp/pp: using FSDP2 without reshard-after-forward")
-    for container, key in _blocks(module):
-        fully_shard(container[key], mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
-    return module
-
-
 @dataclass
 class RuntimeModel:
     """This rank's share of the model and how to run one training step on it."""
@@ -171,6 +145,7 @@ class RuntimeModel:
             kwargs = {"target": y, "losses": losses} if self.is_last else {}
             self.schedule.step(*args, **kwargs)
             local = torch.stack(losses).mean().detach() if self.is_last else torch.zeros(())
+        sync_gradients(self.modules)
         counts = self.is_last and self.tp_rank == 0
         total = (local.float() / self.dp_size) if counts else torch.zeros((), dtype=torch.float32)
         total = total.to(self.device)

@@ -7,15 +7,15 @@ from autopar.models.llama import Llama, LlamaConfig
 
 
 def tiny_llama():
-    """dim 64, 4 layers, vocab 128: the ILP replicates the blocks on tp (only the embedding and
-    head shard)."""
+    """dim 64, 4 layers, vocab 128 (at this width the intra-op ILP would replicate the blocks
+    on tp; plans keep Megatron's layout, which their estimate costs)."""
     torch.manual_seed(1234)
     return Llama(LlamaConfig(vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2,
                              ffn_dim=128, max_seq_len=64))
 
 
 def tiny_llama_wide():
-    """dim 256 / ffn 1024: wide enough that the ILP picks Megatron column→row TP in every block."""
+    """dim 256 / ffn 1024: wide enough that the ILP picks Megatron column→row TP in blocks."""
     torch.manual_seed(1234)
     return Llama(LlamaConfig(vocab_size=128, dim=256, n_layers=2, n_heads=8, n_kv_heads=4,
                              ffn_dim=1024, max_seq_len=64))

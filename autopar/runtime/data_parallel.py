@@ -1,0 +1,121 @@
+"""Data parallelism with the plan's ZeRO stage, over a 1-D mesh of the ranks that hold the same
+parameters and train on different data (dp, or dp×cp flattened under context parallel).
+
+Mapping (see ../shared/data/runtime_cpu.md §c):
+
+* ZeRO-0, plain tensors only (no tensor parallel): ``DistributedDataParallel``.
+* ZeRO-0 otherwise (DTensor parameters under tensor parallel, pipeline stages, parameters left
+  to another owner): full replicas, and after backward one bucketed all-reduce per dtype of the
+  local gradients, divided by the group size (DDP's numerics, without overlap).
+* ZeRO-1 and ZeRO-2: FSDP2 ``fully_shard`` per block and at the root with
+  ``reshard_after_forward=False``: parameters stay gathered from forward to backward, gradients
+  are reduce-scattered and the optimizer state is sharded.  FSDP2 has no ZeRO-1 (full gradients,
+  sharded optimizer), so ZeRO-1 runs as ZeRO-2: the same traffic, less gradient memory.
+* ZeRO-3: the same with ``reshard_after_forward=True`` (except under zero-bubble pipelines,
+  which need the parameters kept between their B and W passes: runtime_cpu.md §e).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["apply_data_parallel", "sync_gradients"]
+
+log = logging.getLogger(__name__)
+
+# module → the manual gradient all-reduce that runs after its backward (ZeRO-0 without DDP)
+_SYNCS: weakref.WeakKeyDictionary[nn.Module, _GradientAllReduce] = weakref.WeakKeyDictionary()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor behind a DTensor (a view that in-place ops write through)."""
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+class _GradientAllReduce:
+    """Averages the local gradients of ``params`` over ``group``: one flat all-reduce per dtype.
+    A gradient that is a Partial DTensor on the tp axis (sequence-parallel norm weights) is
+    reduced as its local partial sum, which commutes with the later tp reduction."""
+
+    def __init__(self, params: list[nn.Parameter], group: Any, size: int):
+        self.params, self.group, self.size = params, group, size
+
+    def __call__(self) -> None:
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.params:
+            if p.grad is None:
+                raise RuntimeError("a replicated parameter got no gradient on this rank; every "
+                                   "data-parallel replica must use all its parameters")
+            g = _local(p.grad)
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(self.size)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+
+def sync_gradients(modules: list[nn.Module]) -> None:
+    """Run the manual gradient all-reduce of every module that has one (after backward)."""
+    for m in modules:
+        sync = _SYNCS.get(m)
+        if sync is not None:
+            sync()
+
+
+def _has_dtensor(params: list[nn.Parameter]) -> bool:
+    return any(hasattr(p, "_local_tensor") for p in params)
+
+
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    """Every block of the module's block lists (``ModuleList`` / ``ModuleDict`` children)."""
+    found: list[nn.Module] = []
+    for child in module.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            found += list(child.children())
+    return found
+
+
+def apply_data_parallel(module: nn.Module, plan: Any, dp_mesh: Any, *, pure_dp: bool,
+                        ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
+    """Replicate or shard ``module`` over ``dp_mesh`` (each of its ranks trains on its own slice
+    of the batch; gradients are averaged over it) as the plan's ZeRO stage says.  Returns the
+    module to run (DDP wraps it; otherwise it is ``module`` itself).  ``ignored_params`` (e.g.
+    experts under expert parallel) are left alone: their owner reduces their gradients.
+    ``pure_dp``: no other parallelism touches this module, so DDP may wrap it."""
+    zero = plan.config.zero_stage
+    ignored = set(ignored_params or ())
+    params = [p for p in module.parameters() if p not in ignored]
+    if zero == 0:
+        if pure_dp and not ignored and not _has_dtensor(params):
+            from torch.nn.parallel import DistributedDataParallel
+
+            return DistributedDataParallel(module, process_group=dp_mesh.get_group())
+        _SYNCS[module] = _GradientAllReduce(params, dp_mesh.get_group(), dp_mesh.size())
+        return module
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = zero == 3
+    if reshard and plan.config.pp > 1 and plan.config.pp_schedule == "zero-bubble":
+        log.warning("zero-bubble pipeline with ZeRO-3: running reshard_after_forward=False "
+                    "(FSDP2 resharding between the B and W passes gives wrong gradients)")
+        reshard = False
+    if zero == 1:
+        log.info("zero_stage=1 runs as FSDP2 without reshard-after-forward (ZeRO-2: gradients "
+                 "are sharded too)")
+    for block in _blocks(module):
+        mine = {p for p in block.parameters() if p in ignored}
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard,
+                    ignored_params=mine or None)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard,
+                ignored_params=ignored or None)
+    return module

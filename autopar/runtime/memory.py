@@ -1,0 +1,81 @@
+"""What one rank really holds of the model states, counted from the tensors themselves, to set
+next to the plan's prediction (``Estimate.memory_by_stage[pp_rank]`` ``_weights`` / ``_grads``
+/ ``_optimizer``).
+
+* weights: the parameter bytes registered on this rank's modules at rest (``rest``) and the
+  most at the end of any module forward (``peak``).  FSDP2 swaps its sharded parameters for
+  the gathered ones while they are unsharded, so under ZeRO-1/2 ``peak`` is the full weights
+  (kept from forward to backward), and under ZeRO-3 ``rest`` is the shard and ``peak - rest``
+  the units gathered at once (the plan's ``zero3_buffers`` bounds it);
+* gradients: the local gradient bytes after backward and the gradient reduction, before the
+  optimizer step (sharded under FSDP2);
+* optimizer: the bytes of the optimizer's per-parameter state tensors (AdamW's two moments;
+  its scalar step counters are not model states and are left out).
+DTensors count their local shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["StateBytes", "WeightWatcher", "grad_bytes", "optimizer_bytes", "param_bytes"]
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    weights: float
+    grads: float
+    optimizer: float
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    local = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return local.numel() * local.element_size()
+
+
+def _unique_params(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
+    seen: dict[int, torch.Tensor] = {}
+    for m in modules:
+        for p in m.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def param_bytes(modules: Iterable[nn.Module]) -> int:
+    return sum(_nbytes(p) for p in _unique_params(modules))
+
+
+def grad_bytes(modules: Iterable[nn.Module]) -> int:
+    return sum(_nbytes(p.grad) for p in _unique_params(modules) if p.grad is not None)
+
+
+def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    total = 0
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if key != "step" and isinstance(value, torch.Tensor):
+                total += _nbytes(value)
+    return total
+
+
+class WeightWatcher:
+    """``param_bytes(modules)`` now (``rest``) and its peak over the forward passes of
+    ``modules`` and their submodules (``peak``); ``remove()`` detaches the hooks."""
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = modules
+        self.rest = self.peak = param_bytes(modules)
+        self._hooks = [sub.register_forward_hook(self._seen)
+                       for m in modules for sub in m.modules()]
+
+    def _seen(self, *_args) -> None:
+        self.peak = max(self.peak, param_bytes(self.modules))
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
