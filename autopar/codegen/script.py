@@ -23,6 +23,9 @@ _TEMPLATE = '''\
 
     torchrun --nproc_per_node={world} {script} --steps 3 --seed 0
     python {script} --reference --steps 3 --seed 0    # one process, unsharded
+
+--save DIR writes a checkpoint after the last step; --resume DIR loads one (written under any
+plan, or by --reference) and trains on from the step after it, up to --steps.
 """
 
 import argparse
@@ -49,6 +52,8 @@ def main(argv=None):
     ap.add_argument("--reference", action="store_true",
                     help="train the unsharded model in this one process")
     ap.add_argument("--plan", default=PLAN)
+    ap.add_argument("--save", metavar="DIR", help="write a checkpoint after the last step")
+    ap.add_argument("--resume", metavar="DIR", help="load a checkpoint and continue after its step")
     args = ap.parse_args(argv)
     logging.basicConfig(level=os.environ.get("AUTOPAR_LOG_LEVEL", "WARNING"))
 
@@ -59,8 +64,7 @@ def main(argv=None):
     vocab = vocab_size(model)
 
     if args.reference:
-        rank = 0
-        params = list(model.parameters())
+        rank, trained = 0, model
 
         def train_step(x, y):
             loss = loss_fn(model(x), y)
@@ -69,15 +73,25 @@ def main(argv=None):
     else:
         runtime.check_world_size(plan, int(os.environ.get("WORLD_SIZE", "1")))
         rank, _, device = runtime.init_distributed(timeout_s=60)
-        sharded = runtime.apply_plan(model, plan, device=device, loss_fn=loss_fn)
-        params = list(sharded.parameters())
+        trained = runtime.apply_plan(model, plan, device=device, loss_fn=loss_fn)
 
         def train_step(x, y):
-            return sharded.train_step(x.to(device), y.to(device))
+            return trained.train_step(x.to(device), y.to(device))
 
-    opt = runtime.make_optimizer(params)
+    opt = runtime.make_optimizer(trained.parameters())
+    first = 1
+    if args.resume:  # saved under any plan, or by --reference: it reshards onto this one
+        saved = runtime.checkpoint_info(args.resume)
+        if saved["step"] >= args.steps:
+            raise ValueError(f"{{args.resume}} is at step {{saved['step']}}, so --steps "
+                             f"{{args.steps}} leaves nothing to train: pass --steps "
+                             f"{{saved['step'] + 1}} or more")
+        first = runtime.load_checkpoint(args.resume, trained, opt) + 1
+        if rank == 0:
+            print(f"resumed from {{args.resume}} after step {{first - 1}} "
+                  f"(saved under {{saved['layout']}})", flush=True)
     times = []
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
         x, y = runtime.synthetic_batch(step, args.seed, batch, seq_len, vocab)
         start = time.perf_counter()
         loss = train_step(x, y)
@@ -93,6 +107,8 @@ def main(argv=None):
               f"(plan predicts {{est.step_time_s * 1e3:.1f}} ms on {{plan.cluster['profile']}}), "
               f"peak memory {{runtime.peak_memory_mb():.0f}} MiB "
               f"(plan predicts {{est.peak_memory_bytes / 2**20:.0f}} MiB)", flush=True)
+    if args.save:
+        runtime.save_checkpoint(args.save, trained, opt, args.steps, plan=plan)
     if not args.reference:
         runtime.shutdown()
 

@@ -13,7 +13,9 @@ from autopar.runtime.apply import (
     lm_loss,
     shutdown,
 )
+from autopar.runtime.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from autopar.runtime.train import make_optimizer, peak_memory_mb, synthetic_batch
 
-__all__ = ["RuntimeModel", "apply_plan", "check_world_size", "init_distributed", "lm_loss",
-           "make_optimizer", "peak_memory_mb", "shutdown", "synthetic_batch"]
+__all__ = ["RuntimeModel", "apply_plan", "check_world_size", "checkpoint_info", "init_distributed",
+           "lm_loss", "load_checkpoint", "make_optimizer", "peak_memory_mb", "save_checkpoint",
+           "shutdown", "synthetic_batch"]

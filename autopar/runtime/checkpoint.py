@@ -1,0 +1,251 @@
+"""Checkpoints that reshard between plans, on ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint is a directory: DCP's files (``.metadata`` and one ``__R_0.distcp`` per writing
+rank) plus ``autopar_checkpoint.json``, written by rank 0, with the step it was taken after and
+the layout it was written under.  Tensors are stored by the reference model's parameter names
+(FQNs) and global shapes, whatever the plan: DCP's state-dict helpers
+(``torch.distributed.checkpoint.state_dict``) strip the DDP / activation-checkpoint wrappers and
+keep FSDP2 / tensor-parallel ``DTensor`` shards as such, and DCP writes each shard at its global
+offset.  Loading under another plan (other degrees, another world size, pipeline stages instead
+of data parallel, or one unsharded process) reads back exactly the pieces every rank holds.
+
+The optimizer's state goes through the same helpers in their *flattened* form
+(``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``), so it reshards too: AdamW's ``exp_avg``,
+``exp_avg_sq`` and ``step`` follow their parameter to whichever rank holds it under the new plan.
+
+A pipeline rank may hold several stage modules (trimmed deep copies of the model whose names
+are the reference model's) and one optimizer over all of them; they are seen as one module,
+``_StageUnion``, so that one call maps every optimizer parameter to its name.
+
+Without a process group (the generated script's ``--reference`` run) the same functions save
+and load the same format in one process (DCP's single-process mode).
+
+Not covered: expert-parallel layouts whose ranks hold different experts under one name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from autopar.runtime.apply import RuntimeModel
+
+__all__ = ["INFO_FILE", "checkpoint_info", "load_checkpoint", "save_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+INFO_FILE = "autopar_checkpoint.json"
+FORMAT_VERSION = 1
+REFERENCE_LAYOUT = "reference (one process, unsharded)"
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+class _StageUnion(nn.Module):
+    """The stage modules of one pipeline rank seen as one module, for state dicts only (it has
+    no forward).  Block containers are merged by key (``layers.3`` stays ``layers.3``); every
+    other top-level child is taken from the one stage that owns parameters in it."""
+
+    def __init__(self, stages: list[nn.Module]):
+        super().__init__()
+        for stage in stages:
+            stage = getattr(stage, "module", stage) if _is_ddp(stage) else stage
+            for name, param in stage.named_parameters(recurse=False):
+                self._take(name, param, self.register_parameter)
+            for name, buf in stage.named_buffers(recurse=False):
+                if name not in stage._non_persistent_buffers_set:
+                    self._take(name, buf, self.register_buffer)
+            for name, child in stage.named_children():
+                if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                    if name not in self._modules:
+                        self.add_module(name, nn.ModuleDict())
+                    merged = self._modules[name]
+                    for key, block in child.named_children():
+                        if key in merged._modules:
+                            raise ValueError(f"two pipeline stages of this rank both hold "
+                                             f"{name}.{key}; the plan's stages must be disjoint")
+                        merged.add_module(key, block)
+                elif any(True for _ in child.parameters()) or any(True for _ in child.buffers()):
+                    self._take(name, child, self.add_module)
+
+    def _take(self, name: str, value: Any, register: Any) -> None:
+        if name in self._modules or name in self._parameters or name in self._buffers:
+            raise ValueError(f"two pipeline stages of this rank both hold {name!r}; the plan's "
+                             f"stages must be disjoint")
+        register(name, value)
+
+
+def _is_ddp(module: nn.Module) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(module, DistributedDataParallel)
+
+
+def _state_module(model: RuntimeModel | nn.Module) -> nn.Module:
+    """One module whose state-dict names are the reference model's."""
+    if isinstance(model, RuntimeModel):
+        return model.modules[0] if len(model.modules) == 1 else _StageUnion(model.modules)
+    if isinstance(model, nn.Module):
+        return model
+    raise TypeError(f"expected the RuntimeModel from autopar.runtime.apply_plan or an nn.Module "
+                    f"(the unsharded reference), got {type(model).__name__}")
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _state(model: RuntimeModel | nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    module = _state_module(model)
+    return {"model": get_model_state_dict(module, options=_OPTIONS),
+            "optim": get_optimizer_state_dict(module, optimizer, options=_OPTIONS)}
+
+
+def _layout(model: RuntimeModel | nn.Module, plan: Any) -> str:
+    if not isinstance(model, RuntimeModel):
+        return REFERENCE_LAYOUT
+    world = dist.get_world_size() if _distributed() else 1
+    label = plan.config.short() if plan is not None else "an unnamed plan"
+    return f"{label} on {world} ranks"
+
+
+def _write_info(path: Path, info: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{INFO_FILE}.", dir=path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, path / INFO_FILE)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(path: str | Path, runtime_model: RuntimeModel | nn.Module,
+                    optimizer: torch.optim.Optimizer, step: int, *, plan: Any = None) -> Path:
+    """Write model and optimizer state after ``step`` into the directory ``path`` (collective:
+    every rank calls it).  ``runtime_model`` is what ``apply_plan`` returned, or the plain model
+    of a single-process reference run; ``plan`` (optional) is recorded for ``load_checkpoint``'s
+    report."""
+    path = Path(path)
+    distributed = _distributed()
+    if not distributed or dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    state = _state(runtime_model, optimizer)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        dcp.save(state, checkpoint_id=str(path))  # creates the directory on the other ranks
+    if not distributed or dist.get_rank() == 0:
+        info = {"format": "autopar-checkpoint", "version": FORMAT_VERSION, "step": int(step),
+                "layout": _layout(runtime_model, plan), "torch": torch.__version__,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        if plan is not None:
+            info["model"] = {k: plan.model.get(k) for k in ("class", "num_params")}
+            if isinstance(runtime_model, RuntimeModel):
+                info["plan"] = {"config": plan.config.to_dict(), "mesh": plan.mesh}
+        _write_info(path, info)
+    if distributed:
+        dist.barrier()  # the info file exists before any rank goes on
+    log.info("saved checkpoint %s after step %d", path, step)
+    return path
+
+
+def checkpoint_info(path: str | Path) -> dict[str, Any]:
+    """The small JSON record next to a checkpoint: step, layout it was written under, …"""
+    path = Path(path)
+    info_file = path / INFO_FILE
+    if not (path / ".metadata").is_file() or not info_file.is_file():
+        raise ValueError(f"{path} is not an autopar checkpoint (it needs .metadata and "
+                         f"{INFO_FILE}); write one with the training script's --save DIR, or "
+                         f"autopar.runtime.save_checkpoint")
+    info = json.loads(info_file.read_text())
+    if info.get("format") != "autopar-checkpoint" or info.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{info_file} is not an autopar checkpoint record of version "
+                         f"{FORMAT_VERSION} (got format {info.get('format')!r}, version "
+                         f"{info.get('version')!r}); re-save it with this autopar")
+    return info
+
+
+def _names(kind: str, names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:3])
+    return f"{len(names)} {kind} ({shown}{', ...' if len(names) > 3 else ''})"
+
+
+def _check_same_model(path: Path, state: dict[str, Any], info: dict[str, Any]) -> None:
+    """ValueError, on every rank alike, unless the checkpoint holds exactly this model's
+    parameters (names and global shapes) and the state this rank's optimizer needs."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    missing, reshaped, optim_missing = [], [], []
+    for section, entries in state.items():
+        for key, value in entries.items():
+            meta = saved.get(f"{section}.{key}")
+            if meta is None:
+                (missing if section == "model" else optim_missing).append(key)
+            elif isinstance(value, torch.Tensor) and isinstance(meta, TensorStorageMetadata) \
+                    and tuple(meta.size) != tuple(value.shape):  # DTensor: the global shape
+                reshaped.append(f"{key!r} has shape {list(meta.size)} in the checkpoint and "
+                                f"{list(value.shape)} in this model")
+    mine = (missing, reshaped, optim_missing, set(state["model"]))
+    everyone = [mine]
+    if _distributed():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    missing, reshaped, optim_missing = (sorted({x for rank in everyone for x in rank[i]})
+                                        for i in range(3))
+    held = set().union(*(rank[3] for rank in everyone))
+    extra = sorted(k[6:] for k in saved if k.startswith("model.") and k[6:] not in held)
+    problems = reshaped[:3]
+    if missing:
+        problems.append(_names("parameters of this model are not in the checkpoint", missing))
+    if extra:
+        problems.append(_names("parameters in the checkpoint are not in this model", extra))
+    if not problems and optim_missing:
+        problems.append(_names("optimizer entries are not in the checkpoint (was it saved with "
+                               "another optimizer?)", optim_missing))
+    if problems:
+        saved_model = info.get("model", {})
+        what = f" for {saved_model['class']}" if saved_model.get("class") else ""
+        raise ValueError(
+            f"checkpoint {path} (written{what} under {info.get('layout', '?')}) does not fit "
+            f"this model: {'; '.join(problems)}. Resume with the model and optimizer it was "
+            f"saved from, or train from scratch without --resume")
+
+
+def load_checkpoint(path: str | Path, runtime_model: RuntimeModel | nn.Module,
+                    optimizer: torch.optim.Optimizer) -> int:
+    """Load model and optimizer state from ``path`` into this rank's shards, whatever plan wrote
+    it (collective: every rank calls it, before training).  Returns the step it was saved after;
+    training continues with the next one."""
+    path = Path(path)
+    info = checkpoint_info(path)
+    module = _state_module(runtime_model)
+    state = _state(runtime_model, optimizer)  # this layout's tensors, DCP loads into them
+    _check_same_model(path, state, info)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
+        dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(module, state["model"], options=_OPTIONS)
+    set_optimizer_state_dict(module, optimizer, state["optim"], options=_OPTIONS)
+    log.info("loaded checkpoint %s: step %d, written under %s", path, info["step"], info["layout"])
+    return int(info["step"])
