@@ -64,7 +64,7 @@ def main(argv=None):
     vocab = vocab_size(model)
 
     if args.reference:
-        rank, trained = 0, model
+        rank, trained, modules, pp_rank = 0, model, [model], 0
 
         def train_step(x, y):
             loss = loss_fn(model(x), y)
@@ -74,6 +74,7 @@ def main(argv=None):
         runtime.check_world_size(plan, int(os.environ.get("WORLD_SIZE", "1")))
         rank, _, device = runtime.init_distributed(timeout_s=60)
         trained = runtime.apply_plan(model, plan, device=device, loss_fn=loss_fn)
+        modules, pp_rank = trained.modules, trained.stage_ids[0]
 
         def train_step(x, y):
             return trained.train_step(x.to(device), y.to(device))
@@ -91,11 +92,16 @@ def main(argv=None):
             print(f"resumed from {{args.resume}} after step {{first - 1}} "
                   f"(saved under {{saved['layout']}})", flush=True)
     times = []
+    states = runtime.StateCounter(modules, pp_rank)  # model-state bytes, counted on the first step
     for step in range(first, args.steps + 1):
         x, y = runtime.synthetic_batch(step, args.seed, batch, seq_len, vocab)
         start = time.perf_counter()
         loss = train_step(x, y)
+        if step == first:
+            states.after_backward()
         opt.step()
+        if step == first:
+            states.after_step(opt)
         opt.zero_grad()
         times.append(time.perf_counter() - start)
         if rank == 0:
@@ -107,6 +113,7 @@ def main(argv=None):
               f"(plan predicts {{est.step_time_s * 1e3:.1f}} ms on {{plan.cluster['profile']}}), "
               f"peak memory {{runtime.peak_memory_mb():.0f}} MiB "
               f"(plan predicts {{est.peak_memory_bytes / 2**20:.0f}} MiB)", flush=True)
+        print(states.line(None if args.reference else plan), flush=True)
     if args.save:
         runtime.save_checkpoint(args.save, trained, opt, args.steps, plan=plan)
     if not args.reference:

@@ -14,8 +14,9 @@ from autopar.runtime.apply import (
     shutdown,
 )
 from autopar.runtime.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
+from autopar.runtime.memory import StateCounter
 from autopar.runtime.train import make_optimizer, peak_memory_mb, synthetic_batch
 
-__all__ = ["RuntimeModel", "apply_plan", "check_world_size", "checkpoint_info", "init_distributed",
-           "lm_loss", "load_checkpoint", "make_optimizer", "peak_memory_mb", "save_checkpoint",
-           "shutdown", "synthetic_batch"]
+__all__ = ["RuntimeModel", "StateCounter", "apply_plan", "check_world_size", "checkpoint_info",
+           "init_distributed", "lm_loss", "load_checkpoint", "make_optimizer", "peak_memory_mb",
+           "save_checkpoint", "shutdown", "synthetic_batch"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["StateBytes", "WeightWatcher", "grad_bytes", "optimizer_bytes", "param_bytes"]
+__all__ = ["StateBytes", "StateCounter", "WeightWatcher", "grad_bytes", "optimizer_bytes", "param_bytes"]
 
 
 @dataclass(frozen=True)
@@ -79,3 +79,45 @@ class WeightWatcher:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+class StateCounter:
+    """Counts what this rank holds of the model states during one training step, for the
+    generated script's report: create it before the step, call ``after_backward()`` and
+    ``after_step(optimizer)``, then ``line(plan)`` sets the counts next to the plan's
+    prediction for this rank's pipeline stage (``pp_rank``)."""
+
+    def __init__(self, modules: list[nn.Module], pp_rank: int = 0):
+        self.pp_rank = pp_rank
+        self._watcher = WeightWatcher(modules)
+        self._modules = modules
+        self.grads = self.optimizer = 0
+
+    def after_backward(self) -> None:
+        self.grads = grad_bytes(self._modules)
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer_bytes(optimizer)
+        self._watcher.remove()
+
+    def held(self, zero_stage: int) -> StateBytes:
+        """Weights as the plan counts them: the shard at rest under ZeRO-3, the peak
+        otherwise."""
+        w = self._watcher
+        return StateBytes(w.rest if zero_stage == 3 else w.peak, self.grads, self.optimizer)
+
+    def line(self, plan=None) -> str:
+        if plan is None:
+            held = self.held(0)
+            return (f"model states held: weights {_mib(held.weights)}, grads "
+                    f"{_mib(held.grads)}, optimizer {_mib(held.optimizer)}")
+        held = self.held(plan.config.zero_stage)
+        want = plan.estimate.memory_by_stage[self.pp_rank]
+        parts = [f"{name} {_mib(got)} (plan {_mib(want['_' + name])})"
+                 for name, got in (("weights", held.weights), ("grads", held.grads),
+                                   ("optimizer", held.optimizer))]
+        return f"model states held on pipeline rank {self.pp_rank}: " + ", ".join(parts)

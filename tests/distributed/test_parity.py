@@ -114,6 +114,7 @@ def test_parity(tmp_path, references, name, ranks, factory, constraints):
     print(f"{name}: max relative loss difference {rel:.2e}")
     assert rel <= TOL, (got, ref)
     assert "summary: median step" in res.stdout
+    assert "model states held on pipeline rank" in res.stdout and "(plan " in res.stdout
 
 
 def test_wrong_world_size_stops_before_any_collective(tmp_path):
