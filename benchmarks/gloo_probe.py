@@ -17,7 +17,11 @@ profile would (one process per "device").
    Bus bandwidth follows nccl-tests (doc/PERFORMANCE.md): S = full buffer (for all_gather and
    reduce_scatter S = per-rank count x n), algbw = S/t, busbw = algbw x factor with factor
    2(n-1)/n for all_reduce, (n-1)/n for all_gather and reduce_scatter, 1 for send/recv.
-4. Figures for the profile, per process count n (ring steps: send/recv 1, all_gather and
+4. Small GEMMs and eager op overhead (1 process): fp32 n^3 GEMMs for n = 16 ... 128, efficiency
+   against the large-GEMM rate, fitted to eff(F) = F / (F + F_half) (profile
+   `gemm_half_efficiency_gflop`); the forward and backward time per op of a chain of tiny
+   autograd ops (profile `op_overhead_us`).
+5. Figures for the profile, per process count n (ring steps: send/recv 1, all_gather and
    reduce_scatter n-1, all_reduce 2(n-1)):
    h, per-step latency = median send/recv time over the 4 and 16 KiB points (one step each);
    c, per-call cost = median over all_reduce/all_gather/reduce_scatter at 4 and 16 KiB of
@@ -64,6 +68,49 @@ def _gemm_tflops(n: int, dtype: torch.dtype, runs: int) -> float:
         torch.matmul(a, b)
         times.append(time.perf_counter() - t0)
     return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def _gemm_half_efficiency_gflop(large_tflops: float) -> tuple[float, list[tuple[int, float]]]:
+    """Fit F_half of eff(F) = F / (F + F_half) to small fp32 GEMMs (n^3, 1 thread): least
+    squares of F_half over a log grid, efficiency relative to the large-GEMM rate (capped at 1).
+    Returns (F_half in GFLOP, [(n, efficiency)])."""
+    points = []
+    for n in (16, 24, 32, 48, 64, 96, 128):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        reps = max(10, 2_000_000 // n**3)
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                torch.matmul(a, b)
+            times.append((time.perf_counter() - t0) / reps)
+        points.append((n, min(1.0, 2 * n**3 / statistics.median(times) / 1e12 / large_tflops)))
+    grid = [10 ** (k / 20) * 1e-6 for k in range(0, 81)]  # 1e-6 ... 1e-2 GFLOP
+
+    def sse(half: float) -> float:
+        return sum((e - 2e-9 * n**3 / (2e-9 * n**3 + half)) ** 2 for n, e in points)
+
+    return min(grid, key=sse), points
+
+
+def _op_overhead_us() -> tuple[float, float]:
+    """Eager cost of one tiny op with autograd, 1 thread: a chain of 200 multiplies on a
+    one-element tensor, forward and backward timed apart; median of 7. Returns (forward us per
+    op, backward us per op)."""
+    n = 200
+    fwd, bwd = [], []
+    for _ in range(8):
+        x = torch.ones(1, requires_grad=True)
+        t0 = time.perf_counter()
+        y = x
+        for _ in range(n):
+            y = y * 1.0001
+        t1 = time.perf_counter()
+        y.backward()
+        t2 = time.perf_counter()
+        fwd.append((t1 - t0) / n)
+        bwd.append((t2 - t1) / n)
+    return statistics.median(fwd[1:]) * 1e6, statistics.median(bwd[1:]) * 1e6
 
 
 def _copy_gb_per_s(nbytes: int, runs: int) -> float:
@@ -198,9 +245,20 @@ def main() -> None:
 
     print(f"\n== GEMM: torch.matmul {GEMM_N}^3, 1 thread, 1 process (median) ==")
     print(f"{'dtype':<8} {'TFLOP/s':>9}")
+    large = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16),
                         ("fp16", torch.float16)):
-        print(f"{name:<8} {_gemm_tflops(GEMM_N, dtype, runs=7):>9.4f}")
+        large[name] = _gemm_tflops(GEMM_N, dtype, runs=7)
+        print(f"{name:<8} {large[name]:>9.4f}")
+
+    half, points = _gemm_half_efficiency_gflop(large["fp32"])
+    print("\n== Small fp32 GEMMs n^3: efficiency vs the large-GEMM rate, fit F/(F + F_half) ==")
+    print("  ".join(f"n={n}: {e:.2f}" for n, e in points))
+    print(f"gemm_half_efficiency_gflop = {half:.3g}")
+    fwd_us, bwd_us = _op_overhead_us()
+    print("\n== Eager op overhead: 200 one-element multiplies with autograd (median) ==")
+    print(f"forward {fwd_us:.1f} us per op, backward {bwd_us:.1f} us per op -> op_overhead_us "
+          f"= {fwd_us:.1f} (the estimate charges it once forward, twice backward)")
 
     print("\n== Memory: dst.copy_(src), 256 MiB fp32, 1 thread (read + write, median) ==")
     print(f"{'GB/s':>8}\n{_copy_gb_per_s(256 << 20, runs=7):>8.2f}")

@@ -4,7 +4,9 @@
             bytes / (memory_bandwidth · memory_efficiency))
 
 - GEMMs (and convolutions) reach the profile's measured large-GEMM efficiency, less for small
-  GEMMs: `size_efficiency(F) = F / (F + GEMM_HALF_EFFICIENCY_FLOPS)`.
+  GEMMs: `size_efficiency(F) = F / (F + F_half)`, F_half the profile's
+  `gemm_half_efficiency_gflop` or else `GEMM_HALF_EFFICIENCY_FLOPS` (an H100 figure).
+- Every launched op also costs the profile's `op_overhead_us` (else `KERNEL_GAP_S`).
 - A fused attention kernel (FlashAttention-2, cuDNN, FlashAttention-3) runs at a measured
   fraction of dense peak that depends on the kernel and the architecture
   (`FUSED_ATTENTION_PEAK_FRACTION`) and skips the masked half of a causal score matrix; an
@@ -24,7 +26,7 @@ __all__ = [
     "GEMM_HALF_EFFICIENCY_FLOPS", "FUSED_ATTENTION_PEAK_FRACTION", "ATTENTION_KERNELS",
     "MATH_ATTENTION_SCORE_PASSES_FWD", "MATH_ATTENTION_SCORE_PASSES_BWD",
     "KERNEL_GAP_S", "OPTIMIZER_BYTES_PER_PARAM", "SUSTAINED_COMPUTE_FRACTION", "sustained_fraction",
-    "peak_flops", "gemm_time_s", "memory_time_s", "attention_time_s", "optimizer_time_s",
+    "op_overhead_s", "peak_flops", "gemm_time_s", "memory_time_s", "attention_time_s", "optimizer_time_s",
     "fused_attention_fraction",
 ]
 
@@ -99,8 +101,15 @@ def memory_time_s(device: DeviceSpec, num_bytes: float) -> float:
 def gemm_time_s(device: DeviceSpec, dtype: str, flops: float, num_bytes: float) -> float:
     if flops <= 0:
         return memory_time_s(device, num_bytes)
-    rate = peak_flops(device, dtype) * flops / (flops + GEMM_HALF_EFFICIENCY_FLOPS)
+    half = device.gemm_half_efficiency_flops or GEMM_HALF_EFFICIENCY_FLOPS
+    rate = peak_flops(device, dtype) * flops / (flops + half)
     return max(flops / rate, memory_time_s(device, num_bytes))
+
+
+def op_overhead_s(device: DeviceSpec) -> float:
+    """Time one launched op costs besides its work on this device (profile field
+    ``op_overhead_us``; default ``KERNEL_GAP_S``, a GPU figure)."""
+    return KERNEL_GAP_S if device.op_overhead_s is None else device.op_overhead_s
 
 
 def fused_attention_fraction(device: DeviceSpec, kernel: str) -> float:

@@ -53,6 +53,8 @@ class DeviceSpec:
     memory_efficiency: float
     peak_flops: Mapping[str, float]  # dense FLOP/s per dtype name
     gemm_efficiency: Mapping[str, float]
+    gemm_half_efficiency_flops: float | None = None  # None: costmodels.compute's default
+    op_overhead_s: float | None = None  # None: costmodels.compute.KERNEL_GAP_S
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,6 +123,9 @@ class HardwareProfile:
                 memory_efficiency=dev["memory_efficiency"],
                 peak_flops=_freeze(dev["peak_tflops"], 1e12),
                 gemm_efficiency=_freeze(dev["gemm_efficiency"], 1.0),
+                gemm_half_efficiency_flops=(dev["gemm_half_efficiency_gflop"] * 1e9
+                                            if "gemm_half_efficiency_gflop" in dev else None),
+                op_overhead_s=(dev["op_overhead_us"] * _US if "op_overhead_us" in dev else None),
             ),
             node=NodeSpec(
                 gpus_per_node=node["gpus_per_node"],

@@ -29,6 +29,7 @@ class FieldSpec:
     minimum: float | None = None  # inclusive lower bound
     maximum: float | None = None  # inclusive upper bound
     positive: bool = False  # strictly > 0
+    optional: bool = False  # may be left out; the cost model then uses its documented default
 
 
 def _f(section: str, kind: str, doc: str, **kw: Any) -> FieldSpec:
@@ -50,6 +51,14 @@ FIELDS: dict[str, FieldSpec] = {
     "gemm_efficiency": _f("device", "dtype_table", "achievable fraction of peak for large "
                           "GEMMs, per dtype (same keys as peak_tflops)", positive=True,
                           maximum=1.0),
+    "gemm_half_efficiency_gflop": _f("device", "float", "GEMM size (GFLOP) at which a GEMM "
+                                     "reaches half the large-GEMM rate (optional; default "
+                                     "costmodels.compute.GEMM_HALF_EFFICIENCY_FLOPS)",
+                                     positive=True, optional=True),
+    "op_overhead_us": _f("device", "float", "time each launched op costs besides its work: the "
+                         "gap between dependent kernels on a GPU, eager dispatch on a CPU, us "
+                         "(optional; default costmodels.compute.KERNEL_GAP_S)", minimum=0.0,
+                         optional=True),
     # -- node (scale-up domain) -----------------------------------------------------------------
     "gpus_per_node": _f("node", "int", "devices in one scale-up domain (NVLink/xGMI/PCIe "
                         "island); global rank r lives on node r // gpus_per_node", minimum=1),
@@ -188,6 +197,8 @@ def validate(doc: dict[str, Any], origin: str) -> dict[str, Any]:
                       f"[{section}]: {', '.join(sorted(expected))}")
         for name in sorted(expected):
             if name not in body:
+                if FIELDS[name].optional:
+                    continue
                 _fail(origin, f"{section}.{name}", f"is missing ({FIELDS[name].doc})")
             leaves += _check_field(origin, name, body[name], FIELDS[name])
             if FIELDS[name].kind.endswith("_table"):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate.units import OpCost, Unit
-from costmodels.compute import KERNEL_GAP_S, attention_time_s, gemm_time_s, memory_time_s
+from costmodels.compute import attention_time_s, gemm_time_s, memory_time_s, op_overhead_s
 
 __all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitTimes", "rank_groups", "unit_times"]
 
@@ -120,8 +120,9 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
             attn_fwd, attn_bwd = attn_fwd + f, attn_bwd + b
         elif op.kind == "gemm":
             gemm_fwd, gemm_bwd = gemm_fwd + f, gemm_bwd + b
-    fwd += unit.num_kernels * KERNEL_GAP_S
-    bwd += 2 * unit.num_kernels * KERNEL_GAP_S
+    gap = op_overhead_s(cluster.hardware.device)
+    fwd += unit.num_kernels * gap
+    bwd += 2 * unit.num_kernels * gap
     tp = _tp_time(unit, cluster, cfg, groups)
     tp_fwd, tp_bwd = (max(0.0, tp - gemm_fwd), max(0.0, tp - gemm_bwd)) if overlap_tp else (tp, tp)
 

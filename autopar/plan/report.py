@@ -486,9 +486,14 @@ def _constants(hardware, dtype: str, options: dict[str, Any]) -> list[tuple[str,
                      f"{_compute.sustained_fraction(arch):.3g}",
                      "fitted (published runs)" if arch in _compute.SUSTAINED_COMPUTE_FRACTION
                      else "assumed (mean of fitted archs)"))
-    rows.append(("GEMM_HALF_EFFICIENCY_FLOPS",
-                 f"{_compute.GEMM_HALF_EFFICIENCY_FLOPS / 1e9:g} GFLOP",
-                 "fitted (H100 matmul sweep)"))
+    device = hardware.device if hardware is not None else None
+    if device is not None and device.gemm_half_efficiency_flops is not None:
+        rows.append(("device.gemm_half_efficiency_gflop",
+                     f"{device.gemm_half_efficiency_flops / 1e9:g} GFLOP", "profile"))
+    else:
+        rows.append(("GEMM_HALF_EFFICIENCY_FLOPS",
+                     f"{_compute.GEMM_HALF_EFFICIENCY_FLOPS / 1e9:g} GFLOP",
+                     "fitted (H100 matmul sweep)"))
     kernel = options.get("attention_kernel", "flash")
     if kernel == "math":
         rows.append(("MATH_ATTENTION_SCORE_PASSES_FWD/BWD",
@@ -499,8 +504,11 @@ def _constants(hardware, dtype: str, options: dict[str, Any]) -> list[tuple[str,
         rows.append((f"FUSED_ATTENTION_PEAK_FRACTION[{kernel}, {arch}]",
                      f"{_compute.fused_attention_fraction(hardware.device, kernel):.3g}",
                      "measured (papers)" if known else "assumed (scaled from Ampere)"))
-    rows += [("KERNEL_GAP_S", fmt_seconds(_compute.KERNEL_GAP_S), "assumed"),
-             ("OPTIMIZER_BYTES_PER_PARAM", f"{_compute.OPTIMIZER_BYTES_PER_PARAM:g}",
+    if device is not None and device.op_overhead_s is not None:
+        rows.append(("device.op_overhead_us", fmt_seconds(device.op_overhead_s), "profile"))
+    else:
+        rows.append(("KERNEL_GAP_S", fmt_seconds(_compute.KERNEL_GAP_S), "assumed"))
+    rows += [("OPTIMIZER_BYTES_PER_PARAM", f"{_compute.OPTIMIZER_BYTES_PER_PARAM:g}",
               "derived (Adam memory traffic)"),
              ("CUDA_CONTEXT_BYTES", _fmt_bytes(_memory.CUDA_CONTEXT_BYTES), "assumed"),
              ("COMM_BUFFER_BYTES", _fmt_bytes(_memory.COMM_BUFFER_BYTES), "assumed (DDP + NCCL)"),

@@ -23,6 +23,8 @@ def test_every_shipped_profile_loads_and_cites_every_number(name):
     assert doc["name"] == name
     sources = doc["sources"]
     for field, spec in FIELDS.items():
+        if spec.optional and field not in doc[spec.section]:
+            continue
         value = doc[spec.section][field]
         if spec.kind in ("int", "float"):
             assert f"{spec.section}.{field}" in sources
@@ -86,3 +88,21 @@ def test_overrides_replace_fields_by_name_and_are_cited_as_overrides():
         hwprofiles.apply_overrides(doc, {"nic_speed": 100})
     with pytest.raises(ValueError, match="nics_per_node. must be >= 0"):
         hwprofiles.apply_overrides(doc, {"nics_per_node": -1})
+
+
+def test_optional_device_fields_default_to_the_cost_models_constants():
+    from costmodels import compute
+    from costmodels.hardware import HardwareProfile
+
+    h100 = HardwareProfile.load("dgx-h100").device
+    assert h100.gemm_half_efficiency_flops is None and h100.op_overhead_s is None
+    assert compute.op_overhead_s(h100) == compute.KERNEL_GAP_S
+    cpu = HardwareProfile.load("cpu-gloo").device
+    assert cpu.gemm_half_efficiency_flops == pytest.approx(0.000224e9)
+    assert compute.op_overhead_s(cpu) == pytest.approx(2.7e-6)
+    # a 64^3 fp32 GEMM: the CPU is near its large-GEMM rate, an H100 far from it
+    flops = 2 * 64**3
+    cpu_eff = flops / compute.peak_flops(cpu, "fp32") / compute.gemm_time_s(cpu, "fp32", flops, 0)
+    h100_eff = flops / compute.peak_flops(h100, "bf16") / compute.gemm_time_s(h100, "bf16", flops, 0)
+    assert cpu_eff == pytest.approx(flops / (flops + 0.000224e9))
+    assert h100_eff == pytest.approx(flops / (flops + compute.GEMM_HALF_EFFICIENCY_FLOPS))
