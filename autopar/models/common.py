@@ -1,15 +1,60 @@
-"""Building blocks shared by the reference models: attention kinds, RoPE, feed-forwards."""
+"""Building blocks shared by the reference models: attention kinds, RoPE, feed-forwards, and
+the sequence-shard hook through which a runtime runs the models on a slice of the sequence."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["AttentionImpl", "FeedForward", "SwiGLU", "apply_rope", "attention", "rope_tables"]
+__all__ = ["AttentionImpl", "FeedForward", "SequenceShard", "SwiGLU", "apply_rope", "attention",
+           "rope_tables", "sequence_shard", "token_positions"]
+
+
+class SequenceShard(Protocol):
+    """What a process holding only some tokens of each sequence (context parallel) tells the
+    models: where its local tokens sit in the full sequence, and how to run causal attention
+    over the full sequence from its local q/k/v.  Implemented by ``autopar.runtime`` (which
+    owns the communication); the models stay free of ``torch.distributed``."""
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """int64 ``[local_len]``: the global position of each local token, in local order."""
+        ...
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the local queries over the keys/values of the whole sequence."""
+        ...
+
+
+# A process-wide setting rather than a context variable: autograd worker threads (backward on
+# GPU) and activation-recompute replays during backward must see the same shard as forward.
+_SEQUENCE_SHARD: SequenceShard | None = None
+
+
+@contextlib.contextmanager
+def sequence_shard(shard: SequenceShard | None) -> Iterator[None]:
+    """Run the reference models on sequence shards while the block is active (``None``: whole
+    sequences, the default).  Wrap forward *and* backward of a step in it."""
+    global _SEQUENCE_SHARD
+    previous, _SEQUENCE_SHARD = _SEQUENCE_SHARD, shard
+    try:
+        yield
+    finally:
+        _SEQUENCE_SHARD = previous
+
+
+def token_positions(seq_len: int, device) -> torch.Tensor:
+    """Positions of the ``seq_len`` tokens a model was given: ``0..seq_len-1`` normally, their
+    global positions under an active :func:`sequence_shard`."""
+    if _SEQUENCE_SHARD is None:
+        return torch.arange(seq_len, device=device)
+    return _SEQUENCE_SHARD.positions(seq_len, device)
 
 
 class AttentionImpl(enum.Enum):
@@ -21,7 +66,14 @@ class AttentionImpl(enum.Enum):
 
 
 def attention(q, k, v, *, impl: AttentionImpl, dropout: float, training: bool):
-    """Causal attention over ``[batch, heads, seq, head_dim]``; k/v may have fewer heads."""
+    """Causal attention over ``[batch, heads, seq, head_dim]``; k/v may have fewer heads.
+    Under an active :func:`sequence_shard` the shard's attention runs instead (any ``impl``)."""
+    if _SEQUENCE_SHARD is not None:
+        if dropout and training:
+            raise NotImplementedError("attention dropout under context parallel (sequence "
+                                      "shards) is not supported; set the model's dropout to 0 "
+                                      "or plan with cp=1")
+        return _SEQUENCE_SHARD.attention(q, k, v)
     if impl is AttentionImpl.SDPA:
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout if training else 0.0, is_causal=True,
@@ -37,10 +89,13 @@ def attention(q, k, v, *, impl: AttentionImpl, dropout: float, training: bool):
     return probs @ v
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype):
-    """cos/sin tables ``[seq, head_dim]`` for rotate-half RoPE."""
+def rope_tables(seq_len: int, head_dim: int, theta: float, device, dtype, positions=None):
+    """cos/sin tables ``[seq, head_dim]`` for rotate-half RoPE, at token ``positions`` (int
+    ``[seq]``; default ``0..seq_len-1``)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device).float(), inv_freq)
+    if positions is None:
+        positions = torch.arange(seq_len, device=device)
+    angles = torch.outer(positions.float(), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 

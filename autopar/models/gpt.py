@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.models.common import AttentionImpl, FeedForward, attention
+from autopar.models.common import AttentionImpl, FeedForward, attention, token_positions
 
 __all__ = ["GPT", "GPTConfig"]
 
@@ -75,7 +74,7 @@ class GPT(nn.Module):
         seq = tokens.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"seq_len {seq} exceeds max_seq_len {self.config.max_seq_len}")
-        pos = torch.arange(seq, device=tokens.device)
+        pos = token_positions(seq, tokens.device)  # global positions under context parallel
         x = F.dropout(self.tok_embeddings(tokens) + self.pos_embeddings(pos),
                       self.config.dropout, self.training)
         for layer in self.layers:

@@ -7,7 +7,14 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from autopar.models.common import AttentionImpl, SwiGLU, apply_rope, attention, rope_tables
+from autopar.models.common import (
+    AttentionImpl,
+    SwiGLU,
+    apply_rope,
+    attention,
+    rope_tables,
+    token_positions,
+)
 
 __all__ = ["Llama", "LlamaConfig"]
 
@@ -81,8 +88,10 @@ class Llama(nn.Module):
         if seq > self.config.max_seq_len:
             raise ValueError(f"seq_len {seq} exceeds max_seq_len {self.config.max_seq_len}")
         x = self.tok_embeddings(tokens)
+        # token_positions: global positions of the local tokens under context parallel
         cos, sin = rope_tables(seq, self.config.dim // self.config.n_heads,
-                               self.config.rope_theta, x.device, x.dtype)
+                               self.config.rope_theta, x.device, x.dtype,
+                               positions=token_positions(seq, x.device))
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.output(self.norm(x))

@@ -5,12 +5,16 @@ the intra-op ILP's solution or `megatron_tp_placements` (the layout the estimate
 in each sub-layer (the nodes after a norm) the last GEMM before the residual add is
 row-parallel (weight [out, in] sharded on dim 1, its bias replicated) and the GEMMs before it
 are column-parallel (weight and bias sharded on dim 0); embeddings and the vocabulary head
-are vocab-parallel (dim 0); norms stay replicated. Block representatives expand to every
-layer of their block. The dp axis shards parameters on dim 0 under ZeRO-3 only; expert
+are vocab-parallel (dim 0); norms stay replicated. In an MoE sub-layer the router is
+replicated and each expert of an experts list is its own column→row run (what the estimate
+costs: expert weights split over tp, one tp reduction per sub-layer). Block representatives
+expand to every layer of their block. The dp axis shards parameters on dim 0 under ZeRO-3 only; expert
 parameters are sharded over ep on their expert dim.
 """
 
 from __future__ import annotations
+
+import re
 
 from autopar.config import ParallelConfig
 from autopar.estimate.units import vocab_sizes
@@ -19,6 +23,7 @@ from autopar.ir import Graph, OpKind
 __all__ = ["megatron_tp_placements", "param_placements", "MESH_AXES"]
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
+_EXPERT = re.compile(r"\.experts\.\d+\.")  # one expert of an experts list
 
 
 def megatron_tp_placements(graph: Graph) -> dict[str, str]:
@@ -27,6 +32,25 @@ def megatron_tp_placements(graph: Graph) -> dict[str, str]:
     sublayer: list = []
 
     def close(group: list) -> None:
+        """One pre-norm sub-layer.  An MoE sub-layer is a replicated router (every rank needs
+        all expert logits to route) and one column→row run per expert."""
+        dispatch = next((i for i, n in enumerate(group) if n.kind is OpKind.MOE_DISPATCH), None)
+        if dispatch is None:
+            close_run(group)
+            return
+        for node in group[:dispatch]:
+            if node.kind in (OpKind.MATMUL, OpKind.CONV):
+                for p in node.params:
+                    out.setdefault(p.fqn, "R")
+        runs: dict[str, list] = {}
+        for node in group[dispatch + 1:]:
+            match = next((_EXPERT.search(p.fqn) for p in node.params if _EXPERT.search(p.fqn)),
+                         None)
+            runs.setdefault(match.group(0) if match else "", []).append(node)
+        for run in runs.values():
+            close_run(run)
+
+    def close_run(group: list) -> None:
         gemms = [n for n in group if n.kind in (OpKind.MATMUL, OpKind.CONV) and n.params]
         for i, node in enumerate(gemms):
             row = i == len(gemms) - 1 and len(gemms) > 1

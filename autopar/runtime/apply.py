@@ -5,7 +5,13 @@ Order, per rank: build this rank's pipeline stage modules (or keep the whole mod
 over ``tp`` (DTensor), wrap blocks for recompute, shard or replicate them over ``dp``
 (FSDP2 / DDP), then wrap them in ``PipelineStage`` and the plan's schedule.
 
-Data parallel and the ZeRO stages: ``autopar.runtime.data_parallel``.
+Data parallel and the ZeRO stages: ``autopar.runtime.data_parallel``.  Context parallel
+(``autopar.runtime.context_parallel``): each rank trains on its zigzag chunks of every sequence,
+with ring attention over ``cp``; gradients are averaged over dp × cp.  Expert parallel
+(``autopar.runtime.expert_parallel``, ep > 1): right after the stage modules are built, each
+MoE layer keeps its ep rank's experts (tp-sharded by the layer itself) and exchanges tokens by
+all-to-all; expert gradients are reduced over their replicas before the dense wrapper, which
+leaves them alone (``ignored_params``).
 """
 
 from __future__ import annotations
@@ -21,8 +27,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.models.common import sequence_shard
+from autopar.runtime.context_parallel import (
+    ContextParallel,
+    check_context_parallel,
+    data_parallel_mesh,
+)
 from autopar.runtime.data_parallel import apply_data_parallel as _apply_data_parallel
 from autopar.runtime.data_parallel import sync_gradients
+from autopar.runtime.expert_parallel import (
+    apply_expert_parallel,
+    check_expert_parallel,
+    expert_groups,
+    shard_expert_params,
+    sync_expert_gradients,
+)
 from autopar.runtime.pipeline import (
     build_stage_modules,
     make_pipeline_stages,
@@ -114,6 +133,7 @@ class RuntimeModel:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     schedule: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    context_parallel: ContextParallel | None = None  # cp > 1: this rank's place in the cp ring
 
     def parameters(self):
         seen = set()
@@ -128,28 +148,38 @@ class RuntimeModel:
         return self.num_stages - 1 in self.stage_ids
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
-        """Forward and backward on this rank's data-parallel slice of the global batch; returns
-        the global mean loss (the same number on every rank)."""
+        """Forward and backward on this rank's data-parallel slice of the global batch (and,
+        under context parallel, its zigzag chunks of each sequence); returns the global mean loss
+        (the same number on every rank)."""
         if inputs.shape[0] % self.dp_size:
             raise ValueError(f"global batch {inputs.shape[0]} is not divisible by dp={self.dp_size}")
         b = inputs.shape[0] // self.dp_size
         x = inputs[self.dp_rank * b:(self.dp_rank + 1) * b]
         y = labels[self.dp_rank * b:(self.dp_rank + 1) * b]
-        if self.schedule is None:
-            loss = self.loss_fn(self.modules[0](x), y)
-            loss.backward()
-            local = loss.detach()
-        else:
-            args = (x,) if 0 in self.stage_ids else ()
-            losses: list[torch.Tensor] = []
-            kwargs = {"target": y, "losses": losses} if self.is_last else {}
-            self.schedule.step(*args, **kwargs)
-            local = torch.stack(losses).mean().detach() if self.is_last else torch.zeros(())
+        cp = self.context_parallel
+        if cp is not None:
+            x, y = cp.split(x), cp.split(y)
+        with sequence_shard(cp):  # ring attention and global positions, forward and backward
+            if self.schedule is None:
+                loss = self.loss_fn(self.modules[0](x), y)
+                loss.backward()
+                local = loss.detach()
+            else:
+                args = (x,) if 0 in self.stage_ids else ()
+                losses: list[torch.Tensor] = []
+                kwargs = {"target": y, "losses": losses} if self.is_last else {}
+                self.schedule.step(*args, **kwargs)
+                local = torch.stack(losses).mean().detach() if self.is_last else torch.zeros(())
         sync_gradients(self.modules)
+        sync_expert_gradients(self.modules)  # ep > 1, ZeRO-0: (Σ over replicas) / (dp·cp)
+        # one rank per (dp, cp) pair counts: each holds the mean over the same number of tokens
         counts = self.is_last and self.tp_rank == 0
-        total = (local.float() / self.dp_size) if counts else torch.zeros((), dtype=torch.float32)
+        n_counted = self.dp_size * (cp.size if cp is not None else 1)
+        total = (local.float() / n_counted) if counts else torch.zeros((), dtype=torch.float32)
         total = total.to(self.device)
         dist.all_reduce(total)
+        if cp is not None:
+            cp.verify(self.device)  # once: the model's attention really went through the ring
         return float(total)
 
 
@@ -162,16 +192,15 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     device = torch.device(device)
     cfg = plan.config
     if cfg.cp > 1:
-        raise NotImplementedError("context parallel (cp > 1) is not in this runtime yet; "
-                                  "pin cp=1 when compiling")
+        check_context_parallel(plan)
     if cfg.ep > 1:
-        raise NotImplementedError("expert parallel (ep > 1) is not in this runtime yet; "
-                                  "pin ep=1 when compiling")
+        check_expert_parallel(model, plan)
     check_world_size(plan, dist.get_world_size())
     axes, sizes = list(plan.mesh["axes"]), [int(s) for s in plan.mesh["sizes"]]
     mesh = init_device_mesh(device.type, tuple(sizes), mesh_dim_names=tuple(axes))
     deg = dict(zip(axes, sizes))
     pp, tp, dp = deg.get("pp", 1), deg.get("tp", 1), deg.get("dp", 1)
+    cp = deg.get("cp", 1)
     loss_fn = loss_fn or lm_loss
     gbs = int(plan.training["global_batch_size"])
     n_micro = gbs // (dp * cfg.micro_batch_size)
@@ -181,19 +210,31 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     else:
         ids, modules = [0], [model]
     modules = [m.to(device) for m in modules]
+    ep_groups, expert_params = None, []
+    if cfg.ep > 1:  # before tp: the expert-parallel layers shard their own experts on tp
+        ep_groups = expert_groups(mesh, plan)
+        expert_params = apply_expert_parallel(modules, plan, ep_groups)
     if tp > 1:
         for m in modules:
             apply_tensor_parallel(m, plan, mesh["tp"])
     for m in modules:
         _apply_recompute(m, cfg.recompute)
-    if dp > 1:
-        modules = [_apply_data_parallel(m, plan, mesh["dp"], pure_dp=(pp == 1 and tp == 1))
+    if ep_groups is not None:  # experts: reduced over their replicas, before the dense wrapper
+        for m in modules:
+            shard_expert_params(m, plan, ep_groups)
+    if dp * cp > 1:  # cp ranks hold the same parameters too: average gradients over dp × cp
+        dp_mesh = data_parallel_mesh(mesh)
+        modules = [_apply_data_parallel(m, plan, dp_mesh, pure_dp=(pp == 1 and tp == 1),
+                                        ignored_params=set(expert_params) or None)
                    for m in modules]
     rt = RuntimeModel(modules=modules, mesh=mesh,
                       dp_rank=mesh["dp"].get_local_rank() if dp > 1 else 0, dp_size=dp,
                       tp_rank=mesh["tp"].get_local_rank() if tp > 1 else 0, stage_ids=ids,
                       num_stages=len(plan.stages) if pp > 1 else 1, n_microbatches=n_micro,
                       loss_fn=loss_fn, device=device)
+    if cp > 1:
+        rt.context_parallel = ContextParallel(group=mesh["cp"].get_group(),
+                                              rank=mesh["cp"].get_local_rank(), size=cp)
     if pp > 1:
         stages = make_pipeline_stages(modules, ids, len(plan.stages), device,
                                       mesh["pp"].get_group())

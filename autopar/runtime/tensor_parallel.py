@@ -56,8 +56,13 @@ def tp_styles(module: nn.Module, placements: dict[str, dict[str, str]]) -> dict[
     """``{module FQN: "colwise" | "rowwise" | "vocab"}`` for every Linear/Embedding whose
     weight the plan shards on tp.  Raises ValueError for layouts this runtime cannot run."""
     styles: dict[str, str] = {}
+    # layers that shard their own parameters on tp (expert-parallel MoE layers) are left alone
+    own = [name for name, mod in module.named_modules()
+           if getattr(mod, "handles_own_tensor_parallel", False)]
     for name, mod in module.named_modules():
         if not isinstance(mod, (nn.Linear, nn.Embedding)):
+            continue
+        if any(name.startswith(prefix + ".") for prefix in own):
             continue
         dim = _tp_dim(placements, f"{name}.weight")
         if dim is None:

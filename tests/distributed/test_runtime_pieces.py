@@ -1,17 +1,20 @@
 """Single-process checks of the runtime's plan-reading pieces (no process group): tensor-parallel
 styles from placements, pipeline stage modules that keep the reference FQNs and compose to the
-full model, and the clear refusals (context / expert parallel, wrong world size)."""
+full model, and the clear refusals (uneven context-parallel chunks, wrong world size).  Expert
+parallel's single-process pieces are in test_expert_parallel.py."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import autopar
 from autopar.runtime import apply_plan, check_world_size
+from autopar.runtime.context_parallel import check_context_parallel
 from autopar.runtime.pipeline import build_stage_modules, stage_ids_for_rank
 from autopar.runtime.tensor_parallel import tp_styles
 
@@ -58,10 +61,15 @@ def test_stage_modules_keep_fqns_and_compose(pp, virtual):
     assert stage_ids_for_rank(1, pp, n) == list(range(1, n, pp))
 
 
-def test_context_parallel_is_refused_clearly():
+def test_context_parallel_plan_is_checked_before_any_collective():
+    """cp > 1 runs (tests/distributed/test_context_parallel.py); a plan whose sequence does not
+    cut into 2*cp equal zigzag chunks is refused by apply_plan before it needs a process group."""
     plan = _plan(tiny_models.tiny_llama, 2, cp=2)
-    with pytest.raises(NotImplementedError, match="context parallel"):
-        apply_plan(tiny_models.tiny_llama(), plan)
+    check_context_parallel(plan)
+    bad = SimpleNamespace(config=plan.config, mesh=plan.mesh, cluster=plan.cluster,
+                          training={**plan.training, "seq_len": 62})
+    with pytest.raises(ValueError, match="seq_len=62 is not divisible by 4"):
+        apply_plan(tiny_models.tiny_llama(), bad)
 
 
 def test_world_size_check():

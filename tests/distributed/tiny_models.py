@@ -26,3 +26,20 @@ def other_llama():
     torch.manual_seed(1234)
     return Llama(LlamaConfig(vocab_size=128, dim=64, n_layers=6, n_heads=4, n_kv_heads=2,
                              ffn_dim=128, max_seq_len=64))
+
+
+def tiny_gpt():
+    """GPT (learned positions, fused qkv, tied head), dim 64, 2 layers, vocab 128."""
+    from autopar.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(1234)
+    return GPT(GPTConfig(vocab_size=128, max_seq_len=64, dim=64, n_layers=2, n_heads=4))
+
+
+def tiny_mixtral():
+    """Mixtral (top-2 of 4 SwiGLU experts per layer), dim 64, 2 layers, vocab 128."""
+    from autopar.models.mixtral import Mixtral, MixtralConfig
+
+    torch.manual_seed(1234)
+    return Mixtral(MixtralConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                 ffn_dim=128, max_seq_len=64, num_experts=4, top_k=2))

@@ -1,0 +1,100 @@
+"""torchrun worker for tests/distributed/test_context_parallel.py: applies each given cp plan with
+``autopar.runtime.apply_plan``, runs one ``train_step`` on a synthetic batch and compares the
+loss and every gradient this rank holds (DTensor gradients gathered with ``full_tensor()``)
+with a one-process reference step of the same model.  AdamW hides a uniform gradient scale,
+so loss parity over a few optimizer steps alone would not catch a wrong dp × cp averaging.
+Writes ``<out>/<name>.<rank>.json``: ``{"loss_err", "grad_err", "grad_max", "n_grads"}``.
+A spec prefixed ``refuse:`` instead runs the plan on a model whose attention bypasses
+``autopar.models.common.attention`` and records the error every rank must raise.
+
+    torchrun --standalone --nproc_per_node=4 cp_grad_worker.py OUT_DIR [refuse:]PLAN.json:FACTORY ...
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import tiny_models
+import torch
+import torch.nn.functional as F
+
+import autopar.models.llama
+from autopar import runtime
+from autopar.plan import load_plan
+from autopar.runtime.train import synthetic_batch, vocab_size
+
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")  # longest first
+
+
+def _clean(fqn: str) -> str:
+    for w in _WRAPPERS:
+        fqn = fqn.replace(w, "")
+    return fqn
+
+
+def _check(plan_path: str, factory: str) -> dict[str, float]:
+    model = getattr(tiny_models, factory)()
+    plan = load_plan(plan_path, model=model)
+    ref = copy.deepcopy(model)
+    x, y = synthetic_batch(1, 0, plan.training["global_batch_size"], plan.training["seq_len"],
+                           vocab_size(model))
+    ref_loss = runtime.lm_loss(ref(x), y)
+    ref_loss.backward()
+    want = {name: p.grad for name, p in ref.named_parameters()}
+    sharded = runtime.apply_plan(model, plan)
+    loss = sharded.train_step(x, y)
+    grad_err, grad_max, n = 0.0, 0.0, 0
+    for module in sharded.modules:
+        for name, p in module.named_parameters():
+            g = p.grad
+            if g is None:
+                raise RuntimeError(f"{name} got no gradient")
+            if hasattr(g, "full_tensor"):
+                g = g.full_tensor()
+            w = want[_clean(name)]
+            grad_err = max(grad_err, float((g - w).abs().max()))
+            grad_max = max(grad_max, float(w.abs().max()))
+            n += 1
+    return {"loss_err": abs(loss - float(ref_loss)), "grad_err": grad_err, "grad_max": grad_max,
+            "n_grads": n}
+
+
+def _own_attention(q, k, v, **_):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _refusal(plan_path: str, factory: str) -> dict[str, str]:
+    """The error a model that computes attention itself gets under cp (on every rank)."""
+    model = getattr(tiny_models, factory)()
+    plan = load_plan(plan_path, model=model)
+    x, y = synthetic_batch(1, 0, plan.training["global_batch_size"], plan.training["seq_len"],
+                           vocab_size(model))
+    sharded = runtime.apply_plan(model, plan)
+    saved, autopar.models.llama.attention = autopar.models.llama.attention, _own_attention
+    try:
+        sharded.train_step(x, y)
+    except NotImplementedError as exc:
+        return {"error": str(exc)}
+    finally:
+        autopar.models.llama.attention = saved
+    return {"error": ""}
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    rank, _, _ = runtime.init_distributed(timeout_s=60)
+    for spec in sys.argv[2:]:
+        refuse = spec.startswith("refuse:")
+        plan_path, factory = spec.removeprefix("refuse:").rsplit(":", 1)
+        result = _refusal(plan_path, factory) if refuse else _check(plan_path, factory)
+        (out_dir / f"{Path(plan_path).stem}.{rank}.json").write_text(json.dumps(result))
+    runtime.shutdown()
+
+
+if __name__ == "__main__":
+    main()
