@@ -207,7 +207,7 @@ def test_context_parallel_gradients(tmp_path):
         specs.append(f"{plan.save(tmp_path / f'{name}.json')}:{factory}")
     refuse = specs[0].replace(".json:", "_refused.json:")  # the cp4 plan, own attention
     Path(refuse.split(":")[0]).write_text(Path(specs[0].split(":")[0]).read_text())
-    res = _run([TORCHRUN, "--standalone", "--nproc_per_node=4", str(HERE / "cp_grad_worker.py"),
+    res = _run([TORCHRUN, "--standalone", "--nproc_per_node=4", str(HERE / "grad_worker.py"),
                 str(tmp_path), *specs, f"refuse:{refuse}"], timeout=150)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for name, _, _ in GRAD_PLANS:

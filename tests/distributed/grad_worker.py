@@ -1,13 +1,14 @@
-"""torchrun worker for tests/distributed/test_context_parallel.py: applies each given cp plan with
+"""torchrun worker for the gradient checks (tests/distributed/test_gradients.py,
+test_context_parallel.py): applies each given plan with
 ``autopar.runtime.apply_plan``, runs one ``train_step`` on a synthetic batch and compares the
 loss and every gradient this rank holds (DTensor gradients gathered with ``full_tensor()``)
 with a one-process reference step of the same model.  AdamW hides a uniform gradient scale,
-so loss parity over a few optimizer steps alone would not catch a wrong dp × cp averaging.
+so loss parity over a few optimizer steps alone would not catch a wrong gradient averaging.
 Writes ``<out>/<name>.<rank>.json``: ``{"loss_err", "grad_err", "grad_max", "n_grads"}``.
 A spec prefixed ``refuse:`` instead runs the plan on a model whose attention bypasses
 ``autopar.models.common.attention`` and records the error every rank must raise.
 
-    torchrun --standalone --nproc_per_node=4 cp_grad_worker.py OUT_DIR [refuse:]PLAN.json:FACTORY ...
+    torchrun --standalone --nproc_per_node=4 grad_worker.py OUT_DIR [refuse:]PLAN.json:FACTORY ...
 """
 
 from __future__ import annotations
