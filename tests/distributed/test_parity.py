@@ -1,6 +1,6 @@
 """Multi-rank gloo parity: plans compiled by ``autopar.compile``, saved, turned into a training
-script by ``autopar.codegen``, launched with ``torchrun``, must print the same per-step losses
-as the script's ``--reference`` run (one process, unsharded), to 1e-4 relative.  Also the bad
+script by the ``autopar codegen`` command, launched with ``torchrun``, must print the same
+per-step losses as the script's ``--reference`` run (one process, unsharded), to 1e-4 relative.  Also the bad
 launches: a wrong world size and a plan for another model stop with a message, before any
 collective."""
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import autopar
+from autopar.cli import main as cli_main
 from autopar.codegen import codegen_main, generate_script
 
 HERE = Path(__file__).resolve().parent
@@ -72,7 +73,9 @@ def _make_script(tmp: Path, name: str, ranks: int, factory: str, constraints: di
         assert getattr(plan.config, key) == value, (key, plan.config)
     plan_path = plan.save(tmp / f"{name}.json")
     script = tmp / f"{name}.py"
-    script.write_text(generate_script(plan, f"tiny_models:{factory}", plan_path=plan_path))
+    # the `autopar codegen` command, as a user runs it (in-process: same code, no start-up)
+    assert cli_main(["codegen", str(plan_path), "--model-factory", f"tiny_models:{factory}",
+                     "-o", str(script)]) == 0
     return script
 
 
