@@ -87,7 +87,11 @@ def init_distributed(timeout_s: float = 60.0) -> tuple[int, int, torch.device]:
 
 
 def shutdown() -> None:
+    """Wait for every rank, then tear the process groups down. The barrier makes sure no rank
+    destroys its groups while a peer still has collectives in flight on them (with gloo that
+    race can abort a process at exit after training finished)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
