@@ -40,13 +40,21 @@ cut into p·v stages in model order and stage s runs on rank s mod p):
 In-flight count: the number of (stage, micro-batch) pairs on a rank whose F has started and
 whose B has not finished, the driver of activation memory. With v > 1 it counts chunk
 micro-batches (a micro-batch on two of a rank's chunks counts twice); W is not counted (it
-keeps only the layer inputs it needs, less than B).
+keeps only the layer inputs it needs, less than B). In-flight bytes, given each stage's
+activation bytes per micro-batch, count a pair from its F's start until its last B or W ends
+(`PipelineTimeline.peak_inflight_bytes`).
+
+Cost: the event loop touches each op once, with its dependency, hop and duration looked up
+beforehand in array passes; per-rank sums (busy time, in-flight counts and bytes) are array
+passes too, summed in op order, so they do not depend on how they are computed. The per-op
+list (`ops`) is optional: a search that only needs the numbers skips building it.
 
 No torch import here.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import numbers
@@ -54,6 +62,8 @@ import operator
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import NamedTuple, Sequence
+
+import numpy as np
 
 __all__ = ["PipelineSchedule", "OpKind", "PipelineOp", "PipelineTimeline", "simulate_pipeline",
            "gpipe_step_time", "one_f_one_b_step_time", "interleaved_step_time", "parse_schedule"]
@@ -98,6 +108,8 @@ class PipelineTimeline:
     idle_s: tuple[float, ...]  # step_time_s - busy_s: the rank's bubble
     bubble_fraction: float    # (step_time_s - mean busy) / step_time_s
     peak_inflight_microbatches: tuple[int, ...]
+    # per rank, when `activation_bytes` was given: the most activation bytes held at once
+    peak_inflight_bytes: tuple[float, ...] = ()
 
     @property
     def bubble_s(self) -> float:
@@ -190,29 +202,26 @@ def _one_f_one_b_order(p: int, m: int, zero_bubble: bool) -> list[list[int]]:
 
 
 def _interleaved_order(p: int, m: int, v: int) -> list[list[int]]:
+    """The k-th forward of rank r is chunk (k mod pv) div p of micro-batch (k div pv)·p + k mod
+    p; the k-th backward walks the chunks in reverse (module docstring)."""
     sm = p * v * m
     group = p * v
     total = m * v
+    k = np.arange(total, dtype=np.int64)
+    chunk = (k % group) // p
+    microbatch = (k // group) * p + k % p
     orders = []
     for rank in range(p):
-        def fwd(k: int) -> int:
-            chunk = (k % group) // p
-            return (chunk * p + rank) * m + (k // group) * p + k % p
-
-        def bwd(k: int) -> int:
-            chunk = v - 1 - (k % group) // p
-            return sm + (chunk * p + rank) * m + (k // group) * p + k % p
-
+        fwd = (chunk * p + rank) * m + microbatch
+        bwd = sm + ((v - 1 - chunk) * p + rank) * m + microbatch
         if m == p:
             warmup = total
         else:
             warmup = min(2 * (p - 1 - rank) + (v - 1) * p, total)
-        ops = [fwd(k) for k in range(warmup)]
-        for j in range(total - warmup):
-            ops.append(fwd(j + warmup))
-            ops.append(bwd(j))
-        ops.extend(bwd(j) for j in range(total - warmup, total))
-        orders.append(ops)
+        steady = np.empty(2 * (total - warmup), dtype=np.int64)
+        steady[0::2] = fwd[warmup:]
+        steady[1::2] = bwd[:total - warmup]
+        orders.append(np.concatenate([fwd[:warmup], steady, bwd[total - warmup:]]).tolist())
     return orders
 
 
@@ -220,14 +229,31 @@ def _interleaved_order(p: int, m: int, v: int) -> list[list[int]]:
 
 def _run(orders: list[list[int]], num_vstages: int, m: int, dur: list[list[float]],
          hop: list[float]) -> list[list[float]]:
-    """Start time of every op of every rank. `hop[s]` is the latency between stages s-1 and s."""
+    """Start time of every op of every rank. `hop[s]` is the latency between stages s-1 and s.
+
+    Ends live in one table: F(key) at key, B(key) at sm + key (W's end is never waited on).
+    Each op is first reduced to (index of the end it waits on or -1, hop added to it, its
+    duration, index of its own end or -1), so the event loop only compares and adds. An op
+    starts at max(rank free, end of its dependency + hop) -- the dependency's end plus a zero
+    hop for a B after its own F or a W after its B, which equals that end exactly."""
     sm = num_vstages * m
     last = num_vstages - 1
-    f_end = [-1.0] * sm
-    b_end = [-1.0] * sm
-    f_waiter = [-1] * sm   # rank blocked on F(key), at most one per key
-    b_waiter = [-1] * sm
-    f_dur, b_dur, w_dur = dur
+    hops = np.array(hop, dtype=np.float64)
+    durs = np.array(dur, dtype=np.float64)
+    plans = []
+    for order in orders:
+        kinds, keys = np.divmod(np.array(order, dtype=np.int64), sm)
+        stages = keys // m
+        is_f, is_b = kinds == _F, kinds == _B
+        dep = np.where(is_f, np.where(stages > 0, keys - m, -1),
+                       np.where(is_b & (stages < last), sm + keys + m,
+                                np.where(is_b, keys, sm + keys)))
+        gap = np.where(is_f & (stages > 0), hops[stages],
+                       np.where(is_b & (stages < last), hops[np.minimum(stages + 1, last)], 0.0))
+        own = np.where(is_f, keys, np.where(is_b, sm + keys, -1))
+        plans.append((dep.tolist(), gap.tolist(), durs[kinds, stages].tolist(), own.tolist()))
+    ends = [-1.0] * (2 * sm)
+    waiter = [-1] * (2 * sm)  # the rank blocked on an end, at most one per end
     num_ranks = len(orders)
     pos = [0] * num_ranks
     free = [0.0] * num_ranks
@@ -235,55 +261,28 @@ def _run(orders: list[list[int]], num_vstages: int, m: int, dur: list[list[float
     ready = list(range(num_ranks - 1, -1, -1))
     while ready:
         rank = ready.pop()
-        order, out = orders[rank], starts[rank]
-        i, t, n = pos[rank], free[rank], len(orders[rank])
+        dep, gap, length, own = plans[rank]
+        record = starts[rank].append
+        i, t, n = pos[rank], free[rank], len(dep)
         while i < n:
-            kind, key = divmod(order[i], sm)
-            stage = key // m
-            if kind == _F:
-                if stage:
-                    dep = f_end[key - m]
-                    if dep < 0.0:
-                        f_waiter[key - m] = rank
-                        break
-                    dep += hop[stage]
-                    if dep > t:
-                        t = dep
-                out.append(t)
-                t += f_dur[stage]
-                f_end[key] = t
-                waiter = f_waiter[key]
-            elif kind == _B:
-                if stage < last:
-                    dep = b_end[key + m]
-                    if dep < 0.0:
-                        b_waiter[key + m] = rank
-                        break
-                    dep += hop[stage + 1]
-                else:
-                    dep = f_end[key]
-                    if dep < 0.0:
-                        f_waiter[key] = rank
-                        break
-                if dep > t:
-                    t = dep
-                out.append(t)
-                t += b_dur[stage]
-                b_end[key] = t
-                waiter = b_waiter[key]
-            else:
-                dep = b_end[key]
-                if dep < 0.0:
-                    b_waiter[key] = rank
+            d = dep[i]
+            if d >= 0:
+                e = ends[d]
+                if e < 0.0:
+                    waiter[d] = rank
                     break
-                if dep > t:
-                    t = dep
-                out.append(t)
-                t += w_dur[stage]
-                waiter = -1
+                e += gap[i]
+                if e > t:
+                    t = e
+            record(t)
+            t += length[i]
+            o = own[i]
+            if o >= 0:
+                ends[o] = t
+                w = waiter[o]
+                if w >= 0:
+                    ready.append(w)
             i += 1
-            if waiter >= 0:
-                ready.append(waiter)
         pos[rank], free[rank] = i, t
     stuck = [r for r in range(num_ranks) if pos[r] < len(orders[r])]
     if stuck:
@@ -296,7 +295,8 @@ def simulate_pipeline(*, schedule: PipelineSchedule | str, num_stages: int,
                       forward_s: Sequence[float] | float, backward_s: Sequence[float] | float,
                       weight_grad_s: Sequence[float] | float | None = None,
                       p2p_s: Sequence[float] | float = 0.0,
-                      record_ops: bool = True) -> PipelineTimeline:
+                      record_ops: bool = True,
+                      activation_bytes: Sequence[float] | None = None) -> PipelineTimeline:
     """Simulate one training step of `schedule` and return its timeline.
 
     `num_stages` is the number of pipeline ranks p; the model is cut into p·`virtual_stages`
@@ -308,6 +308,9 @@ def simulate_pipeline(*, schedule: PipelineSchedule | str, num_stages: int,
     of an activation (forward) or its gradient (backward) over each stage boundary, one number
     for all or p·v - 1 entries; a boundary between two stages on one rank costs nothing.
     `record_ops=False` leaves `ops` empty, for searches that only need the numbers.
+    `activation_bytes`: bytes one micro-batch keeps on each stage from the start of its F until
+    its last B (or W) ends; given, `peak_inflight_bytes` holds each rank's peak of their sum
+    (the same sweep as reading it off `ops`, without recording them).
 
     Raises ValueError for an unknown schedule, counts below 1, virtual_stages > 1 outside
     ``interleaved-1f1b``, ``interleaved-1f1b`` with num_microbatches not a multiple of
@@ -348,42 +351,49 @@ def simulate_pipeline(*, schedule: PipelineSchedule | str, num_stages: int,
         orders = _interleaved_order(p, m, v)
     else:
         orders = _one_f_one_b_order(p, m, kind is PipelineSchedule.ZERO_BUBBLE)
+    sizes = None
+    if activation_bytes is not None:
+        sizes = _times("activation_bytes", activation_bytes, n, what)
     starts = _run(orders, n, m, [f_dur, b_dur, w_dur], hop)
-    return _timeline(kind, p, m, v, orders, starts, [f_dur, b_dur, w_dur], record_ops)
+    return _timeline(kind, p, m, v, orders, starts, [f_dur, b_dur, w_dur], record_ops, sizes)
 
 
 def _timeline(kind: PipelineSchedule, p: int, m: int, v: int, orders: list[list[int]],
               starts: list[list[float]], dur: list[list[float]],
-              record_ops: bool) -> PipelineTimeline:
+              record_ops: bool, sizes: list[float] | None = None) -> PipelineTimeline:
+    """Per-rank numbers of a simulated run, as array arithmetic over each rank's ops.
+
+    Sums run in op order (`np.cumsum` accumulates left to right, as a Python loop would), so
+    busy times and in-flight bytes do not depend on how they are computed."""
     sm = p * v * m
+    table = np.array(dur, dtype=np.float64)  # [kind, stage]
+    size_of = None if sizes is None else np.array(sizes, dtype=np.float64)
     ops: list[tuple[PipelineOp, ...]] = []
     busy: list[float] = []
     peak: list[int] = []
+    peak_bytes: list[float] = []
     step = 0.0
     for order, begin in zip(orders, starts):
-        total = 0.0
-        inflight = top = 0
-        rank_ops = []
-        end = 0.0
-        for code, start in zip(order, begin):
-            kind_code, key = divmod(code, sm)
-            stage = key // m
-            length = dur[kind_code][stage]
-            total += length
-            end = start + length
-            if kind_code == _F:
-                inflight += 1
-                if inflight > top:
-                    top = inflight
-            elif kind_code == _B:
-                inflight -= 1
-            if record_ops:
-                rank_ops.append(PipelineOp(_KINDS[kind_code], stage, key % m, start, end))
+        codes = np.array(order, dtype=np.int64)
+        kinds, keys = np.divmod(codes, sm)
+        stages = keys // m
+        lengths = table[kinds, stages]
+        start_s = np.array(begin, dtype=np.float64)
+        end_s = start_s + lengths
+        end = float(end_s[-1])
         if end > step:  # ops of a rank run in order, so its last op ends last
             step = end
-        busy.append(total)
-        peak.append(top)
-        ops.append(tuple(rank_ops))
+        busy.append(float(np.cumsum(lengths)[-1]))
+        held = np.cumsum(np.where(kinds == _F, 1, np.where(kinds == _B, -1, 0)))
+        peak.append(max(0, int(held.max())))
+        if record_ops:  # tuple.__new__ builds each PipelineOp without argument parsing
+            ops.append(tuple(map(functools.partial(tuple.__new__, PipelineOp), zip(
+                [_KINDS[k] for k in kinds.tolist()], stages.tolist(), (keys % m).tolist(),
+                begin, end_s.tolist()))))
+        else:
+            ops.append(())
+        if size_of is not None:
+            peak_bytes.append(_peak_bytes(kinds, keys // m, keys, start_s, end_s, size_of, sm))
     idle = tuple(step - b for b in busy)
     mean_busy = sum(busy) / p
     fraction = (step - mean_busy) / step if step > 0 else 0.0
@@ -391,7 +401,24 @@ def _timeline(kind: PipelineSchedule, p: int, m: int, v: int, orders: list[list[
                  fraction)
     return PipelineTimeline(schedule=kind, num_stages=p, num_microbatches=m, virtual_stages=v,
                             step_time_s=step, ops=tuple(ops), busy_s=tuple(busy), idle_s=idle,
-                            bubble_fraction=fraction, peak_inflight_microbatches=tuple(peak))
+                            bubble_fraction=fraction, peak_inflight_microbatches=tuple(peak),
+                            peak_inflight_bytes=tuple(peak_bytes))
+
+
+def _peak_bytes(kinds: np.ndarray, stages: np.ndarray, keys: np.ndarray, start_s: np.ndarray,
+                end_s: np.ndarray, sizes: np.ndarray, sm: int) -> float:
+    """Peak activation bytes of one rank: a (stage, micro-batch) holds sizes[stage] from its
+    F's start to the end of its last B or W. Events sort by (time, release before acquire,
+    size) and are summed in that order (the order fixes the floating-point sum)."""
+    forward = kinds == _F
+    last_use = np.zeros(sm)
+    np.maximum.at(last_use, keys[~forward], end_s[~forward])
+    size = sizes[stages[forward]]
+    times = np.concatenate([start_s[forward], last_use[keys[forward]]])
+    flags = np.concatenate([np.ones(len(size), dtype=np.int64), np.zeros(len(size), np.int64)])
+    deltas = np.concatenate([size, -size])
+    live = np.cumsum(deltas[np.lexsort((deltas, flags, times))])
+    return max(0.0, float(live.max())) if len(live) else 0.0
 
 
 # -- closed forms for uniform stages ----------------------------------------------------------

@@ -35,20 +35,23 @@ import torch.nn as nn
 
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig, check_config
-from autopar.estimate.memory import activation_bytes, peak_inflight_bytes, stage_memory
-from autopar.estimate.stages import Chunk, assign_stages, cut_stages, layer_sequence
+from autopar.estimate.layout import (Layout, Structure, UnitVectors, analytic_inflight,
+                                     fast_peak_memory, layout, pipeline_bound, structure,
+                                     unit_vectors)
+from autopar.estimate.memory import activation_bytes, stage_memory
+from autopar.estimate.stages import layer_sequence
 from autopar.estimate.timing import RankGroups, UnitTimes, rank_groups, unit_times
 from autopar.estimate.units import Unit, units_from_graph
 from autopar.ir import Graph, OpKind
 from costmodels.compute import optimizer_time_s
-from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
-                               CUDA_CONTEXT_BYTES, DTYPE_BYTES, state_bytes_per_param)
+from costmodels.memory import DTYPE_BYTES, state_bytes_per_param
 from costmodels.pipeline import PipelineTimeline, simulate_pipeline
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Estimate", "EstimateOptions", "EvalCache", "ModelCosts", "estimate",
-           "estimate_graph", "evaluate", "layer_costs", "step_lower_bound"]
+           "estimate_graph", "evaluate", "layer_costs", "split_structure",
+           "step_lower_bound", "work_per_microbatch"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,8 +120,11 @@ class ModelCosts:
 
 
 class EvalCache:
-    """Memo tables for one (model, cluster) search, owned by the caller: per-unit times, scaled
-    units and collective times. Duck-types the parts of `Cluster` the timing code uses."""
+    """Memo tables for one (model, cluster) search, owned by the caller: scaled units and
+    per-unit times (and their vectors) per (micro-batch, tp, cp, ep, SP, recompute), layer
+    splits per (pp, v, boundaries), prepared layouts per both, rank groups and collective
+    times. Every entry is a pure function of its key, so sharing a cache never changes a
+    result. Duck-types the parts of `Cluster` the timing code uses."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
@@ -126,8 +132,10 @@ class EvalCache:
         self.world_size = cluster.world_size
         self.units: dict[int, tuple[Unit, ...]] = {}
         self.times: dict[tuple, dict[str, UnitTimes]] = {}
-        self.layouts: dict[tuple, _Layout] = {}
-        self.structures: dict[tuple, _Structure] = {}
+        self.layouts: dict[tuple, _Prepared] = {}
+        self.structures: dict[tuple, Structure | str] = {}
+        self.vectors: dict[tuple, UnitVectors] = {}
+        self.groups: dict[tuple, RankGroups] = {}
         self._comm: dict[tuple, float] = {}
 
     def collective_time(self, kind: str, nbytes: float, ranks) -> float:
@@ -135,97 +143,6 @@ class EvalCache:
         if key not in self._comm:
             self._comm[key] = self.cluster.collective_time(kind, nbytes, key[2])
         return self._comm[key]
-
-
-_TIME_ATTRS = ("compute_fwd", "compute_bwd", "recompute", "tp_fwd", "tp_bwd", "cp_fwd",
-               "cp_bwd", "ep_fwd", "ep_bwd")
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Layout:
-    """Layers on stages with everything per chunk that ZeRO stage and schedule don't change."""
-
-    chunks: list[Chunk]
-    fwd: list[float]
-    bwd: list[float]
-    wgrad: list[float]
-    kept: list[float]  # activation bytes per micro-batch
-    working: list[float]
-    rank_chunks: list[list[int]]  # chunk indices per pipeline rank
-    dense: list[float]  # parameters per rank on one GPU
-    expert: list[float]
-    max_param_bytes: list[float]  # largest unit per rank (ZeRO-3 gather unit)
-    bytes_per_param: list[float]
-    attr_sums: list[dict[str, float]]  # per rank, per micro-batch, UnitTimes attributes
-    stage_layers: tuple[tuple[str, ...], ...]
-    # vectors over pipeline ranks / closed-form terms, for the fast path
-    rank_work: np.ndarray  # forward + backward seconds per micro-batch
-    rank_kept: np.ndarray  # activation bytes per micro-batch, all chunks of the rank
-    rank_counts: np.ndarray  # [rank, unit] layers
-    rank_chunks_n: np.ndarray
-    rank_working: np.ndarray
-    stage_sum: float
-    stage_max: float
-    zb_tail: float  # max over stages of F + B - W
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Structure:
-    """Which layers of which unit each chunk holds, for one (pp, virtual stages) split."""
-
-    chunks: list[Chunk]
-    counts: np.ndarray  # [chunk, unit] layers
-    rank_counts: np.ndarray  # [rank, unit] layers
-    rank_chunks: list[list[int]]
-    stage_layers: tuple[tuple[str, ...], ...]
-
-
-def _structure(units: tuple[Unit, ...], pp: int, v: int,
-               boundaries: tuple[tuple[int, int], ...] | None = None) -> _Structure:
-    chunks = assign_stages(units, pp * v) if boundaries is None else cut_stages(units, boundaries)
-    index = {u.name: i for i, u in enumerate(units)}
-    counts = np.zeros((len(chunks), len(units)))
-    for c, chunk in enumerate(chunks):
-        for u, fqns in chunk:
-            counts[c, index[u.name]] += len(fqns)
-    rank_chunks = [list(range(r, len(chunks), pp)) for r in range(pp)]
-    return _Structure(chunks=chunks, counts=counts,
-                      rank_counts=np.array([counts[idx].sum(axis=0) for idx in rank_chunks]),
-                      rank_chunks=rank_chunks,
-                      stage_layers=tuple(tuple(f for _, fqns in c for f in fqns) for c in chunks))
-
-
-def _layout(units: tuple[Unit, ...], times: dict[str, UnitTimes], cfg: ParallelConfig,
-            flash: bool, st: _Structure) -> _Layout:
-    """Per-chunk and per-rank sums as (layers per unit) x (per-layer value per unit)."""
-    t = [times[u.name] for u in units]
-    per_unit = lambda attr: np.array([getattr(x, attr) for x in t])  # noqa: E731
-    acts = [activation_bytes(u, cfg, flash) for u in units]
-    present = st.rank_counts > 0
-    fwd, bwd, wgrad = (st.counts @ per_unit(a) for a in ("forward", "backward", "compute_wgrad"))
-    kept = st.counts @ np.array([k for k, _ in acts])
-    working_u = np.array([w for _, w in acts])
-    working = np.where(st.counts > 0, working_u, 0.0).max(axis=1)
-    dense = st.rank_counts @ np.array([u.dense_params for u in units], float) / cfg.tp
-    expert = st.rank_counts @ np.array([u.expert_params for u in units], float) / (cfg.tp * cfg.ep)
-    pbytes = np.array([u.param_bytes for u in units], float)
-    bpp = pbytes / np.maximum(1, [u.dense_params + u.expert_params for u in units])
-    sums = {a: st.rank_counts @ per_unit(a) for a in _TIME_ATTRS}
-    attrs = [{a: float(sums[a][r]) for a in _TIME_ATTRS} for r in range(cfg.pp)]
-    stage = fwd + bwd
-    return _Layout(
-        chunks=st.chunks, fwd=list(fwd), bwd=list(bwd), wgrad=list(wgrad), kept=list(kept),
-        working=list(working), rank_chunks=st.rank_chunks, dense=list(dense),
-        expert=list(expert), max_param_bytes=list(np.where(present, pbytes, 0).max(axis=1) / cfg.tp),
-        bytes_per_param=list(np.where(present, bpp, 0).max(axis=1)), attr_sums=attrs,
-        stage_layers=st.stage_layers,
-        rank_work=st.rank_counts @ (per_unit("forward") + per_unit("backward")),
-        rank_kept=st.rank_counts @ np.array([k for k, _ in acts]),
-        rank_counts=st.rank_counts,
-        rank_chunks_n=np.array([len(idx) for idx in st.rank_chunks], dtype=float),
-        rank_working=np.where(present, working_u, 0.0).max(axis=1),
-        stage_sum=float(stage.sum()), stage_max=float(stage.max()),
-        zb_tail=float((fwd + bwd - wgrad).max()))
 
 
 def _num_experts(graph: Graph) -> int | None:
@@ -248,67 +165,16 @@ def _attention_heads(graph: Graph) -> tuple[int | None, int | None]:
     return None, None
 
 
-def _pipeline_bound(cfg: ParallelConfig, m: int, lay: _Layout, p2p: float
-                    ) -> tuple[float, np.ndarray]:
-    """Closed-form step time of the schedule and busy time per rank (the search's ranking).
-
-    GPipe/1F1B: sum of one micro-batch through every stage plus (m-1) times the slowest
-    stage (Alpa's bound); interleaved: (m + (p-1)/v) times the busiest rank's per-micro-batch
-    work; ZB-H1: m times the busiest rank plus (p-1) x (F + B - W) of the slowest stage. Each
-    adds 2(p-1) p2p hops for the fill and drain.
-    """
-    p, v = cfg.pp, cfg.virtual_stages
-    busy = m * lay.rank_work
-    if p == 1:
-        return float(busy[0]), busy
-    fill = 2 * (p - 1) * p2p
-    if cfg.pp_schedule == "interleaved-1f1b":
-        return (m + (p - 1) / v) * float(lay.rank_work.max()) + fill, busy
-    if cfg.pp_schedule == "zero-bubble":
-        return m * float(lay.rank_work.max()) + (p - 1) * max(lay.zb_tail, 0.0) + fill, busy
-    return lay.stage_sum + (m - 1) * lay.stage_max + fill, busy
-
-
-def _analytic_inflight(cfg: ParallelConfig, m: int, lay: _Layout) -> np.ndarray:
-    """Closed-form peak activation bytes per rank: GPipe all m micro-batches; 1F1B and ZB-H1
-    min(p - rank, m); interleaved Megatron's warm-up of min(2(p-1-rank) + (v-1)p, mv) chunk
-    micro-batches plus one (all mv when m == p), at the rank's average chunk size."""
-    p, v = cfg.pp, cfg.virtual_stages
-    ranks = np.arange(p)
-    if cfg.pp_schedule == "gpipe":
-        return m * lay.rank_kept
-    if cfg.pp_schedule == "interleaved-1f1b" and v > 1:
-        held = np.full(p, m * v, dtype=float) if m == p else \
-            np.minimum(2 * (p - 1 - ranks) + (v - 1) * p + 1, m * v)
-        return held * lay.rank_kept / lay.rank_chunks_n
-    return np.minimum(p - ranks, m) * lay.rank_kept
-
-
-def _fast_peak_memory(cfg: ParallelConfig, dtype: str, lay: _Layout, inflight: np.ndarray,
-                      zero3_cap: int | None) -> float:
-    """Largest per-rank total of `stage_memory`'s categories, as vector arithmetic."""
-    shards = cfg.dp * cfg.cp
-    states = np.asarray(lay.dense) * state_bytes_per_param(dtype, cfg.zero_stage, shards) + \
-        np.asarray(lay.expert) * state_bytes_per_param(dtype, cfg.zero_stage,
-                                                       max(1, shards // cfg.ep))
-    gathered = 0.0
-    if cfg.zero_stage == 3:
-        gathered = 2 * np.asarray(lay.max_param_bytes)
-        if zero3_cap is not None:
-            gathered = np.minimum(gathered, zero3_cap * np.asarray(lay.bytes_per_param))
-    live = states + inflight + lay.rank_working + gathered
-    return float((live * (1 + ALLOCATOR_RESERVE_FRACTION)).max()) + COMM_BUFFER_BYTES + \
-        CUDA_CONTEXT_BYTES
-
-
 def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
              global_batch_size: int, dtype: str = "bf16",
              options: EstimateOptions = EstimateOptions(), cache: EvalCache | None = None,
              exact: bool = True,
-             stage_boundaries: tuple[tuple[int, int], ...] | None = None) -> Estimate:
+             stage_boundaries: tuple[tuple[int, int], ...] | None = None,
+             record_ops: bool = True) -> Estimate:
     """Estimate `config` from model costs; `exact` simulates the schedule, else closed form.
     `stage_boundaries` (layer ranges over the whole model, glue included) replaces the
-    Megatron placement of layers on stages."""
+    Megatron placement of layers on stages. `record_ops=False` leaves the simulated
+    timeline's per-op list empty (same numbers; for callers that do not draw it)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is unknown; allowed: {', '.join(DTYPE_BYTES)}")
     m = check_config(config, world_size=cluster.world_size, global_batch_size=global_batch_size,
@@ -316,55 +182,42 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
                      num_kv_heads=costs.num_kv_heads, num_experts=costs.num_experts,
                      seq_len=costs.seq_len)
     cache = cache or EvalCache(cluster)
-    mbs = config.micro_batch_size
-    if mbs not in cache.units:
-        cache.units[mbs] = costs.units_for(mbs)
-    units = cache.units[mbs]
-    groups = rank_groups(config)
-    flash = options.attention_kernel != "math"
-    step_lower_bound(costs, cluster, config, global_batch_size=global_batch_size, dtype=dtype,
-                     options=options, cache=cache)  # fills the unit-time cache
-    key = (mbs, config.tp, config.cp, config.ep, config.sequence_parallel, config.recompute,
-           options.attention_kernel, options.overlap_tp_comm, dtype)
-    times = cache.times[key]
-    lkey = key + (config.pp, config.virtual_stages, stage_boundaries)
-    if lkey not in cache.layouts:
-        skey = (mbs, config.pp, config.virtual_stages, stage_boundaries)
-        if skey not in cache.structures:
-            cache.structures[skey] = _structure(units, config.pp, config.virtual_stages,
-                                                stage_boundaries)
-        cache.layouts[lkey] = _layout(units, times, config, flash, cache.structures[skey])
-    lay = cache.layouts[lkey]
-    act = max(u.act_bytes for u in units) / config.cp / config.tp
-    p2p = (cache.collective_time("send_recv", act, (0, groups.pp_next))
-           if groups.pp_next is not None else 0.0)
+    prep = _prepared(costs, cache, config, dtype, options, stage_boundaries)
+    lay, p2p = prep.lay, prep.p2p
     timeline = None
-    if exact:
-        timeline = simulate_pipeline(
-            schedule=config.pp_schedule, num_stages=config.pp, num_microbatches=m,
-            virtual_stages=config.virtual_stages, forward_s=lay.fwd, backward_s=lay.bwd,
-            weight_grad_s=lay.wgrad if config.pp_schedule == "zero-bubble" else None,
-            p2p_s=p2p)
+    if exact:  # the simulation depends on the layout, schedule and m: not on ZeRO
+        key = (config.pp_schedule, m, record_ops)
+        if key not in prep.timelines:
+            prep.timelines[key] = simulate_pipeline(
+                schedule=config.pp_schedule, num_stages=config.pp, num_microbatches=m,
+                virtual_stages=config.virtual_stages, forward_s=lay.fwd, backward_s=lay.bwd,
+                weight_grad_s=lay.wgrad if config.pp_schedule == "zero-bubble" else None,
+                p2p_s=p2p, record_ops=record_ops, activation_bytes=lay.kept)
+        timeline = prep.timelines[key]
         pipe_s, busy = timeline.step_time_s, list(timeline.busy_s)
-        inflight = [peak_inflight_bytes(timeline, r, lay.kept) for r in range(config.pp)]
+        inflight = list(timeline.peak_inflight_bytes)
+        busiest = int(np.argmax(busy))
     else:
-        pipe_s, busy = _pipeline_bound(config, m, lay, p2p)
-        inflight = _analytic_inflight(config, m, lay)
+        key = (config.pp_schedule, m)
+        if key not in prep.pipeline:
+            pipe_s, busy = pipeline_bound(config, m, lay, p2p)
+            prep.pipeline[key] = (pipe_s, int(np.argmax(busy)),
+                                  analytic_inflight(config, m, lay))
+        pipe_s, busiest, inflight = prep.pipeline[key]
 
     # --- data parallel and optimizer, on the pipeline rank with the most parameters --------
-    heavy = max(range(config.pp), key=lambda r: lay.dense[r] + lay.expert[r])
-    dense, expert = lay.dense[heavy], lay.expert[heavy]
-    units_here = [(float(n), u.dense_params / config.tp,
-                   u.expert_params / (config.tp * config.ep))
-                  for u, n in zip(units, lay.rank_counts[heavy]) if n > 0]
-    dp_exposed, dp_total = _dp_comm(cache, config, groups, dense, expert, lay.attr_sums[heavy],
-                                    m, dtype, options, units_here)
-    shards = config.dp * config.cp
-    master = (dense + expert) / (shards if config.zero_stage >= 1 else 1)
-    optimizer = optimizer_time_s(cluster.hardware.device, master)
+    dkey = (config.zero_stage, m, options)
+    if dkey not in prep.data_parallel:
+        dp_exposed, dp_total = _dp_comm(cache, config, prep.groups, prep.dense, prep.expert,
+                                        prep.heavy_sums, m, dtype, options, prep.units_here)
+        shards = config.dp * config.cp
+        master = (prep.dense + prep.expert) / (shards if config.zero_stage >= 1 else 1)
+        prep.data_parallel[dkey] = (dp_exposed, dp_total,
+                                    optimizer_time_s(cluster.hardware.device, master))
+    dp_exposed, dp_total, optimizer = prep.data_parallel[dkey]
 
     step = pipe_s + dp_exposed + optimizer
-    breakdown = _breakdown(pipe_s, lay.attr_sums[int(np.argmax(busy))], m)
+    breakdown = _breakdown(pipe_s, lay.attr_sums(busiest), m)
     breakdown.update(dp_comm=float(dp_exposed), optimizer=float(optimizer),
                      dp_comm_total=float(dp_total), pp_p2p_per_transfer=float(p2p))
     peak_dense = cluster.hardware.device.peak_flops.get(dtype, 0.0)
@@ -377,7 +230,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
         peak = max(sum(v for k, v in mem.items() if not k.startswith("_")) for mem in memory)
     else:  # the search only needs the peak; per-stage categories come with the exact pass
         memory = []
-        peak = _fast_peak_memory(config, dtype, lay, inflight, options.zero3_max_live_params)
+        peak = fast_peak_memory(config, dtype, lay, inflight, options.zero3_max_live_params)
     return Estimate(
         config=config, step_time_s=step, tokens_per_s=tokens / step,
         mfu=model_flops / (step * cluster.world_size * peak_dense) if peak_dense else 0.0,
@@ -385,9 +238,107 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
         peak_memory_bytes=peak, usable_memory_bytes=cluster.hardware.device.memory_bytes,
         breakdown=breakdown, memory_by_stage=tuple(memory),
         stage_layers=lay.stage_layers, num_microbatches=m,
-        stage_forward_s=tuple(float(x) for x in lay.fwd),
-        stage_backward_s=tuple(float(x) for x in lay.bwd),
-        stage_wgrad_s=tuple(float(x) for x in lay.wgrad), p2p_s=float(p2p), timeline=timeline)
+        stage_forward_s=lay.fwd_s, stage_backward_s=lay.bwd_s, stage_wgrad_s=lay.wgrad_s,
+        p2p_s=float(p2p), timeline=timeline)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Prepared:
+    """What `evaluate` needs of one (micro-batch, degrees, SP, recompute, stage split) that
+    the ZeRO stage, the schedule and the global batch leave unchanged: the layout, the rank
+    groups, the p2p time and the data-parallel view of the pipeline rank with the most
+    parameters. `pipeline` and `data_parallel` memoise the closed-form pipeline terms per
+    (schedule, micro-batches) and the DP/optimizer terms per (ZeRO stage, micro-batches,
+    options), `timelines` the simulated schedule per (schedule, micro-batches, ops recorded),
+    so a search pays for each once."""
+
+    lay: Layout
+    groups: RankGroups
+    p2p: float
+    dense: float
+    expert: float
+    heavy_sums: dict[str, float]
+    units_here: list[tuple[float, float, float]]
+    pipeline: dict = field(default_factory=dict)
+    data_parallel: dict = field(default_factory=dict)
+    timelines: dict = field(default_factory=dict)
+
+
+def _rank_groups(cache: EvalCache, config: ParallelConfig) -> RankGroups:
+    key = (config.tp, config.cp, config.dp, config.ep, config.pp > 1)
+    if key not in cache.groups:
+        cache.groups[key] = rank_groups(config)
+    return cache.groups[key]
+
+
+def _times_key(config: ParallelConfig, dtype: str, options: EstimateOptions) -> tuple:
+    return (config.micro_batch_size, config.tp, config.cp, config.ep, config.sequence_parallel,
+            config.recompute, options.attention_kernel, options.overlap_tp_comm, dtype)
+
+
+def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype: str,
+                options: EstimateOptions) -> dict[str, UnitTimes]:
+    """Per-unit times of `config` (they depend on micro-batch, tp, cp, ep, SP and recompute
+    only: ep groups are the first ep replicas, multiples of tp, whatever dp is), memoised."""
+    key = _times_key(config, dtype, options)
+    times = cache.times.get(key)
+    if times is None:
+        mbs = config.micro_batch_size
+        if mbs not in cache.units:
+            cache.units[mbs] = costs.units_for(mbs)
+        groups = _rank_groups(cache, config)
+        times = cache.times[key] = {
+            u.name: unit_times(u, cluster=cache, dtype=dtype, cfg=config, groups=groups,
+                               attention_kernel=options.attention_kernel,
+                               overlap_tp=options.overlap_tp_comm)
+            for u in cache.units[mbs]}
+    return times
+
+
+def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype: str,
+              options: EstimateOptions,
+              boundaries: tuple[tuple[int, int], ...] | None) -> _Prepared:
+    times = _unit_times(costs, cache, config, dtype, options)
+    lkey = _times_key(config, dtype, options) + (config.pp, config.virtual_stages, boundaries)
+    prep = cache.layouts.get(lkey)
+    if prep is not None:
+        return prep
+    units = cache.units[config.micro_batch_size]
+    split = split_structure(costs, cache, config.pp, config.virtual_stages, boundaries)
+    if isinstance(split, str):
+        raise ValueError(split)
+    tkey = _times_key(config, dtype, options)
+    if tkey not in cache.vectors:
+        cache.vectors[tkey] = unit_vectors(units, times, config,
+                                           options.attention_kernel != "math")
+    lay = layout(cache.vectors[tkey], config, split)
+    groups = _rank_groups(cache, config)
+    act = max(u.act_bytes for u in units) / config.cp / config.tp
+    p2p = (cache.collective_time("send_recv", act, (0, groups.pp_next))
+           if groups.pp_next is not None else 0.0)
+    heavy = int(np.argmax(lay.rank_dense + lay.rank_expert))  # the first, as max() took
+    units_here = [(float(n), u.dense_params / config.tp,
+                   u.expert_params / (config.tp * config.ep))
+                  for u, n in zip(units, lay.rank_counts[heavy]) if n > 0]
+    prep = cache.layouts[lkey] = _Prepared(
+        lay=lay, groups=groups, p2p=p2p, dense=lay.rank_dense[heavy],
+        expert=lay.rank_expert[heavy],
+        heavy_sums=lay.attr_sums(heavy), units_here=units_here)
+    return prep
+
+
+def split_structure(costs: ModelCosts, cache: EvalCache, pp: int, v: int,
+                    boundaries: tuple[tuple[int, int], ...] | None = None) -> Structure | str:
+    """The layers of each unit on the pp x v chunks (unit counts only: one split serves every
+    micro-batch size), memoised; the reason as a string when the split cannot be made (e.g.
+    more chunks than layers), so that a search asking again pays nothing."""
+    key = (pp, v, boundaries)
+    if key not in cache.structures:
+        try:
+            cache.structures[key] = structure(costs.units, pp, v, boundaries)
+        except ValueError as exc:
+            cache.structures[key] = str(exc)
+    return cache.structures[key]
 
 
 def step_lower_bound(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
@@ -397,22 +348,10 @@ def step_lower_bound(costs: ModelCosts, cluster: Cluster, config: ParallelConfig
     evenly over the pipeline ranks, plus the fill its schedule implies ((p-1) stages for
     GPipe/1F1B, (p-1)/v for interleaved, none for ZB-H1), with no exposed data-parallel
     traffic or optimizer. (Alpa's bound sum + (m-1) max >= (m + p - 1) x mean, since max >=
-    mean; the interleaved and ZB-H1 forms likewise.)"""
-    mbs = config.micro_batch_size
-    if mbs not in cache.units:
-        cache.units[mbs] = costs.units_for(mbs)
-    units = cache.units[mbs]
-    key = (mbs, config.tp, config.cp, config.ep, config.sequence_parallel, config.recompute,
-           options.attention_kernel, options.overlap_tp_comm, dtype)
-    if key not in cache.times:
-        cache.times[key] = {u.name: unit_times(u, cluster=cache, dtype=dtype, cfg=config,
-                                               groups=rank_groups(config),
-                                               attention_kernel=options.attention_kernel,
-                                               overlap_tp=options.overlap_tp_comm)
-                            for u in units}
-    times = cache.times[key]
-    work = sum((times[u.name].forward + times[u.name].backward) * u.count for u in units)
-    m, p = global_batch_size // (config.dp * mbs), config.pp
+    mean; the interleaved and ZB-H1 forms likewise.) The search computes the same numbers for
+    all configs at once (`autopar.search.space`); this is the one-config form."""
+    work = work_per_microbatch(costs, cache, config, dtype, options)
+    m, p = global_batch_size // (config.dp * config.micro_batch_size), config.pp
     if p == 1 or config.pp_schedule == "zero-bubble":
         fill = 0.0
     elif config.pp_schedule == "interleaved-1f1b":
@@ -420,6 +359,15 @@ def step_lower_bound(costs: ModelCosts, cluster: Cluster, config: ParallelConfig
     else:
         fill = p - 1.0
     return (m + fill) * work / p
+
+
+def work_per_microbatch(costs: ModelCosts, cache: EvalCache, config: ParallelConfig,
+                        dtype: str, options: EstimateOptions) -> float:
+    """Forward + backward seconds of one micro-batch through the whole model on one rank of
+    `config`'s (tp, cp, ep) group, before any pipeline split."""
+    times = _unit_times(costs, cache, config, dtype, options)
+    return sum((times[u.name].forward + times[u.name].backward) * u.count
+               for u in cache.units[config.micro_batch_size])
 
 
 def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, dtype: str,

@@ -40,6 +40,9 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool) -> tuple[floa
 
 def peak_inflight_bytes(timeline: PipelineTimeline, rank: int, per_stage: list[float]
                         ) -> float:
+    """Most activation bytes `rank` holds at once, read off a timeline's recorded ops. The
+    estimate takes the same sweep from the simulator (`activation_bytes=`, which needs no op
+    list); this form is its reference in the tests."""
     last_use: dict[tuple[int, int], float] = {}
     for op in timeline.ops[rank]:
         if op.kind.value != "F":

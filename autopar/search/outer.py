@@ -5,34 +5,47 @@ expert count), ZeRO 0-3, sequence parallelism on/off, recompute none/selective/f
 micro-batch sizes, pipeline schedules and virtual stages. Tensor parallelism stays inside a
 node (the mesh order is pp, dp, cp, tp with tp innermost; rank r lives on node r // g).
 
-Cost: the model is traced once; per-unit times are cached per (micro-batch, tp, cp, ep, SP,
-recompute) and collective times per (kind, bytes, group), so a config costs a few sums. Each
-config is first checked against a memory lower bound (model states alone); the rest are
-visited in order of a step-time lower bound (`step_lower_bound`: all work spread evenly over
-the pipeline ranks) and ranked with the closed-form pipeline estimate, stopping once the bound
-exceeds the `top_k_exact`-th best fitting time -- no config skipped then could have entered
-the top k, so the result is the same as evaluating all. The top k are re-estimated with the
-simulated schedule and the winner is the fastest of those that fits. Ties (equal step time to 1e-12 s)
-go to the simpler config: the fields compared in the order (pp, tp, cp, ep, dp, zero_stage,
-recompute, micro_batch_size, pp_schedule, virtual_stages, sequence_parallel), smaller first
--- so DDP beats ZeRO when they cost the same, and the same input always gives the same plan.
+Cost: the model is traced once; the space is a table of integer columns
+(`autopar.search.space`) and both lower bounds below are column arithmetic over all of it, so
+a config becomes a `ParallelConfig` only when it is evaluated. Per-unit times are cached per
+(micro-batch, tp, cp, ep, SP, recompute), layouts per stage split of those, and collective
+times per (kind, bytes, group), so an evaluation costs a few sums. Each config is first
+checked against a memory lower bound (model states alone); the rest are visited in order of a
+step-time lower bound (`step_lower_bound`: all work spread evenly over the pipeline ranks) and
+ranked with the closed-form pipeline estimate, stopping once the bound exceeds the
+`top_k_exact`-th best fitting time -- no config skipped then could have entered the top k, so
+the result is the same as evaluating all. A visited config whose first pipeline rank alone
+exceeds memory (`space.first_rank_memory`) is passed over: it cannot fit, so it changes
+neither the fitting times the stop depends on nor the ranking; it only has no row in the
+candidate table (see `SearchSettings.list_unfit_below`). The top k are re-estimated with the
+simulated schedule and the winner is the fastest of those that fits. Ties (equal step time to
+1e-12 s) go to the simpler config: the fields compared in the order (pp, tp, cp, ep, dp,
+zero_stage, recompute, micro_batch_size, pp_schedule, virtual_stages, sequence_parallel),
+smaller first -- so DDP beats ZeRO when they cost the same, and the same input always gives
+the same plan.
 """
-
 from __future__ import annotations
 
+import bisect
+import functools
 import logging
 import time
 from dataclasses import dataclass, fields
 from typing import Any, Iterator
 
+import numpy as np
 import pandas as pd
 
 from autopar.cluster import Cluster
-from autopar.config import PP_SCHEDULES, ParallelConfig, divisors
+from autopar.config import PP_SCHEDULES, ParallelConfig
 from autopar.errors import NoPlanFitsError
 from autopar.estimate.core import (Estimate, EstimateOptions, EvalCache, ModelCosts, evaluate,
-                                   step_lower_bound)
-from costmodels.memory import (COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES, state_bytes_per_param)
+                                   split_structure, work_per_microbatch)
+from autopar.estimate.layout import Structure
+from autopar.estimate.memory import activation_bytes
+from autopar.search.space import (TIME_KEY_COLUMNS, ConfigTable, config_table,
+                                  first_rank_memory, key_groups, states_lower_bounds,
+                                  step_lower_bounds)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +55,7 @@ CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
 _TIE_ORDER = ("pp", "tp", "cp", "ep", "dp", "zero_stage", "recompute", "micro_batch_size",
               "pp_schedule", "virtual_stages", "sequence_parallel")
 _RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
+_BOUND_MARGIN = 1e-9  # relative: a bound summed in another order may differ in its last bits
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,6 +65,12 @@ class SearchSettings:
     max_virtual_stages: int = 8
     max_cp: int = 16
     progress: bool = True  # a progress bar once a search has run for a second
+    # Configs whose first pipeline rank alone exceeds memory are skipped without a row in the
+    # candidate table -- unless fewer than this many fitting configs turn up, in which case
+    # the table lists every config visited, fitting or not, to show the near misses. 50 is
+    # what a saved plan keeps (the best rows, fitting first), so saved plans do not depend
+    # on the skip.
+    list_unfit_below: int = 50
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,80 +93,47 @@ def _rank_key(est: Estimate) -> tuple:
     return (round(est.step_time_s, 12), _tie_key(est.config))
 
 
-def _allowed(name: str, values: list, constraints: dict[str, Any]) -> list:
-    if name in constraints:
-        return [v for v in values if v == constraints[name]]
-    return values
+def _table(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
+           constraints: dict[str, Any], options: EstimateOptions,
+           settings: SearchSettings) -> ConfigTable:
+    return config_table(
+        world=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
+        num_layers=costs.num_layers, body_layers=max(u.count for u in costs.units),
+        num_heads=costs.num_heads, seq_len=costs.seq_len, num_experts=costs.num_experts,
+        global_batch_size=global_batch_size, constraints=constraints,
+        math_attention=options.attention_kernel == "math",
+        max_micro_batch_size=settings.max_micro_batch_size,
+        max_virtual_stages=settings.max_virtual_stages, max_cp=settings.max_cp)
 
 
 def enumerate_configs(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
                       constraints: dict[str, Any], options: EstimateOptions,
                       settings: SearchSettings) -> Iterator[ParallelConfig]:
-    """Every candidate config, in a fixed order (validity is checked by `evaluate`)."""
-    world, g = cluster.world_size, cluster.gpus_per_node
-    heads = costs.num_heads
-    body_layers = max(u.count for u in costs.units)
-    tps = [t for t in divisors(world) if t <= g and (heads is None or heads % t == 0)]
-    for tp in _allowed("tp", tps, constraints):
-        cps = [c for c in divisors(world // tp) if c <= settings.max_cp
-               and (c == 1 or (heads is not None and costs.seq_len and costs.seq_len % (2 * c) == 0))]
-        for cp in _allowed("cp", cps, constraints):
-            pps = [p for p in divisors(world // (tp * cp)) if p <= costs.num_layers]
-            for pp in _allowed("pp", pps, constraints):
-                dp = world // (tp * cp * pp)
-                if "dp" in constraints and constraints["dp"] != dp:
-                    continue
-                if global_batch_size % dp:
-                    continue
-                eps = [e for e in divisors(dp * cp)
-                       if costs.num_experts and costs.num_experts % e == 0] or [1]
-                for ep in _allowed("ep", eps, constraints):
-                    yield from _inner(costs, global_batch_size, constraints, options, settings,
-                                      tp=tp, cp=cp, pp=pp, dp=dp, ep=ep,
-                                      body_layers=body_layers)
+    """Every candidate config, in a fixed order (validity is checked by `evaluate`); the
+    search itself works on the columns (`autopar.search.space.config_table`)."""
+    return _table(costs, cluster, global_batch_size=global_batch_size, constraints=constraints,
+                  options=options, settings=settings).configs()
 
 
-def _inner(costs, gbs, constraints, options, settings, *, tp, cp, pp, dp, ep, body_layers
-           ) -> Iterator[ParallelConfig]:
-    zeros = [0, 1, 2, 3] if dp * cp > 1 else [0]
-    sps = [False, True] if tp > 1 else [False]
-    recomputes = ["none", "selective", "full"] if options.attention_kernel == "math" \
-        else ["none", "full"]  # with a fused kernel selective recompute equals none
-    mbss = [b for b in divisors(gbs // dp) if b <= settings.max_micro_batch_size]
-    if pp == 1:
-        schedules = [("1f1b", 1)]
-    else:
-        per_stage = body_layers // pp
-        vs = [v for v in range(2, settings.max_virtual_stages + 1)
-              if per_stage >= v and body_layers % (pp * v) == 0]
-        schedules = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1)] + \
-            [("interleaved-1f1b", v) for v in vs]
-    for mbs in _allowed("micro_batch_size", mbss, constraints):
-        m = gbs // (dp * mbs)
-        for rc in _allowed("recompute", recomputes, constraints):
-            for sp in _allowed("sequence_parallel", sps, constraints):
-                for schedule, v in schedules:
-                    if "pp_schedule" in constraints and constraints["pp_schedule"] != schedule:
-                        continue
-                    if "virtual_stages" in constraints and constraints["virtual_stages"] != v:
-                        continue
-                    if schedule == "interleaved-1f1b" and m % pp:
-                        continue
-                    for zero in _allowed("zero_stage", zeros, constraints):
-                        yield ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
-                                             micro_batch_size=mbs, pp_schedule=schedule,
-                                             virtual_stages=v, sequence_parallel=sp,
-                                             recompute=rc)
-
-
-def _states_lower_bound(costs: ModelCosts, cfg: ParallelConfig, dtype: str) -> float:
-    """Bytes no placement can avoid: model states of an even share of the parameters."""
-    dense = sum(u.dense_params * u.count for u in costs.units) / (cfg.tp * cfg.pp)
-    expert = sum(u.expert_params * u.count for u in costs.units) / (cfg.tp * cfg.pp * cfg.ep)
-    shards = cfg.dp * cfg.cp
-    return (dense * state_bytes_per_param(dtype, cfg.zero_stage, shards)
-            + expert * state_bytes_per_param(dtype, cfg.zero_stage, max(1, shards // cfg.ep))
-            + COMM_BUFFER_BYTES + CUDA_CONTEXT_BYTES)
+def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.ndarray,
+                 *, global_batch_size: int, dtype: str, options: EstimateOptions,
+                 cache: EvalCache) -> tuple[np.ndarray, np.ndarray]:
+    """`step_lower_bound` of each of `rows`, and a mask of the rows whose unit times could not
+    be computed (NaN bound). Per-unit times are computed once per (micro-batch, tp, cp, ep,
+    SP, recompute), for the first row with that key, as the one-config loop did."""
+    if not len(rows):
+        return np.zeros(0), np.zeros(0, dtype=bool)
+    first, inverse = key_groups(table, rows, TIME_KEY_COLUMNS)
+    work = np.empty(len(first))
+    for k in np.argsort(first, kind="stable"):
+        try:
+            work[k] = work_per_microbatch(costs, cache, table.config(int(rows[first[k]])),
+                                          dtype, options)
+        except ValueError:
+            work[k] = np.nan
+    per_row = work[inverse]
+    failed = np.isnan(per_row)
+    return step_lower_bounds(table, rows, per_row, global_batch_size=global_batch_size), failed
 
 
 def _row(est: Estimate, exact: bool) -> dict[str, Any]:
@@ -181,6 +168,53 @@ class _Progress:
             self.bar.stop()
 
 
+@dataclass(frozen=True)
+class _Bounds:
+    """The table after the two memory bounds and with the step-time bound: `rows` (table
+    rows) that model states alone do not rule out, their step bounds, which of them cannot
+    fit by the first rank's memory; the count pruned by states and the one with the least
+    states (for the error when nothing fits); rejections found computing the bounds."""
+
+    rows: np.ndarray
+    step: np.ndarray
+    cannot_fit: np.ndarray
+    pruned: int
+    smallest: tuple[float, ParallelConfig] | None
+    errors: tuple[str, ...]
+
+
+def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_batch_size: int,
+            dtype: str, options: EstimateOptions, cache: EvalCache) -> _Bounds:
+    usable = cluster.hardware.device.memory_bytes
+    states = states_lower_bounds(
+        table, dense_params=sum(u.dense_params * u.count for u in costs.units),
+        expert_params=sum(u.expert_params * u.count for u in costs.units), dtype=dtype)
+    over = states > usable
+    smallest = None
+    if over.any():  # the first config (in enumeration order) with the least states
+        i = int(np.flatnonzero(over)[np.argmin(states[over])])
+        smallest = (float(states[i]), table.config(i))
+    rows = np.flatnonzero(~over)
+    step, failed = _step_bounds(costs, cluster, table, rows,
+                                global_batch_size=global_batch_size, dtype=dtype,
+                                options=options, cache=cache)
+    errors = []
+    for i in rows[failed]:
+        cfg = table.config(int(i))
+        try:
+            work_per_microbatch(costs, cache, cfg, dtype, options)
+        except ValueError as exc:
+            errors.append(f"{cfg.short()}: {exc}")
+    rows, step = rows[~failed], step[~failed]
+    first_rank = first_rank_memory(
+        table, rows, units=cache.units, structure_of=functools.partial(_split, costs, cache),
+        activations_of=activation_bytes, dtype=dtype, global_batch_size=global_batch_size,
+        flash=options.attention_kernel != "math", zero3_cap=options.zero3_max_live_params)
+    # a small margin covers the bound summing in another order than the estimate
+    return _Bounds(rows=rows, step=step, cannot_fit=first_rank * (1 - _BOUND_MARGIN) > usable,
+                   pruned=int(over.sum()), smallest=smallest, errors=tuple(errors))
+
+
 def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype: str,
            constraints: dict[str, Any] | None = None,
            options: EstimateOptions = EstimateOptions(),
@@ -193,46 +227,27 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     start = time.perf_counter()
     cache = EvalCache(cluster)
     usable = cluster.hardware.device.memory_bytes
-    configs = list(enumerate_configs(costs, cluster, global_batch_size=global_batch_size,
-                                     constraints=constraints, options=options,
-                                     settings=settings))
+    table = _table(costs, cluster, global_batch_size=global_batch_size,
+                   constraints=constraints, options=options, settings=settings)
     progress = _Progress(settings.progress)
-    fast: list[Estimate] = []
-    pruned, smallest, errors = 0, None, []
-    ordered = []
-    for cfg in configs:
-        bound = _states_lower_bound(costs, cfg, dtype)
-        if bound > usable:
-            pruned += 1
-            if smallest is None or bound < smallest[0]:
-                smallest = (bound, cfg)
-            continue
-        try:
-            ordered.append((step_lower_bound(costs, cluster, cfg,
-                                             global_batch_size=global_batch_size, dtype=dtype,
-                                             options=options, cache=cache), _tie_key(cfg), cfg))
-        except ValueError as exc:
-            errors.append(f"{cfg.short()}: {exc}")
-    ordered.sort(key=lambda t: (t[0], t[1]))
-    best_times: list[float] = []  # the k fastest fitting closed-form times, ascending
-    skipped = 0
-    for i, (bound, _, cfg) in enumerate(ordered):
-        if i % 256 == 0:
-            progress.tick(i, len(ordered))
-        if len(best_times) == settings.top_k_exact and bound > best_times[-1]:
-            skipped = len(ordered) - i
-            break
-        try:
-            est = evaluate(costs, cluster, cfg, global_batch_size=global_batch_size,
-                           dtype=dtype, options=options, cache=cache, exact=False)
-        except ValueError as exc:  # e.g. a head/expert divisibility the enumeration let by
-            errors.append(f"{cfg.short()}: {exc}")
-            continue
-        fast.append(est)
-        if est.fits:
-            best_times = sorted(best_times + [est.step_time_s])[:settings.top_k_exact]
+    b = _bounds(costs, cluster, table, global_batch_size=global_batch_size, dtype=dtype,
+                options=options, cache=cache)
+    errors = list(b.errors)
+    # visit in the order (bound, tie key): lexsort's last key is the primary one
+    order = np.lexsort(tuple(col[b.rows] for col in reversed(table.tie_order())) + (b.step,))
+    done: dict[int, Estimate | ValueError] = {}
+    visit = functools.partial(_visit, costs, cluster, table, b.rows, b.step, order, done,
+                              global_batch_size=global_batch_size, dtype=dtype,
+                              options=options, cache=cache, settings=settings,
+                              progress=progress)
+    fast, eval_errors, skipped, unfit = visit(b.cannot_fit)
+    if unfit and sum(e.fits for e in fast) < settings.list_unfit_below:
+        fast, eval_errors, skipped, unfit = visit(None)  # list the near misses too
+    errors += eval_errors
+    pruned, smallest = b.pruned, b.smallest
+    pruned_total = pruned + unfit
     progress.close()
-    if not configs or (not fast and errors and not pruned):
+    if not len(table) or (not fast and errors and not pruned):
         detail = f" (first rejection: {errors[0]})" if errors else ""
         raise ValueError(f"no configuration satisfies the constraints {constraints} on "
                          f"{cluster.world_size} GPUs{detail}")
@@ -240,26 +255,76 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     if not fitting:
         raise _no_fit(costs, cluster, fast, smallest, usable, global_batch_size, dtype, options,
                       cache)
-    exact = []
-    for est in fitting[:settings.top_k_exact]:
-        exact.append(evaluate(costs, cluster, est.config, global_batch_size=global_batch_size,
-                              dtype=dtype, options=options, cache=cache, exact=True))
+    exact = [evaluate(costs, cluster, est.config, global_batch_size=global_batch_size,
+                      dtype=dtype, options=options, cache=cache, exact=True, record_ops=False)
+             for est in fitting[:settings.top_k_exact]]
     best = min((e for e in exact if e.fits), key=_rank_key, default=None)
     if best is None:  # the simulated schedule holds more in flight than the closed form
         best = min(exact, key=lambda e: e.peak_memory_bytes)
         log.warning("the %d best configs exceed memory once simulated; returning %s",
                     len(exact), best.config.short())
+    # the winner again with its per-op timeline (the same numbers), for plots and reports
+    best = evaluate(costs, cluster, best.config, global_batch_size=global_batch_size,
+                    dtype=dtype, options=options, cache=cache, exact=True)
     exact_cfgs = {e.config for e in exact}
-    rows = [_row(e, False) for e in fast if e.config not in exact_cfgs] + \
+    records = [_row(e, False) for e in fast if e.config not in exact_cfgs] + \
         [_row(e, True) for e in exact]
-    table = pd.DataFrame(rows).sort_values(
+    candidates = pd.DataFrame(records).sort_values(
         ["fits", "step_time_s"], ascending=[False, True], kind="mergesort").reset_index(drop=True)
     seconds = time.perf_counter() - start
     log.info("searched %d configs (%d pruned by memory, %d by the step-time bound) in %.2f s",
-             len(configs), pruned, skipped, seconds)
-    return SearchResult(best=best, candidates=table, num_considered=len(configs),
-                        num_pruned_by_memory=pruned, num_pruned_by_bound=skipped,
+             len(table), pruned_total, skipped, seconds)
+    return SearchResult(best=best, candidates=candidates, num_considered=len(table),
+                        num_pruned_by_memory=pruned_total, num_pruned_by_bound=skipped,
                         seconds=seconds)
+
+
+def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.ndarray,
+           bounds: np.ndarray, order: np.ndarray, done: dict, cannot_fit: np.ndarray | None, *,
+           global_batch_size: int, dtype: str, options: EstimateOptions, cache: EvalCache,
+           settings: SearchSettings, progress: _Progress
+           ) -> tuple[list[Estimate], list[str], int, int]:
+    """Evaluate configs in bound order until the bound exceeds the `top_k_exact`-th best
+    fitting time; configs flagged in `cannot_fit` are passed over without an evaluation (they
+    cannot fit, so they never change the fitting times the stop depends on: the stop comes at
+    the same config either way). Returns (estimates in visit order, errors, configs left after
+    the stop, configs passed over). `done` memoises evaluations across calls."""
+    fast: list[Estimate] = []
+    errors: list[str] = []
+    best_times: list[float] = []  # the k fastest fitting closed-form times, ascending
+    skipped = unfit = 0
+    for i, j in enumerate(order):
+        if i % 256 == 0:
+            progress.tick(i, len(order))
+        if len(best_times) == settings.top_k_exact and bounds[j] > best_times[-1]:
+            skipped = len(order) - i
+            break
+        if cannot_fit is not None and cannot_fit[j]:
+            unfit += 1
+            continue
+        if j not in done:
+            cfg = table.config(int(rows[j]))
+            try:
+                done[j] = evaluate(costs, cluster, cfg, global_batch_size=global_batch_size,
+                                   dtype=dtype, options=options, cache=cache, exact=False)
+            except ValueError as exc:  # e.g. a head/expert divisibility the enumeration let by
+                done[j] = ValueError(f"{cfg.short()}: {exc}")
+        est = done[j]
+        if isinstance(est, ValueError):
+            errors.append(str(est))
+            continue
+        fast.append(est)
+        if est.fits:
+            bisect.insort(best_times, est.step_time_s)
+            del best_times[settings.top_k_exact:]
+    return fast, errors, skipped, unfit
+
+
+def _split(costs: ModelCosts, cache: EvalCache, pp: int, v: int) -> Structure | None:
+    """The Megatron split of the layers on pp x v chunks; None if it cannot be made (more
+    chunks than layers: `evaluate` refuses such a config)."""
+    split = split_structure(costs, cache, pp, v)
+    return None if isinstance(split, str) else split
 
 
 def _no_fit(costs, cluster, fast, smallest, usable, gbs, dtype, options, cache) -> NoPlanFitsError:

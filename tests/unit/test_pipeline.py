@@ -251,6 +251,34 @@ def test_more_p2p_time_never_shortens_the_step(kw, extra):
     assert light.peak_inflight_microbatches == base.peak_inflight_microbatches
 
 
+@settings(max_examples=120, deadline=None)
+@given(instances(), st.data())
+def test_peak_inflight_bytes_is_the_most_activation_bytes_held_at_once(kw, data):
+    # oracle: live bytes just after each F starts, recounted from the recorded ops (a pair
+    # holds its bytes from its F's start until its last B or W ends); and the same number as
+    # reading the sweep off the recorded timeline (autopar.estimate.memory)
+    from autopar.estimate.memory import peak_inflight_bytes
+
+    n = kw["num_stages"] * kw.get("virtual_stages", 1)
+    sizes = data.draw(st.lists(st.sampled_from([0.0, 1.0, 2.5, 1e9, 123456789.125]),
+                               min_size=n, max_size=n))
+    full = simulate_pipeline(**kw, activation_bytes=sizes)
+    light = simulate_pipeline(**kw, record_ops=False, activation_bytes=sizes)
+    assert light.peak_inflight_bytes == full.peak_inflight_bytes
+    assert (light.step_time_s, light.busy_s) == (full.step_time_s, full.busy_s)
+    for rank, ops in enumerate(full.ops):
+        assert full.peak_inflight_bytes[rank] == peak_inflight_bytes(full, rank, sizes)
+        held = {}
+        for op in ops:
+            key = (op.stage, op.microbatch)
+            start, end = held.get(key, (math.inf, 0.0))
+            held[key] = (min(start, op.start_s) if op.kind is OpKind.F else start,
+                         max(end, op.end_s) if op.kind is not OpKind.F else end)
+        peak = max([sum(sizes[s] for (s, _), (a, b) in held.items() if a <= t < b)
+                    for t, _ in held.values()] + [0.0])
+        assert full.peak_inflight_bytes[rank] == pytest.approx(peak, rel=1e-12, abs=1e-9)
+
+
 # -- input checks -----------------------------------------------------------------------------
 
 GOOD = dict(schedule="1f1b", num_stages=2, num_microbatches=4, forward_s=[1.0, 1.0],

@@ -1,0 +1,251 @@
+"""Layers on pipeline stages and the closed forms the search ranks with.
+
+`structure` places layers on the pp x virtual-stage chunks (Megatron's even split, or given
+boundaries); it depends only on the unit counts, so one split serves every micro-batch size,
+degree and policy. `layout` multiplies it by the per-layer times and bytes of one (micro-batch,
+degrees, SP, recompute) into per-chunk and per-rank sums. The closed forms -- the pipeline
+bound, the analytic in-flight micro-batches and the peak memory -- are what
+`evaluate(exact=False)` returns; the exact path simulates the schedule instead.
+
+Arithmetic here is part of the search's results (plans are byte-identical for the same
+inputs), so any change to how a sum is formed changes plans at the last bit.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.config import ParallelConfig
+from autopar.estimate.memory import activation_bytes
+from autopar.estimate.stages import Chunk, assign_stages, cut_stages
+from autopar.estimate.timing import UnitTimes
+from autopar.estimate.units import Unit
+from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
+                               CUDA_CONTEXT_BYTES, state_bytes_per_param)
+
+__all__ = ["TIME_ATTRS", "Layout", "Structure", "UnitVectors", "structure", "unit_vectors",
+           "layout", "pipeline_bound", "analytic_inflight", "fast_peak_memory"]
+
+TIME_ATTRS = ("compute_fwd", "compute_bwd", "recompute", "tp_fwd", "tp_bwd", "cp_fwd",
+              "cp_bwd", "ep_fwd", "ep_bwd")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Layers on stages with everything per chunk and per rank that ZeRO stage and schedule
+    don't change. Arrays are indexed by chunk (model order) or by pipeline rank; the list
+    views (`fwd`, `dense`, ...) are what the simulator and `stage_memory` take, built on first
+    use since the closed-form path does not need them."""
+
+    chunk_fwd: np.ndarray  # seconds per micro-batch
+    chunk_bwd: np.ndarray
+    chunk_wgrad: np.ndarray
+    chunk_kept: np.ndarray  # activation bytes per micro-batch
+    chunk_working: np.ndarray
+    rank_chunks: list[list[int]]  # chunk indices per pipeline rank
+    rank_sums: dict[str, np.ndarray]  # UnitTimes attribute -> seconds per micro-batch per rank
+    stage_layers: tuple[tuple[str, ...], ...]
+    rank_work: np.ndarray  # forward + backward seconds per micro-batch
+    rank_kept: np.ndarray  # activation bytes per micro-batch, all chunks of the rank
+    rank_counts: np.ndarray  # [rank, unit] layers
+    rank_chunks_n: np.ndarray
+    rank_working: np.ndarray
+    rank_dense: np.ndarray  # parameters per rank on one GPU
+    rank_expert: np.ndarray
+    rank_max_param_bytes: np.ndarray  # largest unit per rank (ZeRO-3 gather unit)
+    rank_bytes_per_param: np.ndarray
+    stage_sum: float
+    stage_max: float
+    zb_tail: float  # max over stages of F + B - W
+    # the per-stage times as the Estimate reports them (built once per layout, not per config)
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    wgrad_s: tuple[float, ...]
+
+    def attr_sums(self, rank: int) -> dict[str, float]:
+        """Per micro-batch seconds of each UnitTimes attribute on pipeline rank `rank` (built
+        on demand: a search reads two ranks of a layout, a layout can have 128)."""
+        return {a: float(self.rank_sums[a][rank]) for a in TIME_ATTRS}
+
+    @functools.cached_property
+    def fwd(self) -> list[float]:
+        return list(self.chunk_fwd)
+
+    @functools.cached_property
+    def bwd(self) -> list[float]:
+        return list(self.chunk_bwd)
+
+    @functools.cached_property
+    def wgrad(self) -> list[float]:
+        return list(self.chunk_wgrad)
+
+    @functools.cached_property
+    def kept(self) -> list[float]:
+        return list(self.chunk_kept)
+
+    @functools.cached_property
+    def working(self) -> list[float]:
+        return list(self.chunk_working)
+
+    @functools.cached_property
+    def dense(self) -> list[float]:
+        return list(self.rank_dense)
+
+    @functools.cached_property
+    def expert(self) -> list[float]:
+        return list(self.rank_expert)
+
+    @functools.cached_property
+    def max_param_bytes(self) -> list[float]:
+        return list(self.rank_max_param_bytes)
+
+    @functools.cached_property
+    def bytes_per_param(self) -> list[float]:
+        return list(self.rank_bytes_per_param)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Structure:
+    """Which layers of which unit each chunk holds, for one (pp, virtual stages) split."""
+
+    chunks: list[Chunk]
+    counts: np.ndarray  # [chunk, unit] layers
+    rank_counts: np.ndarray  # [rank, unit] layers
+    rank_chunks: list[list[int]]
+    stage_layers: tuple[tuple[str, ...], ...]
+    # derived once per split: which units a chunk / rank holds, chunks per rank
+    in_chunk: np.ndarray
+    in_rank: np.ndarray
+    rank_chunks_n: np.ndarray
+
+
+def structure(units: tuple[Unit, ...], pp: int, v: int,
+              boundaries: tuple[tuple[int, int], ...] | None = None) -> Structure:
+    """Layers per unit on each of the pp x v chunks; the same for every micro-batch size
+    (scaling a unit changes its costs, not its layers), so callers key it by the split only."""
+    chunks = assign_stages(units, pp * v) if boundaries is None else cut_stages(units, boundaries)
+    index = {u.name: i for i, u in enumerate(units)}
+    counts = np.zeros((len(chunks), len(units)))
+    for c, chunk in enumerate(chunks):
+        for u, fqns in chunk:
+            counts[c, index[u.name]] += len(fqns)
+    rank_chunks = [list(range(r, len(chunks), pp)) for r in range(pp)]
+    rank_counts = np.array([counts[idx].sum(axis=0) for idx in rank_chunks])
+    return Structure(chunks=chunks, counts=counts, rank_counts=rank_counts,
+                     rank_chunks=rank_chunks,
+                     stage_layers=tuple(tuple(f for _, fqns in c for f in fqns) for c in chunks),
+                     in_chunk=counts > 0, in_rank=rank_counts > 0,
+                     rank_chunks_n=np.array([len(idx) for idx in rank_chunks], dtype=float))
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitVectors:
+    """Per-unit values of one (micro-batch, tp, cp, ep, SP, recompute) as vectors in unit
+    order: what `layout` multiplies with a structure's layer counts. Built once per key and
+    shared by every pipeline split of it."""
+
+    times: dict[str, np.ndarray]  # TIME_ATTRS and forward, backward, compute_wgrad
+    work: np.ndarray  # forward + backward
+    kept: np.ndarray  # activation bytes kept per layer per micro-batch
+    working: np.ndarray  # one layer's working set while it runs
+    dense: np.ndarray  # parameters per layer, unsharded
+    expert: np.ndarray
+    param_bytes: np.ndarray
+    bytes_per_param: np.ndarray
+
+
+def unit_vectors(units: tuple[Unit, ...], times: dict[str, UnitTimes], cfg: ParallelConfig,
+                 flash: bool) -> UnitVectors:
+    t = [times[u.name] for u in units]
+    per_unit = {a: np.array([getattr(x, a) for x in t])
+                for a in TIME_ATTRS + ("forward", "backward", "compute_wgrad")}
+    acts = [activation_bytes(u, cfg, flash) for u in units]
+    pbytes = np.array([u.param_bytes for u in units], float)
+    return UnitVectors(
+        times=per_unit, work=per_unit["forward"] + per_unit["backward"],
+        kept=np.array([k for k, _ in acts]), working=np.array([w for _, w in acts]),
+        dense=np.array([u.dense_params for u in units], float),
+        expert=np.array([u.expert_params for u in units], float), param_bytes=pbytes,
+        bytes_per_param=pbytes / np.maximum(1, [u.dense_params + u.expert_params
+                                                for u in units]))
+
+
+def layout(vec: UnitVectors, cfg: ParallelConfig, st: Structure) -> Layout:
+    """Per-chunk and per-rank sums as (layers per unit) x (per-layer value per unit)."""
+    per_unit = vec.times
+    fwd, bwd, wgrad = (st.counts @ per_unit[a] for a in ("forward", "backward", "compute_wgrad"))
+    stage = fwd + bwd
+    return Layout(
+        chunk_fwd=fwd, chunk_bwd=bwd, chunk_wgrad=wgrad, chunk_kept=st.counts @ vec.kept,
+        chunk_working=np.where(st.in_chunk, vec.working, 0.0).max(axis=1),
+        rank_chunks=st.rank_chunks,
+        rank_sums={a: st.rank_counts @ per_unit[a] for a in TIME_ATTRS},
+        stage_layers=st.stage_layers,
+        rank_work=st.rank_counts @ vec.work,
+        rank_kept=st.rank_counts @ vec.kept,
+        rank_counts=st.rank_counts,
+        rank_chunks_n=st.rank_chunks_n,
+        rank_working=np.where(st.in_rank, vec.working, 0.0).max(axis=1),
+        rank_dense=st.rank_counts @ vec.dense / cfg.tp,
+        rank_expert=st.rank_counts @ vec.expert / (cfg.tp * cfg.ep),
+        rank_max_param_bytes=np.where(st.in_rank, vec.param_bytes, 0).max(axis=1) / cfg.tp,
+        rank_bytes_per_param=np.where(st.in_rank, vec.bytes_per_param, 0).max(axis=1),
+        stage_sum=float(stage.sum()), stage_max=float(stage.max()),
+        zb_tail=float((fwd + bwd - wgrad).max()),
+        fwd_s=tuple(fwd.tolist()), bwd_s=tuple(bwd.tolist()), wgrad_s=tuple(wgrad.tolist()))
+
+
+def pipeline_bound(cfg: ParallelConfig, m: int, lay: Layout, p2p: float
+                   ) -> tuple[float, np.ndarray]:
+    """Closed-form step time of the schedule and busy time per rank (the search's ranking).
+
+    GPipe/1F1B: sum of one micro-batch through every stage plus (m-1) times the slowest
+    stage (Alpa's bound); interleaved: (m + (p-1)/v) times the busiest rank's per-micro-batch
+    work; ZB-H1: m times the busiest rank plus (p-1) x (F + B - W) of the slowest stage. Each
+    adds 2(p-1) p2p hops for the fill and drain.
+    """
+    p, v = cfg.pp, cfg.virtual_stages
+    busy = m * lay.rank_work
+    if p == 1:
+        return float(busy[0]), busy
+    fill = 2 * (p - 1) * p2p
+    if cfg.pp_schedule == "interleaved-1f1b":
+        return (m + (p - 1) / v) * float(lay.rank_work.max()) + fill, busy
+    if cfg.pp_schedule == "zero-bubble":
+        return m * float(lay.rank_work.max()) + (p - 1) * max(lay.zb_tail, 0.0) + fill, busy
+    return lay.stage_sum + (m - 1) * lay.stage_max + fill, busy
+
+
+def analytic_inflight(cfg: ParallelConfig, m: int, lay: Layout) -> np.ndarray:
+    """Closed-form peak activation bytes per rank: GPipe all m micro-batches; 1F1B and ZB-H1
+    min(p - rank, m); interleaved Megatron's warm-up of min(2(p-1-rank) + (v-1)p, mv) chunk
+    micro-batches plus one (all mv when m == p), at the rank's average chunk size."""
+    p, v = cfg.pp, cfg.virtual_stages
+    ranks = np.arange(p)
+    if cfg.pp_schedule == "gpipe":
+        return m * lay.rank_kept
+    if cfg.pp_schedule == "interleaved-1f1b" and v > 1:
+        held = np.full(p, m * v, dtype=float) if m == p else \
+            np.minimum(2 * (p - 1 - ranks) + (v - 1) * p + 1, m * v)
+        return held * lay.rank_kept / lay.rank_chunks_n
+    return np.minimum(p - ranks, m) * lay.rank_kept
+
+
+def fast_peak_memory(cfg: ParallelConfig, dtype: str, lay: Layout, inflight: np.ndarray,
+                     zero3_cap: int | None) -> float:
+    """Largest per-rank total of `stage_memory`'s categories, as vector arithmetic."""
+    shards = cfg.dp * cfg.cp
+    states = lay.rank_dense * state_bytes_per_param(dtype, cfg.zero_stage, shards) + \
+        lay.rank_expert * state_bytes_per_param(dtype, cfg.zero_stage, max(1, shards // cfg.ep))
+    gathered = 0.0
+    if cfg.zero_stage == 3:
+        gathered = 2 * lay.rank_max_param_bytes
+        if zero3_cap is not None:
+            gathered = np.minimum(gathered, zero3_cap * lay.rank_bytes_per_param)
+    live = states + inflight + lay.rank_working + gathered
+    return float((live * (1 + ALLOCATOR_RESERVE_FRACTION)).max()) + COMM_BUFFER_BYTES + \
+        CUDA_CONTEXT_BYTES
+

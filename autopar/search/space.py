@@ -1,0 +1,285 @@
+"""The outer search space as columns: every config in a fixed order, and its bounds.
+
+A search on a large cluster considers tens of thousands of configs (dp·tp·pp·cp factorings x
+ep x ZeRO x SP x recompute x micro-batch x schedule x virtual stages) and evaluates some of
+them. Building a `ParallelConfig` and calling the bounds one config at a time cost more than
+the evaluations, and grew with depth (a deeper model has more pipeline degrees and
+virtual-stage splits). Here the space is a table of integer columns, built one (tp, cp, pp,
+ep) block at a time with numpy, and the bounds are column arithmetic:
+
+- the memory lower bound from model states of an even share of the parameters, by ZeRO
+  stage (`states_lower_bounds`);
+- the step-time lower bound of `autopar.estimate.core.step_lower_bound`, from one
+  work-per-micro-batch number per (micro-batch, tp, cp, ep, SP, recompute)
+  (`step_lower_bounds`);
+- the first pipeline rank's memory (`first_rank_memory`): its model states, the activations
+  its schedule keeps in flight, one layer's working set and ZeRO-3 buffers, i.e. the rank-0
+  term of the closed-form peak that `evaluate(exact=False)` maximises over ranks. A config
+  above the device memory by it cannot fit, so the search can skip it without changing the
+  ranking (only fitting configs are ranked and simulated).
+
+The first two are the same floating-point operations in the same order as the one-config
+forms (numpy element-wise arithmetic on float64 rounds exactly as Python floats do, and
+integers below 2^53 convert exactly), so the search prunes and orders exactly as the
+one-config loop did; the third sums in another order and is compared with a margin. A row
+becomes a `ParallelConfig` only when the search evaluates it (`ConfigTable.config`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+
+from autopar.config import PP_SCHEDULES, RECOMPUTE_POLICIES, ParallelConfig, divisors
+from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
+                               CUDA_CONTEXT_BYTES, state_bytes_split)
+
+__all__ = ["ConfigTable", "config_table", "key_groups", "states_lower_bounds",
+           "step_lower_bounds", "first_rank_memory", "TIME_KEY_COLUMNS"]
+
+COLUMNS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "micro_batch_size", "pp_schedule",
+           "virtual_stages", "sequence_parallel", "recompute")
+# the columns per-unit times depend on (the key of `EvalCache.times`, less the options)
+TIME_KEY_COLUMNS = ("micro_batch_size", "tp", "cp", "ep", "sequence_parallel", "recompute")
+_INTERLEAVED = PP_SCHEDULES.index("interleaved-1f1b")
+_ZERO_BUBBLE = PP_SCHEDULES.index("zero-bubble")
+
+
+@dataclass(frozen=True)
+class ConfigTable:
+    """Configs as int64 columns (pp_schedule and recompute as indices into PP_SCHEDULES and
+    RECOMPUTE_POLICIES, sequence_parallel as 0/1), rows in enumeration order."""
+
+    columns: dict[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.columns["dp"])
+
+    def config(self, i: int) -> ParallelConfig:
+        row = {name: int(col[i]) for name, col in self.columns.items()}
+        row["pp_schedule"] = PP_SCHEDULES[row["pp_schedule"]]
+        row["recompute"] = RECOMPUTE_POLICIES[row["recompute"]]
+        row["sequence_parallel"] = bool(row["sequence_parallel"])
+        return ParallelConfig(**row)
+
+    def configs(self) -> Iterator[ParallelConfig]:
+        return (self.config(i) for i in range(len(self)))
+
+    def tie_order(self) -> tuple[np.ndarray, ...]:
+        """The columns of the search's tie-break, most significant first: (pp, tp, cp, ep, dp,
+        zero_stage, recompute, micro_batch_size, pp_schedule, virtual_stages,
+        sequence_parallel); recompute and pp_schedule compare by their index in
+        RECOMPUTE_POLICIES / PP_SCHEDULES, as `_tie_key` does."""
+        c = self.columns
+        return tuple(c[name] for name in ("pp", "tp", "cp", "ep", "dp", "zero_stage", "recompute",
+                                          "micro_batch_size", "pp_schedule", "virtual_stages",
+                                          "sequence_parallel"))
+
+
+def _allowed(name: str, values: list, constraints: dict[str, Any]) -> list:
+    if name in constraints:
+        return [v for v in values if v == constraints[name]]
+    return values
+
+
+def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers: int,
+                 num_heads: int | None, seq_len: int | None, num_experts: int | None,
+                 global_batch_size: int, constraints: dict[str, Any], math_attention: bool,
+                 max_micro_batch_size: int, max_virtual_stages: int, max_cp: int
+                 ) -> ConfigTable:
+    """Every candidate config (validity is checked by `evaluate`), in the order: tp, cp, pp,
+    ep ascending; then micro-batch size, recompute, SP, schedule (gpipe, 1f1b, zero-bubble,
+    interleaved by virtual stages), ZeRO stage. tp stays within a node and divides the heads;
+    cp needs a sequence divisible by 2·cp; pp is at most the layer count; interleaving needs
+    the body layers to split evenly into pp·v chunks and the micro-batches to be a multiple
+    of pp."""
+    gbs, heads = global_batch_size, num_heads
+    blocks: list[dict[str, np.ndarray]] = []
+    tps = [t for t in divisors(world) if t <= gpus_per_node and (heads is None or heads % t == 0)]
+    for tp in _allowed("tp", tps, constraints):
+        cps = [c for c in divisors(world // tp) if c <= max_cp
+               and (c == 1 or (heads is not None and seq_len and seq_len % (2 * c) == 0))]
+        for cp in _allowed("cp", cps, constraints):
+            pps = [p for p in divisors(world // (tp * cp)) if p <= num_layers]
+            for pp in _allowed("pp", pps, constraints):
+                dp = world // (tp * cp * pp)
+                if "dp" in constraints and constraints["dp"] != dp:
+                    continue
+                if gbs % dp:
+                    continue
+                eps = [e for e in divisors(dp * cp)
+                       if num_experts and num_experts % e == 0] or [1]
+                for ep in _allowed("ep", eps, constraints):
+                    block = _block(gbs, constraints, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep,
+                                   body_layers=body_layers, math_attention=math_attention,
+                                   max_mbs=max_micro_batch_size, max_v=max_virtual_stages)
+                    if block is not None:
+                        blocks.append(block)
+    if not blocks:
+        return ConfigTable({name: np.zeros(0, dtype=np.int64) for name in COLUMNS})
+    return ConfigTable({name: np.concatenate([b[name] for b in blocks]) for name in COLUMNS})
+
+
+def _block(gbs: int, constraints: dict[str, Any], *, tp: int, cp: int, pp: int, dp: int,
+           ep: int, body_layers: int, math_attention: bool, max_mbs: int, max_v: int
+           ) -> dict[str, np.ndarray] | None:
+    """The rows of one (tp, cp, pp, dp, ep): the product micro-batch x recompute x SP x
+    schedule x ZeRO in that nesting (C order), less interleaved rows whose micro-batch count
+    is not a multiple of pp."""
+    zeros = _allowed("zero_stage", [0, 1, 2, 3] if dp * cp > 1 else [0], constraints)
+    sps = _allowed("sequence_parallel", [False, True] if tp > 1 else [False], constraints)
+    # with a fused kernel selective recompute equals none
+    recomputes = _allowed("recompute", ["none", "selective", "full"] if math_attention
+                          else ["none", "full"], constraints)
+    mbss = _allowed("micro_batch_size",
+                    [b for b in divisors(gbs // dp) if b <= max_mbs], constraints)
+    if pp == 1:
+        schedules = [("1f1b", 1)]
+    else:
+        per_stage = body_layers // pp
+        vs = [v for v in range(2, max_v + 1) if per_stage >= v and body_layers % (pp * v) == 0]
+        schedules = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1)] + \
+            [("interleaved-1f1b", v) for v in vs]
+    schedules = [(s, v) for s, v in schedules
+                 if constraints.get("pp_schedule", s) == s
+                 and ("virtual_stages" not in constraints or constraints["virtual_stages"] == v)]
+    shape = (len(mbss), len(recomputes), len(sps), len(schedules), len(zeros))
+    if 0 in shape:
+        return None
+    i_mbs, i_rc, i_sp, i_sched, i_zero = (a.ravel() for a in np.indices(shape))
+    mbs = np.array(mbss, dtype=np.int64)[i_mbs]
+    sched = np.array([PP_SCHEDULES.index(s) for s, _ in schedules], dtype=np.int64)[i_sched]
+    keep = ~((sched == _INTERLEAVED) & ((gbs // (dp * mbs)) % pp != 0))
+    n = int(keep.sum())
+    full = lambda value: np.full(n, value, dtype=np.int64)  # noqa: E731
+    return {
+        "dp": full(dp), "tp": full(tp), "pp": full(pp), "cp": full(cp), "ep": full(ep),
+        "zero_stage": np.array(zeros, dtype=np.int64)[i_zero][keep],
+        "micro_batch_size": mbs[keep],
+        "pp_schedule": sched[keep],
+        "virtual_stages": np.array([v for _, v in schedules], dtype=np.int64)[i_sched][keep],
+        "sequence_parallel": np.array(sps, dtype=np.int64)[i_sp][keep],
+        "recompute": np.array([RECOMPUTE_POLICIES.index(r) for r in recomputes],
+                              dtype=np.int64)[i_rc][keep],
+    }
+
+
+def _int_over(numerator: int, denominator: np.ndarray) -> np.ndarray:
+    """numerator / denominator per element, rounded as Python's int / int (exactly once)."""
+    if abs(numerator) <= 2 ** 53 and int(np.abs(denominator).max(initial=0)) <= 2 ** 53:
+        return float(numerator) / denominator.astype(np.float64)
+    return np.array([numerator / int(d) for d in denominator], dtype=np.float64)
+
+
+def _state_bytes(dtype: str, zero: np.ndarray, shards: np.ndarray) -> np.ndarray:
+    """`state_bytes_per_param` per row: weights + grads + optimizer states, each divided by
+    the shards from the ZeRO stage that shards it on (the same three terms, summed left to
+    right)."""
+    weights, grads, optim = state_bytes_split(dtype, 0, 1)
+    w = np.where(zero >= 3, weights / shards, weights)
+    g = np.where(zero >= 2, grads / shards, grads)
+    o = np.where(zero >= 1, optim / shards, optim)
+    return w + g + o
+
+
+def states_lower_bounds(table: ConfigTable, *, dense_params: int, expert_params: int,
+                        dtype: str) -> np.ndarray:
+    """Per row: the bytes no placement can avoid, model states of an even share of the
+    parameters plus the fixed buffers (the search's `_states_lower_bound`)."""
+    c = table.columns
+    if not len(table):
+        return np.zeros(0)
+    dense = _int_over(dense_params, c["tp"] * c["pp"])
+    expert = _int_over(expert_params, c["tp"] * c["pp"] * c["ep"])
+    shards = c["dp"] * c["cp"]
+    return (dense * _state_bytes(dtype, c["zero_stage"], shards)
+            + expert * _state_bytes(dtype, c["zero_stage"], np.maximum(1, shards // c["ep"]))
+            + COMM_BUFFER_BYTES + CUDA_CONTEXT_BYTES)
+
+
+def step_lower_bounds(table: ConfigTable, rows: np.ndarray, work: np.ndarray, *,
+                      global_batch_size: int) -> np.ndarray:
+    """`step_lower_bound` for `rows` of the table, given each row's forward + backward
+    seconds of one micro-batch through the whole model (`work`): (m + fill) · work / pp,
+    fill = 0 for pp = 1 and ZB-H1, (pp - 1)/v interleaved, pp - 1 otherwise."""
+    c = {name: table.columns[name][rows]
+         for name in ("pp", "pp_schedule", "dp", "micro_batch_size", "virtual_stages")}
+    pp, sched = c["pp"], c["pp_schedule"]
+    m = global_batch_size // (c["dp"] * c["micro_batch_size"])
+    fill = np.where(sched == _INTERLEAVED, (pp - 1) / c["virtual_stages"], pp - 1.0)
+    fill = np.where((pp == 1) | (sched == _ZERO_BUBBLE), 0.0, fill)
+    return (m + fill) * work / pp
+
+
+def key_groups(table: ConfigTable, rows: np.ndarray, names: tuple[str, ...]
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Group `rows` (non-empty) by the columns `names`: the position in `rows` of the first
+    row of each distinct key (keys in ascending order), and each row's key number."""
+    code = np.zeros(len(rows), dtype=np.int64)  # the columns as one mixed-radix integer
+    for name in names:
+        col = table.columns[name][rows]
+        code = code * (int(col.max()) + 1) + col
+    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+    return first, np.asarray(inverse).reshape(-1)
+
+
+def first_rank_memory(table: ConfigTable, rows: np.ndarray, *, units: dict[int, tuple],
+                      structure_of, activations_of, dtype: str, global_batch_size: int,
+                      flash: bool, zero3_cap: int | None) -> np.ndarray:
+    """Peak bytes of pipeline rank 0 by the closed form of `evaluate(exact=False)`, per row
+    (NaN where the rank's layers are unknown: a split the estimate refuses).
+
+    `units[mbs]` are the model's units for a micro-batch size; `structure_of(pp, v)` the
+    layer counts per rank of that split (None if it cannot be made); `activations_of(unit,
+    cfg, flash)` the (kept, working) bytes per layer. The sum is formed in another order than
+    the estimate's, so callers compare it with a relative margin."""
+    if not len(rows):
+        return np.zeros(0)
+    c = {name: col[rows] for name, col in table.columns.items()}
+    tp, cp, pp, v, mbs = (c[n] for n in ("tp", "cp", "pp", "virtual_stages", "micro_batch_size"))
+    n_units = len(next(iter(units.values())))
+    # rank 0's layers per unit, per (pp, v) split
+    s_first, s_index = key_groups(table, rows, ("pp", "virtual_stages"))
+    counts = np.full((len(s_first), n_units), np.nan)
+    for k, i in enumerate(s_first):
+        st = structure_of(int(pp[i]), int(v[i]))
+        if st is not None:
+            counts[k] = st.rank_counts[0]
+    counts = counts[s_index]
+    present = counts > 0
+    # per-layer activation bytes per (micro-batch, tp, cp, SP, recompute)
+    a_first, a_index = key_groups(table, rows, ("micro_batch_size", "tp", "cp",
+                                                "sequence_parallel", "recompute"))
+    kept_u = np.empty((len(a_first), n_units))
+    working_u = np.empty((len(a_first), n_units))
+    for k, i in enumerate(a_first):
+        cfg = table.config(int(rows[i]))
+        acts = [activations_of(u, cfg, flash) for u in units[cfg.micro_batch_size]]
+        kept_u[k] = [a for a, _ in acts]
+        working_u[k] = [w for _, w in acts]
+    kept = (counts * kept_u[a_index]).sum(axis=1)
+    working = np.where(present, working_u[a_index], 0.0).max(axis=1)
+    base = units[min(units)]
+    dense = (counts * np.array([u.dense_params for u in base], float)).sum(axis=1) / tp
+    expert = (counts * np.array([u.expert_params for u in base], float)).sum(axis=1) \
+        / (tp * c["ep"])
+    shards = c["dp"] * cp
+    zero = c["zero_stage"]
+    states = dense * _state_bytes(dtype, zero, shards) \
+        + expert * _state_bytes(dtype, zero, np.maximum(1, shards // c["ep"]))
+    pbytes = np.array([u.param_bytes for u in base], float)
+    bpp = pbytes / np.maximum(1, [u.dense_params + u.expert_params for u in base])
+    gathered = 2 * np.where(present, pbytes, 0.0).max(axis=1) / tp
+    if zero3_cap is not None:
+        gathered = np.minimum(gathered, zero3_cap * np.where(present, bpp, 0.0).max(axis=1))
+    gathered = np.where(zero == 3, gathered, 0.0)
+    m = global_batch_size // (c["dp"] * mbs)
+    sched = c["pp_schedule"]
+    held = np.where(m == pp, m * v, np.minimum(2 * (pp - 1) + (v - 1) * pp + 1, m * v))
+    inflight = np.where(sched == PP_SCHEDULES.index("gpipe"), m * kept,
+                        np.where((sched == _INTERLEAVED) & (v > 1), held * kept / v,
+                                 np.minimum(pp, m) * kept))
+    live = states + inflight + working + gathered
+    return live * (1 + ALLOCATOR_RESERVE_FRACTION) + COMM_BUFFER_BYTES + CUDA_CONTEXT_BYTES

@@ -1,0 +1,251 @@
+"""The outer search's columnar space and bounds against one-config oracles.
+
+- enumeration: the table lists the same configs in the same order as the nested loops it
+  replaced (kept here as the oracle), with and without constraints, for dense and MoE models;
+- bounds: the column forms of the memory lower bound (model states) and of
+  `step_lower_bound` equal the one-config forms bit for bit, and both stay below what
+  `evaluate(exact=False)` predicts; the first pipeline rank's memory never exceeds the
+  closed-form peak (it is the rank-0 term of that maximum);
+- skipping configs that cannot fit changes neither the plan nor its fitting candidates, and a
+  saved plan not at all.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import autopar
+from autopar import ParallelConfig
+from autopar.config import divisors
+from autopar.estimate import EstimateOptions, ModelCosts, evaluate
+from autopar.estimate.core import EvalCache, step_lower_bound
+from autopar.estimate.memory import activation_bytes
+from autopar.models.gpt import GPT, GPTConfig
+from autopar.models.mixtral import Mixtral, MixtralConfig
+from autopar.search import outer
+from autopar.search.outer import SearchSettings, enumerate_configs
+from autopar.search.space import first_rank_memory, states_lower_bounds
+from costmodels.memory import COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES, state_bytes_per_param
+
+SEQ = 1024
+
+
+@functools.lru_cache(maxsize=None)
+def gpt_costs(layers: int = 6) -> ModelCosts:
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=8192, max_seq_len=SEQ, dim=512, n_layers=layers,
+                              n_heads=8))
+    return ModelCosts.from_graph(autopar.trace(model, global_batch_size=1, seq_len=SEQ))
+
+
+@functools.lru_cache(maxsize=None)
+def moe_costs() -> ModelCosts:
+    with torch.device("meta"):
+        model = Mixtral(MixtralConfig(vocab_size=8192, dim=512, n_layers=4, n_heads=8,
+                                      n_kv_heads=4, ffn_dim=1024, max_seq_len=SEQ,
+                                      num_experts=8, top_k=2))
+    return ModelCosts.from_graph(autopar.trace(model, global_batch_size=1, seq_len=SEQ))
+
+
+def _oracle_configs(costs, cluster, *, global_batch_size, constraints, options, settings):
+    """The enumeration as nested loops over ParallelConfig objects (the pre-columnar code)."""
+    def allowed(name, values):
+        return [v for v in values if v == constraints[name]] if name in constraints else values
+
+    world, g, heads = cluster.world_size, cluster.gpus_per_node, costs.num_heads
+    body = max(u.count for u in costs.units)
+    gbs = global_batch_size
+    for tp in allowed("tp", [t for t in divisors(world)
+                             if t <= g and (heads is None or heads % t == 0)]):
+        cps = [c for c in divisors(world // tp) if c <= settings.max_cp
+               and (c == 1 or (heads is not None and costs.seq_len
+                               and costs.seq_len % (2 * c) == 0))]
+        for cp in allowed("cp", cps):
+            for pp in allowed("pp", [p for p in divisors(world // (tp * cp))
+                                     if p <= costs.num_layers]):
+                dp = world // (tp * cp * pp)
+                if ("dp" in constraints and constraints["dp"] != dp) or gbs % dp:
+                    continue
+                eps = [e for e in divisors(dp * cp)
+                       if costs.num_experts and costs.num_experts % e == 0] or [1]
+                for ep in allowed("ep", eps):
+                    zeros = [0, 1, 2, 3] if dp * cp > 1 else [0]
+                    sps = [False, True] if tp > 1 else [False]
+                    rcs = ["none", "selective", "full"] if options.attention_kernel == "math" \
+                        else ["none", "full"]
+                    if pp == 1:
+                        scheds = [("1f1b", 1)]
+                    else:
+                        vs = [v for v in range(2, settings.max_virtual_stages + 1)
+                              if body // pp >= v and body % (pp * v) == 0]
+                        scheds = [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1)] + \
+                            [("interleaved-1f1b", v) for v in vs]
+                    for mbs in allowed("micro_batch_size",
+                                       [b for b in divisors(gbs // dp)
+                                        if b <= settings.max_micro_batch_size]):
+                        m = gbs // (dp * mbs)
+                        for rc in allowed("recompute", rcs):
+                            for sp in allowed("sequence_parallel", sps):
+                                for sched, v in scheds:
+                                    if constraints.get("pp_schedule", sched) != sched or \
+                                            constraints.get("virtual_stages", v) != v:
+                                        continue
+                                    if sched == "interleaved-1f1b" and m % pp:
+                                        continue
+                                    for zero in allowed("zero_stage", zeros):
+                                        yield ParallelConfig(
+                                            dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
+                                            micro_batch_size=mbs, pp_schedule=sched,
+                                            virtual_stages=v, sequence_parallel=sp,
+                                            recompute=rc)
+
+
+def _states_oracle(costs, cfg, dtype):
+    dense = sum(u.dense_params * u.count for u in costs.units) / (cfg.tp * cfg.pp)
+    expert = sum(u.expert_params * u.count for u in costs.units) / (cfg.tp * cfg.pp * cfg.ep)
+    shards = cfg.dp * cfg.cp
+    return (dense * state_bytes_per_param(dtype, cfg.zero_stage, shards)
+            + expert * state_bytes_per_param(dtype, cfg.zero_stage, max(1, shards // cfg.ep))
+            + COMM_BUFFER_BYTES + CUDA_CONTEXT_BYTES)
+
+
+CASES = [
+    ("gpt", 2, {}, EstimateOptions()),
+    ("gpt", 4, {"tp": 2}, EstimateOptions(attention_kernel="math")),
+    ("gpt", 2, {"pp_schedule": "interleaved-1f1b", "zero_stage": 1}, EstimateOptions()),
+    ("gpt", 1, {"pp": 2, "micro_batch_size": 2, "sequence_parallel": True}, EstimateOptions()),
+    ("moe", 2, {}, EstimateOptions()),
+    ("moe", 1, {"ep": 4, "recompute": "full"}, EstimateOptions()),
+]
+
+
+def _case(kind, nodes, constraints, options):
+    costs = gpt_costs() if kind == "gpt" else moe_costs()
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=nodes)
+    kw = {"global_batch_size": 64, "constraints": constraints, "options": options,
+          "settings": SearchSettings(max_virtual_stages=6)}
+    return costs, cluster, kw
+
+
+@pytest.mark.parametrize("kind,nodes,constraints,options", CASES)
+def test_the_table_enumerates_what_the_nested_loops_did_in_their_order(kind, nodes, constraints,
+                                                                        options):
+    costs, cluster, kw = _case(kind, nodes, constraints, options)
+    got = list(enumerate_configs(costs, cluster, **kw))
+    assert got == list(_oracle_configs(costs, cluster, **kw))
+    assert got and all(isinstance(getattr(c, f), type(getattr(got[0], f)))
+                       for c in got for f in outer.CONFIG_FIELDS)
+
+
+@pytest.mark.parametrize("kind,nodes,constraints,options", CASES)
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_column_bounds_equal_the_one_config_forms_bit_for_bit(kind, nodes, constraints, options,
+                                                              dtype):
+    costs, cluster, kw = _case(kind, nodes, constraints, options)
+    table = outer._table(costs, cluster, **kw)
+    configs = list(table.configs())
+    states = states_lower_bounds(
+        table, dense_params=sum(u.dense_params * u.count for u in costs.units),
+        expert_params=sum(u.expert_params * u.count for u in costs.units), dtype=dtype)
+    assert states.tolist() == [_states_oracle(costs, c, dtype) for c in configs]
+    cache = EvalCache(cluster)
+    rows = np.arange(len(table))
+    step, failed = outer._step_bounds(costs, cluster, table, rows, global_batch_size=64,
+                                      dtype=dtype, options=options, cache=cache)
+    assert not failed.any()
+    one = EvalCache(cluster)
+    assert step.tolist() == [step_lower_bound(costs, cluster, c, global_batch_size=64,
+                                              dtype=dtype, options=options, cache=one)
+                             for c in configs]
+
+
+@pytest.mark.parametrize("kind,nodes,constraints,options", CASES)
+def test_bounds_stay_below_the_closed_form_estimate(kind, nodes, constraints, options):
+    costs, cluster, kw = _case(kind, nodes, constraints, options)
+    table = outer._table(costs, cluster, **kw)
+    cache = EvalCache(cluster)
+    rows = np.arange(len(table))
+    step, _ = outer._step_bounds(costs, cluster, table, rows, global_batch_size=64,
+                                 dtype="bf16", options=options, cache=cache)
+    first = first_rank_memory(
+        table, rows, units=cache.units,
+        structure_of=functools.partial(outer._split, costs, cache),
+        activations_of=activation_bytes, dtype="bf16", global_batch_size=64,
+        flash=options.attention_kernel != "math", zero3_cap=options.zero3_max_live_params)
+    checked = 0
+    for i in range(0, len(table), max(1, len(table) // 300)):
+        try:
+            est = evaluate(costs, cluster, table.config(i), global_batch_size=64,
+                           options=options, cache=cache, exact=False)
+        except ValueError:
+            continue
+        checked += 1
+        assert step[i] <= est.step_time_s
+        assert first[i] <= est.peak_memory_bytes * (1 + 1e-12)
+        if est.config.pp == 1:  # one rank: the bound is the closed-form peak itself
+            assert first[i] == pytest.approx(est.peak_memory_bytes, rel=1e-12)
+    assert checked > 20
+
+
+def _small_gpt():
+    with torch.device("meta"):
+        return GPT(GPTConfig(vocab_size=8192, max_seq_len=4096, dim=2048, n_layers=8,
+                             n_heads=16))
+
+
+@pytest.mark.parametrize("build,memory_gb,gbs,seq,constraints", [
+    (_small_gpt, 10, 64, 4096, {}),  # ~80 fitting rows of ~170: the saved plan is the same
+    (lambda: autopar.models.build("gpt3-6.7b"), 32, 64, 2048,  # 8 fitting rows
+     {"tp": 1, "pp": 1, "cp": 1}),
+])
+def test_skipping_configs_that_cannot_fit_keeps_the_plan_and_its_fitting_candidates(
+        build, memory_gb, gbs, seq, constraints):
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=1, device_memory_gb=memory_gb)
+    plans = {k: autopar.compile(build(), cluster, global_batch_size=gbs, seq_len=seq,
+                                constraints=constraints,
+                                settings=SearchSettings(progress=False, list_unfit_below=k))
+             for k in (0, 10**9)}
+    skip, full = plans[0], plans[10**9]
+    assert skip.config == full.config and skip.estimate == full.estimate
+    a, b = skip.candidates, full.candidates
+    assert len(a) < len(b)
+    fitting = lambda t: t[t["fits"] | t["exact"]].reset_index(drop=True)  # noqa: E731
+    assert fitting(a).equals(fitting(b))
+    assert skip.search["num_pruned_by_memory"] > full.search["num_pruned_by_memory"]
+    if b["fits"].sum() >= 50:  # the saved plan keeps the 50 best rows, fitting first
+        assert skip.to_json() == full.to_json()
+    # by default the table lists every visited config while fewer than 50 fit
+    default = autopar.compile(build(), cluster, global_batch_size=gbs, seq_len=seq,
+                              constraints=constraints, settings=SearchSettings(progress=False))
+    assert default.to_json() == full.to_json()
+    if b["fits"].sum() < 50:
+        assert default.candidates.equals(b)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_evaluations_through_a_shared_cache_equal_fresh_ones(exact):
+    # the search memoises layouts, pipeline terms and simulations across configs; none of it
+    # may leak between configs that share a layout (ZeRO stages, schedules, global batch)
+    costs = gpt_costs()
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=1)
+    shared = EvalCache(cluster)
+    configs = [ParallelConfig(dp=4 // pp, tp=2, pp=pp, zero_stage=z, pp_schedule=s,
+                              virtual_stages=v, sequence_parallel=True)
+               for pp in (1, 2) for z in (0, 1, 3)
+               for s, v in ([("1f1b", 1)] if pp == 1 else
+                            [("gpipe", 1), ("1f1b", 1), ("zero-bubble", 1),
+                             ("interleaved-1f1b", 3)])]
+    for gbs in (32, 64):
+        for cfg in configs:
+            a = evaluate(costs, cluster, cfg, global_batch_size=gbs, cache=shared, exact=exact,
+                         record_ops=False)
+            b = evaluate(costs, cluster, cfg, global_batch_size=gbs, exact=exact)
+            assert (a.step_time_s, a.peak_memory_bytes, a.breakdown, a.memory_by_stage,
+                    a.stage_layers, a.stage_forward_s, a.mfu) == \
+                   (b.step_time_s, b.peak_memory_bytes, b.breakdown, b.memory_by_stage,
+                    b.stage_layers, b.stage_forward_s, b.mfu)
+            if exact:
+                assert a.timeline.busy_s == b.timeline.busy_s and a.timeline.ops == \
+                    ((),) * cfg.pp and len(b.timeline.ops[0]) > 0
