@@ -38,10 +38,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(self, x):
-        b, s, d = x.shape
+        b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
         y = attention(q, k, v, impl=self.impl, dropout=self.dropout, training=self.training)
-        return F.dropout(self.wo(y.transpose(1, 2).reshape(b, s, d)), self.dropout, self.training)
+        # -1, not d: under tensor parallelism this rank holds n_heads / tp heads
+        return F.dropout(self.wo(y.transpose(1, 2).reshape(b, s, -1)), self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -59,6 +60,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    #: ``forward`` also takes the hidden state of an earlier pipeline stage (see ``forward``), so
+    #: a stage without the embeddings skips them, their position add and their dropout.
+    accepts_hidden_states = True
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
@@ -71,12 +76,18 @@ class GPT(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens):
+        """Token ids ``[batch, seq]`` → logits ``[batch, seq, vocab]``.  A floating-point input
+        is instead the hidden state ``[batch, seq, dim]`` that an earlier pipeline stage handed
+        over (autopar.runtime.pipeline): the embeddings already ran there, so they are skipped."""
         seq = tokens.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"seq_len {seq} exceeds max_seq_len {self.config.max_seq_len}")
-        pos = token_positions(seq, tokens.device)  # global positions under context parallel
-        x = F.dropout(self.tok_embeddings(tokens) + self.pos_embeddings(pos),
-                      self.config.dropout, self.training)
+        if tokens.is_floating_point():
+            x = tokens
+        else:
+            pos = token_positions(seq, tokens.device)  # global positions under context parallel
+            x = F.dropout(self.tok_embeddings(tokens) + self.pos_embeddings(pos),
+                          self.config.dropout, self.training)
         for layer in self.layers:
             x = layer(x)
         return self.output(self.norm(x))

@@ -20,6 +20,11 @@ are the reference model's) and one optimizer over all of them; they are seen as 
 Without a process group (the generated script's ``--reference`` run) the same functions save
 and load the same format in one process (DCP's single-process mode).
 
+DCP writes each rank's shard as one block at one global offset, which a lone ``_StridedShard``
+placement (tensor parallel's head-aware split of a fused qkv projection: three row blocks per
+rank) is not; such tensors are written and read as ``Shard`` on the same dim (one redistribute
+each way), so the files are the same whichever plan wrote them.
+
 Not covered: expert-parallel layouts whose ranks hold different experts under one name.
 """
 
@@ -46,6 +51,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.runtime.apply import RuntimeModel
 
@@ -120,6 +127,48 @@ def _state(model: RuntimeModel | nn.Module, optimizer: torch.optim.Optimizer) ->
             "optim": get_optimizer_state_dict(module, optimizer, options=_OPTIONS)}
 
 
+def _lone_strided(t: Any) -> bool:
+    """A DTensor with a ``_StridedShard`` that later mesh dims do not complete (FSDP2 + TP's
+    ``(_StridedShard(0, tp), Shard(0))`` is complete: each rank's shard is one block)."""
+    if not isinstance(t, DTensor):
+        return False
+    for i, p in enumerate(t.placements):
+        if isinstance(p, _StridedShard):
+            later = 1
+            for j in range(i + 1, len(t.placements)):
+                q = t.placements[j]
+                if isinstance(q, (Shard, _StridedShard)) and q.dim == p.dim:
+                    later *= t.device_mesh.size(j)
+            if later != p.split_factor:
+                return True
+    return False
+
+
+def _for_dcp(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every lone-strided DTensor redistributed to plain ``Shard`` placements."""
+    out: dict[str, Any] = {}
+    for section, entries in state.items():
+        out[section] = dict(entries)
+        for key, value in entries.items():
+            if _lone_strided(value):
+                plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p
+                         for p in value.placements]
+                out[section][key] = value.redistribute(value.device_mesh, plain)
+    return out
+
+
+def _from_dcp(loaded: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
+    """Loaded tensors back in the placements of ``like`` (the inverse of ``_for_dcp``)."""
+    out: dict[str, Any] = {}
+    for section, entries in loaded.items():
+        out[section] = dict(entries)
+        for key, value in entries.items():
+            want = like[section][key]
+            if _lone_strided(want):
+                out[section][key] = value.redistribute(want.device_mesh, want.placements)
+    return out
+
+
 def _layout(model: RuntimeModel | nn.Module, plan: Any) -> str:
     if not isinstance(model, RuntimeModel):
         return REFERENCE_LAYOUT
@@ -153,7 +202,7 @@ def save_checkpoint(path: str | Path, runtime_model: RuntimeModel | nn.Module,
     state = _state(runtime_model, optimizer)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
-        dcp.save(state, checkpoint_id=str(path))  # creates the directory on the other ranks
+        dcp.save(_for_dcp(state), checkpoint_id=str(path))  # creates the directory on the other ranks
     if not distributed or dist.get_rank() == 0:
         info = {"format": "autopar-checkpoint", "version": FORMAT_VERSION, "step": int(step),
                 "layout": _layout(runtime_model, plan), "torch": torch.__version__,
@@ -242,9 +291,11 @@ def load_checkpoint(path: str | Path, runtime_model: RuntimeModel | nn.Module,
     module = _state_module(runtime_model)
     state = _state(runtime_model, optimizer)  # this layout's tensors, DCP loads into them
     _check_same_model(path, state, info)
+    loaded = _for_dcp(state)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(loaded, checkpoint_id=str(path))
+    state = _from_dcp(loaded, state)
     set_model_state_dict(module, state["model"], options=_OPTIONS)
     set_optimizer_state_dict(module, optimizer, state["optim"], options=_OPTIONS)
     log.info("loaded checkpoint %s: step %d, written under %s", path, info["step"], info["layout"])

@@ -9,9 +9,26 @@ its logits gathered (``output_layouts=Replicate()``), so the loss needs no ``los
 
 Megatron sequence parallelism (``plan.config.sequence_parallel``) is applied only when every
 block's attention and feed-forward are Megatron-shaped (all input projections column-, the
-output projection row-parallel) and the embedding is vocab-parallel; otherwise it is skipped
-with a warning, since the plan then replicates those blocks on the tp axis.  It is also
-skipped (with a warning) under pipeline parallelism: stage boundaries carry the full sequence.
+output projection row-parallel); otherwise it is skipped with a warning, since the plan then
+replicates those blocks on the tp axis.  A vocab-parallel embedding emits the sequence shard
+itself; a replicated one (GPT's learned positions) has its output cut to it.  Sequence
+parallelism is also skipped (with a warning) under pipeline parallelism: stage boundaries carry
+the full sequence.
+
+Fused projections (a Linear named ``qkv`` whose output the model views as
+``(3, n_heads, head_dim)``: GPT, ViT) are split head-aware: rank r holds the q, k and v rows of
+its ``n_heads / tp`` heads.  The parameter is a DTensor placed ``_StridedShard(0, split_factor=3)``
+(three chunks, each sharded over tp), so it still *is* the reference tensor for ``full_tensor()``,
+state dicts and checkpoints (checkpoint.py converts the layout for DCP, which cannot write it).
+DTensor's ``F.linear`` on that placement gives each rank exactly its heads' columns.  FSDP2,
+which shards the tp-local rows contiguously over dp, cannot describe that composition, so when
+ZeRO ≥ 1 follows the fused weight and bias stay replicated on tp and each rank slices its heads
+in forward (compute is still split by heads; memory of these two parameters is not, a warning
+says so).
+
+Parameters tied to each other (``tie_embeddings``: the LM head reuses the token embedding) take
+the placement of the first name, and are tied again after sharding (the styles distribute each
+module's parameters separately).
 
 Attention modules that keep ``n_heads`` / ``n_kv_heads`` attributes (the reference models)
 get them divided by the tp degree when their projections are column-parallel, because the
@@ -20,25 +37,38 @@ local projection holds only ``heads / tp`` heads.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from autopar.runtime.pipeline import tied_parameters
 
 __all__ = ["apply_tensor_parallel", "tp_styles"]
 
 log = logging.getLogger(__name__)
 
 _SHARD = re.compile(r"^S\((-?\d+)\)$")
+FUSED_CHUNKS = {"qkv": 3}  # fused projections by Linear name: their output's leading chunks
+
+
+def _aliases(module: nn.Module) -> dict[str, str]:
+    """{FQN: first FQN of the same parameter} for tied parameters (the plan keys the first)."""
+    return {name: group[0] for group in tied_parameters(module) for name in group[1:]}
 
 
 def _tp_dim(placements: dict[str, dict[str, str]], fqn: str) -> int | None:
@@ -53,9 +83,12 @@ def _tp_dim(placements: dict[str, dict[str, str]], fqn: str) -> int | None:
 
 
 def tp_styles(module: nn.Module, placements: dict[str, dict[str, str]]) -> dict[str, str]:
-    """``{module FQN: "colwise" | "rowwise" | "vocab"}`` for every Linear/Embedding whose
-    weight the plan shards on tp.  Raises ValueError for layouts this runtime cannot run."""
+    """``{module FQN: "colwise" | "heads" | "rowwise" | "vocab"}`` for every Linear/Embedding
+    whose weight the plan shards on tp ("heads": a fused qkv projection, column-parallel by
+    head).  A tied weight follows the placement of its first name.  Raises ValueError for
+    layouts this runtime cannot run."""
     styles: dict[str, str] = {}
+    aliases = _aliases(module)
     # layers that shard their own parameters on tp (expert-parallel MoE layers) are left alone
     own = [name for name, mod in module.named_modules()
            if getattr(mod, "handles_own_tensor_parallel", False)]
@@ -64,7 +97,8 @@ def tp_styles(module: nn.Module, placements: dict[str, dict[str, str]]) -> dict[
             continue
         if any(name.startswith(prefix + ".") for prefix in own):
             continue
-        dim = _tp_dim(placements, f"{name}.weight")
+        weight = f"{name}.weight"
+        dim = _tp_dim(placements, aliases.get(weight, weight))
         if dim is None:
             continue
         dim %= 2
@@ -73,9 +107,97 @@ def tp_styles(module: nn.Module, placements: dict[str, dict[str, str]]) -> dict[
                 raise ValueError(f"{name}: only vocab-parallel embeddings (S(0) on tp) run; "
                                  f"the plan shards dim {dim}")
             styles[name] = "vocab"
+        elif dim == 0 and name.rsplit(".", 1)[-1] in FUSED_CHUNKS:
+            styles[name] = "heads"
         else:
             styles[name] = "colwise" if dim == 0 else "rowwise"
     return styles
+
+
+class _HeadParallelLinear(nn.Linear):
+    """A fused projection (``chunks`` equal parts of the output, e.g. q, k, v) whose parameters
+    are DTensors on the tp mesh; forward returns this rank's local ``[..., out / tp]`` columns:
+    the rows of its heads in each chunk, in chunk order.  The input's gradient is summed over tp
+    (DTensor turns the partial gradient of the replicated input into an all-reduce)."""
+
+    chunks: int = 3
+
+    def _heads(self, p: DTensor | None) -> DTensor | None:
+        if p is None:
+            return None
+        heads = (_StridedShard(0, split_factor=self.chunks),)
+        # replicated on tp (FSDP follows): a local slice, whose gradient DTensor all-gathers
+        return p if tuple(p.placements) == heads else p.redistribute(p.device_mesh, heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mesh = self.weight.device_mesh
+        if isinstance(x, DTensor):  # sequence parallel: gathered by PrepareModuleInput
+            x = x.redistribute(mesh, (Replicate(),))
+        else:
+            x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+        return F.linear(x, self._heads(self.weight), self._heads(self.bias)).to_local()
+
+
+class HeadParallel(ParallelStyle):
+    """Column parallelism of a fused projection by head: parameters placed
+    ``_StridedShard(0, chunks)`` (those named in ``replicate``: Replicate), module turned into a
+    ``_HeadParallelLinear``.  Parameter names and global shapes are unchanged."""
+
+    def __init__(self, chunks: int, *, replicate: tuple[str, ...] = ()):
+        super().__init__()
+        self.chunks, self.replicate = chunks, replicate
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        if type(module) is not nn.Linear:
+            raise ValueError(f"head-parallel split needs a plain nn.Linear, got "
+                             f"{type(module).__name__}; plan with tp=1 for this model")
+        tp = device_mesh.size()
+        if module.out_features % (self.chunks * tp):
+            raise ValueError(f"a fused projection of {module.out_features} outputs does not split "
+                             f"into {self.chunks} chunks of tp={tp} equal parts; pick tp dividing "
+                             f"the number of heads")
+        for name, p in list(module.named_parameters(recurse=False)):
+            placements = (Replicate(),) if name in self.replicate else \
+                (_StridedShard(0, split_factor=self.chunks),)
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(p.detach(), device_mesh, placements,
+                                  src_data_rank=self.src_data_rank),
+                requires_grad=p.requires_grad))
+        module.__class__ = _HeadParallelLinear
+        module.chunks = self.chunks
+        return module
+
+
+class SequenceShardOutput(ParallelStyle):
+    """Sequence parallel for a replicated embedding (learned positions): its output ``[..., seq,
+    dim]`` is cut to this rank's sequence shard, to add to the sequence-sharded hidden state.
+    The backward all-gathers the output gradient, so every rank's weight gradient is full."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        def cut(_mod, _inputs, out):
+            full = DTensor.from_local(out, device_mesh, (Replicate(),), run_check=False)
+            return full.redistribute(device_mesh, (Shard(out.dim() - 2),)).to_local()
+
+        module.register_forward_hook(cut)
+        return module
+
+
+def _retie(module: nn.Module, groups: list[list[str]]) -> None:
+    """Tie again the parameters that shared one tensor before sharding, to the sharded one."""
+    for group in groups:
+        params = [module.get_parameter(fqn) for fqn in group]
+        sharded = [p for p in params if isinstance(p, DTensor)]
+        if not sharded:
+            continue
+        keep = sharded[0]
+        for fqn, p in zip(group, params):
+            if isinstance(p, DTensor) and (p.placements, p.device_mesh) != \
+                    (keep.placements, keep.device_mesh):
+                raise ValueError(f"tied parameters {group[0]} and {fqn} were sharded differently "
+                                 f"({keep.placements} vs {p.placements}); give them one placement "
+                                 f"or untie them")
+            owner, _, name = fqn.rpartition(".")
+            setattr(module.get_submodule(owner), name, keep)
 
 
 def _megatron_blocks(module: nn.Module, styles: dict[str, str]) -> bool:
@@ -86,18 +208,24 @@ def _megatron_blocks(module: nn.Module, styles: dict[str, str]) -> bool:
         if not linears or name in ("", "output"):
             continue
         kinds = [styles.get(fqn) for fqn in linears]
-        rows = [k for k in kinds if k == "rowwise"]
+        rows = [k for k in kinds if k == "rowwise"]  # the rest: colwise or heads
         if len(rows) != 1 or any(k is None for k in kinds):
             return False
         found = True
     return found
 
 
+def _n_inputs(module: nn.Module) -> int:
+    """Number of positional inputs of ``module.forward``."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in kinds for p in inspect.signature(module.forward).parameters.values())
+
+
 def _shrink_heads(module: nn.Module, styles: dict[str, str], tp: int) -> None:
     for name, mod in module.named_modules():
         if not hasattr(mod, "n_heads"):
             continue
-        if styles.get(f"{name}.wq") != "colwise":
+        if styles.get(f"{name}.wq") != "colwise" and styles.get(f"{name}.qkv") != "heads":
             continue
         for attr in ("n_heads", "n_kv_heads"):
             heads = getattr(mod, attr, None)
@@ -116,20 +244,22 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any) -> dict[st
     if not styles:
         log.info("tp=%d but the plan replicates every parameter on tp: nothing to shard", tp)
         return {}
-    fused = [n for n in styles if n.endswith(".qkv")]
-    if fused:
-        raise ValueError(f"column-parallel fused qkv projections ({fused[0]}) need a head-aware "
-                         f"split this runtime does not have; plan with tp=1 for this model")
+    cfg = plan.config
+    fsdp_follows = cfg.zero_stage >= 1 and cfg.dp * cfg.cp > 1
+    if fsdp_follows and "heads" in styles.values():
+        log.warning("zero_stage=%d with tensor-parallel fused projections (%s): FSDP2 cannot "
+                    "shard their head-aware tp layout, so their weight and bias stay replicated "
+                    "on tp (sharded over dp only) and each rank slices its heads; their memory "
+                    "is tp times what the plan counts", cfg.zero_stage,
+                    ", ".join(n for n, k in styles.items() if k == "heads"))
     sp = bool(plan.config.sequence_parallel)
     blocks_ok = _megatron_blocks(module, styles)
-    embed_ok = all(styles.get(n) == "vocab" for n, m in module.named_modules()
-                   if isinstance(m, nn.Embedding))
     if sp and plan.config.pp > 1:
         log.warning("sequence_parallel=True with pipeline parallel: the hidden state between "
                     "stages would be sequence-sharded, which this runtime does not pass yet; "
                     "running tensor parallel without sequence parallel")
         sp = False
-    if sp and not (blocks_ok and embed_ok):
+    if sp and not blocks_ok:
         log.warning("sequence_parallel=True but the plan's tp placements are not Megatron-shaped "
                     "in every block; running tensor parallel without sequence parallel")
         sp = False
@@ -142,6 +272,9 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any) -> dict[st
         elif is_head:
             tp_plan[name] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
                                             output_layouts=Replicate())
+        elif kind == "heads":
+            tp_plan[name] = HeadParallel(FUSED_CHUNKS[name.rsplit(".", 1)[-1]],
+                                         replicate=("weight", "bias") if fsdp_follows else ())
         elif kind == "colwise":
             tp_plan[name] = ColwiseParallel()
         else:
@@ -150,9 +283,11 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any) -> dict[st
         for name, mod in module.named_modules():
             if isinstance(mod, (nn.LayerNorm, nn.RMSNorm)):
                 tp_plan[name] = SequenceParallel()
+            if isinstance(mod, nn.Embedding) and name not in styles:
+                tp_plan[name] = SequenceShardOutput()
             children = [c for c, m in mod.named_children() if isinstance(m, nn.Linear)]
             if children and name != "output" and f"{name}.{children[0]}" in styles:
-                n_inputs = 3 if hasattr(mod, "n_heads") else 1  # attention takes (x, cos, sin)
+                n_inputs = _n_inputs(mod)  # Llama's attention takes (x, cos, sin), GPT's x
                 tp_plan[name] = PrepareModuleInput(
                     input_layouts=(Shard(1),) + (None,) * (n_inputs - 1),
                     desired_input_layouts=(Replicate(),) + (None,) * (n_inputs - 1))
@@ -161,8 +296,10 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any) -> dict[st
             tp_plan["output"] = PrepareModuleInput(input_layouts=(Shard(1),),
                                                    desired_input_layouts=(Replicate(),),
                                                    use_local_output=True)
+    tied = tied_parameters(module)
     _shrink_heads(module, styles, tp)
     parallelize_module(module, tp_mesh, tp_plan)
+    _retie(module, tied)
     log.info("tensor parallel over %d ranks%s: %s", tp, " with sequence parallel" if sp else "",
              ", ".join(f"{k}={v}" for k, v in sorted(styles.items())))
     return tp_plan

@@ -1,6 +1,7 @@
 """Single-process checks of the runtime's plan-reading pieces (no process group): tensor-parallel
-styles from placements, pipeline stage modules that keep the reference FQNs and compose to the
-full model, and the clear refusals (uneven context-parallel chunks, wrong world size).  Expert
+styles from placements (GPT's fused qkv split by head, its tied head), pipeline stage modules that
+keep the reference FQNs and compose to the full model (GPT's stages skip the embeddings and hold
+the tied matrix), and the clear refusals (uneven context-parallel chunks, wrong world size).  Expert
 parallel's single-process pieces are in test_expert_parallel.py."""
 
 from __future__ import annotations
@@ -11,11 +12,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 
 import autopar
 from autopar.runtime import apply_plan, check_world_size
 from autopar.runtime.context_parallel import check_context_parallel
-from autopar.runtime.pipeline import build_stage_modules, stage_ids_for_rank
+from autopar.runtime.pipeline import (
+    TiedCopy,
+    _TiedHolder,
+    build_stage_modules,
+    stage_ids_for_rank,
+)
 from autopar.runtime.tensor_parallel import tp_styles
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,6 +66,48 @@ def test_stage_modules_keep_fqns_and_compose(pp, virtual):
         h = m(h)
     torch.testing.assert_close(h, model(tokens), rtol=0, atol=1e-6)
     assert stage_ids_for_rank(1, pp, n) == list(range(1, n, pp))
+
+
+def test_tp_styles_split_gpt_qkv_by_head_and_follow_the_tied_head():
+    plan = _plan(tiny_models.tiny_gpt, 2, tp=2)
+    styles = tp_styles(tiny_models.tiny_gpt(), plan.placements)
+    assert "output.weight" not in plan.placements  # tied: the plan keys tok_embeddings.weight
+    assert styles["tok_embeddings"] == "vocab" and styles["output"] == "colwise"
+    assert "pos_embeddings" not in styles  # replicated
+    for i in range(2):
+        assert styles[f"layers.{i}.attention.qkv"] == "heads"
+        assert styles[f"layers.{i}.attention.wo"] == "rowwise"
+        assert styles[f"layers.{i}.feed_forward.w1"] == "colwise"
+
+
+def test_gpt_stage_modules_skip_the_embeddings_and_hold_the_tied_head():
+    """Stages after the first take the hidden state (GPT.forward skips the token and position
+    embeddings on a floating input); the last stage holds the tied embedding matrix under its
+    reference name, as a pass-through, and both stages know they share it."""
+    plan = _plan(tiny_models.tiny_gpt, 2, pp=2, micro_batch_size=2)
+    model = tiny_models.tiny_gpt()
+    first, last = build_stage_modules(model, plan.stages, [0, 1])
+    assert isinstance(last.tok_embeddings, _TiedHolder) and isinstance(last.pos_embeddings, nn.Identity)
+    assert last.output.weight is last.tok_embeddings.weight
+    names = [k for m in (first, last) for k, _ in m.named_parameters()]
+    assert names.count("tok_embeddings.weight") == 2
+    assert sorted(set(names)) == sorted(k for k, _ in model.named_parameters())
+    from autopar.runtime.pipeline import _TIED
+
+    assert _TIED[first] == _TIED[last] == [TiedCopy("tok_embeddings.weight", (0, 1))]
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(last(first(tokens)), model(tokens), rtol=0, atol=1e-6)
+
+
+def test_pipelining_a_model_whose_forward_cannot_skip_its_inputs_is_refused():
+    from autopar.models.gpt import GPT
+
+    plan = _plan(tiny_models.tiny_gpt, 2, pp=2, micro_batch_size=2)
+    model = tiny_models.tiny_gpt()
+    model.__class__ = type("PlainGPT", (GPT,), {"accepts_hidden_states": False})
+    with pytest.raises(ValueError, match=r"several input modules \(pos_embeddings, "
+                                         r"tok_embeddings\).*accepts_hidden_states"):
+        build_stage_modules(model, plan.stages, [1])
 
 
 def test_context_parallel_plan_is_checked_before_any_collective():

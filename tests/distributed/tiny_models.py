@@ -43,3 +43,15 @@ def tiny_mixtral():
     torch.manual_seed(1234)
     return Mixtral(MixtralConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                  ffn_dim=128, max_seq_len=64, num_experts=4, top_k=2))
+
+
+def tiny_llama_tied():
+    """tiny_llama with its LM head tied to the token embedding (the two sit on the first and
+    the last pipeline stage).  The shared matrix starts N(0, 0.02), as GPT-2 initialises it:
+    with nn.Embedding's N(0, 1) the first loss is ~61, where fp32 rounding alone is ~4e-6."""
+    torch.manual_seed(1234)
+    model = Llama(LlamaConfig(vocab_size=128, dim=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                              ffn_dim=128, max_seq_len=64, tie_embeddings=True))
+    with torch.no_grad():
+        model.tok_embeddings.weight.normal_(0.0, 0.02)
+    return model
