@@ -12,10 +12,17 @@ with ring attention over ``cp``; gradients are averaged over dp × cp.  Expert p
 MoE layer keeps its ep rank's experts (tp-sharded by the layer itself) and exchanges tokens by
 all-to-all; expert gradients are reduced over their replicas before the dense wrapper, which
 leaves them alone (``ignored_params``).
+
+Loss parallel: with the default loss (``lm_loss``) and a tp-sharded LM head, the head keeps its
+logits sharded on the vocabulary and the cross entropy runs under DTensor's ``loss_parallel``
+(forward and backward), so no rank ever holds the full ``[tokens, vocab]`` logits and tp
+exchanges per-token statistics instead of logits, as the estimate assumes.  A custom
+``loss_fn`` gets gathered logits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.models.common import sequence_shard
 from autopar.runtime.context_parallel import (
@@ -48,7 +57,7 @@ from autopar.runtime.pipeline import (
     make_schedule,
     stage_ids_for_rank,
 )
-from autopar.runtime.tensor_parallel import apply_tensor_parallel
+from autopar.runtime.tensor_parallel import apply_tensor_parallel, vocab_sharded_head
 
 __all__ = ["RuntimeModel", "apply_plan", "check_world_size", "init_distributed", "lm_loss",
            "shutdown"]
@@ -138,6 +147,7 @@ class RuntimeModel:
     schedule: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
     context_parallel: ContextParallel | None = None  # cp > 1: this rank's place in the cp ring
+    loss_parallel: bool = False  # the head's logits stay vocab-sharded; loss under loss_parallel
 
     def parameters(self):
         seen = set()
@@ -163,17 +173,20 @@ class RuntimeModel:
         cp = self.context_parallel
         if cp is not None:
             x, y = cp.split(x), cp.split(y)
-        with sequence_shard(cp):  # ring attention and global positions, forward and backward
+        vocab_parallel = loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+        # ring attention and global positions, forward and backward
+        with sequence_shard(cp), vocab_parallel:
             if self.schedule is None:
                 loss = self.loss_fn(self.modules[0](x), y)
                 loss.backward()
-                local = loss.detach()
+                local = _local(loss.detach())
             else:
                 args = (x,) if 0 in self.stage_ids else ()
                 losses: list[torch.Tensor] = []
                 kwargs = {"target": y, "losses": losses} if self.is_last else {}
                 self.schedule.step(*args, **kwargs)
-                local = torch.stack(losses).mean().detach() if self.is_last else torch.zeros(())
+                local = (torch.stack([_local(v.detach()) for v in losses]).mean()
+                         if self.is_last else torch.zeros(()))
         sync_gradients(self.modules)
         sync_expert_gradients(self.modules)  # ep > 1, ZeRO-0: (Σ over replicas) / (dp·cp)
         # one rank per (dp, cp) pair counts: each holds the mean over the same number of tokens
@@ -185,6 +198,11 @@ class RuntimeModel:
         if cp is not None:
             cp.verify(self.device)  # once: the model's attention really went through the ring
         return float(total)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (under loss parallel it is a replicated DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu",
@@ -205,6 +223,7 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     deg = dict(zip(axes, sizes))
     pp, tp, dp = deg.get("pp", 1), deg.get("tp", 1), deg.get("dp", 1)
     cp = deg.get("cp", 1)
+    default_loss = loss_fn is None
     loss_fn = loss_fn or lm_loss
     gbs = int(plan.training["global_batch_size"])
     n_micro = gbs // (dp * cfg.micro_batch_size)
@@ -218,9 +237,11 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     if cfg.ep > 1:  # before tp: the expert-parallel layers shard their own experts on tp
         ep_groups = expert_groups(mesh, plan)
         expert_params = apply_expert_parallel(modules, plan, ep_groups)
+    vocab_parallel = False
     if tp > 1:
         for m in modules:
-            apply_tensor_parallel(m, plan, mesh["tp"])
+            styles = apply_tensor_parallel(m, plan, mesh["tp"], loss_parallel=default_loss)
+            vocab_parallel |= vocab_sharded_head(styles)
     for m in modules:
         _apply_recompute(m, cfg.recompute)
     if ep_groups is not None:  # experts: reduced over their replicas, before the dense wrapper
@@ -235,7 +256,7 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
                       dp_rank=mesh["dp"].get_local_rank() if dp > 1 else 0, dp_size=dp,
                       tp_rank=mesh["tp"].get_local_rank() if tp > 1 else 0, stage_ids=ids,
                       num_stages=len(plan.stages) if pp > 1 else 1, n_microbatches=n_micro,
-                      loss_fn=loss_fn, device=device)
+                      loss_fn=loss_fn, device=device, loss_parallel=vocab_parallel)
     if cp > 1:
         rt.context_parallel = ContextParallel(group=mesh["cp"].get_group(),
                                               rank=mesh["cp"].get_local_rank(), size=cp)

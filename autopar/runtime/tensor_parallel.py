@@ -4,8 +4,10 @@ The plan says, per parameter and per mesh axis, "R" (replicated) or "S(dim)" (sh
 that tensor dimension).  On the ``tp`` axis this module turns that into
 ``parallelize_module`` styles: an ``nn.Linear`` weight sharded on dim 0 is column-parallel, on
 dim 1 row-parallel; an ``nn.Embedding`` sharded on dim 0 is a vocab-parallel embedding
-(``RowwiseParallel`` on the embedding).  The LM head, when sharded, is column-parallel with
-its logits gathered (``output_layouts=Replicate()``), so the loss needs no ``loss_parallel``.
+(``RowwiseParallel`` on the embedding).  The LM head, when sharded, is column-parallel; with
+``loss_parallel=True`` (the runtime's default loss) its logits stay sharded on the vocabulary as
+a DTensor for DTensor's ``loss_parallel`` cross entropy, otherwise they are gathered
+(``output_layouts=Replicate()``) for a loss function that expects plain tensors.
 
 Megatron sequence parallelism (``plan.config.sequence_parallel``) is applied only when every
 block's attention and feed-forward are Megatron-shaped (all input projections column-, the
@@ -58,7 +60,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.runtime.pipeline import tied_parameters
 
-__all__ = ["apply_tensor_parallel", "tp_styles"]
+__all__ = ["apply_tensor_parallel", "tp_styles", "vocab_sharded_head"]
 
 log = logging.getLogger(__name__)
 
@@ -236,9 +238,25 @@ def _shrink_heads(module: nn.Module, styles: dict[str, str], tp: int) -> None:
             setattr(mod, attr, heads // tp)
 
 
-def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any) -> dict[str, Any]:
+def _head_name(module: nn.Module) -> str | None:
+    """The output head: the last Linear that is a direct child of the model (or of the last
+    pipeline stage), e.g. Llama's and GPT's ``output``, ViT's ``head``; None on other stages."""
+    names = [n for n, m in module.named_children() if isinstance(m, nn.Linear)]
+    return names[-1] if names else None
+
+
+def vocab_sharded_head(tp_plan: dict[str, Any]) -> bool:
+    """Whether the applied styles leave the head's logits sharded on their last dimension."""
+    return any(isinstance(style, ColwiseParallel) and not style.use_local_output
+               for style in tp_plan.values())
+
+
+def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any, *,
+                          loss_parallel: bool = False) -> dict[str, Any]:
     """Shard ``module`` (the whole model or one pipeline stage; FQNs as in the plan) over
-    ``tp_mesh`` as the plan's placements say.  Returns the style dict that was applied."""
+    ``tp_mesh`` as the plan's placements say.  ``loss_parallel``: keep a sharded head's logits
+    vocab-sharded (the caller computes the loss under ``loss_parallel()``).  Returns the style
+    dict that was applied."""
     tp = tp_mesh.size()
     styles = tp_styles(module, plan.placements)
     if not styles:
@@ -264,14 +282,17 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any) -> dict[st
                     "in every block; running tensor parallel without sequence parallel")
         sp = False
     tp_plan: dict[str, Any] = {}
+    head = _head_name(module)
     for name, kind in styles.items():
-        is_head = name == "output"
+        is_head = name == head
         if kind == "vocab":
             tp_plan[name] = RowwiseParallel(input_layouts=Replicate(),
                                             output_layouts=Shard(1) if sp else Replicate())
         elif is_head:
             tp_plan[name] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
-                                            output_layouts=Replicate())
+                                            output_layouts=Shard(-1) if loss_parallel
+                                            else Replicate(),
+                                            use_local_output=not loss_parallel)
         elif kind == "heads":
             tp_plan[name] = HeadParallel(FUSED_CHUNKS[name.rsplit(".", 1)[-1]],
                                          replicate=("weight", "bias") if fsdp_follows else ())
@@ -286,14 +307,13 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any) -> dict[st
             if isinstance(mod, nn.Embedding) and name not in styles:
                 tp_plan[name] = SequenceShardOutput()
             children = [c for c, m in mod.named_children() if isinstance(m, nn.Linear)]
-            if children and name != "output" and f"{name}.{children[0]}" in styles:
+            if children and name and name != head and f"{name}.{children[0]}" in styles:
                 n_inputs = _n_inputs(mod)  # Llama's attention takes (x, cos, sin), GPT's x
                 tp_plan[name] = PrepareModuleInput(
                     input_layouts=(Shard(1),) + (None,) * (n_inputs - 1),
                     desired_input_layouts=(Replicate(),) + (None,) * (n_inputs - 1))
-        if "output" in module._modules and "output" not in styles \
-                and isinstance(module.output, nn.Linear):
-            tp_plan["output"] = PrepareModuleInput(input_layouts=(Shard(1),),
+        if head is not None and head not in styles:
+            tp_plan[head] = PrepareModuleInput(input_layouts=(Shard(1),),
                                                    desired_input_layouts=(Replicate(),),
                                                    use_local_output=True)
     tied = tied_parameters(module)

@@ -4,7 +4,8 @@ test_context_parallel.py): applies each given plan with
 loss and every gradient this rank holds (DTensor gradients gathered with ``full_tensor()``)
 with a one-process reference step of the same model.  AdamW hides a uniform gradient scale,
 so loss parity over a few optimizer steps alone would not catch a wrong gradient averaging.
-Writes ``<out>/<name>.<rank>.json``: ``{"loss_err", "grad_err", "grad_max", "n_grads"}``.
+Writes ``<out>/<name>.<rank>.json``: ``{"loss_err", "grad_err", "grad_max", "n_grads",
+"loss_parallel"}`` (the last: whether this rank computed the loss on vocab-sharded logits).
 A spec prefixed ``refuse:`` instead runs the plan on a model whose attention bypasses
 ``autopar.models.common.attention`` and records the error every rank must raise.
 
@@ -60,7 +61,7 @@ def _check(plan_path: str, factory: str) -> dict[str, float]:
             grad_max = max(grad_max, float(w.abs().max()))
             n += 1
     return {"loss_err": abs(loss - float(ref_loss)), "grad_err": grad_err, "grad_max": grad_max,
-            "n_grads": n}
+            "n_grads": n, "loss_parallel": sharded.loss_parallel}
 
 
 def _own_attention(q, k, v, **_):
