@@ -61,7 +61,8 @@ def _profiles(console: Console) -> None:
     console.print(table)
 
 
-def _collective(console: Console, args: argparse.Namespace) -> None:
+def _cluster(args: argparse.Namespace) -> Cluster:
+    """The --cluster profile on --nodes nodes with the --set FIELD=VALUE overrides."""
     overrides = {}
     for item in args.set or []:
         key, _, value = item.partition("=")
@@ -69,7 +70,11 @@ def _collective(console: Console, args: argparse.Namespace) -> None:
             overrides[key] = int(value) if value.isdigit() else float(value)
         except ValueError:
             overrides[key] = {"true": True, "false": False}.get(value.lower(), value)
-    cluster = Cluster.from_profile(args.cluster, num_nodes=args.nodes, **overrides)
+    return Cluster.from_profile(args.cluster, num_nodes=args.nodes, **overrides)
+
+
+def _collective(console: Console, args: argparse.Namespace) -> None:
+    cluster = _cluster(args)
     ranks = _parse_ranks(args.ranks, cluster.world_size)
     table = Table(title=f"{args.kind} over {len(ranks)} ranks of {cluster.describe()}")
     for col in ("size", "time", "bus bandwidth", "algorithm"):
@@ -94,18 +99,23 @@ def _parse_pins(items: list[str] | None) -> dict:
 
 
 def _load_model(spec: str):
-    """A preset name of autopar.models, or MODULE:FN calling FN() for the model."""
+    """A preset name of autopar.models, or MODULE:FN calling FN() for the model. MODULE is
+    looked up from the working directory first, as ``python -m`` does."""
     import importlib
+    import os
+    import sys
 
     import autopar
 
     if ":" in spec:
         module_name, _, fn_name = spec.partition(":")
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
         try:
             fn = getattr(importlib.import_module(module_name), fn_name)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"cannot load model factory {spec!r}: {exc}; write MODULE:FN with "
-                             f"MODULE importable (e.g. on PYTHONPATH)") from None
+                             f"MODULE importable from {os.getcwd()} or on PYTHONPATH") from None
         return fn()
     if spec not in autopar.models.list_presets():
         raise ValueError(f"unknown model preset {spec!r}; presets: "
@@ -117,7 +127,7 @@ def _plan(console: Console, args: argparse.Namespace) -> None:
     import autopar
 
     model = _load_model(args.model)
-    cluster = Cluster.from_profile(args.cluster, num_nodes=args.nodes)
+    cluster = _cluster(args)
     plan = autopar.compile(model, cluster, global_batch_size=args.global_batch,
                            seq_len=args.seq_len, dtype=args.dtype,
                            constraints=_parse_pins(args.pin))
@@ -169,6 +179,8 @@ def _parser() -> argparse.ArgumentParser:
                       "llama3-70b) or MODULE:FN returning the model (meta device is fine)")
     plan.add_argument("--cluster", required=True, help="shipped profile name, e.g. dgx-h100")
     plan.add_argument("--nodes", type=int, default=1)
+    plan.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                      help="override a profile field, e.g. --set gpus_per_node=4")
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     plan.add_argument("--seq-len", type=int, required=True)
     plan.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp8", "fp32"))

@@ -111,8 +111,10 @@ def main(argv=None):
         est = plan.estimate
         print(f"summary: median step {{statistics.median(times) * 1e3:.1f}} ms "
               f"(plan predicts {{est.step_time_s * 1e3:.1f}} ms on {{plan.cluster['profile']}}), "
-              f"peak memory {{runtime.peak_memory_mb():.0f}} MiB "
-              f"(plan predicts {{est.peak_memory_bytes / 2**20:.0f}} MiB)", flush=True)
+              f"peak memory {{runtime.peak_memory_mb():.0f}} MiB ({{runtime.PEAK_MEMORY_MEANS}}; "
+              f"plan predicts {{est.tensor_memory_bytes / 2**20:.0f}} MiB of tensors, "
+              f"{{est.peak_memory_bytes / 2**20:.0f}} MiB with context, communication buffers "
+              f"and allocator reserve)", flush=True)
         print(states.line(None if args.reference else plan), flush=True)
     if args.save:
         runtime.save_checkpoint(args.save, trained, opt, args.steps, plan=plan)

@@ -92,6 +92,14 @@ class Estimate:
     def fits(self) -> bool:
         return self.peak_memory_bytes <= self.usable_memory_bytes
 
+    @property
+    def tensor_memory_bytes(self) -> float:
+        """The largest rank's tensors: model states, activations and ZeRO-3 gathered buffers,
+        without the context, communication buffers and allocator reserve that
+        `peak_memory_bytes` adds -- what an allocator's peak allocated bytes measure."""
+        return max((m["states"] + m["activations"] + m["zero3_buffers"]
+                    for m in self.memory_by_stage), default=0.0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelCosts:

@@ -15,8 +15,13 @@ from autopar.runtime.apply import (
 )
 from autopar.runtime.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from autopar.runtime.memory import StateCounter
-from autopar.runtime.train import make_optimizer, peak_memory_mb, synthetic_batch
+from autopar.runtime.train import (
+    PEAK_MEMORY_MEANS,
+    make_optimizer,
+    peak_memory_mb,
+    synthetic_batch,
+)
 
-__all__ = ["RuntimeModel", "StateCounter", "apply_plan", "check_world_size", "checkpoint_info",
-           "init_distributed", "lm_loss", "load_checkpoint", "make_optimizer", "peak_memory_mb",
-           "save_checkpoint", "shutdown", "synthetic_batch"]
+__all__ = ["PEAK_MEMORY_MEANS", "RuntimeModel", "StateCounter", "apply_plan", "check_world_size",
+           "checkpoint_info", "init_distributed", "lm_loss", "load_checkpoint", "make_optimizer",
+           "peak_memory_mb", "save_checkpoint", "shutdown", "synthetic_batch"]

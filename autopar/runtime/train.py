@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["make_optimizer", "peak_memory_mb", "synthetic_batch", "vocab_size"]
+__all__ = ["PEAK_MEMORY_MEANS", "make_optimizer", "peak_memory_mb", "synthetic_batch", "vocab_size"]
 
 LEARNING_RATE = 1e-3  # fixed, so a sharded run and its reference take the same steps
 
@@ -39,8 +39,26 @@ def make_optimizer(params: Iterable[torch.nn.Parameter], lr: float = LEARNING_RA
     return torch.optim.AdamW(list(params), lr=lr, foreach=False)
 
 
+def _resident_bytes() -> int:
+    """This process's resident set size now (Linux /proc; elsewhere its peak so far)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except (OSError, IndexError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+_START_RSS = _resident_bytes()  # torch and autopar loaded, no model yet
+PEAK_MEMORY_MEANS = ("peak allocated" if torch.cuda.is_available()
+                     else "growth of the peak resident set")
+
+
 def peak_memory_mb() -> float:
-    """Peak device memory (CUDA) or peak resident set size of this process (CPU), in MiB."""
+    """Peak memory of this rank's tensors, in MiB: the allocator's peak allocated bytes on
+    CUDA; on CPU the growth of the peak resident set over what the process held when this
+    module was imported (torch loaded, no model), which also counts gloo's buffers and the
+    CPU allocator's slack, so it reads somewhat above the tensors alone."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return max(0, peak - _START_RSS) / 2**20

@@ -66,3 +66,21 @@ def test_profiles_lists_every_shipped_profile():
     out = autopar("profiles").stdout
     for name in ("dgx-h100", "gb200-nvl72", "mi300x-8", "cpu-gloo"):
         assert name in out
+
+
+def test_model_factory_resolves_from_the_working_directory(tmp_path):
+    """As in the README: `--model examples.small_models:small_llama` from the repository root
+    (not on PYTHONPATH), with a profile field overridden by --set. Through the installed
+    `autopar` command: `python -m` would put the working directory on sys.path by itself."""
+    root = HERE.parents[1]
+    command = Path(sys.executable).with_name("autopar")
+    assert command.exists(), f"{command}: the project is not installed in this environment"
+    proc = subprocess.run([str(command), "plan", "--model",
+                           "examples.small_models:small_llama", "--cluster", "cpu-gloo",
+                           "--set", "gpus_per_node=4", "--global-batch", "8", "--seq-len", "64",
+                           "--dtype", "fp32", "--pin", "tp=2", "-o", str(tmp_path / "p.json")],
+                          capture_output=True, text=True, cwd=root, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert plan["cluster"]["world_size"] == 4 and plan["config"]["tp"] == 2
