@@ -22,11 +22,10 @@ Fused projections (a Linear named ``qkv`` whose output the model views as
 its ``n_heads / tp`` heads.  The parameter is a DTensor placed ``_StridedShard(0, split_factor=3)``
 (three chunks, each sharded over tp), so it still *is* the reference tensor for ``full_tensor()``,
 state dicts and checkpoints (checkpoint.py converts the layout for DCP, which cannot write it).
-DTensor's ``F.linear`` on that placement gives each rank exactly its heads' columns.  FSDP2,
-which shards the tp-local rows contiguously over dp, cannot describe that composition, so when
-ZeRO ≥ 1 follows the fused weight and bias stay replicated on tp and each rank slices its heads
-in forward (compute is still split by heads; memory of these two parameters is not, a warning
-says so).
+DTensor's ``F.linear`` on that placement gives each rank exactly its heads' columns.  When
+ZeRO ≥ 1 follows, FSDP2 shards the fused weight over dp on dim 1 (data_parallel.py), since its
+rows cannot be split again without breaking the heads; its 1-D bias has no second dim, so it
+stays replicated on tp and each rank slices its heads in forward (a warning says so).
 
 Parameters tied to each other (``tie_embeddings``: the LM head reuses the token embedding) take
 the placement of the first name, and are tied again after sharding (the styles distribute each
@@ -265,10 +264,10 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any, *,
     cfg = plan.config
     fsdp_follows = cfg.zero_stage >= 1 and cfg.dp * cfg.cp > 1
     if fsdp_follows and "heads" in styles.values():
-        log.warning("zero_stage=%d with tensor-parallel fused projections (%s): FSDP2 cannot "
-                    "shard their head-aware tp layout, so their weight and bias stay replicated "
-                    "on tp (sharded over dp only) and each rank slices its heads; their memory "
-                    "is tp times what the plan counts", cfg.zero_stage,
+        log.warning("zero_stage=%d with tensor-parallel fused projections (%s): their weights "
+                    "are sharded over dp on dim 1, but FSDP2 cannot shard a 1-D head-aware "
+                    "bias, so those biases stay replicated on tp (sharded over dp only): their "
+                    "memory is tp times what the plan counts", cfg.zero_stage,
                     ", ".join(n for n, k in styles.items() if k == "heads"))
     sp = bool(plan.config.sequence_parallel)
     blocks_ok = _megatron_blocks(module, styles)
@@ -295,7 +294,7 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any, *,
                                             use_local_output=not loss_parallel)
         elif kind == "heads":
             tp_plan[name] = HeadParallel(FUSED_CHUNKS[name.rsplit(".", 1)[-1]],
-                                         replicate=("weight", "bias") if fsdp_follows else ())
+                                         replicate=("bias",) if fsdp_follows else ())
         elif kind == "colwise":
             tp_plan[name] = ColwiseParallel()
         else:

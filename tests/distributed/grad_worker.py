@@ -5,7 +5,8 @@ loss and every gradient this rank holds (DTensor gradients gathered with ``full_
 with a one-process reference step of the same model.  AdamW hides a uniform gradient scale,
 so loss parity over a few optimizer steps alone would not catch a wrong gradient averaging.
 Writes ``<out>/<name>.<rank>.json``: ``{"loss_err", "grad_err", "grad_max", "n_grads",
-"loss_parallel"}`` (the last: whether this rank computed the loss on vocab-sharded logits).
+"loss_parallel", "local_numel"}`` (whether this rank computed the loss on vocab-sharded
+logits; the elements of each parameter it holds).
 A spec prefixed ``refuse:`` instead runs the plan on a model whose attention bypasses
 ``autopar.models.common.attention`` and records the error every rank must raise.
 
@@ -49,8 +50,10 @@ def _check(plan_path: str, factory: str) -> dict[str, float]:
     sharded = runtime.apply_plan(model, plan)
     loss = sharded.train_step(x, y)
     grad_err, grad_max, n = 0.0, 0.0, 0
+    local_numel: dict[str, int] = {}
     for module in sharded.modules:
         for name, p in module.named_parameters():
+            local_numel[_clean(name)] = (p.to_local() if hasattr(p, "to_local") else p).numel()
             g = p.grad
             if g is None:
                 raise RuntimeError(f"{name} got no gradient")
@@ -61,7 +64,7 @@ def _check(plan_path: str, factory: str) -> dict[str, float]:
             grad_max = max(grad_max, float(w.abs().max()))
             n += 1
     return {"loss_err": abs(loss - float(ref_loss)), "grad_err": grad_err, "grad_max": grad_max,
-            "n_grads": n, "loss_parallel": sharded.loss_parallel}
+            "n_grads": n, "loss_parallel": sharded.loss_parallel, "local_numel": local_numel}
 
 
 def _own_attention(q, k, v, **_):

@@ -78,6 +78,12 @@ def test_gpt_gradients_match_the_reference(tmp_path, world):
         if not (loss_err <= 1e-5 and grad_err <= 1e-5 and all(g["n_grads"] for g in got)):
             bad.append((name, loss_err, grad_err))
     assert not bad, bad
+    if world == 4:  # ZeRO-3 over tp: the fused qkv weight is split by head on tp, dim 1 on dp
+        got = [json.loads((tmp_path / f"gpt_dp_tp_sp_zero3.{r}.json").read_text())
+               for r in range(world)]
+        full = tiny_models.tiny_gpt().get_parameter("layers.0.attention.qkv.weight").numel()
+        held = [g["local_numel"]["layers.0.attention.qkv.weight"] for g in got]
+        assert held == [full // 4] * 4, (held, full)
 
 
 def test_gpt_pp_tp_script_matches_the_reference(tmp_path, references):
