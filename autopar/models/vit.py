@@ -41,11 +41,11 @@ class EncoderLayer(nn.Module):
         self.feed_forward = FeedForward(cfg.dim, cfg.mlp_dim)
 
     def forward(self, x):
-        b, s, d = x.shape
+        b, s, _ = x.shape
         qkv = self.qkv(self.attention_norm(x)).view(b, s, 3, self.n_heads, -1)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         y = F.scaled_dot_product_attention(q, k, v)
-        x = x + self.wo(y.transpose(1, 2).reshape(b, s, d))
+        x = x + self.wo(y.transpose(1, 2).reshape(b, s, -1))  # -1: d / tp under tensor parallel
         return x + self.feed_forward(self.ffn_norm(x))
 
 
