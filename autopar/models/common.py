@@ -12,9 +12,10 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 __all__ = ["AttentionImpl", "FeedForward", "SequenceShard", "SwiGLU", "apply_rope", "attention",
-           "rope_tables", "sequence_shard", "token_positions"]
+           "recompute_attention_core", "rope_tables", "sequence_shard", "token_positions"]
 
 
 class SequenceShard(Protocol):
@@ -49,6 +50,23 @@ def sequence_shard(shard: SequenceShard | None) -> Iterator[None]:
         _SEQUENCE_SHARD = previous
 
 
+_RECOMPUTE_ATTENTION_CORE = False  # process-wide, like the sequence shard
+
+
+@contextlib.contextmanager
+def recompute_attention_core(enabled: bool = True) -> Iterator[None]:
+    """Selective activation recompute (Korthikanti et al. 2022, §4): while active, unfused
+    (``MATH``) attention keeps only its q, k, v for backward and re-runs scores, softmax,
+    dropout and the value product there, instead of keeping the score-sized tensors. Fused
+    attention (``SDPA``) keeps no score tensors, so it is left as it is."""
+    global _RECOMPUTE_ATTENTION_CORE
+    previous, _RECOMPUTE_ATTENTION_CORE = _RECOMPUTE_ATTENTION_CORE, enabled
+    try:
+        yield
+    finally:
+        _RECOMPUTE_ATTENTION_CORE = previous
+
+
 def token_positions(seq_len: int, device) -> torch.Tensor:
     """Positions of the ``seq_len`` tokens a model was given: ``0..seq_len-1`` normally, their
     global positions under an active :func:`sequence_shard`."""
@@ -78,6 +96,15 @@ def attention(q, k, v, *, impl: AttentionImpl, dropout: float, training: bool):
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout if training else 0.0, is_causal=True,
             enable_gqa=k.shape[1] != q.shape[1])
+    if _RECOMPUTE_ATTENTION_CORE and torch.is_grad_enabled():
+        # the RNG state is replayed, so the recomputed dropout mask is the forward's
+        return torch.utils.checkpoint.checkpoint(_math_attention, q, k, v, dropout, training,
+                                                 use_reentrant=False)
+    return _math_attention(q, k, v, dropout, training)
+
+
+def _math_attention(q, k, v, dropout: float, training: bool):
+    """softmax(q kᵀ / sqrt(d) + causal mask) v, with the score tensors materialised."""
     if k.shape[1] != q.shape[1]:
         repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)

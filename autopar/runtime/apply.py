@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from autopar.models.common import sequence_shard
+from autopar.models.common import recompute_attention_core, sequence_shard
 from autopar.runtime.context_parallel import (
     ContextParallel,
     check_context_parallel,
@@ -118,9 +118,10 @@ def _blocks(module: nn.Module) -> list[tuple[nn.Module, str]]:
 def _apply_recompute(module: nn.Module, policy: str) -> None:
     if policy == "none":
         return
-    if policy == "selective":
-        log.warning("recompute='selective' runs as no recompute in this runtime (same numerics, "
-                    "more activation memory than the plan predicts)")
+    if policy == "selective":  # RuntimeModel.train_step: recompute_attention_core
+        log.info("recompute='selective': the attention core of unfused (math) attention in "
+                 "models built on autopar.models.common.attention is re-run in backward; fused "
+                 "attention keeps no score tensors, so it runs as it is")
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         checkpoint_wrapper,
@@ -148,6 +149,7 @@ class RuntimeModel:
     extra: dict[str, Any] = field(default_factory=dict)
     context_parallel: ContextParallel | None = None  # cp > 1: this rank's place in the cp ring
     loss_parallel: bool = False  # the head's logits stay vocab-sharded; loss under loss_parallel
+    selective_recompute: bool = False  # recompute="selective": re-run the attention core
 
     def parameters(self):
         seen = set()
@@ -175,7 +177,8 @@ class RuntimeModel:
             x, y = cp.split(x), cp.split(y)
         vocab_parallel = loss_parallel() if self.loss_parallel else contextlib.nullcontext()
         # ring attention and global positions, forward and backward
-        with sequence_shard(cp), vocab_parallel:
+        with sequence_shard(cp), recompute_attention_core(self.selective_recompute), \
+                vocab_parallel:
             if self.schedule is None:
                 loss = self.loss_fn(self.modules[0](x), y)
                 loss.backward()
@@ -256,7 +259,8 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
                       dp_rank=mesh["dp"].get_local_rank() if dp > 1 else 0, dp_size=dp,
                       tp_rank=mesh["tp"].get_local_rank() if tp > 1 else 0, stage_ids=ids,
                       num_stages=len(plan.stages) if pp > 1 else 1, n_microbatches=n_micro,
-                      loss_fn=loss_fn, device=device, loss_parallel=vocab_parallel)
+                      loss_fn=loss_fn, device=device, loss_parallel=vocab_parallel,
+                      selective_recompute=cfg.recompute == "selective")
     if cp > 1:
         rt.context_parallel = ContextParallel(group=mesh["cp"].get_group(),
                                               rank=mesh["cp"].get_local_rank(), size=cp)

@@ -101,7 +101,10 @@ def _table(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
         num_layers=costs.num_layers, body_layers=max(u.count for u in costs.units),
         num_heads=costs.num_heads, seq_len=costs.seq_len, num_experts=costs.num_experts,
         global_batch_size=global_batch_size, constraints=constraints,
-        math_attention=options.attention_kernel == "math",
+        # selective recompute has something to drop: score tensors the model itself keeps
+        # (unfused attention in its code) or that an unfused kernel would keep
+        math_attention=options.attention_kernel == "math" or any(
+            u.saved_bytes_recompute < u.saved_bytes for u in costs.units),
         max_micro_batch_size=settings.max_micro_batch_size,
         max_virtual_stages=settings.max_virtual_stages, max_cp=settings.max_cp)
 

@@ -55,3 +55,12 @@ def tiny_llama_tied():
     with torch.no_grad():
         model.tok_embeddings.weight.normal_(0.0, 0.02)
     return model
+
+
+def tiny_llama_math():
+    """tiny_llama_wide with unfused attention (score tensors kept), for selective recompute."""
+    from autopar.models.common import AttentionImpl
+
+    torch.manual_seed(1234)
+    return Llama(LlamaConfig(vocab_size=128, dim=256, n_layers=2, n_heads=8, n_kv_heads=4,
+                             ffn_dim=1024, max_seq_len=64, attention=AttentionImpl.MATH))

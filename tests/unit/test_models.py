@@ -92,6 +92,46 @@ def test_math_and_sdpa_attention_agree():
     torch.testing.assert_close(sdpa(tokens), math_(tokens), atol=1e-5, rtol=1e-5)
 
 
+def _saved_bytes_and_grads(model, tokens):
+    """Bytes autograd keeps for backward in one forward, and the gradients after backward."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.untyped_storage().nbytes() if t.layout == torch.strided else 0)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens).float().logsumexp(-1).mean()
+    loss.backward()
+    return sum(saved), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("impl", ["math", "sdpa"])
+def test_selective_recompute_drops_only_the_attention_scores(impl):
+    """Under recompute_attention_core, unfused attention keeps no score-sized tensor (at least
+    softmax's [b, h, s, s] output per layer goes), gradients are unchanged (dropout included:
+    the RNG is replayed); fused attention is left as it is."""
+    from autopar.models.common import recompute_attention_core
+
+    kw = dict(n_layers=2, dim=32, n_heads=4, vocab_size=64, max_seq_len=32, device="cpu",
+              attention=models.AttentionImpl(impl), dropout=0.1)
+    model = models.build("gpt2", **kw)
+    tokens = torch.randint(0, 64, (2, 32))
+    torch.manual_seed(0)
+    plain, want = _saved_bytes_and_grads(model, tokens)
+    model.zero_grad()
+    torch.manual_seed(0)
+    with recompute_attention_core():
+        selective, got = _saved_bytes_and_grads(model, tokens)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, atol=1e-6, rtol=1e-5, msg=name)
+    scores = 2 * 4 * 32 * 32 * 4  # one [b, h, s, s] fp32 tensor
+    if impl == "math":
+        assert plain - selective >= 2 * scores, (plain, selective)
+    else:
+        assert selective == plain
+
+
 def test_bad_presets_and_configs():
     with pytest.raises(ValueError, match="unknown preset"):
         models.build("gpt5")
