@@ -237,6 +237,22 @@ def _shrink_heads(module: nn.Module, styles: dict[str, str], tp: int) -> None:
             setattr(mod, attr, heads // tp)
 
 
+def _unhandled(module: nn.Module, placements: dict[str, dict[str, str]],
+               styles: dict[str, str]) -> list[str]:
+    """Parameters the plan shards on tp that no style here shards (they run replicated)."""
+    aliases = _aliases(module)
+    own = [name for name, mod in module.named_modules()
+           if getattr(mod, "handles_own_tensor_parallel", False)]
+    left = []
+    for fqn, _ in module.named_parameters():
+        owner = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+        if owner in styles or any(fqn.startswith(prefix + ".") for prefix in own):
+            continue
+        if _tp_dim(placements, aliases.get(fqn, fqn)) is not None:
+            left.append(fqn)
+    return left
+
+
 def _head_name(module: nn.Module) -> str | None:
     """The output head: the last Linear that is a direct child of the model (or of the last
     pipeline stage), e.g. Llama's and GPT's ``output``, ViT's ``head``; None on other stages."""
@@ -258,8 +274,14 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any, *,
     dict that was applied."""
     tp = tp_mesh.size()
     styles = tp_styles(module, plan.placements)
+    left = _unhandled(module, plan.placements, styles)
+    if left:
+        log.warning("the plan shards %d parameter(s) on tp that this runtime replicates (%s%s): "
+                    "their memory per rank is tp=%d times what the plan counts; tensor parallel "
+                    "runs nn.Linear (column/row), fused qkv and vocab-parallel nn.Embedding",
+                    len(left), ", ".join(left[:4]), ", ..." if len(left) > 4 else "", tp)
     if not styles:
-        log.info("tp=%d but the plan replicates every parameter on tp: nothing to shard", tp)
+        log.info("tp=%d: no parameter of this module runs sharded on tp", tp)
         return {}
     cfg = plan.config
     fsdp_follows = cfg.zero_stage >= 1 and cfg.dp * cfg.cp > 1

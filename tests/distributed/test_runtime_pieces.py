@@ -23,7 +23,7 @@ from autopar.runtime.pipeline import (
     build_stage_modules,
     stage_ids_for_rank,
 )
-from autopar.runtime.tensor_parallel import tp_styles
+from autopar.runtime.tensor_parallel import _unhandled, tp_styles
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models  # noqa: E402
@@ -44,6 +44,19 @@ def test_tp_styles_follow_megatron_placements():
             assert kind == "colwise", name
         if name.endswith((".wo", ".w2")):
             assert kind == "rowwise", name
+
+
+def test_parameters_the_plan_shards_but_no_style_runs_are_named():
+    """A ResNet plan with tp=2 shards the convolutions' output channels; the runtime's styles
+    cover the fc head only, so the convolutions are listed (apply_tensor_parallel warns)."""
+    model = autopar.models.ResNet(autopar.models.ResNetConfig(blocks=(1, 1, 1, 1),
+                                                              width_per_group=8,
+                                                              num_classes=16))
+    placements = {"conv1.weight": {"tp": "S(0)"}, "fc.weight": {"tp": "S(0)"},
+                  "fc.bias": {"tp": "S(0)"}, "bn1.weight": {"tp": "R"}}
+    styles = tp_styles(model, placements)
+    assert styles == {"fc": "colwise"}
+    assert _unhandled(model, placements, styles) == ["conv1.weight"]
 
 
 @pytest.mark.parametrize("pp,virtual", [(2, 1), (2, 2)])
