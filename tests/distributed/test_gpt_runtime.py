@@ -13,14 +13,11 @@ runtime's tensor, sequence and pipeline parallelism, against one-process referen
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-import autopar
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -29,6 +26,7 @@ import test_parity
 import tiny_models
 from test_checkpoint import SPLIT, _assert_close, _launch, _trained
 from test_checkpoint import STEPS as CKPT_STEPS
+from test_gradients import run_gradient_plans
 from test_parity import STEPS, TOL, TORCHRUN, _losses, _make_script, _run
 
 from autopar.runtime import checkpoint_info, load_checkpoint
@@ -57,30 +55,9 @@ GRAD_PLANS = {
 
 @pytest.mark.parametrize("world", sorted(GRAD_PLANS))
 def test_gpt_gradients_match_the_reference(tmp_path, world):
-    cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=world)
-    specs = []
-    for name, factory, constraints in GRAD_PLANS[world]:
-        plan = autopar.compile(getattr(tiny_models, factory)(), cluster, global_batch_size=8,
-                               seq_len=64, dtype="fp32", constraints=constraints)
-        for key, value in constraints.items():
-            assert getattr(plan.config, key) == value, (name, key, plan.config)
-        specs.append(f"{plan.save(tmp_path / f'{name}.json')}:{factory}")
-    res = _run([TORCHRUN, "--standalone", f"--nproc_per_node={world}",
-                str(HERE / "grad_worker.py"), str(tmp_path), *specs], timeout=240)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    bad = []
-    for name, _, _ in GRAD_PLANS[world]:
-        got = [json.loads((tmp_path / f"{name}.{r}.json").read_text()) for r in range(world)]
-        loss_err = max(g["loss_err"] for g in got)
-        grad_err = max(g["grad_err"] for g in got)
-        print(f"{name}: loss error {loss_err:.1e}, max grad error {grad_err:.1e} "
-              f"(max |grad| {got[0]['grad_max']:.1e}, {sum(g['n_grads'] for g in got)} grads)")
-        if not (loss_err <= 1e-5 and grad_err <= 1e-5 and all(g["n_grads"] for g in got)):
-            bad.append((name, loss_err, grad_err))
-    assert not bad, bad
+    results = run_gradient_plans(tmp_path, world, GRAD_PLANS[world])
     if world == 4:  # ZeRO-3 over tp: the fused qkv weight is split by head on tp, dim 1 on dp
-        got = [json.loads((tmp_path / f"gpt_dp_tp_sp_zero3.{r}.json").read_text())
-               for r in range(world)]
+        got = results["gpt_dp_tp_sp_zero3"]
         full = tiny_models.tiny_gpt().get_parameter("layers.0.attention.qkv.weight").numel()
         held = [g["local_numel"]["layers.0.attention.qkv.weight"] for g in got]
         assert held == [full // 4] * 4, (held, full)

@@ -47,11 +47,15 @@ PLANS = {
 }
 
 
-@pytest.mark.parametrize("world", sorted(PLANS))
-def test_gradients_match_the_reference(tmp_path, world):
+def run_gradient_plans(tmp_path: Path, world: int, plans: list[tuple[str, str, dict]]
+                       ) -> dict[str, list[dict]]:
+    """Compile each (name, factory, constraints) for ``world`` cpu-gloo ranks, run them all in
+    one torchrun launch of grad_worker.py and assert the loss and every gradient are within
+    1e-5 of the reference, and that the loss ran on vocab-sharded logits exactly when tp > 1.
+    Returns each plan's per-rank worker results."""
     cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=world)
     specs = []
-    for name, factory, constraints in PLANS[world]:
+    for name, factory, constraints in plans:
         plan = autopar.compile(getattr(tiny_models, factory)(), cluster, global_batch_size=8,
                                seq_len=64, dtype="fp32", constraints=constraints)
         for key, value in constraints.items():
@@ -60,9 +64,10 @@ def test_gradients_match_the_reference(tmp_path, world):
     res = _run([TORCHRUN, "--standalone", f"--nproc_per_node={world}",
                 str(HERE / "grad_worker.py"), str(tmp_path), *specs], timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    bad = []
-    for name, _, constraints in PLANS[world]:
+    bad, results = [], {}
+    for name, _, constraints in plans:
         got = [json.loads((tmp_path / f"{name}.{r}.json").read_text()) for r in range(world)]
+        results[name] = got
         loss_err = max(g["loss_err"] for g in got)
         grad_err = max(g["grad_err"] for g in got)
         print(f"{name}: loss error {loss_err:.1e}, max grad error {grad_err:.1e} "
@@ -75,3 +80,9 @@ def test_gradients_match_the_reference(tmp_path, world):
         if vocab_sharded != (constraints.get("tp", 1) > 1):
             bad.append((name, "loss_parallel", vocab_sharded))
     assert not bad, bad
+    return results
+
+
+@pytest.mark.parametrize("world", sorted(PLANS))
+def test_gradients_match_the_reference(tmp_path, world):
+    run_gradient_plans(tmp_path, world, PLANS[world])
