@@ -20,8 +20,10 @@ from autopar.runtime.train import (
     make_optimizer,
     peak_memory_mb,
     synthetic_batch,
+    synthetic_images,
 )
 
 __all__ = ["PEAK_MEMORY_MEANS", "RuntimeModel", "StateCounter", "apply_plan", "check_world_size",
            "checkpoint_info", "init_distributed", "lm_loss", "load_checkpoint", "make_optimizer",
-           "peak_memory_mb", "save_checkpoint", "shutdown", "synthetic_batch"]
+           "peak_memory_mb", "save_checkpoint", "shutdown", "synthetic_batch",
+           "synthetic_images"]

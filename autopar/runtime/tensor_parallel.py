@@ -4,7 +4,12 @@ The plan says, per parameter and per mesh axis, "R" (replicated) or "S(dim)" (sh
 that tensor dimension).  On the ``tp`` axis this module turns that into
 ``parallelize_module`` styles: an ``nn.Linear`` weight sharded on dim 0 is column-parallel, on
 dim 1 row-parallel; an ``nn.Embedding`` sharded on dim 0 is a vocab-parallel embedding
-(``RowwiseParallel`` on the embedding).  The LM head, when sharded, is column-parallel; with
+(``RowwiseParallel`` on the embedding); an ``nn.Conv1d/2d/3d`` sharded on dim 0 is
+output-channel parallel (``ChannelParallel``: each rank convolves the full input with its
+channels, the output is all-gathered on the channel dim, so batch norms and residual adds see
+the full activation; input-channel and grouped convolutions are refused).  A parameter the
+plan shards on tp that none of these runs is replicated, and a warning lists it (its memory per
+rank is then above the plan's estimate).  The LM head, when sharded, is column-parallel; with
 ``loss_parallel=True`` (the runtime's default loss) its logits stay sharded on the vocabulary as
 a DTensor for DTensor's ``loss_parallel`` cross entropy, otherwise they are gathered
 (``output_layouts=Replicate()``) for a loss function that expects plain tensors.
@@ -46,7 +51,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -59,12 +70,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.runtime.pipeline import tied_parameters
 
-__all__ = ["apply_tensor_parallel", "tp_styles", "vocab_sharded_head"]
+__all__ = ["ChannelParallel", "apply_tensor_parallel", "tp_styles", "vocab_sharded_head"]
 
 log = logging.getLogger(__name__)
 
 _SHARD = re.compile(r"^S\((-?\d+)\)$")
 FUSED_CHUNKS = {"qkv": 3}  # fused projections by Linear name: their output's leading chunks
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def _aliases(module: nn.Module) -> dict[str, str]:
@@ -83,18 +95,43 @@ def _tp_dim(placements: dict[str, dict[str, str]], fqn: str) -> int | None:
     return int(m.group(1))
 
 
+def _own_prefixes(module: nn.Module) -> list[str]:
+    """Layers that shard their own parameters on tp (expert-parallel MoE layers)."""
+    return [name for name, mod in module.named_modules()
+            if getattr(mod, "handles_own_tensor_parallel", False)]
+
+
+def _conv_style(name: str, mod: nn.Module, dim: int) -> str:
+    """"channels" for a convolution the plan shards on its output channels; ValueError (naming
+    the module) for the conv layouts this runtime cannot run."""
+    if type(mod) not in _CONVS:
+        raise ValueError(f"{name}: tensor parallel runs plain nn.Conv1d/2d/3d, this is a "
+                         f"{type(mod).__name__} with its own class; plan this model with tp=1 "
+                         f"(constraints={{'tp': 1}}) or use a plain convolution")
+    if dim != 0:
+        raise ValueError(f"{name}: the plan shards this convolution's weight on dim {dim} "
+                         f"(input channels) over tp; this runtime runs only output-channel "
+                         f"parallel convolutions (S(0) on tp); plan this model with tp=1 "
+                         f"(constraints={{'tp': 1}})")
+    if mod.groups != 1:
+        raise ValueError(f"{name}: a grouped convolution (groups={mod.groups}) cannot be split "
+                         f"on its output channels by this runtime (each group reads its own "
+                         f"input channels); only groups=1 convolutions run tensor-parallel: "
+                         f"plan this model with tp=1 (constraints={{'tp': 1}})")
+    return "channels"
+
+
 def tp_styles(module: nn.Module, placements: dict[str, dict[str, str]]) -> dict[str, str]:
-    """``{module FQN: "colwise" | "heads" | "rowwise" | "vocab"}`` for every Linear/Embedding
-    whose weight the plan shards on tp ("heads": a fused qkv projection, column-parallel by
-    head).  A tied weight follows the placement of its first name.  Raises ValueError for
-    layouts this runtime cannot run."""
+    """``{module FQN: "colwise" | "heads" | "rowwise" | "vocab" | "channels"}`` for every
+    Linear/Embedding/Conv whose weight the plan shards on tp ("heads": a fused qkv projection,
+    column-parallel by head; "channels": an output-channel parallel convolution).  A tied
+    weight follows the placement of its first name.  Raises ValueError for layouts this
+    runtime cannot run."""
     styles: dict[str, str] = {}
     aliases = _aliases(module)
-    # layers that shard their own parameters on tp (expert-parallel MoE layers) are left alone
-    own = [name for name, mod in module.named_modules()
-           if getattr(mod, "handles_own_tensor_parallel", False)]
+    own = _own_prefixes(module)  # left alone
     for name, mod in module.named_modules():
-        if not isinstance(mod, (nn.Linear, nn.Embedding)):
+        if not isinstance(mod, (nn.Linear, nn.Embedding, *_CONVS)):
             continue
         if any(name.startswith(prefix + ".") for prefix in own):
             continue
@@ -102,8 +139,10 @@ def tp_styles(module: nn.Module, placements: dict[str, dict[str, str]]) -> dict[
         dim = _tp_dim(placements, aliases.get(weight, weight))
         if dim is None:
             continue
-        dim %= 2
-        if isinstance(mod, nn.Embedding):
+        dim %= mod.weight.dim()
+        if isinstance(mod, _CONVS):
+            styles[name] = _conv_style(name, mod, dim)
+        elif isinstance(mod, nn.Embedding):
             if dim != 0:
                 raise ValueError(f"{name}: only vocab-parallel embeddings (S(0) on tp) run; "
                                  f"the plan shards dim {dim}")
@@ -166,6 +205,69 @@ class HeadParallel(ParallelStyle):
                 requires_grad=p.requires_grad))
         module.__class__ = _HeadParallelLinear
         module.chunks = self.chunks
+        return module
+
+
+class _ChannelParallelConv:
+    """Forward of an output-channel parallel convolution whose weight (and bias) are DTensors
+    ``Shard(0)`` on the tp mesh: this rank convolves the replicated input with its channels, and
+    the output is all-gathered on the channel dim (dim 1), so the next layer sees the full
+    activation.  Backward: the output gradient is cut to this rank's channels (no traffic) and
+    the input gradient, a partial sum over the local channels, is all-reduced over tp."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mesh = self.weight.device_mesh
+        if isinstance(x, DTensor):
+            x = x.redistribute(mesh, (Replicate(),))
+        else:
+            x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+        # the local input gradient covers only this rank's channels: Partial, summed in backward
+        x = x.to_local(grad_placements=(Partial(),))
+        bias = None if self.bias is None else self.bias.to_local()
+        out = self._conv_forward(x, self.weight.to_local(), bias)
+        out = DTensor.from_local(out, mesh, (Shard(1),), run_check=False)
+        return out.redistribute(mesh, (Replicate(),)).to_local()
+
+
+class ChannelParallelConv1d(_ChannelParallelConv, nn.Conv1d):
+    """``nn.Conv1d`` run output-channel parallel (see ``_ChannelParallelConv``)."""
+
+
+class ChannelParallelConv2d(_ChannelParallelConv, nn.Conv2d):
+    """``nn.Conv2d`` run output-channel parallel (see ``_ChannelParallelConv``)."""
+
+
+class ChannelParallelConv3d(_ChannelParallelConv, nn.Conv3d):
+    """``nn.Conv3d`` run output-channel parallel (see ``_ChannelParallelConv``)."""
+
+
+_CHANNEL_PARALLEL = {nn.Conv1d: ChannelParallelConv1d, nn.Conv2d: ChannelParallelConv2d,
+                     nn.Conv3d: ChannelParallelConv3d}
+
+
+class ChannelParallel(ParallelStyle):
+    """Output-channel parallelism of a convolution: weight and bias become ``Shard(0)`` DTensors
+    on the tp mesh (the reference tensors for ``full_tensor()``, state dicts, checkpoints and
+    FSDP2), and the module runs as ``ChannelParallelConv{1,2,3}d``.  Input and output are plain
+    replicated tensors; parameter names and global shapes are unchanged."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        cls = _CHANNEL_PARALLEL.get(type(module))
+        if cls is None:
+            raise ValueError(f"output-channel parallel runs a plain nn.Conv1d/2d/3d, got "
+                             f"{type(module).__name__}; plan this model with tp=1")
+        tp = device_mesh.size()
+        if module.groups != 1 or module.out_channels % tp:
+            raise ValueError(f"a convolution of {module.out_channels} output channels and "
+                             f"groups={module.groups} does not split into tp={tp} equal "
+                             f"channel slices (needs groups=1 and channels divisible by tp); "
+                             f"pick a tp that divides the channels, or plan with tp=1")
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(
+                distribute_tensor(p.detach(), device_mesh, (Shard(0),),
+                                  src_data_rank=self.src_data_rank),
+                requires_grad=p.requires_grad))
+        module.__class__ = cls
         return module
 
 
@@ -239,17 +341,21 @@ def _shrink_heads(module: nn.Module, styles: dict[str, str], tp: int) -> None:
 
 def _unhandled(module: nn.Module, placements: dict[str, dict[str, str]],
                styles: dict[str, str]) -> list[str]:
-    """Parameters the plan shards on tp that no style here shards (they run replicated)."""
-    aliases = _aliases(module)
-    own = [name for name, mod in module.named_modules()
-           if getattr(mod, "handles_own_tensor_parallel", False)]
+    """Parameters the plan shards on tp that no style here shards (they run replicated).  A
+    tied parameter counts as run when any of its names belongs to a styled module (a pipeline
+    stage may list the tied matrix first under a holder, e.g. GPT's last stage)."""
+    aliases, own = _aliases(module), _own_prefixes(module)
+    names: dict[int, list[str]] = {}
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(fqn)
     left = []
-    for fqn, _ in module.named_parameters():
-        owner = fqn.rsplit(".", 1)[0] if "." in fqn else ""
-        if owner in styles or any(fqn.startswith(prefix + ".") for prefix in own):
+    for group in names.values():
+        if all(_tp_dim(placements, aliases.get(n, n)) is None for n in group):
             continue
-        if _tp_dim(placements, aliases.get(fqn, fqn)) is not None:
-            left.append(fqn)
+        if any(n.rpartition(".")[0] in styles or any(n.startswith(pre + ".") for pre in own)
+               for n in group):
+            continue
+        left.append(group[0])
     return left
 
 
@@ -274,11 +380,19 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any, *,
     dict that was applied."""
     tp = tp_mesh.size()
     styles = tp_styles(module, plan.placements)
+    for name in (n for n, kind in styles.items() if kind == "channels"):
+        conv = module.get_submodule(name)
+        if conv.out_channels % tp:
+            raise ValueError(f"{name}: the plan shards its {conv.out_channels} output channels "
+                             f"over tp={tp}, which does not divide them; this runtime splits "
+                             f"channels evenly: plan with a tp that divides every sharded "
+                             f"convolution's channels (or tp=1)")
     left = _unhandled(module, plan.placements, styles)
     if left:
         log.warning("the plan shards %d parameter(s) on tp that this runtime replicates (%s%s): "
                     "their memory per rank is tp=%d times what the plan counts; tensor parallel "
-                    "runs nn.Linear (column/row), fused qkv and vocab-parallel nn.Embedding",
+                    "runs nn.Linear (column/row), fused qkv, vocab-parallel nn.Embedding and "
+                    "output-channel parallel nn.Conv1d/2d/3d",
                     len(left), ", ".join(left[:4]), ", ..." if len(left) > 4 else "", tp)
     if not styles:
         log.info("tp=%d: no parameter of this module runs sharded on tp", tp)
@@ -317,6 +431,8 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any, *,
         elif kind == "heads":
             tp_plan[name] = HeadParallel(FUSED_CHUNKS[name.rsplit(".", 1)[-1]],
                                          replicate=("bias",) if fsdp_follows else ())
+        elif kind == "channels":
+            tp_plan[name] = ChannelParallel()
         elif kind == "colwise":
             tp_plan[name] = ColwiseParallel()
         else:

@@ -1,5 +1,6 @@
 """Small training helpers shared by generated scripts and their ``--reference`` mode:
-synthetic causal-LM batches, the optimizer, and the peak-memory reading."""
+synthetic causal-LM batches (and labelled images for image classifiers), the optimizer, and
+the peak-memory reading."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["PEAK_MEMORY_MEANS", "make_optimizer", "peak_memory_mb", "synthetic_batch", "vocab_size"]
+__all__ = ["PEAK_MEMORY_MEANS", "make_optimizer", "peak_memory_mb", "synthetic_batch",
+           "synthetic_images", "vocab_size"]
 
 LEARNING_RATE = 1e-3  # fixed, so a sharded run and its reference take the same steps
 
@@ -31,6 +33,18 @@ def synthetic_batch(step: int, seed: int, batch: int, seq_len: int, vocab: int):
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     tokens = torch.randint(0, vocab, (batch, seq_len + 1), generator=gen)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def synthetic_images(step: int, seed: int, batch: int, image_shape: tuple[int, ...],
+                     num_classes: int):
+    """(images, labels) for an image classifier: seeded N(0, 1) images ``[batch,
+    *image_shape]`` (e.g. ``(3, 32, 32)``) and class labels ``[batch]`` in ``[0, num_classes)``.
+    The default loss (``lm_loss``: cross entropy over the last dim of the logits) takes the
+    classifier's ``[batch, num_classes]`` logits and these labels as they are.  Every rank
+    draws the full global batch and keeps its own slice, as with ``synthetic_batch``."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    images = torch.randn((batch, *image_shape), generator=gen)
+    return images, torch.randint(0, num_classes, (batch,), generator=gen)
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], lr: float = LEARNING_RATE):

@@ -2,7 +2,10 @@
 test_context_parallel.py): applies each given plan with
 ``autopar.runtime.apply_plan``, runs one ``train_step`` on a synthetic batch and compares the
 loss and every gradient this rank holds (DTensor gradients gathered with ``full_tensor()``)
-with a one-process reference step of the same model.  AdamW hides a uniform gradient scale,
+with a one-process reference step of the same model (token models get causal-LM tokens, image
+models images and class labels: ``tiny_models.batch``).  Under dp > 1 a model with batch norm
+normalises each rank's slice by its own statistics (as DDP and FSDP do), so its reference is the
+mean of the per-slice losses.  AdamW hides a uniform gradient scale,
 so loss parity over a few optimizer steps alone would not catch a wrong gradient averaging.
 Writes ``<out>/<name>.<rank>.json``: ``{"loss_err", "grad_err", "grad_max", "n_grads",
 "loss_parallel", "local_numel"}`` (whether this rank computed the loss on vocab-sharded
@@ -23,11 +26,11 @@ from pathlib import Path
 import tiny_models
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import autopar.models.llama
 from autopar import runtime
 from autopar.plan import load_plan
-from autopar.runtime.train import synthetic_batch, vocab_size
 
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")  # longest first
 
@@ -38,13 +41,22 @@ def _clean(fqn: str) -> str:
     return fqn
 
 
+def _reference_loss(ref: nn.Module, x: torch.Tensor, y: torch.Tensor, dp: int) -> torch.Tensor:
+    """The reference of what the plan computes: the loss on the whole batch, or, for a model
+    with batch norm under dp > 1, the mean of the losses of the dp slices (each slice
+    normalised by its own batch statistics)."""
+    if dp == 1 or not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in ref.modules()):
+        return runtime.lm_loss(ref(x), y)
+    return torch.stack([runtime.lm_loss(ref(xs), ys)
+                        for xs, ys in zip(x.chunk(dp), y.chunk(dp))]).mean()
+
+
 def _check(plan_path: str, factory: str) -> dict[str, float]:
     model = getattr(tiny_models, factory)()
     plan = load_plan(plan_path, model=model)
     ref = copy.deepcopy(model)
-    x, y = synthetic_batch(1, 0, plan.training["global_batch_size"], plan.training["seq_len"],
-                           vocab_size(model))
-    ref_loss = runtime.lm_loss(ref(x), y)
+    x, y = tiny_models.batch(factory, model, plan)
+    ref_loss = _reference_loss(ref, x, y, plan.config.dp)
     ref_loss.backward()
     want = {name: p.grad for name, p in ref.named_parameters()}
     sharded = runtime.apply_plan(model, plan)
@@ -76,8 +88,7 @@ def _refusal(plan_path: str, factory: str) -> dict[str, str]:
     """The error a model that computes attention itself gets under cp (on every rank)."""
     model = getattr(tiny_models, factory)()
     plan = load_plan(plan_path, model=model)
-    x, y = synthetic_batch(1, 0, plan.training["global_batch_size"], plan.training["seq_len"],
-                           vocab_size(model))
+    x, y = tiny_models.batch(factory, model, plan)
     sharded = runtime.apply_plan(model, plan)
     saved, autopar.models.llama.attention = autopar.models.llama.attention, _own_attention
     try:

@@ -12,7 +12,6 @@ import tiny_models
 from autopar import runtime
 from autopar.plan import load_plan
 from autopar.runtime.memory import WeightWatcher, grad_bytes, optimizer_bytes
-from autopar.runtime.train import vocab_size
 
 
 def main(out_dir: str, specs: list[str]) -> None:
@@ -25,8 +24,7 @@ def main(out_dir: str, specs: list[str]) -> None:
         rt = runtime.apply_plan(model, plan, device=device)
         opt = runtime.make_optimizer(rt.parameters())
         watcher = WeightWatcher(rt.modules)
-        x, y = runtime.synthetic_batch(1, 0, plan.training["global_batch_size"],
-                                       plan.training["seq_len"], vocab_size(model))
+        x, y = tiny_models.batch(factory, model, plan)
         rt.train_step(x, y)
         grads = grad_bytes(rt.modules)
         opt.step()

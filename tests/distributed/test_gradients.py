@@ -33,7 +33,9 @@ PLANS = {
                                           "virtual_stages": 2, **MB2}),
         ("pp_zero_bubble", "tiny_llama", {"pp": 2, "pp_schedule": "zero-bubble", **MB2}),
         ("tp_selective_math", "tiny_llama_math", {"tp": 2, "recompute": "selective",
-                                                  "sequence_parallel": False})],
+                                                  "sequence_parallel": False}),
+        ("resnet_tp", "tiny_resnet", {"tp": 2}),
+        ("vit_tp", "tiny_vit", {"tp": 2, "sequence_parallel": False})],
     4: [("dp_tp_sp_zero0", "tiny_llama_wide", {"dp": 2, "tp": 2, "zero_stage": 0,
                                                 "sequence_parallel": True}),
         ("dp_tp_sp_zero3", "tiny_llama_wide", {"dp": 2, "tp": 2, "zero_stage": 3,
@@ -43,7 +45,8 @@ PLANS = {
         ("dp_pp_zero_bubble_zero3", "tiny_llama", {"dp": 2, "pp": 2, "zero_stage": 3,
                                                    "pp_schedule": "zero-bubble", **MB2}),
         ("tp_pp", "tiny_llama_wide", {"tp": 2, "pp": 2, "pp_schedule": "1f1b",
-                                      "sequence_parallel": False, **MB2})],
+                                      "sequence_parallel": False, **MB2}),
+        ("resnet_dp_tp_zero3", "tiny_resnet", {"dp": 2, "tp": 2, "zero_stage": 3})],
 }
 
 
@@ -57,7 +60,8 @@ def run_gradient_plans(tmp_path: Path, world: int, plans: list[tuple[str, str, d
     specs = []
     for name, factory, constraints in plans:
         plan = autopar.compile(getattr(tiny_models, factory)(), cluster, global_batch_size=8,
-                               seq_len=64, dtype="fp32", constraints=constraints)
+                               dtype="fp32", constraints=constraints,
+                               **tiny_models.shape_args(factory))
         for key, value in constraints.items():
             assert getattr(plan.config, key) == value, (name, key, plan.config)
         specs.append(f"{plan.save(tmp_path / f'{name}.json')}:{factory}")
@@ -85,4 +89,11 @@ def run_gradient_plans(tmp_path: Path, world: int, plans: list[tuple[str, str, d
 
 @pytest.mark.parametrize("world", sorted(PLANS))
 def test_gradients_match_the_reference(tmp_path, world):
-    run_gradient_plans(tmp_path, world, PLANS[world])
+    results = run_gradient_plans(tmp_path, world, PLANS[world])
+    # the ResNet plans run their convolutions output-channel parallel, not replicated: each
+    # rank holds 1/tp of a conv weight, and 1/(tp·dp) under ZeRO-3
+    full = tiny_models.tiny_resnet().get_parameter("layer1.0.conv2.weight").numel()
+    for name, parts in (("resnet_tp", 2), ("resnet_dp_tp_zero3", 4)):
+        if name in results:
+            held = [g["local_numel"]["layer1.0.conv2.weight"] for g in results[name]]
+            assert held == [full // parts] * world, (name, held, full)

@@ -25,7 +25,8 @@ PLANS = {
         ("dp_zero2", "tiny_llama", {"dp": 2, "zero_stage": 2}),
         ("dp_zero3", "tiny_llama", {"dp": 2, "zero_stage": 3}),
         ("tp", "tiny_llama_wide", {"tp": 2, "sequence_parallel": False}),
-        ("pp", "tiny_llama", {"pp": 2, "pp_schedule": "1f1b", "micro_batch_size": 2})],
+        ("pp", "tiny_llama", {"pp": 2, "pp_schedule": "1f1b", "micro_batch_size": 2}),
+        ("resnet_tp", "tiny_resnet", {"tp": 2})],
     4: [("tp_dp_zero0", "tiny_llama_wide", {"dp": 2, "tp": 2, "zero_stage": 0,
                                              "sequence_parallel": True}),
         ("tp_dp_zero3", "tiny_llama_wide", {"dp": 2, "tp": 2, "zero_stage": 3,
@@ -42,7 +43,8 @@ def test_state_bytes_per_rank_match_the_estimate(tmp_path, world):
     plans, specs = {}, []
     for name, factory, constraints in PLANS[world]:
         plan = autopar.compile(getattr(tiny_models, factory)(), cluster, global_batch_size=8,
-                               seq_len=64, dtype="fp32", constraints=constraints)
+                               dtype="fp32", constraints=constraints,
+                               **tiny_models.shape_args(factory))
         plans[name] = plan
         specs.append(f"{plan.save(tmp_path / f'{name}.json')}:{factory}")
     res = _run([TORCHRUN, "--standalone", f"--nproc_per_node={world}",

@@ -1,7 +1,9 @@
 """Single-process checks of the runtime's plan-reading pieces (no process group): tensor-parallel
-styles from placements (GPT's fused qkv split by head, its tied head), pipeline stage modules that
-keep the reference FQNs and compose to the full model (GPT's stages skip the embeddings and hold
-the tied matrix), and the clear refusals (uneven context-parallel chunks, wrong world size).  Expert
+styles from placements (GPT's fused qkv split by head, its tied head, ResNet's output-channel
+parallel convolutions, the parameters no style runs), pipeline stage modules that keep the
+reference FQNs and compose to the full model (GPT's stages skip the embeddings and hold the tied
+matrix), and the clear refusals (conv layouts that do not run, uneven context-parallel chunks,
+wrong world size).  Expert
 parallel's single-process pieces are in test_expert_parallel.py."""
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from autopar.runtime.pipeline import (
     build_stage_modules,
     stage_ids_for_rank,
 )
-from autopar.runtime.tensor_parallel import _unhandled, tp_styles
+from autopar.runtime.tensor_parallel import _unhandled, apply_tensor_parallel, tp_styles
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models  # noqa: E402
@@ -31,8 +33,8 @@ import tiny_models  # noqa: E402
 
 def _plan(factory, ranks, **constraints):
     cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=ranks)
-    return autopar.compile(factory(), cluster, global_batch_size=8, seq_len=64, dtype="fp32",
-                           constraints=constraints)
+    return autopar.compile(factory(), cluster, global_batch_size=8, dtype="fp32",
+                           constraints=constraints, **tiny_models.shape_args(factory.__name__))
 
 
 def test_tp_styles_follow_megatron_placements():
@@ -46,17 +48,60 @@ def test_tp_styles_follow_megatron_placements():
             assert kind == "rowwise", name
 
 
+def test_resnet_convolutions_run_output_channel_parallel():
+    """A ResNet plan with tp=2 shards every convolution's output channels (S(0)) and the fc
+    head; each convolution maps to the output-channel parallel style, the head to colwise,
+    and nothing the plan shards is left replicated."""
+    plan = _plan(tiny_models.tiny_resnet, 2, tp=2)
+    model = tiny_models.tiny_resnet()
+    styles = tp_styles(model, plan.placements)
+    convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+    assert all(plan.placements[f"{n}.weight"]["tp"] == "S(0)" for n in convs)
+    assert styles == {**{n: "channels" for n in convs}, "fc": "colwise"}
+    assert _unhandled(model, plan.placements, styles) == []
+
+
 def test_parameters_the_plan_shards_but_no_style_runs_are_named():
-    """A ResNet plan with tp=2 shards the convolutions' output channels; the runtime's styles
-    cover the fc head only, so the convolutions are listed (apply_tensor_parallel warns)."""
-    model = autopar.models.ResNet(autopar.models.ResNetConfig(blocks=(1, 1, 1, 1),
-                                                              width_per_group=8,
-                                                              num_classes=16))
+    """A parameter the plan shards on tp whose module no style runs (here a batch norm's
+    weight) is listed: apply_tensor_parallel warns that it runs replicated."""
+    model = tiny_models.tiny_resnet()
     placements = {"conv1.weight": {"tp": "S(0)"}, "fc.weight": {"tp": "S(0)"},
-                  "fc.bias": {"tp": "S(0)"}, "bn1.weight": {"tp": "R"}}
+                  "fc.bias": {"tp": "S(0)"}, "bn1.weight": {"tp": "S(0)"}}
     styles = tp_styles(model, placements)
-    assert styles == {"fc": "colwise"}
-    assert _unhandled(model, placements, styles) == ["conv1.weight"]
+    assert styles == {"conv1": "channels", "fc": "colwise"}
+    assert _unhandled(model, placements, styles) == ["bn1.weight"]
+
+
+def test_a_tied_head_on_a_later_pipeline_stage_is_not_listed_as_replicated():
+    """GPT's last stage holds the tied matrix first under ``tok_embeddings`` (a holder, not an
+    embedding); the column-parallel head shards it, so nothing is listed."""
+    plan = _plan(tiny_models.tiny_gpt, 4, tp=2, pp=2, micro_batch_size=2)
+    for stage in build_stage_modules(tiny_models.tiny_gpt(), plan.stages, [0, 1]):
+        assert _unhandled(stage, plan.placements, tp_styles(stage, plan.placements)) == []
+
+
+class _Net(nn.Module):
+    def __init__(self, conv: nn.Module):
+        super().__init__()
+        self.features = nn.Sequential(conv)
+
+
+@pytest.mark.parametrize("conv,spec,match", [
+    (nn.Conv2d(4, 8, 3), "S(1)", r"features\.0: .*dim 1 \(input channels\).*S\(0\).*tp=1"),
+    (nn.Conv2d(4, 8, 3, groups=2), "S(0)", r"features\.0: a grouped conv.*\(groups=2\).*tp=1"),
+    (type("MyConv", (nn.Conv2d,), {})(4, 8, 3), "S(0)", r"features\.0: .*MyConv.*tp=1"),
+])
+def test_conv_layouts_that_do_not_run_are_refused_naming_the_module(conv, spec, match):
+    with pytest.raises(ValueError, match=match):
+        tp_styles(_Net(conv), {"features.0.weight": {"tp": spec}})
+
+
+def test_conv_channels_not_divisible_by_tp_are_refused_before_any_collective():
+    model = _Net(nn.Conv2d(4, 6, 3))
+    plan = SimpleNamespace(placements={"features.0.weight": {"tp": "S(0)"},
+                                       "features.0.bias": {"tp": "S(0)"}})
+    with pytest.raises(ValueError, match=r"features\.0: .*6 output channels over tp=4"):
+        apply_tensor_parallel(model, plan, SimpleNamespace(size=lambda: 4))
 
 
 @pytest.mark.parametrize("pp,virtual", [(2, 1), (2, 2)])
