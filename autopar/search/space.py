@@ -92,6 +92,7 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
     """Every candidate config (validity is checked by `evaluate`), in the order: tp, cp, pp,
     ep ascending; then micro-batch size, recompute, SP, schedule (gpipe, 1f1b, zero-bubble,
     interleaved by virtual stages), ZeRO stage. tp stays within a node and divides the heads;
+    sequence parallelism needs a sequence (``seq_len``);
     cp needs a sequence divisible by 2·cp; pp is at most the layer count; interleaving needs
     the body layers to split evenly into pp·v chunks and the micro-batches to be a multiple
     of pp."""
@@ -114,6 +115,7 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
                 for ep in _allowed("ep", eps, constraints):
                     block = _block(gbs, constraints, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep,
                                    body_layers=body_layers, math_attention=math_attention,
+                                   sequence=bool(seq_len),
                                    max_mbs=max_micro_batch_size, max_v=max_virtual_stages)
                     if block is not None:
                         blocks.append(block)
@@ -123,13 +125,15 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
 
 
 def _block(gbs: int, constraints: dict[str, Any], *, tp: int, cp: int, pp: int, dp: int,
-           ep: int, body_layers: int, math_attention: bool, max_mbs: int, max_v: int
-           ) -> dict[str, np.ndarray] | None:
+           ep: int, body_layers: int, math_attention: bool, sequence: bool, max_mbs: int,
+           max_v: int) -> dict[str, np.ndarray] | None:
     """The rows of one (tp, cp, pp, dp, ep): the product micro-batch x recompute x SP x
     schedule x ZeRO in that nesting (C order), less interleaved rows whose micro-batch count
     is not a multiple of pp."""
     zeros = _allowed("zero_stage", [0, 1, 2, 3] if dp * cp > 1 else [0], constraints)
-    sps = _allowed("sequence_parallel", [False, True] if tp > 1 else [False], constraints)
+    # sequence parallelism splits a token dimension: models without one (CNNs) get none
+    sps = _allowed("sequence_parallel", [False, True] if tp > 1 and sequence else [False],
+                   constraints)
     # with a fused kernel selective recompute equals none
     recomputes = _allowed("recompute", ["none", "selective", "full"] if math_attention
                           else ["none", "full"], constraints)

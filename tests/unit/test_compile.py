@@ -149,6 +149,15 @@ def test_non_transformer_models_compile_to_valid_plans(name):
     assert sum(map(len, plan.stages)) >= 1 and plan.placements
 
 
+def test_a_cnn_is_never_offered_sequence_parallelism():
+    """No token dimension to split: with tp=2 pinned, no candidate has sequence_parallel."""
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=1)
+    images = torch.empty(32, 3, 224, 224, device="meta")
+    plan = autopar.compile(autopar.models.build("resnet50"), cluster, global_batch_size=256,
+                           example_inputs=images, constraints={"tp": 2})
+    assert len(plan.candidates) and not plan.candidates["sequence_parallel"].any()
+
+
 def test_inter_op_dp_gives_the_heavy_head_stage_fewer_layers():
     from autopar.estimate import ModelCosts, evaluate
     from autopar.models.llama import Llama, LlamaConfig
