@@ -226,7 +226,7 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     deg = dict(zip(axes, sizes))
     pp, tp, dp = deg.get("pp", 1), deg.get("tp", 1), deg.get("dp", 1)
     cp = deg.get("cp", 1)
-    default_loss = loss_fn is None
+    default_loss = loss_fn is None or loss_fn is lm_loss  # generated scripts pass lm_loss
     loss_fn = loss_fn or lm_loss
     gbs = int(plan.training["global_batch_size"])
     n_micro = gbs // (dp * cfg.micro_batch_size)
@@ -245,6 +245,8 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
         for m in modules:
             styles = apply_tensor_parallel(m, plan, mesh["tp"], loss_parallel=default_loss)
             vocab_parallel |= vocab_sharded_head(styles)
+        if vocab_parallel:
+            log.info("the loss runs on vocab-sharded logits (DTensor loss_parallel)")
     for m in modules:
         _apply_recompute(m, cfg.recompute)
     if ep_groups is not None:  # experts: reduced over their replicas, before the dense wrapper
