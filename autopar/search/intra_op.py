@@ -68,8 +68,6 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping, Sequence
 
-from ortools.sat.python import cp_model
-
 from autopar.errors import ShardingInfeasibleError
 from autopar.ir import Graph
 from autopar.sharding.placement import reshard_collective
@@ -119,6 +117,8 @@ class _IntraOpModel:
         self.p = problem
         self.budget = memory_budget_bytes
         self.skip = set(skip)
+        from ortools.sat.python import cp_model  # imported here: `import autopar` needs no ortools
+
         self.m = cp_model.CpModel()
         self.x = {v: [self.m.NewBoolVar(f"x[{v},{s}]") for s in range(len(problem.strategies[v]))]
                   for v in problem.nodes}
@@ -222,6 +222,8 @@ class _IntraOpModel:
                 self.m.AddHint(var, s == 0)
 
     def solve(self, *, time_limit_s: float, num_workers: int) -> tuple[int, dict[str, int] | None]:
+        from ortools.sat.python import cp_model
+
         solver = cp_model.CpSolver()
         solver.parameters.random_seed = _SEED
         solver.parameters.num_workers = num_workers
@@ -239,6 +241,8 @@ def solve_problem(problem: BlockProblem, *, memory_budget_bytes: float | None = 
                   time_limit_s: float = 10.0, num_workers: int = 1
                   ) -> tuple[dict[str, int], bool]:
     """Optimal (or best-in-time) strategy index per node, and whether it is proven optimal."""
+    from ortools.sat.python import cp_model
+
     model = _IntraOpModel(problem, memory_budget_bytes=memory_budget_bytes)
     model.minimise("time")
     status, choice = model.solve(time_limit_s=time_limit_s, num_workers=num_workers)
@@ -255,6 +259,8 @@ def solve_problem(problem: BlockProblem, *, memory_budget_bytes: float | None = 
 def _diagnose(problem: BlockProblem, budget: float | None, time_limit_s: float,
               num_workers: int, status: int) -> None:
     """Find the constraint family that makes the problem infeasible and raise naming it."""
+    from ortools.sat.python import cp_model
+
     if status == cp_model.UNKNOWN:
         raise ShardingInfeasibleError(
             f"time_limit: CP-SAT found no plan in {time_limit_s} s; raise time_limit_s",

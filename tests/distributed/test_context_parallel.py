@@ -27,12 +27,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import tiny_models
 from test_parity import (
-    STEPS,
-    TOL,
     TORCHRUN,
-    _losses,
     _make_script,
     _run,
+    assert_script_matches,
     references,  # noqa: F401  (the pytest fixture of reference losses)
 )
 
@@ -167,15 +165,7 @@ CONFIGS = [
 @pytest.mark.parametrize("name,ranks,factory,constraints", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_context_parallel_parity(tmp_path, references, name, ranks, factory, constraints):  # noqa: F811
     script = _make_script(tmp_path, name, ranks, factory, constraints)
-    ref = references(script, factory)
-    res = _run([TORCHRUN, "--standalone", f"--nproc_per_node={ranks}", str(script),
-                "--steps", str(STEPS), "--seed", "0"])
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    got = _losses(res.stdout)
-    assert len(got) == STEPS, res.stdout
-    rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
-    print(f"{name}: max relative loss difference {rel:.2e}")
-    assert rel <= TOL, (got, ref)
+    assert_script_matches(script, ranks, references(script, factory), name)
 
 
 # (id, factory, constraints): 4-rank cp plans whose one-step gradients are checked

@@ -34,12 +34,10 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from test_parity import (
-    STEPS,
-    TOL,
     TORCHRUN,
-    _losses,
     _make_script,
     _run,
+    assert_script_matches,
     references,  # noqa: F401  (the shared reference-loss fixture)
 )
 
@@ -328,15 +326,7 @@ PARITY = [
 @pytest.mark.parametrize("name,ranks,constraints", PARITY, ids=[p[0] for p in PARITY])
 def test_expert_parallel_parity(tmp_path, references, name, ranks, constraints):  # noqa: F811
     script = _make_script(tmp_path, name, ranks, "tiny_mixtral", constraints)
-    ref = references(script, "tiny_mixtral")
-    res = _run([TORCHRUN, "--standalone", f"--nproc_per_node={ranks}", str(script),
-                "--steps", str(STEPS), "--seed", "0"])
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    got = _losses(res.stdout)
-    assert len(got) == STEPS, res.stdout
-    rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
-    print(f"{name}: max relative loss difference {rel:.2e}")
-    assert rel <= TOL, (got, ref)
+    assert_script_matches(script, ranks, references(script, "tiny_mixtral"), name)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import tiny_models
 from test_checkpoint import SPLIT, _assert_close, _launch, _trained
 from test_checkpoint import STEPS as CKPT_STEPS
 from test_gradients import run_gradient_plans
-from test_parity import STEPS, TOL, TORCHRUN, _losses, _make_script, _run
+from test_parity import _losses, _make_script, assert_script_matches
 
 from autopar.runtime import checkpoint_info, load_checkpoint
 
@@ -68,15 +68,7 @@ def test_gpt_pp_tp_script_matches_the_reference(tmp_path, references):
     script = _make_script(tmp_path, "gpt_pp_tp", 4, "tiny_gpt",
                           {"pp": 2, "tp": 2, "pp_schedule": "1f1b", "sequence_parallel": False,
                            **MB2})
-    ref = references(script, "tiny_gpt")
-    res = _run([TORCHRUN, "--standalone", "--nproc_per_node=4", str(script),
-                "--steps", str(STEPS), "--seed", "0"])
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    got = _losses(res.stdout)
-    assert len(got) == STEPS, res.stdout
-    rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
-    print(f"gpt pp2xtp2: max relative loss difference {rel:.2e}")
-    assert rel <= TOL, (got, ref)
+    assert_script_matches(script, 4, references(script, "tiny_gpt"), "gpt pp2xtp2")
 
 
 def test_gpt_checkpoint_from_tp_resumes_under_pp(tmp_path, reference):

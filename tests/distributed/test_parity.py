@@ -104,10 +104,9 @@ def references(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name,ranks,factory,constraints", CONFIGS, ids=[c[0] for c in CONFIGS])
-def test_parity(tmp_path, references, name, ranks, factory, constraints):
-    script = _make_script(tmp_path, name, ranks, factory, constraints)
-    ref = references(script, factory)
+def assert_script_matches(script: Path, ranks: int, ref: list[float], name: str):
+    """Run a generated script on ``ranks`` processes for STEPS steps and assert every step's loss
+    is within TOL (relative) of the reference's; returns the finished process."""
     res = _run([TORCHRUN, "--standalone", f"--nproc_per_node={ranks}", str(script),
                 "--steps", str(STEPS), "--seed", "0"])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -116,6 +115,13 @@ def test_parity(tmp_path, references, name, ranks, factory, constraints):
     rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
     print(f"{name}: max relative loss difference {rel:.2e}")
     assert rel <= TOL, (got, ref)
+    return res
+
+
+@pytest.mark.parametrize("name,ranks,factory,constraints", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_parity(tmp_path, references, name, ranks, factory, constraints):
+    script = _make_script(tmp_path, name, ranks, factory, constraints)
+    res = assert_script_matches(script, ranks, references(script, factory), name)
     assert "summary: median step" in res.stdout
     assert "model states held on pipeline rank" in res.stdout and "(plan " in res.stdout
 
