@@ -27,7 +27,8 @@ __all__ = [
     "MATH_ATTENTION_SCORE_PASSES_FWD", "MATH_ATTENTION_SCORE_PASSES_BWD",
     "KERNEL_GAP_S", "OPTIMIZER_BYTES_PER_PARAM", "SUSTAINED_COMPUTE_FRACTION", "sustained_fraction",
     "op_overhead_s", "peak_flops", "gemm_time_s", "memory_time_s", "attention_time_s", "optimizer_time_s",
-    "fused_attention_fraction",
+    "fused_attention_fraction", "ATTENTION_SEQ_HALF", "MEMORY_OP_TRAFFIC_FACTOR",
+    "activation_memory_time_s",
 ]
 
 # Size at which a GEMM reaches half the large-GEMM efficiency. From H100 SXM torch.matmul bf16:
@@ -37,18 +38,43 @@ GEMM_HALF_EFFICIENCY_FLOPS = 1.7e9
 
 ATTENTION_KERNELS = ("flash", "cudnn", "flash3", "math")
 
-# Fraction of dense 16-bit peak a fused attention kernel reaches, causal, head dim 128, 2k-4k
-# tokens. Hopper: Shah et al. 2024 (FlashAttention-3), Fig. "attention forward speed, head
-# dim 128, H100 SXM5, causal": FlashAttention-2 298-319, cuDNN 484-518, FlashAttention-3
-# 521-579 TFLOP/s of 989. Ampere: Dao 2023 (FlashAttention-2) reaches 50-73% of A100 peak
-# forward; 0.63 is that range's middle. Other architectures scale the Ampere figure by their
-# GEMM efficiency (an assumption until measured).
+# Fraction of dense 16-bit peak a fused attention kernel reaches on long sequences (causal
+# work, head dim 128); shorter sequences reach less, see ATTENTION_SEQ_HALF. Hopper flash and
+# cuDNN: measured through torch 2.11 SDPA on an H100 SXM (tests/data/h100_measurements.json,
+# 2026-11-22; least-squares fit of f·s/(s + s_half) to s = 1k-8k, forward and backward agree
+# on f within 3%). FlashAttention-3: Shah et al. 2024, forward, head dim 128, H100, causal,
+# 521-579 TFLOP/s of 989 (no backward figure; the cuDNN curves are assumed). Ampere: Dao 2023
+# (FlashAttention-2) reaches 50-73% of A100 peak; 0.63 is that range's middle. Other
+# architectures scale the Ampere figure by their GEMM efficiency (an assumption until measured).
 FUSED_ATTENTION_PEAK_FRACTION = {
     ("flash", "ampere"): 0.63,
-    ("flash", "hopper"): 0.31,
-    ("cudnn", "hopper"): 0.50,
+    ("flash", "hopper"): 0.29,
+    ("cudnn", "hopper"): 0.59,
     ("flash3", "hopper"): 0.56,
 }
+
+# Key/value length at which a fused kernel reaches half its long-sequence fraction, forward and
+# backward (the backward pipelines five GEMMs per tile and needs longer rows to fill the
+# machine). Fitted with FUSED_ATTENTION_PEAK_FRACTION on the same H100 measurements (largest
+# deviation of the fit from a measured point: 3.2%; the backward timings less the q/k/v
+# gradient accumulation the timing loop added, 9 passes of a q-sized tensor at 2.8 TB/s);
+# flash3 uses cuDNN's (an assumption).
+ATTENTION_SEQ_HALF = {
+    ("flash", "fwd"): 480, ("flash", "bwd"): 980,
+    ("cudnn", "fwd"): 840, ("cudnn", "bwd"): 1500,
+    ("flash3", "fwd"): 840, ("flash3", "bwd"): 1500,
+}
+
+# Memory-bound work in an eager training step moves more than each op's minimum traffic (one
+# read of every input, one write of every output): the q/k/v gradients are concatenated, heads
+# are transposed into contiguous copies around attention, every biased GEMM reduces its output
+# gradient for the bias gradient, norms reduce their parameter gradients in a second kernel,
+# and many kernels run below copy bandwidth. Measured on an H100 SXM
+# (tests/data/h100_measurements.json, 2026-11-22): in 10 bf16 training steps of GPT and Llama
+# shapes (0.35-175B widths, 1k-8k tokens) the time of every kernel that is not a GEMM, attention
+# or the optimizer is this many times the IR's memory-bound bytes at the profile's bandwidth
+# (median 2.5; the steps range 2.0-3.5x, benchmarks/gpu_check.py prints them).
+MEMORY_OP_TRAFFIC_FACTOR = 2.5
 
 # An unfused attention writes the scores, reads them for scale+mask+softmax and writes the
 # probabilities, reads those for the PV GEMM (4 passes of the b·a·s² matrix forward); backward
@@ -64,8 +90,11 @@ MATH_ATTENTION_SCORE_PASSES_BWD = 6
 # the Megatron-LM H100 weak-scaling table; grid of 0.60-1.00 in steps of 0.01 minimising the
 # median |error| of each -- and checked on the held-out groups (SC21 Table 2,
 # MosaicML A100/H100, Megatron H100 strong scaling) by benchmarks/published_runs.py.
-# Architectures without a fit use the mean of the fitted values (an assumption).
-SUSTAINED_COMPUTE_FRACTION = {"ampere": 0.81, "hopper": 0.71}
+# Architectures without a fit use the mean of the fitted values (an assumption). Refitted
+# 2026-11-22 once memory-bound ops and attention were measured on an H100 (the previous fit,
+# 0.81 / 0.71, absorbed the memory-bound time the model was missing); a short single-GPU step
+# runs its GEMMs at the full measured efficiency (benchmarks/gpu_check.py divides this out).
+SUSTAINED_COMPUTE_FRACTION = {"ampere": 0.93, "hopper": 0.72}
 
 
 def sustained_fraction(arch: str) -> float:
@@ -98,6 +127,12 @@ def memory_time_s(device: DeviceSpec, num_bytes: float) -> float:
     return num_bytes / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
 
 
+def activation_memory_time_s(device: DeviceSpec, num_bytes: float) -> float:
+    """A memory-bound op of the model (norm, elementwise, softmax, loss, lookup) whose minimum
+    traffic is `num_bytes`, as an eager training step runs it (MEMORY_OP_TRAFFIC_FACTOR)."""
+    return memory_time_s(device, num_bytes * MEMORY_OP_TRAFFIC_FACTOR)
+
+
 def gemm_time_s(device: DeviceSpec, dtype: str, flops: float, num_bytes: float) -> float:
     if flops <= 0:
         return memory_time_s(device, num_bytes)
@@ -125,13 +160,19 @@ def fused_attention_fraction(device: DeviceSpec, kernel: str) -> float:
 
 
 def attention_time_s(device: DeviceSpec, dtype: str, *, flops: float, io_bytes: float,
-                     score_bytes: float, causal: bool, kernel: str, backward: bool) -> float:
+                     score_bytes: float, causal: bool, kernel: str, backward: bool,
+                     seq_kv: float = 0.0) -> float:
     """One attention op. `flops` count the full (non-causal) score matrix, as the IR does;
-    `score_bytes` is the size of the b·a·s_q·s_kv matrix in the compute dtype."""
+    `score_bytes` is the size of the b·a·s_q·s_kv matrix in the compute dtype; `seq_kv` the
+    key/value length one kernel call sees (0: long enough to reach the plateau)."""
     if kernel != "math":
         work = flops * (0.5 if causal else 1.0)
+        frac = fused_attention_fraction(device, kernel)
+        half = ATTENTION_SEQ_HALF.get((kernel, "bwd" if backward else "fwd"), 0)
+        if seq_kv > 0 and half:
+            frac *= seq_kv / (seq_kv + half)
         rate = device.peak_flops[dtype if dtype in device.peak_flops else "bf16"] \
-            * fused_attention_fraction(device, kernel) * sustained_fraction(device.arch)
+            * frac * sustained_fraction(device.arch)
         return max(work / rate, memory_time_s(device, io_bytes))
     passes = MATH_ATTENTION_SCORE_PASSES_BWD if backward else MATH_ATTENTION_SCORE_PASSES_FWD
     return gemm_time_s(device, dtype, flops, io_bytes) + memory_time_s(device, passes * score_bytes)

@@ -23,9 +23,11 @@ from dataclasses import dataclass
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate.units import OpCost, Unit
-from costmodels.compute import attention_time_s, gemm_time_s, memory_time_s, op_overhead_s
+from costmodels.compute import (activation_memory_time_s, attention_time_s, gemm_time_s,
+                                op_overhead_s)
 
-__all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitTimes", "rank_groups", "unit_times"]
+__all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitTimes", "op_times", "rank_groups",
+           "unit_times"]
 
 # A memory-bound op's backward reads the output gradient and the saved input and writes the
 # input gradient: about twice the forward's traffic (read input, write output).
@@ -75,7 +77,7 @@ def rank_groups(cfg: ParallelConfig) -> RankGroups:
                       pp_next=dp * cp * tp if cfg.pp > 1 else None)
 
 
-def _op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
+def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
               kernel: str) -> tuple[float, float, float]:
     """(forward, backward, weight-grad part of backward) seconds of one op on one rank."""
     device = cluster.hardware.device
@@ -88,12 +90,12 @@ def _op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
     if op.kind == "attention":
         scale = tp * cp
         common = dict(io_bytes=op.bytes_fwd / scale, score_bytes=op.score_bytes / scale,
-                      causal=op.causal, kernel=kernel)
+                      causal=op.causal, kernel=kernel, seq_kv=op.seq_kv / cp)
         fwd = attention_time_s(device, dtype, flops=op.flops_fwd / scale, backward=False, **common)
         bwd = attention_time_s(device, dtype, flops=op.flops_bwd / scale, backward=True, **common)
         return fwd, bwd, 0.0
     split = cp * (tp if cfg.sequence_parallel or op.vocab or op.expert else 1)
-    fwd = memory_time_s(device, op.bytes_fwd / split)
+    fwd = activation_memory_time_s(device, op.bytes_fwd / split)
     return fwd, BACKWARD_MEMORY_RATIO * fwd, 0.0
 
 
@@ -114,7 +116,7 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
                groups: RankGroups, attention_kernel: str, overlap_tp: bool = False) -> UnitTimes:
     fwd = bwd = wgrad = attn_fwd = attn_bwd = gemm_fwd = gemm_bwd = 0.0
     for op in unit.ops:
-        f, b, w = _op_times(op, cluster, dtype, cfg, attention_kernel)
+        f, b, w = op_times(op, cluster, dtype, cfg, attention_kernel)
         fwd, bwd, wgrad = fwd + f, bwd + b, wgrad + w
         if op.kind == "attention":
             attn_fwd, attn_bwd = attn_fwd + f, attn_bwd + b

@@ -38,6 +38,7 @@ class OpCost:
     expert: bool = False
     causal: bool = False
     score_bytes: float = 0.0  # attention: the b·a·s_q·s_kv score matrix in the compute dtype
+    seq_kv: int = 0  # attention: key/value length
     vocab: bool = False  # a GEMM or lookup over the vocabulary (sharded by vocab-parallel TP)
 
 
@@ -146,7 +147,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
                 // max(1, node.inputs[0].numel)
             ops.append(OpCost(kind="attention", flops_fwd=node.flops_fwd,
                               flops_bwd=node.flops_bwd, bytes_fwd=io, causal=a.causal,
-                              score_bytes=score))
+                              score_bytes=score, seq_kv=a.seq_kv))
             kv += sum(t.num_bytes for t in node.inputs[1:3])
             # Korthikanti et al. 2022: softmax output (2 B/elt), plus the dropout mask (1 B)
             # and output (2 B) when attention dropout is on: 2·a·s²·b or 5·a·s²·b

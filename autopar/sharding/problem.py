@@ -45,7 +45,7 @@ from autopar.sharding.placement import (PARTIAL, REPLICATE, is_shard, reshard_co
                                         shard, shard_dim)
 from autopar.sharding.rules import strategies as rule_strategies
 from autopar.sharding.strategy import Collective, Strategy
-from costmodels.compute import attention_time_s, gemm_time_s, memory_time_s
+from costmodels.compute import activation_memory_time_s, attention_time_s, gemm_time_s
 
 __all__ = ["BLOCK_INPUT", "BLOCK_OUTPUT", "BlockProblem", "ParamUse", "TensorUse",
            "build_problem", "to_units"]
@@ -181,12 +181,12 @@ def _node_compute_s(node: Node, device, dtype: str, divisor: int) -> float:
         a = node.attention
         score = a.batch * a.num_heads * a.seq_q * a.seq_kv * dtype_num_bytes(node.outputs[0].dtype)
         common = dict(io_bytes=nbytes, score_bytes=score / divisor, causal=a.causal,
-                      kernel="flash")
+                      kernel="flash", seq_kv=a.seq_kv)
         return (attention_time_s(device, dtype, flops=node.flops_fwd / divisor, backward=False,
                                  **common)
                 + attention_time_s(device, dtype, flops=node.flops_bwd / divisor, backward=True,
                                    **common))
-    return memory_time_s(device, nbytes) * (1 + BACKWARD_MEMORY_RATIO)
+    return activation_memory_time_s(device, nbytes) * (1 + BACKWARD_MEMORY_RATIO)
 
 
 def _activation_share(node: Node, st: Strategy, n: int) -> float:

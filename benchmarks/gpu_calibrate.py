@@ -1,0 +1,359 @@
+"""Measure one CUDA GPU the way the cost model describes it, and write what was measured.
+
+Run on a machine with a CUDA GPU (never in CI):
+
+    python benchmarks/gpu_calibrate.py --out DIR [--quick]
+
+It writes ``DIR/gpu_measurements.json`` (and prints a summary table) with four sections, each
+the median of several CUDA-event-timed repetitions after warm-up, on random data:
+
+- ``gemm``: bf16 ``torch.nn.functional.linear`` shapes of transformer layers (tokens x in x
+  out for qkv, attention output, MLP and vocabulary GEMMs over hidden sizes and tp degrees) in
+  their three training forms: forward ``y = x Wᵀ``, input gradient ``dx = dy W`` and weight
+  gradient ``dW = dyᵀ x``.
+- ``attention``: ``scaled_dot_product_attention`` forward and forward+backward per backend
+  (flash, cuDNN, memory-efficient), causal and not, head dims 64 and 128.
+- ``memory``: a device copy, LayerNorm, GELU and an add over activation-sized tensors
+  (forward and backward), giving achieved HBM bandwidth.
+- ``steps``: training steps of autopar.models transformers on one GPU (bf16 autocast, fp32
+  weights, fused AdamW: 16 bytes of state per parameter, like mixed-precision Adam), with the
+  median step time, the peak allocated bytes and a profiler summary of kernel time by kind
+  (GEMM, attention, optimizer, other) and the idle remainder.
+
+`tests/data/h100_measurements.json` is such a file; benchmarks/gpu_check.py compares it with the
+cost model on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+HIDDEN = (1024, 2048, 2304, 3072, 4096, 5120, 6144, 8192, 12288)
+TOKENS = (2048, 4096, 8192, 16384)
+TP = (1, 2, 4, 8)
+MAX_GEMM_FLOPS = 3e12  # larger GEMMs sit on the asymptote; timing them only costs lease time
+
+
+def _time_ms(fn, *, target_ms: float = 30.0, min_reps: int = 5, max_reps: int = 200) -> float:
+    """Median milliseconds of one call of `fn`, timed as training issues kernels: several calls
+    queued back to back between two CUDA events (so host launch latency overlaps the previous
+    kernel, as in an eager training step), after warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    once = max(start.elapsed_time(end), 1e-3)
+    batch = max(1, min(50, int(1.0 / once)))  # about a millisecond of queued work per sample
+    reps = int(min(max_reps, max(min_reps, target_ms / (once * batch))))
+    times = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(batch):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / batch)
+    return statistics.median(times)
+
+
+def gemm_shapes(quick: bool) -> list[tuple[str, int, int, int]]:
+    """(kind, tokens, in, out) of bf16 linear layers, deduplicated."""
+    shapes = set()
+    hidden = HIDDEN[::2] if quick else HIDDEN
+    for h in hidden:
+        for tp in TP:
+            for m in TOKENS:
+                for kind, k, n in (("qkv", h, 3 * h // tp), ("proj", h // tp, h),
+                                   ("fc1", h, 4 * h // tp), ("fc2", 4 * h // tp, h)):
+                    if 2 * m * k * n <= MAX_GEMM_FLOPS:
+                        shapes.add((kind, m, k, n))
+    for v in (51200, 131072):
+        for h in (2048, 4096, 8192):
+            for tp in TP:
+                if 2 * 4096 * h * v // tp <= MAX_GEMM_FLOPS:
+                    shapes.add(("vocab", 4096, h, v // tp))
+    return sorted(shapes)
+
+
+def measure_gemms(quick: bool) -> list[dict]:
+    rows = []
+    dev, dt = "cuda", torch.bfloat16
+    for kind, m, k, n in gemm_shapes(quick):
+        x = torch.randn(m, k, device=dev, dtype=dt)
+        w = torch.randn(n, k, device=dev, dtype=dt)
+        dy = torch.randn(m, n, device=dev, dtype=dt)
+        flops = 2.0 * m * k * n
+        for form, fn in (("fwd", lambda: F.linear(x, w)),
+                         ("dgrad", lambda: dy @ w),
+                         ("wgrad", lambda: dy.t() @ x)):
+            ms = _time_ms(fn)
+            rows.append({"kind": kind, "form": form, "m": m, "k": k, "n": n, "flops": flops,
+                         "ms": ms, "tflops": flops / ms / 1e9})
+        del x, w, dy
+    return rows
+
+
+def measure_attention(quick: bool) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    seqs = (2048, 8192) if quick else (1024, 2048, 4096, 8192)
+    for name, backend in backends.items():
+        for d in (64, 128):
+            for s in seqs:
+                heads = 2048 // d  # 16 heads of 128 or 32 of 64: a 2048-wide tp shard
+                b = max(1, 8192 // s)
+                q, k, v = (torch.randn(b, heads, s, d, device="cuda", dtype=torch.bfloat16,
+                                       requires_grad=True) for _ in range(3))
+                go = torch.randn(b, heads, s, d, device="cuda", dtype=torch.bfloat16)
+                for causal in (True, False):
+                    flops_fwd = 4.0 * b * heads * s * s * d  # full square, as the IR counts
+                    try:
+                        with sdpa_kernel(backend):
+                            fwd_ms = _time_ms(lambda: F.scaled_dot_product_attention(
+                                q, k, v, is_causal=causal))
+
+                            def fwd_bwd():
+                                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                                out.backward(go)
+                            both_ms = _time_ms(fwd_bwd)
+                    except RuntimeError as err:  # backend unavailable for this shape
+                        rows.append({"backend": name, "d": d, "s": s, "b": b, "heads": heads,
+                                     "causal": causal, "error": str(err)[:200]})
+                        continue
+                    q.grad = k.grad = v.grad = None
+                    rows.append({"backend": name, "d": d, "s": s, "b": b, "heads": heads,
+                                 "causal": causal, "flops_fwd": flops_fwd, "fwd_ms": fwd_ms,
+                                 "bwd_ms": both_ms - fwd_ms})
+                del q, k, v, go
+    return rows
+
+
+def measure_memory_ops() -> list[dict]:
+    rows = []
+    for m, h in ((8192, 2048), (16384, 4096), (8192, 12288)):
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        ln = torch.nn.LayerNorm(h, device="cuda", dtype=torch.bfloat16)
+        nbytes = m * h * 2
+        out = torch.empty_like(y)
+        cases = {
+            "copy": (lambda: out.copy_(y), 2 * nbytes),
+            "add": (lambda: torch.add(x.detach(), y, out=out), 3 * nbytes),
+            "layernorm_fwd": (lambda: ln(x.detach()), 2 * nbytes),
+            "gelu_fwd": (lambda: F.gelu(x.detach()), 2 * nbytes),
+            "layernorm_fwd_bwd": (lambda: ln(x).backward(y), 6 * nbytes),
+            "gelu_fwd_bwd": (lambda: F.gelu(x).backward(y), 5 * nbytes),
+        }
+        for name, (fn, moved) in cases.items():
+            ms = _time_ms(fn)
+            rows.append({"op": name, "m": m, "h": h, "bytes": moved, "ms": ms,
+                         "gb_per_s": moved / ms / 1e6})
+        del x, y, out
+    return rows
+
+
+# Training steps: (id, preset or config overrides, seq_len, micro-batch, recompute)
+STEPS = (
+    ("gpt3-1.3b-s2048-mb1", "gpt3-1.3b", {}, 2048, 1, "none"),
+    ("gpt3-1.3b-s2048-mb4", "gpt3-1.3b", {}, 2048, 4, "none"),
+    ("gpt3-1.3b-s2048-mb8", "gpt3-1.3b", {}, 2048, 8, "none"),
+    ("gpt3-1.3b-s2048-mb4-full", "gpt3-1.3b", {}, 2048, 4, "full"),
+    ("gpt2-medium-s1024-mb8", "gpt2-medium", {}, 1024, 8, "none"),
+    # Megatron H100 1.7B row per GPU: h 2304, 24 layers, 131072 vocab, seq 4096, mb 1
+    ("mlm-1.7b-s4096-mb1", "gpt", {"dim": 2304, "n_layers": 24, "n_heads": 24,
+                                    "vocab_size": 131072, "tie_embeddings": False}, 4096, 1, "none"),
+    # MPT-1b per GPU (h 2048, 24 layers, 16 heads, vocab 50368), a smaller micro-batch
+    ("mpt-1b-s2048-mb8", "gpt", {"dim": 2048, "n_layers": 24, "n_heads": 16,
+                                  "vocab_size": 50368}, 2048, 8, "none"),
+    # MPT-13b widths (h 5120, 40 heads) on 4 of its 40 layers, seq 2048, mb 2
+    ("mpt-13b-l4-s2048-mb2", "gpt", {"dim": 5120, "n_layers": 4, "n_heads": 40,
+                                      "vocab_size": 50368}, 2048, 2, "none"),
+    # GPT-3 175B widths on 2 layers, mb 1 (SC21 ZeRO-3 per-GPU shape), full recompute
+    ("gpt3-175b-l2-s2048-mb1-full", "gpt", {"dim": 12288, "n_layers": 2, "n_heads": 96,
+                                            "vocab_size": 51200}, 2048, 1, "full"),
+    # Llama-3-8B widths on 4 layers, seq 8192 (GQA, SwiGLU, RMSNorm, RoPE)
+    ("llama3-8b-l4-s8192-mb1", "llama3-8b", {"n_layers": 4}, 8192, 1, "none"),
+)
+
+
+def _build(preset: str, overrides: dict, seq_len: int):
+    from autopar.models import GPTConfig, build
+
+    if preset == "gpt":
+        cfg = GPTConfig(max_seq_len=seq_len, **overrides)
+        return build(cfg, device="cuda", dtype=torch.float32)
+    extra = {"max_seq_len": seq_len} if preset.startswith("gpt") else {}
+    return build(preset, device="cuda", dtype=torch.float32, **overrides, **extra)
+
+
+def _kernel_kind(name: str) -> str:
+    low = name.lower()
+    if any(t in low for t in ("flash", "fmha", "cudnn", "attn", "sdpa")):
+        return "attention"
+    if any(t in low for t in ("gemm", "nvjet", "xmma", "cutlass", "sm90", "sm80", "matmul")):
+        return "gemm"
+    if any(t in low for t in ("adam", "multi_tensor", "foreach")):
+        return "optimizer"
+    return "other"
+
+
+def measure_step(step_id, preset, overrides, seq_len, mb, recompute, *, steps: int,
+                 precision: str) -> dict:
+    """One training step. precision "autocast": fp32 weights under bf16 autocast (norms and the
+    residual stream stay fp32, weights are cast per use); "bf16": bf16 weights, activations and
+    gradients, fp32 master weights and Adam states (Megatron / FSDP mixed precision)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    model = _build(preset, overrides, seq_len)
+    masters = None
+    if precision == "bf16":
+        model.to(torch.bfloat16)
+        masters = [p.detach().float() for p in model.parameters()]
+    if recompute == "full":
+        for block in model.layers:
+            block.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False,
+                                                                  **k))(block.forward)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(masters or params, lr=1e-4, fused=True)
+    vocab = model.config.vocab_size
+    tokens = torch.randint(0, vocab, (mb, seq_len + 1), device="cuda")
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "autocast"):
+            logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
+        loss.backward()
+        if masters is not None:
+            for m, p in zip(masters, params):
+                m.grad = p.grad.float()
+                p.grad = None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if masters is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(params, masters)
+        return loss
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated()
+    reserved = torch.cuda.max_memory_reserved()
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    kinds: dict[str, float] = {}
+    kernels = 0
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(ev, "self_cuda_time_total", 0.0)
+        if dev_us <= 0:
+            continue
+        kinds[_kernel_kind(ev.key)] = kinds.get(_kernel_kind(ev.key), 0.0) + dev_us / 1e6
+        kernels += ev.count
+    top = sorted(((ev.key, (getattr(ev, "self_device_time_total", 0.0) or 0.0) / 1e6, ev.count)
+                  for ev in prof.key_averages()), key=lambda t: -t[1])[:60]
+    numel = sum(p.numel() for p in params)
+    del model, opt, params, masters
+    return {"id": step_id, "preset": preset, "overrides": overrides, "seq_len": seq_len,
+            "micro_batch": mb, "recompute": recompute, "params": numel, "precision": precision,
+            "step_s": statistics.median(times), "step_s_all": times,
+            "peak_allocated_bytes": peak, "peak_reserved_bytes": reserved,
+            "kernel_s_by_kind": kinds, "kernels": kernels,
+            "top_kernels": [{"name": n[:120], "s": s, "count": c} for n, s, c in top]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sections", default="env,memory,attention,gemm,steps")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--precision", default="bf16,autocast",
+                    help="training precisions of the steps section, comma-separated")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: this program measures a GPU", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "gpu_measurements.json"
+    props = torch.cuda.get_device_properties(0)
+    result = {"date": time.strftime("%Y-%m-%d"), "device": props.name,
+              "sm_count": props.multi_processor_count, "memory_bytes": props.total_memory,
+              "torch": torch.__version__, "cuda": torch.version.cuda,
+              "cudnn": torch.backends.cudnn.version()}
+    sections = args.sections.split(",")
+    for name, fn in (("memory", measure_memory_ops),
+                     ("attention", lambda: measure_attention(args.quick)),
+                     ("gemm", lambda: measure_gemms(args.quick))):
+        if name in sections:
+            t0 = time.time()
+            result[name] = fn()
+            print(f"{name}: {len(result[name])} rows in {time.time() - t0:.0f} s", flush=True)
+            path.write_text(json.dumps(result, indent=1))
+    if "steps" in sections:
+        result["steps"] = []
+        for spec, precision in [(s, p) for p in args.precision.split(",") for s in STEPS]:
+            t0 = time.time()
+            try:
+                row = measure_step(*spec, steps=args.steps, precision=precision)
+            except Exception as err:  # noqa: BLE001  (keep the other measurements)
+                row = {"id": spec[0], "precision": precision,
+                       "error": f"{type(err).__name__}: {str(err)[:300]}"}
+            result["steps"].append(row)
+            path.write_text(json.dumps(result, indent=1))
+            print(f"step {spec[0]} {precision}: {row.get('step_s', float('nan')) * 1e3:.1f} ms, peak "
+                  f"{row.get('peak_allocated_bytes', 0) / 2**30:.2f} GiB, "
+                  f"{row.get('kernel_s_by_kind', row.get('error'))} ({time.time() - t0:.0f} s)",
+                  flush=True)
+    gemm = result.get("gemm", [])
+    if gemm:
+        best = max(r["tflops"] for r in gemm)
+        print(f"gemm: {len(gemm)} timings, best {best:.0f} TFLOP/s, median "
+              f"{statistics.median(r['tflops'] for r in gemm):.0f}")
+    for r in result.get("attention", []):
+        if "error" not in r:
+            work = r["flops_fwd"] * (0.5 if r["causal"] else 1.0)
+            print(f"attn {r['backend']:9s} d={r['d']:3d} s={r['s']:5d} causal={r['causal']!s:5s} "
+                  f"fwd {work / r['fwd_ms'] / 1e9:6.0f} bwd {2.5 * work / r['bwd_ms'] / 1e9:6.0f} "
+                  f"TFLOP/s")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
