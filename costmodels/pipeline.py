@@ -231,13 +231,18 @@ def _run(orders: list[list[int]], num_vstages: int, m: int, dur: list[list[float
          hop: list[float]) -> list[list[float]]:
     """Start time of every op of every rank. `hop[s]` is the latency between stages s-1 and s.
 
-    Ends live in one table: F(key) at key, B(key) at sm + key (W's end is never waited on).
-    Each op is first reduced to (index of the end it waits on or -1, hop added to it, its
-    duration, index of its own end or -1), so the event loop only compares and adds. An op
-    starts at max(rank free, end of its dependency + hop) -- the dependency's end plus a zero
-    hop for a B after its own F or a W after its B, which equals that end exactly."""
+    Ends live in one table: F(key) at key, B(key) at sm + key; two more slots hold the end of
+    "nothing" (0.0, what an op without a dependency waits on) and a sink for W's end (never
+    waited on). Each op is first reduced to (index of the end it waits on, hop added to it,
+    its duration, index of its own end), so the event loop only compares and adds. An op
+    starts at max(rank free, end of its dependency + hop). A B on the last stage (after its
+    own F) and a W (after its own B) wait on nothing: their dependency ran earlier on the same
+    rank, so the rank's free time already covers it -- the same start, since a zero hop adds
+    nothing. A rank runs its ops from an iterator until one waits on an end not yet known;
+    that op is parked and the rank resumes with it once the end is written."""
     sm = num_vstages * m
     last = num_vstages - 1
+    nothing, sink = 2 * sm, 2 * sm + 1
     hops = np.array(hop, dtype=np.float64)
     durs = np.array(dur, dtype=np.float64)
     plans = []
@@ -245,46 +250,55 @@ def _run(orders: list[list[int]], num_vstages: int, m: int, dur: list[list[float
         kinds, keys = np.divmod(np.array(order, dtype=np.int64), sm)
         stages = keys // m
         is_f, is_b = kinds == _F, kinds == _B
-        dep = np.where(is_f, np.where(stages > 0, keys - m, -1),
-                       np.where(is_b & (stages < last), sm + keys + m,
-                                np.where(is_b, keys, sm + keys)))
+        inner_b = is_b & (stages < last)
+        dep = np.where(is_f & (stages > 0), keys - m, np.where(inner_b, sm + keys + m, nothing))
         gap = np.where(is_f & (stages > 0), hops[stages],
-                       np.where(is_b & (stages < last), hops[np.minimum(stages + 1, last)], 0.0))
-        own = np.where(is_f, keys, np.where(is_b, sm + keys, -1))
-        plans.append((dep.tolist(), gap.tolist(), durs[kinds, stages].tolist(), own.tolist()))
-    ends = [-1.0] * (2 * sm)
-    waiter = [-1] * (2 * sm)  # the rank blocked on an end, at most one per end
+                       np.where(inner_b, hops[np.minimum(stages + 1, last)], 0.0))
+        own = np.where(is_f, keys, np.where(is_b, sm + keys, sink))
+        plans.append(zip(dep.tolist(), gap.tolist(), durs[kinds, stages].tolist(), own.tolist()))
+    ends = [-1.0] * (2 * sm + 2)
+    ends[nothing] = 0.0
+    waiter = [-1] * (2 * sm + 2)  # the rank blocked on an end, at most one per end
     num_ranks = len(orders)
-    pos = [0] * num_ranks
+    parked: list[tuple | None] = [None] * num_ranks
     free = [0.0] * num_ranks
     starts: list[list[float]] = [[] for _ in range(num_ranks)]
     ready = list(range(num_ranks - 1, -1, -1))
     while ready:
         rank = ready.pop()
-        dep, gap, length, own = plans[rank]
         record = starts[rank].append
-        i, t, n = pos[rank], free[rank], len(dep)
-        while i < n:
-            d = dep[i]
-            if d >= 0:
-                e = ends[d]
-                if e < 0.0:
-                    waiter[d] = rank
-                    break
-                e += gap[i]
-                if e > t:
-                    t = e
+        t = free[rank]
+        op = parked[rank]
+        if op is not None:  # woken: the end it waited on is known now
+            parked[rank] = None
+            d, g, length, o = op
+            e = ends[d] + g
+            if e > t:
+                t = e
             record(t)
-            t += length[i]
-            o = own[i]
-            if o >= 0:
-                ends[o] = t
-                w = waiter[o]
-                if w >= 0:
-                    ready.append(w)
-            i += 1
-        pos[rank], free[rank] = i, t
-    stuck = [r for r in range(num_ranks) if pos[r] < len(orders[r])]
+            t += length
+            ends[o] = t
+            w = waiter[o]
+            if w >= 0:
+                ready.append(w)
+        for op in plans[rank]:
+            d, g, length, o = op
+            e = ends[d]
+            if e < 0.0:
+                waiter[d] = rank
+                parked[rank] = op
+                break
+            e += g
+            if e > t:
+                t = e
+            record(t)
+            t += length
+            ends[o] = t
+            w = waiter[o]
+            if w >= 0:
+                ready.append(w)
+        free[rank] = t
+    stuck = [r for r in range(num_ranks) if len(starts[r]) < len(orders[r])]
     if stuck:
         raise RuntimeError(f"internal error: pipeline schedule deadlocked on ranks {stuck}")
     return starts

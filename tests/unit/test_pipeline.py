@@ -239,6 +239,60 @@ def test_every_op_respects_dependencies_ranks_and_runs_as_early_as_allowed(kw):
         assert t.peak_inflight_microbatches[rank] == peak
 
 
+def _reference_starts(kw, t):
+    """The docstring's rule run naively: sweep the ranks over and over, placing a rank's next
+    op (in the simulator's order) once its dependency has ended, at max(rank free, end of the
+    dependency + hop), end = start + duration -- the same float operations, in the same order,
+    as the simulator, so the numbers must agree to the last bit."""
+    p, v = kw["num_stages"], kw["virtual_stages"]
+    n = p * v
+    dur, _ = _durations(kw)
+    hop = [0.0] + [kw["p2p_s"][s - 1] if p > 1 else 0.0 for s in range(1, n)]
+    ends: dict = {}
+    free = [0.0] * p
+    pos = [0] * p
+    starts: list[list[float]] = [[] for _ in range(p)]
+    while any(pos[r] < len(t.ops[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while pos[r] < len(t.ops[r]):
+                op = t.ops[r][pos[r]]
+                s, j = op.stage, op.microbatch
+                if op.kind is OpKind.F:
+                    dep = (OpKind.F, s - 1, j, hop[s]) if s > 0 else None
+                elif op.kind is OpKind.B:
+                    dep = (OpKind.B, s + 1, j, hop[s + 1]) if s < n - 1 else (OpKind.F, s, j, 0.0)
+                else:
+                    dep = (OpKind.B, s, j, 0.0)
+                start = free[r]
+                if dep is not None:
+                    if dep[:3] not in ends:
+                        break
+                    start = max(start, ends[dep[:3]] + dep[3])
+                starts[r].append(start)
+                free[r] = ends[op.kind, s, j] = start + dur[op.kind][s]
+                pos[r] += 1
+                moved = True
+        assert moved, "the reference deadlocked"
+    return starts
+
+
+@settings(max_examples=200, deadline=None)
+@given(instances(), st.floats(0.1, 3.0))
+def test_event_loop_equals_a_naive_sweep_to_the_last_bit(kw, scale):
+    # times that are no short decimals (scaled by an arbitrary float), so any reordering of the
+    # float operations in the event loop would show up as a last-bit difference
+    kw = {**kw, **{k: [x * scale / 3 for x in kw[k]]
+                   for k in ("forward_s", "backward_s", "weight_grad_s", "p2p_s")}}
+    kw["weight_grad_s"] = [min(w, b) for w, b in zip(kw["weight_grad_s"], kw["backward_s"])]
+    t = simulate_pipeline(**kw)
+    reference = _reference_starts(kw, t)
+    assert [[op.start_s for op in ops] for ops in t.ops] == reference
+    assert t.step_time_s == max((o.end_s for ops in t.ops for o in ops), default=0.0)
+    light = simulate_pipeline(**kw, record_ops=False)
+    assert (light.step_time_s, light.busy_s) == (t.step_time_s, t.busy_s)
+
+
 @settings(max_examples=60, deadline=None)
 @given(instances(), st.floats(0.01, 0.5))
 def test_more_p2p_time_never_shortens_the_step(kw, extra):
