@@ -73,9 +73,7 @@ def check_step(step: dict, cluster: autopar.Cluster, *, attention_kernel: str = 
     est = autopar.estimate(graph, cluster, cfg, global_batch_size=mb, seq_len=seq, dtype="bf16",
                            options=EstimateOptions(attention_kernel=attention_kernel))
     compute = est.breakdown.get("compute", 0.0) + est.breakdown.get("recompute", 0.0)
-    pred["step"] = est.step_time_s - compute + compute * (
-        (pred["gemm"] + pred["attention"] + pred["memory"])
-        / max(1e-12, sum(est.breakdown.get(k, 0.0) for k in ("compute", "recompute"))))
+    pred["step"] = est.step_time_s - compute + pred["gemm"] + pred["attention"] + pred["memory"]
     pred["peak_bytes"] = est.tensor_memory_bytes
     k = step["kernel_s_by_kind"]
     cast = step["params"] * HARNESS_CAST_BYTES_PER_PARAM / (

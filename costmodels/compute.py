@@ -9,11 +9,12 @@
 - Every launched op also costs the profile's `op_overhead_us` (else `KERNEL_GAP_S`).
 - A fused attention kernel (FlashAttention-2, cuDNN, FlashAttention-3) runs at a measured
   fraction of dense peak that depends on the kernel and the architecture
-  (`FUSED_ATTENTION_PEAK_FRACTION`) and skips the masked half of a causal score matrix; an
+  (`FUSED_ATTENTION_PEAK_FRACTION`), less on short keys/values (`ATTENTION_SEQ_HALF`, forward
+  and backward apart), and skips the masked half of a causal score matrix; an
   unfused ("math") kernel runs two batched GEMMs and moves the score matrix through memory
   `MATH_ATTENTION_SCORE_PASSES` times.
 - Everything else (norms, elementwise, softmax, embedding lookups, losses) is bound by memory
-  bandwidth.
+  bandwidth, at `MEMORY_OP_TRAFFIC_FACTOR` times its minimum traffic (what eager PyTorch moves).
 The constants are named here with their sources; the published-runs benchmark checks them.
 No torch import.
 """

@@ -55,6 +55,7 @@ No torch import here.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import numbers
@@ -268,20 +269,12 @@ def _run(orders: list[list[int]], num_vstages: int, m: int, dur: list[list[float
         rank = ready.pop()
         record = starts[rank].append
         t = free[rank]
-        op = parked[rank]
-        if op is not None:  # woken: the end it waited on is known now
+        ops = plans[rank]
+        woken = parked[rank]
+        if woken is not None:  # the end it waited on is known now: run it first
             parked[rank] = None
-            d, g, length, o = op
-            e = ends[d] + g
-            if e > t:
-                t = e
-            record(t)
-            t += length
-            ends[o] = t
-            w = waiter[o]
-            if w >= 0:
-                ready.append(w)
-        for op in plans[rank]:
+            ops = itertools.chain((woken,), ops)
+        for op in ops:
             d, g, length, o = op
             e = ends[d]
             if e < 0.0:

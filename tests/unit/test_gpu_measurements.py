@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks.gpu_check import DEFAULT_FILE, check_file
 from costmodels.compute import (ATTENTION_SEQ_HALF, FUSED_ATTENTION_PEAK_FRACTION,
-                                MEMORY_OP_TRAFFIC_FACTOR, attention_time_s)
+                                MEMORY_OP_TRAFFIC_FACTOR, attention_time_s, sustained_fraction)
 import autopar
 
 DATA = json.loads(Path(DEFAULT_FILE).read_text())
@@ -34,7 +34,6 @@ def test_fused_attention_forward_matches_the_measured_kernel(backend, seq):
     predicted = attention_time_s(H100, "bf16", flops=row["flops_fwd"], io_bytes=0.0,
                                  score_bytes=0.0, causal=True, kernel=backend, backward=False,
                                  seq_kv=seq)
-    from costmodels.compute import sustained_fraction
     measured = row["fwd_ms"] / 1e3
     assert predicted * sustained_fraction("hopper") == pytest.approx(measured, rel=0.04)
 
