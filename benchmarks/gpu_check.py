@@ -2,16 +2,17 @@
 training steps, and the measured constants they determine.
 
 Reads a file written by benchmarks/gpu_calibrate.py (default: tests/data/h100_measurements.json,
-one H100 SXM, 2026-11-22) and, for every bf16 training step in it, predicts the same step on a
-one-GPU cluster of the profile: GEMM, attention, memory-bound (everything else) and optimizer
-time, then prints measured / predicted per kind and for the whole step, and the peak bytes.
+one H100 SXM, 2026-11-22) and, for every training step of one precision in it (eager bf16, or
+bf16 under torch.compile: the "fused" memory-bound ops), predicts the same step on a one-GPU
+cluster of the profile: GEMM, attention, memory-bound (everything else) and optimizer time, then
+prints measured / predicted per kind and for the whole step, and the peak bytes.
 
 The steps ran for seconds at boost clocks; `SUSTAINED_COMPUTE_FRACTION` (hours-long runs at the
 power limit, fitted on published runs) is divided out of the predicted compute here. The
 harness's fp32 master-gradient casts (6 bytes per parameter, a copy kernel) are taken out of
 the measured memory-bound time: the estimate's optimizer (30 B per parameter) covers them.
 
-Run: python benchmarks/gpu_check.py [--file PATH] [--profile dgx-h100]
+Run: python benchmarks/gpu_check.py [--file PATH] [--profile dgx-h100] [--precision compiled]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from costmodels.compute import MEMORY_OP_TRAFFIC_FACTOR, optimizer_time_s, susta
 
 DEFAULT_FILE = ROOT / "tests" / "data" / "h100_measurements.json"
 HARNESS_CAST_BYTES_PER_PARAM = 6.0  # bf16 gradient read, fp32 master gradient written
+KERNEL_STYLES = {"bf16": "eager", "compiled": "fused"}  # the software each precision ran
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ def check_step(step: dict, cluster: autopar.Cluster, *, attention_kernel: str = 
     """Measured and predicted seconds by kernel kind for one measured bf16 step."""
     device = cluster.hardware.device
     mb, seq, recompute = step["micro_batch"], step["seq_len"], step["recompute"]
+    kernels = KERNEL_STYLES[step["precision"]]
     model = _model(step)
     cfg = autopar.ParallelConfig(dp=1, tp=1, pp=1, zero_stage=0, micro_batch_size=mb,
                                  recompute=recompute)
@@ -66,12 +69,13 @@ def check_step(step: dict, cluster: autopar.Cluster, *, attention_kernel: str = 
     for unit in costs.units_for(mb):
         rerun = 2 if recompute == "full" and unit.count > 1 else 1  # blocks re-run forward
         for op in unit.ops:
-            fwd, bwd, _ = op_times(op, cluster, "bf16", cfg, attention_kernel)
+            fwd, bwd, _ = op_times(op, cluster, "bf16", cfg, attention_kernel, kernels)
             scale = 1.0 if op.kind == "memory" else boost
             pred[op.kind] += unit.count * (rerun * fwd + bwd) / scale
     pred["optimizer"] = optimizer_time_s(device, step["params"])
     est = autopar.estimate(graph, cluster, cfg, global_batch_size=mb, seq_len=seq, dtype="bf16",
-                           options=EstimateOptions(attention_kernel=attention_kernel))
+                           options=EstimateOptions(attention_kernel=attention_kernel,
+                                                   kernels=kernels))
     compute = est.breakdown.get("compute", 0.0) + est.breakdown.get("recompute", 0.0)
     pred["step"] = est.step_time_s - compute + pred["gemm"] + pred["attention"] + pred["memory"]
     pred["peak_bytes"] = est.tensor_memory_bytes
@@ -84,18 +88,22 @@ def check_step(step: dict, cluster: autopar.Cluster, *, attention_kernel: str = 
     return StepCheck(step_id=step["id"], measured=meas, predicted=pred)
 
 
-def check_file(path: Path = DEFAULT_FILE, profile: str = "dgx-h100") -> list[StepCheck]:
+def check_file(path: Path = DEFAULT_FILE, profile: str = "dgx-h100",
+               precision: str = "bf16") -> list[StepCheck]:
+    """The steps of one training precision: "bf16" (eager) or "compiled" (torch.compile)."""
     data = json.loads(Path(path).read_text())
     cluster = autopar.Cluster.from_profile(profile, num_nodes=1, gpus_per_node=1)
-    return [check_step(s, cluster) for s in data["steps"] if s.get("precision") == "bf16"]
+    return [check_step(s, cluster) for s in data["steps"] if s.get("precision") == precision]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--file", type=Path, default=DEFAULT_FILE)
     ap.add_argument("--profile", default="dgx-h100")
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "compiled"),
+                    help="eager bf16 steps, or the same under torch.compile (fused kernels)")
     args = ap.parse_args(argv)
-    rows = check_file(args.file, args.profile)
+    rows = check_file(args.file, args.profile, args.precision)
     kinds = ("gemm", "attention", "memory", "optimizer", "step")
     print(f"{'step':30s}" + "".join(f"{k:>22s}" for k in kinds) + f"{'peak GiB':>16s}")
     print(f"{'':30s}" + "".join(f"{'meas ms  pred  ratio':>22s}" for _ in kinds)
@@ -111,9 +119,11 @@ def main(argv=None) -> int:
         ratios = [r.measured[k] / r.predicted[k] for r in rows]
         print(f"{k:10s} measured/predicted: median {statistics.median(ratios):.3f}, "
               f"range {min(ratios):.3f}-{max(ratios):.3f}")
-    mem = [r.measured["memory"] / r.predicted["memory"] * MEMORY_OP_TRAFFIC_FACTOR for r in rows]
+    kernels = KERNEL_STYLES[args.precision]
+    factor = MEMORY_OP_TRAFFIC_FACTOR[kernels]
+    mem = [r.measured["memory"] / r.predicted["memory"] * factor for r in rows]
     print(f"memory-bound time / minimum IR traffic at profile bandwidth: median "
-          f"{statistics.median(mem):.2f} (MEMORY_OP_TRAFFIC_FACTOR = {MEMORY_OP_TRAFFIC_FACTOR})")
+          f"{statistics.median(mem):.2f} (MEMORY_OP_TRAFFIC_FACTOR[{kernels!r}] = {factor})")
     return 0
 
 

@@ -205,23 +205,29 @@ def interleave_degree(num_layers: int, pp: int) -> int:
 # framework of the run, not a fitted correction: they are the same for every row of a group.
 SOFTWARE: dict[str, tuple[dict[str, Any], str]] = {
     "sc21-t1": ({"attention_kernel": "math", "overlap_dp_comm": False,
-                 "grad_reduce_dtype": "fp16"},
+                 "grad_reduce_dtype": "fp16", "kernels": "fused"},
                 "Megatron-LM 2021: fused scale-mask-softmax on materialized scores (flash "
-                "attention is 2022); gradients all-reduced after backward (overlap came in 2023) "
+                "attention is 2022); fused bias-GeLU and bias-dropout-add (SC21 §4.2) and apex's "
+                "fused LayerNorm; gradients all-reduced after backward (overlap came in 2023) "
                 "in fp16 (--accumulate-allreduce-grads-in-fp32 was an opt-in flag)"),
     "sc21-t2-ptdp": ({"attention_kernel": "math", "overlap_dp_comm": False,
-                      "grad_reduce_dtype": "fp16"},
+                      "grad_reduce_dtype": "fp16", "kernels": "fused"},
                      "same Megatron-LM 2021 software as Table 1"),
     "sc21-t2-zero3": ({"attention_kernel": "math", "overlap_dp_comm": True,
                        "zero3_max_live_params": 10**9, "grad_reduce_dtype": "fp16"},
                       "DeepSpeed ZeRO-3 (2021): materialized attention scores; parameter "
                       "prefetch overlaps gathers with compute; live gathered parameters capped "
                       "by stage3_max_live_parameters (default 1e9); fp16 communication"),
-    "mlm-h100": ({"attention_kernel": "cudnn", "overlap_dp_comm": True, "overlap_tp_comm": True},
-                 "Megatron-LM r0.8 with Transformer Engine: cuDNN fused attention; --overlap-"
-                 "grad-reduce, --overlap-param-gather, --tp-comm-overlap (CSV notes)"),
+    "mlm-h100": ({"attention_kernel": "cudnn", "overlap_dp_comm": True, "overlap_tp_comm": True,
+                  "kernels": "fused", "grad_reduce_dtype": "bf16"},
+                 "Megatron-LM r0.8 with Transformer Engine: cuDNN fused attention, TE's fused "
+                 "norm and bias-activation kernels; --overlap-grad-reduce, --overlap-param-"
+                 "gather, --tp-comm-overlap (CSV notes); gradients reduced in bf16 "
+                 "(--accumulate-allreduce-grads-in-fp32 is still an opt-in flag)"),
     "mlm-h100-strong": ({"attention_kernel": "cudnn", "overlap_dp_comm": True,
-                         "overlap_tp_comm": True}, "same software as the weak-scaling rows"),
+                         "overlap_tp_comm": True, "kernels": "fused",
+                         "grad_reduce_dtype": "bf16"},
+                        "same software as the weak-scaling rows"),
     "mpt-h100": ({"attention_kernel": "flash", "overlap_dp_comm": True},
                  "llm-foundry: triton flash attention, FSDP with backward prefetch"),
     "mpt-a100": ({"attention_kernel": "flash", "overlap_dp_comm": True},

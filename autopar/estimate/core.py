@@ -61,6 +61,12 @@ class EstimateOptions:
     attention_kernel: Literal["flash", "cudnn", "flash3", "math"] = "flash"
     overlap_dp_comm: bool = True
     overlap_tp_comm: bool = False  # Megatron --tp-comm-overlap / TE userbuffers
+    # "eager": one kernel per op and GEMMs over the model's own sizes, as PyTorch eager and
+    # autopar's generated code run; "fused": fused-kernel software (Megatron-LM, Transformer
+    # Engine, torch.compile) fuses norms, activations, bias, dropout and residual adds with
+    # their neighbours and pads GEMM widths to aligned sizes (Megatron's vocabulary padding,
+    # inductor's pad_mm)
+    kernels: Literal["eager", "fused"] = "eager"
     grad_reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     # ZeRO-3 gathered-parameter buffers: None = FSDP2 per-block units (the running block and
     # the prefetched next one); a number caps them at that many parameters (DeepSpeed's
@@ -281,7 +287,8 @@ def _rank_groups(cache: EvalCache, config: ParallelConfig) -> RankGroups:
 
 def _times_key(config: ParallelConfig, dtype: str, options: EstimateOptions) -> tuple:
     return (config.micro_batch_size, config.tp, config.cp, config.ep, config.sequence_parallel,
-            config.recompute, options.attention_kernel, options.overlap_tp_comm, dtype)
+            config.recompute, options.attention_kernel, options.overlap_tp_comm,
+            options.kernels, dtype)
 
 
 def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype: str,
@@ -298,7 +305,8 @@ def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dty
         times = cache.times[key] = {
             u.name: unit_times(u, cluster=cache, dtype=dtype, cfg=config, groups=groups,
                                attention_kernel=options.attention_kernel,
-                               overlap_tp=options.overlap_tp_comm)
+                               overlap_tp=options.overlap_tp_comm,
+                               kernels=options.kernels)
             for u in cache.units[mbs]}
     return times
 
@@ -389,7 +397,8 @@ def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, 
     times = {u.name: unit_times(u, cluster=cache, dtype=dtype, cfg=config,
                                 groups=rank_groups(config),
                                 attention_kernel=options.attention_kernel,
-                                overlap_tp=options.overlap_tp_comm) for u in units}
+                                overlap_tp=options.overlap_tp_comm,
+                                kernels=options.kernels) for u in units}
     flash = options.attention_kernel != "math"
     shards = config.dp * config.cp
     dense_b = state_bytes_per_param(dtype, config.zero_stage, shards)

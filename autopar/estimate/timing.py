@@ -24,7 +24,7 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate.units import OpCost, Unit
 from costmodels.compute import (activation_memory_time_s, attention_time_s, gemm_time_s,
-                                op_overhead_s)
+                                op_overhead_s, unaligned_gemm_slowdown)
 
 __all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitTimes", "op_times", "rank_groups",
            "unit_times"]
@@ -78,7 +78,7 @@ def rank_groups(cfg: ParallelConfig) -> RankGroups:
 
 
 def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
-              kernel: str) -> tuple[float, float, float]:
+             kernel: str, kernels: str = "eager") -> tuple[float, float, float]:
     """(forward, backward, weight-grad part of backward) seconds of one op on one rank."""
     device = cluster.hardware.device
     tp, cp = cfg.tp, cfg.cp
@@ -86,6 +86,9 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         scale = tp * cp
         fwd = gemm_time_s(device, dtype, op.flops_fwd / scale, op.bytes_fwd / scale)
         bwd = gemm_time_s(device, dtype, op.flops_bwd / scale, 2 * op.bytes_fwd / scale)
+        if not op.aligned and kernels == "eager":  # fused-kernel software pads the sizes
+            fwd *= unaligned_gemm_slowdown(device, backward=False)
+            bwd *= unaligned_gemm_slowdown(device, backward=True)
         return fwd, bwd, bwd / 2 if op.flops_bwd >= 2 * op.flops_fwd else 0.0
     if op.kind == "attention":
         scale = tp * cp
@@ -95,7 +98,7 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         bwd = attention_time_s(device, dtype, flops=op.flops_bwd / scale, backward=True, **common)
         return fwd, bwd, 0.0
     split = cp * (tp if cfg.sequence_parallel or op.vocab or op.expert else 1)
-    fwd = activation_memory_time_s(device, op.bytes_fwd / split)
+    fwd = activation_memory_time_s(device, op.bytes_fwd / split, kernels)
     return fwd, BACKWARD_MEMORY_RATIO * fwd, 0.0
 
 
@@ -113,10 +116,11 @@ def _tp_time(unit: Unit, cluster: Cluster, cfg: ParallelConfig, groups: RankGrou
 
 
 def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
-               groups: RankGroups, attention_kernel: str, overlap_tp: bool = False) -> UnitTimes:
+               groups: RankGroups, attention_kernel: str, overlap_tp: bool = False,
+               kernels: str = "eager") -> UnitTimes:
     fwd = bwd = wgrad = attn_fwd = attn_bwd = gemm_fwd = gemm_bwd = 0.0
     for op in unit.ops:
-        f, b, w = op_times(op, cluster, dtype, cfg, attention_kernel)
+        f, b, w = op_times(op, cluster, dtype, cfg, attention_kernel, kernels)
         fwd, bwd, wgrad = fwd + f, bwd + b, wgrad + w
         if op.kind == "attention":
             attn_fwd, attn_bwd = attn_fwd + f, attn_bwd + b

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from autopar.ir import Graph, Node, OpKind
+from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
 
 __all__ = ["OpCost", "Unit", "units_from_graph", "vocab_sizes"]
 
@@ -40,6 +40,7 @@ class OpCost:
     score_bytes: float = 0.0  # attention: the b·a·s_q·s_kv score matrix in the compute dtype
     seq_kv: int = 0  # attention: key/value length
     vocab: bool = False  # a GEMM or lookup over the vocabulary (sharded by vocab-parallel TP)
+    aligned: bool = True  # a GEMM whose operands' rows are all 16-byte aligned
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,6 +82,14 @@ class Unit:
                        attention_kv_bytes=self.attention_kv_bytes * factor,
                        attention_score_bytes=self.attention_score_bytes * factor)
 
+
+
+def _aligned(node: Node) -> bool:
+    """Whether every operand and result of a GEMM has rows of a multiple of 16 bytes: tensor-
+    core GEMM kernels need that alignment, and cuBLAS falls back to far slower ones without it
+    (GPT-2's 50,257-token head; costmodels.compute.UNALIGNED_GEMM_FRACTION)."""
+    tensors = [*node.inputs, *node.outputs, *node.params]
+    return all(not t.shape or t.shape[-1] * dtype_num_bytes(t.dtype) % 16 == 0 for t in tensors)
 
 def _segments(graph: Graph) -> list[tuple[str, list[Node], tuple[str, ...]]]:
     """Consecutive runs of nodes: block representatives and the glue between them."""
@@ -140,7 +149,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         if node.kind in _GEMM_KINDS:
             ops.append(OpCost(kind="gemm", flops_fwd=node.flops_fwd, flops_bwd=node.flops_bwd,
                               bytes_fwd=io, param_bytes=weights, expert=in_moe,
-                              vocab=_vocab_sized(node, vocab_dims)))
+                              vocab=_vocab_sized(node, vocab_dims), aligned=_aligned(node)))
         elif node.kind is OpKind.ATTENTION and node.attention is not None:
             a = node.attention
             score = a.batch * a.num_heads * a.seq_q * a.seq_kv * node.inputs[0].num_bytes \

@@ -1,8 +1,9 @@
 """The fitted constants of the estimate, checked against published runs.
 
-SUSTAINED_COMPUTE_FRACTION was fitted on SC21 Table 1 (A100) and the Megatron-LM H100 weak-
-scaling table only; the other groups are held out. This runs `estimate` on all 47 rows of
-shared/data/published_runs_calibration.csv (benchmarks/published_runs.py prints the table).
+SUSTAINED_COMPUTE_FRACTION is fitted per architecture on every row of shared/data/
+published_runs_calibration.csv but the DeepSpeed ZeRO-3 ones (benchmarks/
+fit_sustained_fraction.py). This runs `estimate` on all 47 rows (benchmarks/published_runs.py
+prints the table) and checks that the constants in use are the protocol's optimum.
 The DeepSpeed ZeRO-3 rows of SC21 Table 2 are reported, not asserted: their step times stop
 falling beyond 768 GPUs, i.e. gathers ran at ~20 GB/s per GPU, far below what NCCL reaches on
 that fabric, and nothing in the sources explains it (see the issue 4 notes).
@@ -43,16 +44,31 @@ def test_every_published_configuration_is_predicted_to_fit(errors):
     assert [k for k, (_, _, fits) in errors.items() if not fits] == []
 
 
-def test_fitted_groups_and_held_out_groups_track_the_published_step_times(errors):
+def test_every_group_tracks_the_published_step_times(errors):
     assert _median(errors, {"sc21-t1"}) <= 0.05
-    assert _median(errors, {"mlm-h100"}) <= 0.05
-    # held out: no constant was fitted on these
     assert _median(errors, {"sc21-t2-ptdp"}) <= 0.05
+    assert _median(errors, {"mlm-h100"}) <= 0.06
+    assert _median(errors, {"mlm-h100-strong"}) <= 0.10
     assert _median(errors, {"mpt-a100"}) <= 0.10
-    # 8.9% before memory-bound ops were priced as measured in eager PyTorch (2026-11-22), 12.0%
-    # since: llm-foundry's H100 runs are faster than the eager factor implies
-    assert _median(errors, {"mpt-h100"}) <= 0.13
-    assert _median(errors, {"mlm-h100-strong"}) <= 0.12
+    # the two H100 sources disagree by ~15% in compute speed (Megatron-LM's weak-scaling rows
+    # alone fit a sustained fraction of 0.66, the other H100 rows 0.82); the joint fit sits
+    # between them
+    assert _median(errors, {"mpt-h100"}) <= 0.17
+
+
+@pytest.mark.parametrize("arch", ["ampere", "hopper"])
+def test_sustained_fraction_in_use_is_the_fit_protocol_optimum(arch):
+    """Neighbouring grid points score no better (least median |error|, ties by the mean)."""
+    from benchmarks.fit_sustained_fraction import NOT_MODELED, _errors, _score
+    from benchmarks.published_runs import load_runs
+
+    runs = [r for r in load_runs(CSV) if r.group not in NOT_MODELED
+            and r.make_cluster().hardware.device.arch == arch]
+    graphs: dict = {}
+    fitted = SUSTAINED_COMPUTE_FRACTION[arch]
+    score = {round(f, 2): _score(list(_errors(runs, graphs, arch, f).values()))
+             for f in (fitted - 0.01, fitted, fitted + 0.01)}
+    assert score[round(fitted, 2)] <= min(score.values())
 
 
 def test_all_rows_median_error(errors):
