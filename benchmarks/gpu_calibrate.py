@@ -14,6 +14,7 @@ the median of several CUDA-event-timed repetitions after warm-up, on random data
 - ``attention``: ``scaled_dot_product_attention`` forward and forward+backward per backend
   (flash, cuDNN, memory-efficient), causal and not, head dims 64 and 128.
 - ``alignment``: GEMMs over GPT-2's unaligned 50,257-token vocabulary and the padded 50,304.
+- ``loss``: bytes per logit the eager cross-entropy (fp32 upcast) allocates, forward and backward.
 - ``memory``: a device copy, LayerNorm, GELU and an add over activation-sized tensors
   (forward and backward), giving achieved HBM bandwidth.
 - ``steps``: training steps of autopar.models transformers on one GPU (bf16 autocast, fp32
@@ -127,6 +128,33 @@ def measure_alignment() -> list[dict]:
                     rows.append({"form": form, "m": m, "k": k, "n": n, "flops": flops,
                                  "ms": ms, "tflops": flops / ms / 1e9})
                 del x, w, dy
+    return rows
+
+
+def measure_loss_memory() -> list[dict]:
+    """Bytes per logit (T tokens x V classes) the eager loss of autopar's runtime allocates
+    beyond the bf16 logits: ``F.cross_entropy(logits.float(), labels)``, its forward peak, what
+    it keeps for backward, and its backward peak (the logits' gradient included)."""
+    rows = []
+    for tokens in (2048, 8192):
+        for vocab in (32000, 50304, 128256):
+            torch.cuda.empty_cache()
+            logits = torch.randn(tokens, vocab, device="cuda", dtype=torch.bfloat16,
+                                 requires_grad=True)
+            labels = torch.randint(0, vocab, (tokens,), device="cuda")
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss = F.cross_entropy(logits.float(), labels)
+            fwd_peak = torch.cuda.max_memory_allocated() - base
+            kept = torch.cuda.memory_allocated() - base
+            torch.cuda.reset_peak_memory_stats()
+            loss.backward()
+            bwd_peak = torch.cuda.max_memory_allocated() - base
+            n = tokens * vocab
+            rows.append({"tokens": tokens, "vocab": vocab, "fwd_peak_per_logit": fwd_peak / n,
+                         "kept_per_logit": kept / n, "bwd_peak_per_logit": bwd_peak / n})
+            del logits, labels, loss
     return rows
 
 
@@ -331,7 +359,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sections", default="env,memory,alignment,attention,gemm,steps")
+    ap.add_argument("--sections", default="env,memory,alignment,loss,attention,gemm,steps")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--precision", default="bf16,autocast,compiled",
                     help="training precisions of the steps section, comma-separated: bf16, "
@@ -351,6 +379,7 @@ def main(argv=None) -> int:
               "cudnn": torch.backends.cudnn.version()}
     sections = args.sections.split(",")
     for name, fn in (("memory", measure_memory_ops), ("alignment", measure_alignment),
+                     ("loss", measure_loss_memory),
                      ("attention", lambda: measure_attention(args.quick)),
                      ("gemm", lambda: measure_gemms(args.quick))):
         if name in sections:

@@ -228,10 +228,12 @@ SOFTWARE: dict[str, tuple[dict[str, Any], str]] = {
                          "overlap_tp_comm": True, "kernels": "fused",
                          "grad_reduce_dtype": "bf16"},
                         "same software as the weak-scaling rows"),
-    "mpt-h100": ({"attention_kernel": "flash", "overlap_dp_comm": True},
-                 "llm-foundry: triton flash attention, FSDP with backward prefetch"),
-    "mpt-a100": ({"attention_kernel": "flash", "overlap_dp_comm": True},
-                 "llm-foundry: triton flash attention, FSDP with backward prefetch"),
+    "mpt-h100": ({"attention_kernel": "flash", "overlap_dp_comm": True, "loss_kernel": "fused"},
+                 "llm-foundry: triton flash attention, FSDP with backward prefetch, flash-attn's "
+                 "fused cross-entropy (ComposerMPTCausalLM's default loss_fn "
+                 "'fused_crossentropy')"),
+    "mpt-a100": ({"attention_kernel": "flash", "overlap_dp_comm": True, "loss_kernel": "fused"},
+                 "same llm-foundry software as the H100 rows"),
 }
 
 

@@ -13,7 +13,8 @@ No torch import.
 from __future__ import annotations
 
 __all__ = ["DTYPE_BYTES", "state_bytes_per_param", "state_bytes_split", "CUDA_CONTEXT_BYTES", "COMM_BUFFER_BYTES",
-           "ALLOCATOR_RESERVE_FRACTION"]
+           "ALLOCATOR_RESERVE_FRACTION", "LOSS_KEPT_BYTES_PER_LOGIT",
+           "LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -31,6 +32,15 @@ COMM_BUFFER_BYTES = 2 * 25 * 2**20 + 4 * 64 * 2**20
 # the live tensors. Assumption: 5% of live bytes, the low end of the reserved/allocated ratio
 # seen in large-model training logs; a measured value will replace it (issue calibration).
 ALLOCATOR_RESERVE_FRACTION = 0.05
+
+# Cross-entropy over the logits as autopar's runtime computes it (log-probabilities in fp32:
+# runtime.lm_loss upcasts the logits; Hugging Face causal LMs do the same): the forward keeps 4
+# bytes per logit for the backward, and the backward's peak holds 12 bytes per logit beyond the
+# low-precision logits (the kept log-probabilities and two fp32 gradient buffers). Measured on
+# an H100 with torch 2.11 (tests/data/h100_measurements.json, "loss": 2k-8k tokens x 32k-128k
+# classes, every case exact to 0.03 bytes).
+LOSS_KEPT_BYTES_PER_LOGIT = 4
+LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT = 12
 
 
 def state_bytes_split(dtype: str, zero_stage: int, shards: int) -> tuple[float, float, float]:

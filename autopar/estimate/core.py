@@ -67,6 +67,9 @@ class EstimateOptions:
     # their neighbours and pads GEMM widths to aligned sizes (Megatron's vocabulary padding,
     # inductor's pad_mm)
     kernels: Literal["eager", "fused"] = "eager"
+    # cross-entropy: "eager" upcasts the logits to fp32 (autopar's runtime, Hugging Face);
+    # "fused" is a fused kernel (flash-attn's CrossEntropyLoss, llm-foundry's default)
+    loss_kernel: Literal["eager", "fused"] = "eager"
     grad_reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     # ZeRO-3 gathered-parameter buffers: None = FSDP2 per-block units (the running block and
     # the prefetched next one); a number caps them at that many parameters (DeepSpeed's
@@ -288,7 +291,7 @@ def _rank_groups(cache: EvalCache, config: ParallelConfig) -> RankGroups:
 def _times_key(config: ParallelConfig, dtype: str, options: EstimateOptions) -> tuple:
     return (config.micro_batch_size, config.tp, config.cp, config.ep, config.sequence_parallel,
             config.recompute, options.attention_kernel, options.overlap_tp_comm,
-            options.kernels, dtype)
+            options.kernels, options.loss_kernel, dtype)
 
 
 def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype: str,
@@ -326,7 +329,8 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
     tkey = _times_key(config, dtype, options)
     if tkey not in cache.vectors:
         cache.vectors[tkey] = unit_vectors(units, times, config,
-                                           options.attention_kernel != "math")
+                                           options.attention_kernel != "math",
+                                           options.loss_kernel)
     lay = layout(cache.vectors[tkey], config, split)
     groups = _rank_groups(cache, config)
     act = max(u.act_bytes for u in units) / config.cp / config.tp
@@ -410,7 +414,7 @@ def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, 
         out["forward"].append(t.forward)
         out["backward"].append(t.backward)
         out["wgrad"].append(t.compute_wgrad)
-        out["act"].append(activation_bytes(unit, config, flash)[0])
+        out["act"].append(activation_bytes(unit, config, flash, options.loss_kernel)[0])
         out["states"].append(unit.dense_params / config.tp * dense_b
                              + unit.expert_params / (config.tp * config.ep) * expert_b)
     return out

@@ -13,29 +13,54 @@ from __future__ import annotations
 from autopar.config import ParallelConfig
 from autopar.estimate.units import Unit
 from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
-                               CUDA_CONTEXT_BYTES, state_bytes_split)
+                               CUDA_CONTEXT_BYTES, LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT,
+                               LOSS_KEPT_BYTES_PER_LOGIT, state_bytes_split)
 from costmodels.pipeline import PipelineTimeline
 
-__all__ = ["stage_memory", "activation_bytes", "peak_inflight_bytes"]
+__all__ = ["stage_memory", "activation_bytes", "loss_bytes", "peak_inflight_bytes"]
 
 
-def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool) -> tuple[float, float]:
+def loss_bytes(unit: Unit, loss_kernel: str) -> tuple[float, float]:
+    """(kept beyond the traced log-probabilities, held only while its backward runs) of the
+    unit's cross-entropy losses, whole (before any sharding).
+
+    The trace keeps log-probabilities the size of the logits in their dtype. The eager loss
+    (``F.cross_entropy(logits.float(), ...)``, autopar's runtime) keeps them in fp32 and its
+    backward holds two more fp32 buffers (measured: LOSS_KEPT_BYTES_PER_LOGIT,
+    LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT). A fused kernel (flash-attn's CrossEntropyLoss,
+    llm-foundry's default) keeps the logits and per-row statistics and writes one gradient of
+    the logits' size.
+    """
+    if loss_kernel == "fused":
+        return 0.0, float(unit.loss_logit_bytes)
+    if loss_kernel != "eager":
+        raise ValueError(f"loss_kernel={loss_kernel!r} is not known; use 'eager' or 'fused'")
+    kept = unit.loss_logits * LOSS_KEPT_BYTES_PER_LOGIT
+    return (kept - unit.loss_logit_bytes,
+            unit.loss_logits * (LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT - LOSS_KEPT_BYTES_PER_LOGIT))
+
+
+def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
+                     loss_kernel: str = "eager") -> tuple[float, float]:
     """(kept per layer per micro-batch, working set of one layer while it runs) on one rank.
 
     A fused attention node keeps no score matrix; with an unfused kernel (`flash` False) the
-    scores it would keep are added. Selective recompute drops the score-sized tensors.
+    scores it would keep are added. Selective recompute drops the score-sized tensors. A
+    cross-entropy keeps and briefly holds what `loss_bytes` says, its logits sharded over
+    tp (vocabulary-parallel) and cp.
     """
     tp, cp = cfg.tp, cfg.cp
+    loss_kept, loss = (b / (tp * cp) for b in loss_bytes(unit, loss_kernel))
     mem_split = cp * (tp if cfg.sequence_parallel else 1)
     scores = 0.0 if flash else unit.attention_score_bytes / (tp * cp)
     full = (unit.saved_bytes - unit.saved_bytes_memory_ops) / (tp * cp) \
-        + unit.saved_bytes_memory_ops / mem_split + scores
+        + unit.saved_bytes_memory_ops / mem_split + scores + loss_kept
     if cfg.recompute == "full":
-        return unit.act_bytes / mem_split, full
+        return unit.act_bytes / mem_split, full + loss
     if cfg.recompute == "selective":
         dropped = (unit.saved_bytes - unit.saved_bytes_recompute) / (tp * cp) + scores
-        return max(0.0, full - dropped), 0.0
-    return full, 0.0
+        return max(0.0, full - dropped), loss
+    return full, loss
 
 
 def peak_inflight_bytes(timeline: PipelineTimeline, rank: int, per_stage: list[float]

@@ -60,6 +60,8 @@ class Unit:
     attention_kv_bytes: int  # K and V of all attention ops (what a CP ring passes on)
     attention_score_bytes: int  # what an unfused kernel would keep of the score matrices
     param_bytes: int  # parameters of one copy of the unit, in their traced dtype
+    loss_logits: int = 0  # elements of its cross-entropy losses' inputs (the logits)
+    loss_logit_bytes: int = 0  # the same in their traced dtype
 
     @property
     def count(self) -> int:
@@ -80,8 +82,9 @@ class Unit:
                        act_bytes=self.act_bytes * factor,
                        moe_dispatch_bytes=self.moe_dispatch_bytes * factor,
                        attention_kv_bytes=self.attention_kv_bytes * factor,
-                       attention_score_bytes=self.attention_score_bytes * factor)
-
+                       attention_score_bytes=self.attention_score_bytes * factor,
+                       loss_logits=self.loss_logits * factor,
+                       loss_logit_bytes=self.loss_logit_bytes * factor)
 
 
 def _aligned(node: Node) -> bool:
@@ -90,6 +93,7 @@ def _aligned(node: Node) -> bool:
     (GPT-2's 50,257-token head; costmodels.compute.UNALIGNED_GEMM_FRACTION)."""
     tensors = [*node.inputs, *node.outputs, *node.params]
     return all(not t.shape or t.shape[-1] * dtype_num_bytes(t.dtype) % 16 == 0 for t in tensors)
+
 
 def _segments(graph: Graph) -> list[tuple[str, list[Node], tuple[str, ...]]]:
     """Consecutive runs of nodes: block representatives and the glue between them."""
@@ -177,6 +181,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
                    if not src.startswith(("param:", "buffer:", "const"))), default=0)
     if tp_points == 0 and any(op.kind == "gemm" or op.vocab for op in ops):
         tp_points = 1  # an embedding or head: one vocab-parallel reduction
+    losses = [n for n in nodes if n.kind is OpKind.LOSS and n.target == "F.cross_entropy"]
     return Unit(
         name=name, layer_fqns=fqns, ops=tuple(ops), num_kernels=kernels,
         dense_params=dense, expert_params=expert,
@@ -184,7 +189,9 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         saved_bytes_recompute=sum(n.saved_bytes_recompute for n in nodes),
         saved_bytes_memory_ops=saved_memory, act_bytes=act, tp_points=tp_points,
         moe_dispatch_bytes=dispatch, attention_kv_bytes=kv, attention_score_bytes=scores,
-        param_bytes=sum(seen_params.values()))
+        param_bytes=sum(seen_params.values()),
+        loss_logits=sum(n.inputs[0].numel for n in losses),
+        loss_logit_bytes=sum(n.inputs[0].num_bytes for n in losses))
 
 
 def vocab_sizes(graph: Graph) -> set[int]:

@@ -211,7 +211,8 @@ def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_b
     rows, step = rows[~failed], step[~failed]
     first_rank = first_rank_memory(
         table, rows, units=cache.units, structure_of=functools.partial(_split, costs, cache),
-        activations_of=activation_bytes, dtype=dtype, global_batch_size=global_batch_size,
+        activations_of=functools.partial(activation_bytes, loss_kernel=options.loss_kernel),
+        dtype=dtype, global_batch_size=global_batch_size,
         flash=options.attention_kernel != "math", zero3_cap=options.zero3_max_live_params)
     # a small margin covers the bound summing in another order than the estimate
     return _Bounds(rows=rows, step=step, cannot_fit=first_rank * (1 - _BOUND_MARGIN) > usable,

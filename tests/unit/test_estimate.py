@@ -177,3 +177,23 @@ def test_closed_form_ranking_tracks_the_simulated_schedule(schedule, pp, v):
     assert fast.step_time_s == pytest.approx(exact.step_time_s, rel=0.15)
     if schedule in ("gpipe", "1f1b"):
         assert fast.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=1e-9)
+
+
+def test_eager_loss_holds_eight_more_bytes_per_logit_than_a_fused_one():
+    """Eager fp32 cross-entropy keeps 4 B/logit and peaks at 12 B/logit in its backward; a
+    fused kernel keeps the bf16 logits (2 B) and writes one bf16 gradient (2 B): 8 B/logit
+    apart at the loss's backward (one micro-batch in flight, pp=1)."""
+    vocab, seq, mb = 4096, 64, 2
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=vocab, max_seq_len=seq, dim=64, n_layers=2, n_heads=4))
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=1)
+    cfg = ParallelConfig(dp=8, tp=1, pp=1, micro_batch_size=mb)
+    mem = {k: estimate(model, cluster, cfg, global_batch_size=8 * mb, seq_len=seq, dtype="bf16",
+                       options=EstimateOptions(loss_kernel=k)).tensor_memory_bytes
+           for k in ("eager", "fused")}
+    assert mem["eager"] - mem["fused"] == pytest.approx(8 * mb * seq * vocab)
+    cfg_tp = ParallelConfig(dp=4, tp=2, pp=1, micro_batch_size=mb)
+    tp = {k: estimate(model, cluster, cfg_tp, global_batch_size=4 * mb, seq_len=seq,
+                      dtype="bf16", options=EstimateOptions(loss_kernel=k)).tensor_memory_bytes
+          for k in ("eager", "fused")}
+    assert tp["eager"] - tp["fused"] == pytest.approx(8 * mb * seq * vocab / 2)  # vocab-parallel
