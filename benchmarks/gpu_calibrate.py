@@ -12,7 +12,8 @@ the median of several CUDA-event-timed repetitions after warm-up, on random data
   their three training forms: forward ``y = x Wᵀ``, input gradient ``dx = dy W`` and weight
   gradient ``dW = dyᵀ x``.
 - ``attention``: ``scaled_dot_product_attention`` forward and forward+backward per backend
-  (flash, cuDNN, memory-efficient), causal and not, head dims 64 and 128.
+  (flash, cuDNN, memory-efficient) and an unfused bf16 attention (scores materialized), causal
+  and not, head dims 64 and 128.
 - ``alignment``: GEMMs over GPT-2's unaligned 50,257-token vocabulary and the padded 50,304.
 - ``loss``: bytes per logit the eager cross-entropy (fp32 upcast) allocates, forward and backward.
 - ``memory``: a device copy, LayerNorm, GELU and an add over activation-sized tensors
@@ -158,14 +159,31 @@ def measure_loss_memory() -> list[dict]:
     return rows
 
 
+def _unfused_attention(q, k, v, is_causal):
+    """Attention with a materialized score matrix in bf16, as Megatron-LM before flash
+    attention ran it: a scaled batched GEMM, a softmax (with the causal mask), a second GEMM."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    if is_causal:
+        s = q.shape[-2]
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu_(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
 def measure_attention(quick: bool) -> list[dict]:
+    import contextlib
+
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
-    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    sdpa = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    # SDPA's own math backend computes in fp32 for bf16 inputs; "unfused" is the bf16 path
+    backends = {**{name: (F.scaled_dot_product_attention, lambda b=b: sdpa_kernel(b))
+                   for name, b in sdpa.items()},
+                "unfused": (_unfused_attention, contextlib.nullcontext)}
     seqs = (2048, 8192) if quick else (1024, 2048, 4096, 8192)
-    for name, backend in backends.items():
+    for name, (attention, context) in backends.items():
         for d in (64, 128):
             for s in seqs:
                 heads = 2048 // d  # 16 heads of 128 or 32 of 64: a 2048-wide tp shard
@@ -176,12 +194,11 @@ def measure_attention(quick: bool) -> list[dict]:
                 for causal in (True, False):
                     flops_fwd = 4.0 * b * heads * s * s * d  # full square, as the IR counts
                     try:
-                        with sdpa_kernel(backend):
-                            fwd_ms = _time_ms(lambda: F.scaled_dot_product_attention(
-                                q, k, v, is_causal=causal))
+                        with context():
+                            fwd_ms = _time_ms(lambda: attention(q, k, v, is_causal=causal))
 
                             def fwd_bwd():
-                                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                                out = attention(q, k, v, is_causal=causal)
                                 out.backward(go)
                             both_ms = _time_ms(fwd_bwd)
                     except RuntimeError as err:  # backend unavailable for this shape

@@ -25,7 +25,7 @@ from costmodels.hardware import DeviceSpec
 
 __all__ = [
     "GEMM_HALF_EFFICIENCY_FLOPS", "FUSED_ATTENTION_PEAK_FRACTION", "ATTENTION_KERNELS",
-    "MATH_ATTENTION_SCORE_PASSES_FWD", "MATH_ATTENTION_SCORE_PASSES_BWD",
+    "MATH_ATTENTION_SCORE_PASSES",
     "KERNEL_GAP_S", "OPTIMIZER_BYTES_PER_PARAM", "SUSTAINED_COMPUTE_FRACTION", "sustained_fraction",
     "op_overhead_s", "peak_flops", "gemm_time_s", "memory_time_s", "attention_time_s", "optimizer_time_s",
     "fused_attention_fraction", "ATTENTION_SEQ_HALF", "MEMORY_OP_TRAFFIC_FACTOR", "KERNEL_STYLES",
@@ -90,11 +90,21 @@ KERNEL_STYLES = tuple(MEMORY_OP_TRAFFIC_FACTOR)
 # gradients 0.20 (0.177-0.228). GPU architectures only (CPU BLAS has no such cliff).
 UNALIGNED_GEMM_FRACTION = {"fwd": 0.13, "bwd": 0.20}
 
-# An unfused attention writes the scores, reads them for scale+mask+softmax and writes the
-# probabilities, reads those for the PV GEMM (4 passes of the b·a·s² matrix forward); backward
-# reads probabilities and their gradient and writes the score gradient twice over (6 passes).
-MATH_ATTENTION_SCORE_PASSES_FWD = 4
-MATH_ATTENTION_SCORE_PASSES_BWD = 6
+# Passes of the b·a·s² score matrix through memory in an unfused attention, by software,
+# causal mask and direction. "fused" (Megatron-LM's scaled GEMM and fused scale-mask-softmax):
+# write the scores, read them and write the probabilities, read those for the PV GEMM (4
+# forward); backward reads probabilities and their gradient and writes the score gradient
+# twice over (6) -- kernel analysis, the mask applied inside the softmax. "eager" (a bf16
+# matmul, a scale, a masked_fill for the causal mask, softmax, matmul; autograd backward):
+# measured on an H100 (tests/data/h100_measurements.json, "unfused" attention, head dims
+# 64/128, s = 1k-8k; the time left after the two GEMMs at their modelled speed, median of 8
+# shapes each: 7.5 / 10.9 without a mask, 14.7 / 16.8 with it).
+MATH_ATTENTION_SCORE_PASSES = {
+    ("fused", False, "fwd"): 4, ("fused", False, "bwd"): 6,
+    ("fused", True, "fwd"): 4, ("fused", True, "bwd"): 6,
+    ("eager", False, "fwd"): 7.5, ("eager", False, "bwd"): 10.9,
+    ("eager", True, "fwd"): 14.7, ("eager", True, "bwd"): 16.8,
+}
 
 # Sustained fraction of microbenchmark throughput reached inside long training runs: the
 # profiles' GEMM efficiencies are short max-achievable-matmul sweeps, while training keeps the
@@ -191,7 +201,7 @@ def fused_attention_fraction(device: DeviceSpec, kernel: str) -> float:
 
 def attention_time_s(device: DeviceSpec, dtype: str, *, flops: float, io_bytes: float,
                      score_bytes: float, causal: bool, kernel: str, backward: bool,
-                     seq_kv: float = 0.0) -> float:
+                     seq_kv: float = 0.0, kernels: str = "eager") -> float:
     """One attention op. `flops` count the full (non-causal) score matrix, as the IR does;
     `score_bytes` is the size of the b·a·s_q·s_kv matrix in the compute dtype; `seq_kv` the
     key/value length one kernel call sees (0: long enough to reach the plateau)."""
@@ -204,7 +214,7 @@ def attention_time_s(device: DeviceSpec, dtype: str, *, flops: float, io_bytes: 
         rate = device.peak_flops[dtype if dtype in device.peak_flops else "bf16"] \
             * frac * sustained_fraction(device.arch)
         return max(work / rate, memory_time_s(device, io_bytes))
-    passes = MATH_ATTENTION_SCORE_PASSES_BWD if backward else MATH_ATTENTION_SCORE_PASSES_FWD
+    passes = MATH_ATTENTION_SCORE_PASSES[(kernels, causal, "bwd" if backward else "fwd")]
     return gemm_time_s(device, dtype, flops, io_bytes) + memory_time_s(device, passes * score_bytes)
 
 

@@ -496,9 +496,11 @@ def _constants(hardware, dtype: str, options: dict[str, Any]) -> list[tuple[str,
                      "fitted (H100 matmul sweep)"))
     kernel = options.get("attention_kernel", "flash")
     if kernel == "math":
-        rows.append(("MATH_ATTENTION_SCORE_PASSES_FWD/BWD",
-                     (f"{_compute.MATH_ATTENTION_SCORE_PASSES_FWD}/"
-                      f"{_compute.MATH_ATTENTION_SCORE_PASSES_BWD}"), "assumed (kernel analysis)"))
+        style = options.get("kernels", "eager")
+        passes = _compute.MATH_ATTENTION_SCORE_PASSES
+        rows.append((f"MATH_ATTENTION_SCORE_PASSES[{style}] fwd/bwd",
+                     f"{passes[(style, True, 'fwd')]:g}/{passes[(style, True, 'bwd')]:g} causal",
+                     "measured (H100)" if style == "eager" else "assumed (kernel analysis)"))
     elif hardware is not None:
         known = (kernel, arch) in _compute.FUSED_ATTENTION_PEAK_FRACTION
         rows.append((f"FUSED_ATTENTION_PEAK_FRACTION[{kernel}, {arch}]",

@@ -117,3 +117,25 @@ def test_peak_memory_of_every_measured_step_within_15_percent(checks):
     for c in checks.values():
         ratio = c.predicted["peak_bytes"] / c.measured["peak_bytes"]
         assert 0.85 <= ratio <= 1.10, (c.step_id, ratio)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_eager_unfused_attention_matches_the_measured_bf16_path(causal, monkeypatch):
+    """kernel='math' under eager software: the measured bf16 matmul-softmax-matmul attention
+    forward and backward, median within 5% and every shape within 30% (GEMMs at the short
+    run's boost clocks: no sustained fraction)."""
+    from costmodels import compute
+
+    monkeypatch.setitem(compute.SUSTAINED_COMPUTE_FRACTION, "hopper", 1.0)
+    rows = [r for r in DATA["attention"] if r["backend"] == "unfused" and r["causal"] == causal]
+    assert len(rows) == 8
+    ratios = []
+    for r in rows:
+        common = dict(io_bytes=0.0, score_bytes=r["b"] * r["heads"] * r["s"] ** 2 * 2,
+                      causal=causal, kernel="math", kernels="eager")
+        for backward, measured in ((False, r["fwd_ms"]), (True, r["bwd_ms"])):
+            flops = r["flops_fwd"] * (2 if backward else 1)
+            predicted = attention_time_s(H100, "bf16", flops=flops, backward=backward, **common)
+            ratios.append(measured / 1e3 / predicted)
+    assert statistics.median(ratios) == pytest.approx(1.0, abs=0.05)
+    assert all(0.75 <= x <= 1.30 for x in ratios), " ".join(f"{x:.2f}" for x in ratios)
