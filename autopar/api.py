@@ -70,6 +70,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
         search={"num_considered": result.num_considered,
                 "num_pruned_by_memory": result.num_pruned_by_memory,
                 "num_pruned_by_bound": result.num_pruned_by_bound,
+                "num_simulated": result.num_simulated,
                 "seconds": result.seconds,
                 "stage_cut": "inter-op DP" if best is not result.best else "even (Megatron)"})
 
