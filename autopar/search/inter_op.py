@@ -178,10 +178,16 @@ class _Ranges:
         self.tau = np.where(self.valid, _span(compute), np.inf)
         self.act = np.where(self.valid, _span(act), np.inf)
         self.state = np.where(self.valid, _span(state), np.inf)
+        self._held: dict[int, np.ndarray] = {}  # in-flight count -> state + count * act
 
     def held(self, inflight: int, rows: slice) -> np.ndarray:
-        """Bytes a stage [i, j) holds with `inflight` micro-batches in flight, rows i only."""
-        return self.state[rows] + inflight * self.act[rows]
+        """Bytes a stage [i, j) holds with `inflight` micro-batches in flight, rows i only
+        (the whole matrix computed once per in-flight count: the DPs of one search ask for the
+        same few counts many times)."""
+        matrix = self._held.get(inflight)
+        if matrix is None:
+            matrix = self._held[inflight] = self.state + inflight * self.act
+        return matrix[rows]
 
     def allowed(self, matrix: np.ndarray, inflight: int, budget: float,
                 rows: slice) -> np.ndarray:
