@@ -179,6 +179,7 @@ class _Ranges:
         self.act = np.where(self.valid, _span(act), np.inf)
         self.state = np.where(self.valid, _span(state), np.inf)
         self._held: dict[int, np.ndarray] = {}  # in-flight count -> state + count * act
+        self.solved: dict[tuple, list[tuple[int, int]] | None] = {}  # `_solve`'s memo
 
     def held(self, inflight: int, rows: slice) -> np.ndarray:
         """Bytes a stage [i, j) holds with `inflight` micro-batches in flight, rows i only
@@ -242,7 +243,17 @@ def _fastest(ranges: _Ranges, inflight: tuple[int, ...], budgets: list[float]
 
 def _solve(ranges: _Ranges, inflight: tuple[int, ...], budgets: list[float]
            ) -> list[tuple[int, int]] | None:
-    """Step 1 (least bottleneck tau*) then step 2 (least sum tau^2 with every tau <= tau*)."""
+    """Step 1 (least bottleneck tau*) then step 2 (least sum tau^2 with every tau <= tau*);
+    memoised on `ranges` per (in-flight counts, budgets): pass 2 asks for some splits again."""
+    key = (inflight, tuple(budgets))
+    if key not in ranges.solved:
+        ranges.solved[key] = _solve_once(ranges, inflight, budgets)
+    cut = ranges.solved[key]
+    return None if cut is None else list(cut)
+
+
+def _solve_once(ranges: _Ranges, inflight: tuple[int, ...], budgets: list[float]
+                ) -> list[tuple[int, int]] | None:
     fastest = _fastest(ranges, inflight, budgets)
     if fastest is None:
         return None
