@@ -244,18 +244,19 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
 def exact_step_lower_bound(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
                            global_batch_size: int, dtype: str = "bf16",
                            options: EstimateOptions = EstimateOptions(),
-                           cache: EvalCache | None = None) -> float:
+                           cache: EvalCache | None = None,
+                           stage_boundaries: tuple[tuple[int, int], ...] | None = None) -> float:
     """A bound `evaluate(..., exact=True).step_time_s` never goes below (up to the rounding of
     sums taken in another order): the simulated schedule replaced by
     `layout.simulated_lower_bound`, plus the same data-parallel and optimizer terms. Costs
     no simulation, so the search ranks simulation candidates by it and skips those that
-    cannot beat a simulated one."""
+    cannot beat a simulated one. `stage_boundaries` as in `evaluate`."""
     m = check_config(config, world_size=cluster.world_size, global_batch_size=global_batch_size,
                      num_layers=costs.num_layers, num_heads=costs.num_heads,
                      num_kv_heads=costs.num_kv_heads, num_experts=costs.num_experts,
                      seq_len=costs.seq_len)
     cache = cache or EvalCache(cluster)
-    prep = _prepared(costs, cache, config, dtype, options, None)
+    prep = _prepared(costs, cache, config, dtype, options, stage_boundaries)
     dp_exposed, _, optimizer = _data_parallel(cluster, cache, prep, config, m, dtype, options)
     return simulated_lower_bound(config, m, prep.lay, prep.p2p) + dp_exposed + optimizer
 

@@ -113,3 +113,23 @@ def test_skipping_simulations_keeps_the_winner_of_simulating_all(seed):
     for sim in every:
         if sim.config not in simulated:
             assert outer._rank_key(sim) > outer._rank_key(expected)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_bound_holds_for_given_stage_boundaries(seed):
+    # `_rebalance_stages` drops an inter-op DP cut without simulating it when this bound is
+    # already no faster than the winner
+    rng = random.Random(seed)
+    costs = _costs(8)
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=1)
+    pp, v = rng.choice([(2, 1), (4, 1), (2, 2)])
+    schedule = "interleaved-1f1b" if v > 1 else rng.choice(["gpipe", "1f1b", "zero-bubble"])
+    cfg = autopar.ParallelConfig(dp=8 // pp, tp=1, pp=pp, pp_schedule=schedule,
+                                 virtual_stages=v)
+    layers = costs.num_layers
+    edges = sorted(rng.sample(range(1, layers), pp * v - 1))
+    cut = tuple(zip([0] + edges, edges + [layers]))
+    bound = exact_step_lower_bound(costs, cluster, cfg, global_batch_size=32,
+                                   stage_boundaries=cut)
+    sim = evaluate(costs, cluster, cfg, global_batch_size=32, stage_boundaries=cut)
+    assert bound <= sim.step_time_s * (1 + 1e-12)
