@@ -8,7 +8,8 @@ from typing import Any
 import torch.nn as nn
 
 from autopar.cluster import Cluster
-from autopar.estimate.core import EstimateOptions, ModelCosts, evaluate, layer_costs
+from autopar.estimate.core import (EstimateOptions, EvalCache, ModelCosts, evaluate,
+                                   exact_step_lower_bound, layer_costs)
 from autopar.errors import StageMemoryError
 from autopar.search.inter_op import partition_stages
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES
@@ -20,6 +21,9 @@ from autopar.search.outer import SearchSettings, search
 __all__ = ["compile"]
 
 log = logging.getLogger(__name__)
+
+# relative: a bound summed in another order than the simulation may differ in its last bits
+_BOUND_MARGIN = 1e-9
 
 
 def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
@@ -70,6 +74,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
         search={"num_considered": result.num_considered,
                 "num_pruned_by_memory": result.num_pruned_by_memory,
                 "num_pruned_by_bound": result.num_pruned_by_bound,
+                "num_simulated": result.num_simulated,
                 "seconds": result.seconds,
                 "stage_cut": "inter-op DP" if best is not result.best else "even (Megatron)"})
 
@@ -118,7 +123,9 @@ def _tp_placements(model, graph, cluster: Cluster, cfg, dtype: str, seq_len, exa
 def _rebalance_stages(costs: ModelCosts, cluster: Cluster, best, global_batch_size: int,
                       dtype: str, options: EstimateOptions):
     """Re-cut the winner's pipeline stages with the inter-op DP (non-uniform where layers
-    differ); keep the cut only if the simulated schedule is faster and it still fits."""
+    differ); keep the cut only if the simulated schedule is faster and it still fits. A cut
+    whose simulated step is bounded below by the winner's (`exact_step_lower_bound`) is
+    dropped without simulating it."""
     cfg = best.config
     if cfg.pp == 1:
         return best
@@ -135,8 +142,15 @@ def _rebalance_stages(costs: ModelCosts, cluster: Cluster, best, global_batch_si
             weight_grad_s=per_layer["wgrad"] if cfg.pp_schedule == "zero-bubble" else None)
     except StageMemoryError:
         return best
+    boundaries = tuple(cut.boundaries)
+    cache = EvalCache(cluster)
+    bound = exact_step_lower_bound(costs, cluster, cfg, global_batch_size=global_batch_size,
+                                   dtype=dtype, options=options, cache=cache,
+                                   stage_boundaries=boundaries)
+    if bound * (1 - _BOUND_MARGIN) >= best.step_time_s:  # cannot be faster: skip simulating
+        return best
     candidate = evaluate(costs, cluster, cfg, global_batch_size=global_batch_size, dtype=dtype,
-                         options=options, exact=True, stage_boundaries=tuple(cut.boundaries))
+                         options=options, cache=cache, exact=True, stage_boundaries=boundaries)
     if candidate.fits and candidate.step_time_s < best.step_time_s:
         log.info("inter-op DP re-cut the stages: %.3f s -> %.3f s per step",
                  best.step_time_s, candidate.step_time_s)

@@ -36,8 +36,8 @@ import torch.nn as nn
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig, check_config
 from autopar.estimate.layout import (Layout, Structure, UnitVectors, analytic_inflight,
-                                     fast_peak_memory, layout, pipeline_bound, structure,
-                                     unit_vectors)
+                                     fast_peak_memory, layout, pipeline_bound,
+                                     simulated_lower_bound, structure, unit_vectors)
 from autopar.estimate.memory import activation_bytes, stage_memory
 from autopar.estimate.stages import layer_sequence
 from autopar.estimate.timing import RankGroups, UnitTimes, rank_groups, unit_times
@@ -50,8 +50,8 @@ from costmodels.pipeline import PipelineTimeline, simulate_pipeline
 log = logging.getLogger(__name__)
 
 __all__ = ["Estimate", "EstimateOptions", "EvalCache", "ModelCosts", "estimate",
-           "estimate_graph", "evaluate", "layer_costs", "split_structure",
-           "step_lower_bound", "work_per_microbatch"]
+           "estimate_graph", "evaluate", "exact_step_lower_bound", "layer_costs",
+           "split_structure", "step_lower_bound", "work_per_microbatch"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -222,17 +222,8 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
                                   analytic_inflight(config, m, lay))
         pipe_s, busiest, inflight = prep.pipeline[key]
 
-    # --- data parallel and optimizer, on the pipeline rank with the most parameters --------
-    dkey = (config.zero_stage, m, options)
-    if dkey not in prep.data_parallel:
-        dp_exposed, dp_total = _dp_comm(cache, config, prep.groups, prep.dense, prep.expert,
-                                        prep.heavy_sums, m, dtype, options, prep.units_here)
-        shards = config.dp * config.cp
-        master = (prep.dense + prep.expert) / (shards if config.zero_stage >= 1 else 1)
-        prep.data_parallel[dkey] = (dp_exposed, dp_total,
-                                    optimizer_time_s(cluster.hardware.device, master))
-    dp_exposed, dp_total, optimizer = prep.data_parallel[dkey]
-
+    dp_exposed, dp_total, optimizer = _data_parallel(cluster, cache, prep, config, m, dtype,
+                                                     options)
     step = pipe_s + dp_exposed + optimizer
     breakdown = _breakdown(pipe_s, lay.attr_sums(busiest), m)
     breakdown.update(dp_comm=float(dp_exposed), optimizer=float(optimizer),
@@ -257,6 +248,42 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
         stage_layers=lay.stage_layers, num_microbatches=m,
         stage_forward_s=lay.fwd_s, stage_backward_s=lay.bwd_s, stage_wgrad_s=lay.wgrad_s,
         p2p_s=float(p2p), timeline=timeline)
+
+
+def exact_step_lower_bound(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
+                           global_batch_size: int, dtype: str = "bf16",
+                           options: EstimateOptions = EstimateOptions(),
+                           cache: EvalCache | None = None,
+                           stage_boundaries: tuple[tuple[int, int], ...] | None = None) -> float:
+    """A bound `evaluate(..., exact=True).step_time_s` never goes below (up to the rounding of
+    sums taken in another order): the simulated schedule replaced by
+    `layout.simulated_lower_bound`, plus the same data-parallel and optimizer terms. Costs
+    no simulation, so the search ranks simulation candidates by it and skips those that
+    cannot beat a simulated one. `stage_boundaries` as in `evaluate`."""
+    m = check_config(config, world_size=cluster.world_size, global_batch_size=global_batch_size,
+                     num_layers=costs.num_layers, num_heads=costs.num_heads,
+                     num_kv_heads=costs.num_kv_heads, num_experts=costs.num_experts,
+                     seq_len=costs.seq_len)
+    cache = cache or EvalCache(cluster)
+    prep = _prepared(costs, cache, config, dtype, options, stage_boundaries)
+    dp_exposed, _, optimizer = _data_parallel(cluster, cache, prep, config, m, dtype, options)
+    return simulated_lower_bound(config, m, prep.lay, prep.p2p) + dp_exposed + optimizer
+
+
+def _data_parallel(cluster: Cluster, cache: EvalCache, prep: "_Prepared",
+                   config: ParallelConfig, m: int, dtype: str, options: EstimateOptions
+                   ) -> tuple[float, float, float]:
+    """(exposed, total) data-parallel seconds and the optimizer step, on the pipeline rank
+    with the most parameters; memoised per (ZeRO stage, micro-batches, options)."""
+    dkey = (config.zero_stage, m, options)
+    if dkey not in prep.data_parallel:
+        dp_exposed, dp_total = _dp_comm(cache, config, prep.groups, prep.dense, prep.expert,
+                                        prep.heavy_sums, m, dtype, options, prep.units_here)
+        shards = config.dp * config.cp
+        master = (prep.dense + prep.expert) / (shards if config.zero_stage >= 1 else 1)
+        prep.data_parallel[dkey] = (dp_exposed, dp_total,
+                                    optimizer_time_s(cluster.hardware.device, master))
+    return prep.data_parallel[dkey]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,7 +27,8 @@ from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
                                CUDA_CONTEXT_BYTES, state_bytes_per_param)
 
 __all__ = ["TIME_ATTRS", "Layout", "Structure", "UnitVectors", "structure", "unit_vectors",
-           "layout", "pipeline_bound", "analytic_inflight", "fast_peak_memory"]
+           "layout", "pipeline_bound", "simulated_lower_bound", "analytic_inflight",
+           "fast_peak_memory"]
 
 TIME_ATTRS = ("compute_fwd", "compute_bwd", "recompute", "tp_fwd", "tp_bwd", "cp_fwd",
               "cp_bwd", "ep_fwd", "ep_bwd")
@@ -217,6 +218,30 @@ def pipeline_bound(cfg: ParallelConfig, m: int, lay: Layout, p2p: float
     if cfg.pp_schedule == "zero-bubble":
         return m * float(lay.rank_work.max()) + (p - 1) * max(lay.zb_tail, 0.0) + fill, busy
     return lay.stage_sum + (m - 1) * lay.stage_max + fill, busy
+
+
+def simulated_lower_bound(cfg: ParallelConfig, m: int, lay: Layout, p2p: float) -> float:
+    """A bound the simulated schedule (`costmodels.pipeline.simulate_pipeline` on this layout)
+    never goes below, for any of its schedules:
+
+        max over ranks r of  fill_r + m * work_r + drain_r
+
+    Every op of rank r belongs to a chunk s >= r, so it waits for micro-batch k's forward
+    through chunks 0..r-1 and r hops (fill_r = sum_{s<r} F_s + r * p2p); the rank then runs
+    m * work_r seconds of ops one after another; its last op is a backward of some chunk
+    s >= r, after which the backward still crosses chunks r-1..0 and r hops (drain_r =
+    sum_{s<r} B_s + r * p2p). Under zero-bubble a rank may end on a weight-grad op that
+    nothing waits for, so drain_r = 0 there. Summed in another order than the simulator, it
+    can differ from a tight case in its last bits: callers compare it with a margin."""
+    p = cfg.pp
+    busy = m * lay.rank_work
+    if p == 1:
+        return float(busy[0])
+    ranks = np.arange(p)
+    fill = np.concatenate(([0.0], np.cumsum(lay.chunk_fwd[:p - 1]))) + ranks * p2p
+    drain = np.zeros(p) if cfg.pp_schedule == "zero-bubble" else \
+        np.concatenate(([0.0], np.cumsum(lay.chunk_bwd[:p - 1]))) + ranks * p2p
+    return float((fill + busy + drain).max())
 
 
 def analytic_inflight(cfg: ParallelConfig, m: int, lay: Layout) -> np.ndarray:

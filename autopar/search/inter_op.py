@@ -178,10 +178,17 @@ class _Ranges:
         self.tau = np.where(self.valid, _span(compute), np.inf)
         self.act = np.where(self.valid, _span(act), np.inf)
         self.state = np.where(self.valid, _span(state), np.inf)
+        self._held: dict[int, np.ndarray] = {}  # in-flight count -> state + count * act
+        self.solved: dict[tuple, list[tuple[int, int]] | None] = {}  # `_solve`'s memo
 
     def held(self, inflight: int, rows: slice) -> np.ndarray:
-        """Bytes a stage [i, j) holds with `inflight` micro-batches in flight, rows i only."""
-        return self.state[rows] + inflight * self.act[rows]
+        """Bytes a stage [i, j) holds with `inflight` micro-batches in flight, rows i only
+        (the whole matrix computed once per in-flight count: the DPs of one search ask for the
+        same few counts many times)."""
+        matrix = self._held.get(inflight)
+        if matrix is None:
+            matrix = self._held[inflight] = self.state + inflight * self.act
+        return matrix[rows]
 
     def allowed(self, matrix: np.ndarray, inflight: int, budget: float,
                 rows: slice) -> np.ndarray:
@@ -236,7 +243,17 @@ def _fastest(ranges: _Ranges, inflight: tuple[int, ...], budgets: list[float]
 
 def _solve(ranges: _Ranges, inflight: tuple[int, ...], budgets: list[float]
            ) -> list[tuple[int, int]] | None:
-    """Step 1 (least bottleneck tau*) then step 2 (least sum tau^2 with every tau <= tau*)."""
+    """Step 1 (least bottleneck tau*) then step 2 (least sum tau^2 with every tau <= tau*);
+    memoised on `ranges` per (in-flight counts, budgets): pass 2 asks for some splits again."""
+    key = (inflight, tuple(budgets))
+    if key not in ranges.solved:
+        ranges.solved[key] = _solve_once(ranges, inflight, budgets)
+    cut = ranges.solved[key]
+    return None if cut is None else list(cut)
+
+
+def _solve_once(ranges: _Ranges, inflight: tuple[int, ...], budgets: list[float]
+                ) -> list[tuple[int, int]] | None:
     fastest = _fastest(ranges, inflight, budgets)
     if fastest is None:
         return None

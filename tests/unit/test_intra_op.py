@@ -1,8 +1,10 @@
-"""The intra-op sharding ILP: brute-force oracle, rediscovery of Megatron TP, errors, caching."""
+"""The intra-op sharding ILP: brute-force oracle (for CP-SAT and for variable elimination),
+rediscovery of Megatron TP, errors, caching."""
 
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import autopar
 from autopar.errors import ShardingInfeasibleError
 from autopar.ir import Graph, Node, OpKind, ParamSpec, TensorSpec
 from autopar.models.registry import build, preset
+from autopar.search.elimination import solve_by_elimination
 from autopar.search.intra_op import solve_block, solve_problem
 from autopar.sharding import expand_nd, reshard_collective, strategies
 from autopar.sharding.problem import build_problem
@@ -86,15 +89,83 @@ def _brute_force(problem, budget=None):
     return best
 
 
+@pytest.mark.parametrize("method", ["cp-sat", "elimination"])
 @pytest.mark.parametrize("make", [_chain, _diamond])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_ilp_matches_brute_force(make, tp, cluster):
+def test_ilp_matches_brute_force(make, tp, method, cluster):
     g = make()
     problem = build_problem(g, [n.name for n in g.nodes], axis_size=tp, cluster=cluster,
                             dtype="bf16")
-    choice, optimal = solve_problem(problem)
+    choice, optimal = solve_problem(problem, method=method)
     assert optimal
     assert problem.evaluate(choice) == _brute_force(problem)
+
+
+def _tie_broken(problem, choice):
+    """The ILP's whole objective: W x cost + the sum of strategy indices (its tie-break)."""
+    weight = 1 + sum(len(problem.strategies[v]) - 1 for v in problem.nodes)
+    return weight * problem.evaluate(choice) + sum(choice.values())
+
+
+def _random_graph(rng, m=1024, h=512):
+    """A few matmuls and pointwise ops with random fan-out (residual-like adds, a weight
+    shared by two matmuls, an op reading one tensor twice)."""
+    nodes = [_mm("n0", "input:0", (m, h), h, "w0.weight")]
+    for k in range(1, rng.randint(3, 5)):
+        a = rng.choice(nodes).name
+        kind = rng.choice(["mm", "shared", "add", "square", "gelu"])
+        if kind in ("mm", "shared"):
+            fqn = "w0.weight" if kind == "shared" else f"w{k}.weight"
+            nodes.append(_mm(f"n{k}", a, (m, h), h, fqn))
+        elif kind == "add":
+            b = rng.choice(nodes).name
+            nodes.append(_pointwise(f"n{k}", "aten.add.Tensor", [a, b], (m, h)))
+        elif kind == "square":
+            nodes.append(_pointwise(f"n{k}", "aten.mul.Tensor", [a, a], (m, h)))
+        else:
+            nodes.append(_pointwise(f"n{k}", "aten.gelu.default", [a], (m, h)))
+    return _graph(nodes)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_elimination_matches_brute_force_with_tie_break(seed, cluster):
+    """On random small graphs variable elimination reaches the brute-force optimum of the
+    ILP's whole objective, tie-break included, and CP-SAT agrees on its value."""
+    rng = random.Random(seed)
+    g = _random_graph(rng)
+    tp = rng.choice([2, 4])
+    problem = build_problem(g, [n.name for n in g.nodes], axis_size=tp, cluster=cluster,
+                            dtype="bf16")
+    best = None
+    for combo in itertools.product(*(range(len(problem.strategies[v])) for v in problem.nodes)):
+        choice = dict(zip(problem.nodes, combo))
+        if problem.evaluate(choice) is not None:
+            value = _tie_broken(problem, choice)
+            best = value if best is None else min(best, value)
+    found = solve_by_elimination(problem)
+    assert found is not None and _tie_broken(problem, found) == best
+    ilp, optimal = solve_problem(problem, method="cp-sat")
+    assert optimal and _tie_broken(problem, ilp) == best
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_elimination_and_cp_sat_agree_on_llama_block(llama, tp, cluster):
+    g, names = llama
+    by_elimination = solve_block(g, names, tp=tp, cluster=cluster, dtype="bf16",
+                                 method="elimination")
+    by_cp_sat = solve_block(g, names, tp=tp, cluster=cluster, dtype="bf16", method="cp-sat")
+    assert by_elimination == by_cp_sat
+
+
+def test_elimination_hands_wide_or_budgeted_problems_to_cp_sat(cluster):
+    g = _diamond()
+    problem = build_problem(g, [n.name for n in g.nodes], axis_size=4, cluster=cluster,
+                            dtype="bf16")
+    assert solve_by_elimination(problem, max_table_entries=1) is None
+    with pytest.raises(ValueError, match="memory budget"):
+        solve_problem(problem, memory_budget_bytes=1e12, method="elimination")
+    with pytest.raises(ValueError, match="method must be"):
+        solve_problem(problem, method="simplex")
 
 
 def test_ilp_matches_brute_force_under_memory_budget(cluster):
