@@ -490,35 +490,50 @@ def _descend(cut: list[tuple[int, int]], inflight: tuple[int, ...], act: np.ndar
              ) -> list[tuple[int, int]]:
     """Pass 2 polish: a bottleneck stage b hands its first layer back (starts of stages k..b
     move +1) or its last layer on (starts of b+1..l move -1); the chain move that fits every
-    rank and lowers (max tau, stages at the max, sum tau^2) most is taken, while one does."""
+    rank and lowers (max tau, stages at the max, sum tau^2) most is taken, while one does (ties
+    to the lexicographically least edges). All moves of a step are scored at once; the sums run
+    in stage order (cumsum), so keys are those of a per-move Python loop to the bit."""
     num = len(cut)
     tau, hold, act_sum = ranges.tau, ranges.state, ranges.act
+    held = np.asarray(inflight, dtype=float)
+    x = np.arange(num + 1)
 
-    def score(edges: list[int]) -> tuple[float, int, float] | None:
-        spans = [(edges[s], edges[s + 1]) for s in range(num)]
-        use = [hold[i, j] + n * act_sum[i, j] for (i, j), n in zip(spans, inflight)]
-        if max(sum(use[r::p]) for r in range(p)) > budget:
-            return None
-        taus = [tau[i, j] for i, j in spans]
-        top = max(taus)
-        return top, sum(t == top for t in taus), sum(t * t for t in taus)
+    def score(edges: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(fits, max tau, stages at the max, sum tau^2) of each row of edges."""
+        i, j = edges[:, :-1], edges[:, 1:]
+        use = hold[i, j] + held * act_sum[i, j]
+        rank = np.cumsum(use.reshape(len(edges), num // p, p), axis=1)[:, -1]
+        taus = tau[i, j]
+        top = taus.max(axis=1)
+        return (rank.max(axis=1) <= budget, top, (taus == top[:, None]).sum(axis=1),
+                np.cumsum(taus * taus, axis=1)[:, -1])
 
-    edges = [i for i, _ in cut] + [cut[-1][1]]
-    key = score(edges)
-    assert key is not None, "pass 2 starts from a cut that fits"
+    edges = np.array([i for i, _ in cut] + [cut[-1][1]])
+    fits, top, count, square = score(edges[None])
+    assert fits[0], "pass 2 starts from a cut that fits"
+    key = (top[0], count[0], square[0])
     for _ in range(_DESCENT_STEPS):
-        taus = [tau[edges[s], edges[s + 1]] for s in range(num)]
+        taus = tau[edges[:-1], edges[1:]]
         moves = []
-        for b in (s for s in range(num) if taus[s] == key[0] and edges[s + 1] - edges[s] > 1):
-            moves += [[e + (k <= x <= b) for x, e in enumerate(edges)] for k in range(1, b + 1)]
-            moves += [[e - (b < x <= l) for x, e in enumerate(edges)]
-                      for l in range(b + 1, num)]
-        scored = [(new_key, edges) for edges in moves if (new_key := score(edges)) is not None]
-        better = min(scored, default=None)
-        if better is None or better[0] >= key:
+        for b in np.flatnonzero((taus == key[0]) & (np.diff(edges) > 1)):
+            first = np.arange(1, b + 1)[:, None]
+            moves.append(edges + ((x >= first) & (x <= b)))
+            last = np.arange(b + 1, num)[:, None]
+            moves.append(edges - ((x > b) & (x <= last)))
+        if not moves:
             break
-        key, edges = better
-    found = [(edges[s], edges[s + 1]) for s in range(num)]
+        cand = np.concatenate(moves)
+        fits, top, count, square = score(cand)
+        if not fits.any():
+            break
+        cand, top, count, square = cand[fits], top[fits], count[fits], square[fits]
+        order = np.lexsort(tuple(cand[:, c] for c in range(num, -1, -1)) + (square, count, top))
+        best = order[0]
+        new_key = (top[best], count[best], square[best])
+        if new_key >= key:
+            break
+        key, edges = new_key, cand[best]
+    found = [(int(edges[s]), int(edges[s + 1])) for s in range(num)]
     if max(_rank_memory(found, inflight, act, state, p)) > budget:  # rounding of prefix sums
         return cut
     return found

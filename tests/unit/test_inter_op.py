@@ -11,11 +11,13 @@ lists for interleaved). Costs are small integers so every sum is exact in floati
 import itertools
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import StageMemoryError
+from autopar.search import inter_op
 from autopar.search.inter_op import StagePartition, partition_stages
 from costmodels.pipeline import OpKind, simulate_pipeline
 
@@ -321,3 +323,69 @@ def test_bad_per_layer_values():
              num_microbatches=2)
     with pytest.raises(ValueError, match="forward_s is empty"):
         _run([], [], [], [], num_stages=1, num_microbatches=1)
+
+
+def _descend_reference(cut: list[tuple[int, int]], inflight: tuple[int, ...], act: np.ndarray,
+             state: np.ndarray, ranges, p: int, budget: float
+             ) -> list[tuple[int, int]]:
+    """The polish as a per-move Python loop (what `_descend` replaced): the oracle."""
+    num = len(cut)
+    tau, hold, act_sum = ranges.tau, ranges.state, ranges.act
+
+    def score(edges: list[int]) -> tuple[float, int, float] | None:
+        spans = [(edges[s], edges[s + 1]) for s in range(num)]
+        use = [hold[i, j] + n * act_sum[i, j] for (i, j), n in zip(spans, inflight)]
+        if max(sum(use[r::p]) for r in range(p)) > budget:
+            return None
+        taus = [tau[i, j] for i, j in spans]
+        top = max(taus)
+        return top, sum(t == top for t in taus), sum(t * t for t in taus)
+
+    edges = [i for i, _ in cut] + [cut[-1][1]]
+    key = score(edges)
+    assert key is not None, "pass 2 starts from a cut that fits"
+    for _ in range(inter_op._DESCENT_STEPS):
+        taus = [tau[edges[s], edges[s + 1]] for s in range(num)]
+        moves = []
+        for b in (s for s in range(num) if taus[s] == key[0] and edges[s + 1] - edges[s] > 1):
+            moves += [[e + (k <= x <= b) for x, e in enumerate(edges)] for k in range(1, b + 1)]
+            moves += [[e - (b < x <= l) for x, e in enumerate(edges)]
+                      for l in range(b + 1, num)]
+        scored = [(new_key, edges) for edges in moves if (new_key := score(edges)) is not None]
+        better = min(scored, default=None)
+        if better is None or better[0] >= key:
+            break
+        key, edges = better
+    found = [(edges[s], edges[s + 1]) for s in range(num)]
+    if max(inter_op._rank_memory(found, inflight, act, state, p)) > budget:  # rounding of prefix sums
+        return cut
+    return found
+
+
+def test_vectorised_descent_equals_the_per_move_loop(monkeypatch):
+    """Seeded random interleaved instances whose budget forces pass 2 (the split-budget
+    search and its polish): the cut is the same with the per-move reference polish."""
+    import random
+
+    rng = random.Random(5)
+    reached = 0
+    for _ in range(300):
+        p, v = rng.choice([(2, 2), (2, 3), (4, 2), (3, 4)])
+        n = rng.randint(p * v, p * v + 14)
+        f = [rng.uniform(0.5, 2.0) for _ in range(n)]
+        b = [2 * x for x in f]
+        a = [rng.uniform(1.0, 3.0) for _ in range(n)]
+        w = [rng.uniform(0.5, 2.0) for _ in range(n)]
+        kw = dict(num_stages=p, num_microbatches=p * rng.randint(1, 3),
+                  schedule="interleaved-1f1b", virtual_stages=v,
+                  memory_budget_bytes=rng.uniform(0.3, 0.9) * (sum(w) + p * v * sum(a)) / p)
+        try:
+            new = _run(f, b, a, w, **kw)
+        except ValueError:
+            continue
+        with monkeypatch.context() as m:
+            m.setattr(inter_op, "_descend", _descend_reference)
+            old = _run(f, b, a, w, **kw)
+        assert new.boundaries == old.boundaries
+        reached += new.method == "dp-split-budget"
+    assert reached >= 20
