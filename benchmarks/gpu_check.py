@@ -37,7 +37,7 @@ from costmodels.compute import MEMORY_OP_TRAFFIC_FACTOR, optimizer_time_s, susta
 
 DEFAULT_FILE = ROOT / "tests" / "data" / "h100_measurements.json"
 HARNESS_CAST_BYTES_PER_PARAM = 6.0  # bf16 gradient read, fp32 master gradient written
-KERNEL_STYLES = {"bf16": "eager", "compiled": "fused"}  # the software each precision ran
+KERNELS_OF_PRECISION = {"bf16": "eager", "compiled": "fused"}  # the software each ran
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def check_step(step: dict, cluster: autopar.Cluster, *, attention_kernel: str = 
     """Measured and predicted seconds by kernel kind for one measured bf16 step."""
     device = cluster.hardware.device
     mb, seq, recompute = step["micro_batch"], step["seq_len"], step["recompute"]
-    kernels = KERNEL_STYLES[step["precision"]]
+    kernels = KERNELS_OF_PRECISION[step["precision"]]
     model = _model(step)
     cfg = autopar.ParallelConfig(dp=1, tp=1, pp=1, zero_stage=0, micro_batch_size=mb,
                                  recompute=recompute)
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         ratios = [r.measured[k] / r.predicted[k] for r in rows]
         print(f"{k:10s} measured/predicted: median {statistics.median(ratios):.3f}, "
               f"range {min(ratios):.3f}-{max(ratios):.3f}")
-    kernels = KERNEL_STYLES[args.precision]
+    kernels = KERNELS_OF_PRECISION[args.precision]
     factor = MEMORY_OP_TRAFFIC_FACTOR[kernels]
     mem = [r.measured["memory"] / r.predicted["memory"] * factor for r in rows]
     print(f"memory-bound time / minimum IR traffic at profile bandwidth: median "

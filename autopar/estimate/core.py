@@ -182,6 +182,15 @@ def _attention_heads(graph: Graph) -> tuple[int | None, int | None]:
     return None, None
 
 
+def _checked(costs: ModelCosts, cluster: Cluster, config: ParallelConfig,
+             global_batch_size: int) -> int:
+    """`check_config` against the model and the cluster: the number of micro-batches."""
+    return check_config(config, world_size=cluster.world_size,
+                        global_batch_size=global_batch_size, num_layers=costs.num_layers,
+                        num_heads=costs.num_heads, num_kv_heads=costs.num_kv_heads,
+                        num_experts=costs.num_experts, seq_len=costs.seq_len)
+
+
 def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
              global_batch_size: int, dtype: str = "bf16",
              options: EstimateOptions = EstimateOptions(), cache: EvalCache | None = None,
@@ -194,10 +203,7 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
     timeline's per-op list empty (same numbers; for callers that do not draw it)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is unknown; allowed: {', '.join(DTYPE_BYTES)}")
-    m = check_config(config, world_size=cluster.world_size, global_batch_size=global_batch_size,
-                     num_layers=costs.num_layers, num_heads=costs.num_heads,
-                     num_kv_heads=costs.num_kv_heads, num_experts=costs.num_experts,
-                     seq_len=costs.seq_len)
+    m = _checked(costs, cluster, config, global_batch_size)
     cache = cache or EvalCache(cluster)
     prep = _prepared(costs, cache, config, dtype, options, stage_boundaries)
     lay, p2p = prep.lay, prep.p2p
@@ -260,10 +266,7 @@ def exact_step_lower_bound(costs: ModelCosts, cluster: Cluster, config: Parallel
     `layout.simulated_lower_bound`, plus the same data-parallel and optimizer terms. Costs
     no simulation, so the search ranks simulation candidates by it and skips those that
     cannot beat a simulated one. `stage_boundaries` as in `evaluate`."""
-    m = check_config(config, world_size=cluster.world_size, global_batch_size=global_batch_size,
-                     num_layers=costs.num_layers, num_heads=costs.num_heads,
-                     num_kv_heads=costs.num_kv_heads, num_experts=costs.num_experts,
-                     seq_len=costs.seq_len)
+    m = _checked(costs, cluster, config, global_batch_size)
     cache = cache or EvalCache(cluster)
     prep = _prepared(costs, cache, config, dtype, options, stage_boundaries)
     dp_exposed, _, optimizer = _data_parallel(cluster, cache, prep, config, m, dtype, options)
