@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -123,7 +124,8 @@ def _tp_placements(model, graph, cluster: Cluster, cfg, dtype: str, seq_len, exa
 def _rebalance_stages(costs: ModelCosts, cluster: Cluster, best, global_batch_size: int,
                       dtype: str, options: EstimateOptions):
     """Re-cut the winner's pipeline stages with the inter-op DP (non-uniform where layers
-    differ); keep the cut only if the simulated schedule is faster and it still fits. A cut
+    differ), the winner's Megatron placement as its incumbent; keep the cut only if the
+    simulated schedule is faster and it still fits. A cut
     whose simulated step is bounded below by the winner's (`exact_step_lower_bound`) is
     dropped without simulating it."""
     cfg = best.config
@@ -132,6 +134,8 @@ def _rebalance_stages(costs: ModelCosts, cluster: Cluster, best, global_batch_si
     per_layer = layer_costs(costs, cluster, cfg, dtype=dtype, options=options)
     fixed = COMM_BUFFER_BYTES + CUDA_CONTEXT_BYTES
     budget = cluster.hardware.device.memory_bytes / (1 + ALLOCATOR_RESERVE_FRACTION) - fixed
+    ends = list(itertools.accumulate(len(layers) for layers in best.stage_layers))
+    megatron = tuple(zip([0] + ends[:-1], ends))
     try:
         cut = partition_stages(
             forward_s=per_layer["forward"], backward_s=per_layer["backward"],
@@ -139,10 +143,13 @@ def _rebalance_stages(costs: ModelCosts, cluster: Cluster, best, global_batch_si
             num_stages=cfg.pp, num_microbatches=best.num_microbatches,
             schedule=cfg.pp_schedule, virtual_stages=cfg.virtual_stages,
             p2p_s=best.breakdown["pp_p2p_per_transfer"], memory_budget_bytes=budget,
-            weight_grad_s=per_layer["wgrad"] if cfg.pp_schedule == "zero-bubble" else None)
+            weight_grad_s=per_layer["wgrad"] if cfg.pp_schedule == "zero-bubble" else None,
+            incumbent=megatron)
     except StageMemoryError:
         return best
     boundaries = tuple(cut.boundaries)
+    if boundaries == megatron:
+        return best
     cache = EvalCache(cluster)
     bound = exact_step_lower_bound(costs, cluster, cfg, global_batch_size=global_batch_size,
                                    dtype=dtype, options=options, cache=cache,

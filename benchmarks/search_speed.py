@@ -7,11 +7,16 @@ H100 <= 10 s, Llama-3-405B on 16,384 H100 <= 60 s, ratio <= 1.2.
 
 The two depths need not pick the same plan, and work that follows from the plan is in the
 compile time: the 128-layer model's winner (tp=4, pp=4, interleaved x8) needs the intra-op
-problem of its block (~0.01 s by variable elimination, the same at any depth) and the inter-op
-stage DP's re-cut of its 4 x 8 stages over 130 layers (~0.04 s, the largest depth-dependent
-term left); of its 16 best candidates only those a bound on the simulated step cannot rule out
-are simulated (4). The search column separates the outer search. On a shared machine the wall
-times swing; the CPU column is the steadier one.
+problem of its block (~0.01 s by variable elimination, the same at any depth), the inter-op
+stage DP's check of its 4 x 8 stages over 130 layers (~0.005 s: pass 1's bottleneck bound shows
+no cut beats Megatron's placement, so the split-budget search is skipped) and the simulation of
+its candidates that a bound on the simulated step cannot rule out. The outer search visits
+configs in order of a step bound from each pipeline rank's work (the busiest rank, and the
+zero-bubble tail), evaluating 20 (32 layers) and 70 (128 layers) of 35-47 thousand; what is
+left of the depth ratio is mostly the 33 % larger space (more pipeline degrees and
+virtual-stage splits), those extra evaluations and the plan-dependent work above. The search
+column separates the outer search. On a shared machine the wall times swing; the CPU column is
+the steadier one.
 
 Run: python benchmarks/search_speed.py [--repeats N]
 """

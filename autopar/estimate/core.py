@@ -37,7 +37,8 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig, check_config
 from autopar.estimate.layout import (Layout, Structure, UnitVectors, analytic_inflight,
                                      fast_peak_memory, layout, pipeline_bound,
-                                     simulated_lower_bound, structure, unit_vectors)
+                                     rank_work_extremes, simulated_lower_bound, structure,
+                                     unit_vectors)
 from autopar.estimate.memory import activation_bytes, stage_memory
 from autopar.estimate.stages import layer_sequence
 from autopar.estimate.timing import RankGroups, UnitTimes, rank_groups, unit_times
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Estimate", "EstimateOptions", "EvalCache", "ModelCosts", "estimate",
            "estimate_graph", "evaluate", "exact_step_lower_bound", "layer_costs",
-           "split_structure", "step_lower_bound", "work_per_microbatch"]
+           "split_structure", "step_lower_bound", "unit_work"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -394,30 +395,38 @@ def split_structure(costs: ModelCosts, cache: EvalCache, pp: int, v: int,
 def step_lower_bound(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
                      global_batch_size: int, dtype: str, options: EstimateOptions,
                      cache: EvalCache) -> float:
-    """A bound the closed-form estimate never goes below: every micro-batch's work spread
-    evenly over the pipeline ranks, plus the fill its schedule implies ((p-1) stages for
-    GPipe/1F1B, (p-1)/v for interleaved, none for ZB-H1), with no exposed data-parallel
-    traffic or optimizer. (Alpa's bound sum + (m-1) max >= (m + p - 1) x mean, since max >=
-    mean; the interleaved and ZB-H1 forms likewise.) The search computes the same numbers for
-    all configs at once (`autopar.search.space`); this is the one-config form."""
-    work = work_per_microbatch(costs, cache, config, dtype, options)
+    """A bound the closed-form estimate never goes below: the schedule's closed form on the
+    Megatron split's per-rank work (W_r, forward + backward of one micro-batch), without p2p,
+    exposed data-parallel traffic or the optimizer: (m + (p-1)/v)·max W_r interleaved,
+    m·max W_r + (p-1)·max(0, max_r (F + B - W)_r) for ZB-H1, sum W_r + (m-1)·max W_r for
+    GPipe/1F1B (Alpa's bound with stage = rank), m·W for p = 1. The search computes the same
+    numbers for all configs at once (`autopar.search.space`); this is the one-config form.
+    Raises ValueError when the config's unit times or its split cannot be made."""
+    work, tail = unit_work(costs, cache, config, dtype, options)
+    split = split_structure(costs, cache, config.pp, config.virtual_stages)
+    if isinstance(split, str):
+        raise ValueError(split)
+    busiest, total = (float(x[0]) for x in rank_work_extremes(split.rank_counts, work[None]))
     m, p = global_batch_size // (config.dp * config.micro_batch_size), config.pp
-    if p == 1 or config.pp_schedule == "zero-bubble":
-        fill = 0.0
-    elif config.pp_schedule == "interleaved-1f1b":
-        fill = (p - 1) / config.virtual_stages
-    else:
-        fill = p - 1.0
-    return (m + fill) * work / p
+    if config.pp_schedule == "interleaved-1f1b":
+        return (m + (p - 1) / config.virtual_stages) * busiest
+    if p == 1:
+        return m * busiest
+    if config.pp_schedule == "zero-bubble":
+        longest = float(rank_work_extremes(split.rank_counts, tail[None])[0][0])
+        return m * busiest + (p - 1) * max(longest, 0.0)
+    return total + (m - 1) * busiest
 
 
-def work_per_microbatch(costs: ModelCosts, cache: EvalCache, config: ParallelConfig,
-                        dtype: str, options: EstimateOptions) -> float:
-    """Forward + backward seconds of one micro-batch through the whole model on one rank of
-    `config`'s (tp, cp, ep) group, before any pipeline split."""
-    times = _unit_times(costs, cache, config, dtype, options)
-    return sum((times[u.name].forward + times[u.name].backward) * u.count
-               for u in cache.units[config.micro_batch_size])
+def unit_work(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype: str,
+              options: EstimateOptions) -> tuple[np.ndarray, np.ndarray]:
+    """Per layer of each unit (unit order), one micro-batch on one rank of `config`'s (tp,
+    cp, ep) group: forward + backward seconds, and forward + backward less the weight-grad
+    part (what ZB-H1's last stage still runs after its last weight-grad pass can move)."""
+    by_name = _unit_times(costs, cache, config, dtype, options)
+    times = [by_name[u.name] for u in cache.units[config.micro_batch_size]]
+    work = np.array([t.forward + t.backward for t in times])
+    return work, work - np.array([t.compute_wgrad for t in times])
 
 
 def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, dtype: str,

@@ -28,7 +28,7 @@ from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
 
 __all__ = ["TIME_ATTRS", "Layout", "Structure", "UnitVectors", "structure", "unit_vectors",
            "layout", "pipeline_bound", "simulated_lower_bound", "analytic_inflight",
-           "fast_peak_memory"]
+           "fast_peak_memory", "rank_work_extremes"]
 
 TIME_ATTRS = ("compute_fwd", "compute_bwd", "recompute", "tp_fwd", "tp_bwd", "cp_fwd",
               "cp_bwd", "ep_fwd", "ep_bwd")
@@ -197,6 +197,22 @@ def layout(vec: UnitVectors, cfg: ParallelConfig, st: Structure) -> Layout:
         stage_sum=float(stage.sum()), stage_max=float(stage.max()),
         zb_tail=float((fwd + bwd - wgrad).max()),
         fwd_s=tuple(fwd.tolist()), bwd_s=tuple(bwd.tolist()), wgrad_s=tuple(wgrad.tolist()))
+
+
+def rank_work_extremes(rank_counts: np.ndarray, work: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Busiest rank's and all ranks' work per micro-batch, for K sets of per-unit work at once:
+    `rank_counts` is [rank, unit] layers of one split, `work` is [K, unit] seconds. Sums run
+    unit by unit, then rank by rank, so a set's numbers do not depend on the others beside it
+    (the search's columns equal the one-config bound to the bit). The total is summed over
+    units of the layer counts, which are integers and so exact."""
+    per_rank = np.zeros((rank_counts.shape[0], work.shape[0]))
+    total = np.zeros(work.shape[0])
+    layers = rank_counts.sum(axis=0)
+    for u in range(rank_counts.shape[1]):
+        per_rank += rank_counts[:, u, None] * work[None, :, u]
+        total += layers[u] * work[:, u]
+    return per_rank.max(axis=0), total
 
 
 def pipeline_bound(cfg: ParallelConfig, m: int, lay: Layout, p2p: float

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from autopar.config import ParallelConfig
@@ -26,7 +27,7 @@ from autopar.estimate.core import Estimate
 __all__ = ["PLAN_VERSION", "Plan", "check_plan", "load_plan"]
 
 PLAN_VERSION = 1
-_SAVED_CANDIDATES = 50  # the best rows of the candidate table kept in the file
+_SAVED_CANDIDATES = 50  # the best fitting rows of the candidate table kept in the file
 
 
 def _clean(value: Any) -> Any:
@@ -73,9 +74,12 @@ class Plan:
         from autopar import __version__
 
         table = self.candidates
-        keep = table.index < _SAVED_CANDIDATES
+        keep = np.zeros(len(table), dtype=bool)
+        if "fits" in table:  # the best fitting rows: which unfit ones were listed depends on
+            fits = table["fits"].astype(bool).to_numpy()  # the search's memory skip
+            keep[np.flatnonzero(fits)[:_SAVED_CANDIDATES]] = True
         if "exact" in table:  # every simulated row, so "next candidates" survive a reload
-            keep |= table["exact"].astype(bool)
+            keep |= table["exact"].astype(bool).to_numpy()
         top = table[keep].to_dict(orient="records")
         return _clean({
             "plan_version": self.version, "autopar_version": __version__,

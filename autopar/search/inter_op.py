@@ -39,8 +39,9 @@ Among the cuts with every tau <= tau* a second DP picks the most even one (least
 
 and backtracks with ties to the smallest i: later stages (which hold fewer micro-batches under
 1F1B) take the extra layers. Each DP is S numpy passes over the rows a stage can start at
-(L - S + 2 of them) and all L + 1 ends: O(L^2 S) time at worst, O(L^2) memory. The result is re-simulated with `costmodels.pipeline.simulate_pipeline`,
-whose makespan is the number to believe; T is the formula's.
+(L - S + 2 of them) and all L + 1 ends: O(L^2 S) time at worst, O(L^2) memory. The result is
+re-simulated with `costmodels.pipeline.simulate_pipeline`, whose makespan is the number to
+believe; T is the formula's.
 
 Interleaved memory (v > 1) sums v non-adjacent stages per rank, which the prefix DP cannot
 carry. Pass 1 relaxes it: stage s gets M_s = M minus the least any other chunk of its rank can
@@ -50,6 +51,15 @@ fits), split evenly or in proportion to seed cuts (pass 1's, the least-peak one,
 binary search on the bound with two repairs of the coupling), then polishes the best cut with
 chain moves. On the brute-force instances of the tests it usually finds the optimum, but it
 can miss a cut that fits a budget with little slack. For v = 1 the answer is always exact.
+
+An incumbent (a cut the caller runs otherwise and knows to fit by its own, exact memory
+account, e.g. Megatron's even placement checked by the simulator) joins pass 2's seeds and
+candidates, so pass 2 never returns a cut worse by (bottleneck, sum of squares). The per-stage
+peaks above are conservative for v > 1 (a rank's chunks do not all peak at once), so the DP
+may think the incumbent too large; it is trusted anyway. Pass 1's bottleneck bounds every
+fitting cut's (pass 1 only relaxes memory), so an incumbent that reaches it has the least T
+and is returned without the search (method "incumbent"; a more even cut of the same T may
+exist).
 
 Uniform layers (all f, b, a, w equal) short-circuit to the even split (sizes floor or ceil of
 L/S, the longer stages where fewest micro-batches are in flight, later stages first) when it
@@ -106,7 +116,7 @@ class StagePartition:
     predicted_step_time_s: float              # sum(t)/v + (m·v - 1)·max(t)
     simulated_step_time_s: float              # simulate_pipeline's makespan: the truth
     exact: bool                               # False only for a pass-2 interleaved cut
-    method: str                               # "even-split" | "dp" | "dp-split-budget"
+    method: str                   # "even-split" | "dp" | "dp-split-budget" | "incumbent"
 
     @property
     def layers_per_stage(self) -> tuple[int, ...]:
@@ -273,14 +283,18 @@ def partition_stages(*, forward_s: Sequence[float], backward_s: Sequence[float],
                      num_stages: int, num_microbatches: int,
                      schedule: PipelineSchedule | str = "1f1b", virtual_stages: int = 1,
                      p2p_s: float = 0.0, memory_budget_bytes: float = math.inf,
-                     weight_grad_s: Sequence[float] | None = None) -> StagePartition:
+                     weight_grad_s: Sequence[float] | None = None,
+                     incumbent: Sequence[tuple[int, int]] | None = None) -> StagePartition:
     """Cut L layers into num_stages·virtual_stages contiguous stages with the least step time.
 
     Per-layer sequences (`forward_s`, `backward_s`, `activation_bytes` kept per micro-batch,
     `state_bytes`) are in model order, one entry per layer. `p2p_s` is the time of one send
     across a stage boundary. `memory_budget_bytes` bounds each pipeline rank. `weight_grad_s`
     (the weight-grad part of each layer's backward) is needed only by ``zero-bubble``, for the
-    simulator. See the module docstring for the objective and the algorithm.
+    simulator. `incumbent` is a cut to beat that the caller knows fits (half-open layer
+    ranges, e.g. the placement it would otherwise run): the interleaved pass 2 starts from it
+    and returns it, without searching, when no cut has a lower bottleneck. See the module
+    docstring for the objective and the algorithm.
 
     Raises ValueError for malformed inputs, num_stages·virtual_stages > L, virtual_stages > 1
     outside ``interleaved-1f1b`` and the simulator's other shape rules, and StageMemoryError
@@ -317,6 +331,12 @@ def partition_stages(*, forward_s: Sequence[float], backward_s: Sequence[float],
                          f"{num_layers} layers: every stage needs at least one layer; lower "
                          f"num_stages or virtual_stages (at most {num_layers} stages in all)")
     inflight = _inflight(kind, p, m, v)  # raises the simulator's ValueError for bad shapes
+    if incumbent is not None:
+        incumbent = [(int(i), int(j)) for i, j in incumbent]
+        if len(incumbent) != num or incumbent[0][0] != 0 or incumbent[-1][1] != num_layers \
+                or any(a[1] != b[0] or a[0] >= a[1] for a, b in zip(incumbent, incumbent[1:])):
+            raise ValueError(f"incumbent {incumbent} does not cut the {num_layers} layers into "
+                             f"{num} contiguous non-empty stages")
 
     cut, exact, method = None, True, "even-split"
     if _uniform(fwd, bwd, act, state):
@@ -325,7 +345,7 @@ def partition_stages(*, forward_s: Sequence[float], backward_s: Sequence[float],
             cut = None
     if cut is None:
         ranges = _Ranges(fwd + bwd, act, state)
-        cut, exact, method = _search(ranges, inflight, act, state, p, v, budget)
+        cut, exact, method = _search(ranges, inflight, act, state, p, v, budget, incumbent)
     return _result(kind, p, m, v, cut, inflight, fwd, bwd, wgrad, act, state, hop, budget,
                    exact, method)
 
@@ -347,7 +367,8 @@ def _even_split(num_layers: int, inflight: tuple[int, ...]) -> list[tuple[int, i
 
 
 def _search(ranges: _Ranges, inflight: tuple[int, ...], act: np.ndarray, state: np.ndarray,
-            p: int, v: int, budget: float) -> tuple[list[tuple[int, int]], bool, str]:
+            p: int, v: int, budget: float, incumbent: list[tuple[int, int]] | None = None
+            ) -> tuple[list[tuple[int, int]], bool, str]:
     num = p * v
     if v == 1:
         cut = _solve(ranges, inflight, [budget] * num)
@@ -364,12 +385,18 @@ def _search(ranges: _Ranges, inflight: tuple[int, ...], act: np.ndarray, state: 
         raise _infeasible(ranges, inflight, p, v, budget, relaxed)
     if max(_rank_memory(cut, inflight, act, state, p)) <= budget:
         return cut, True, "dp"
+    if incumbent is not None and _bottleneck(ranges, incumbent) <= _bottleneck(ranges, cut):
+        # pass 1's bottleneck bounds every fitting cut's: none has a lower T than the incumbent
+        return incumbent, True, "incumbent"
     frugal = _least_memory_cut(ranges, inflight, [budget - r for r in relaxed])
-    best = _split_search(ranges, inflight, act, state, p, budget, [cut, frugal])
-    upper = math.inf if best is None else max(ranges.tau[i, j] for i, j in best)
+    best = _split_search(ranges, inflight, act, state, p, budget,
+                         [cut, frugal] + ([incumbent] if incumbent is not None else []))
+    upper = math.inf if best is None else _bottleneck(ranges, best)
     lean = _lean_search(ranges, inflight, act, state, p, budget, relaxed, upper)
     if lean is not None:
         best = _split_search(ranges, inflight, act, state, p, budget, [lean, best or lean])
+    if incumbent is not None and (best is None or _key(ranges, incumbent) < _key(ranges, best)):
+        best = incumbent
     if best is not None:
         best = _descend(best, inflight, act, state, ranges, p, budget)
     if best is None:
@@ -386,6 +413,16 @@ def _search(ranges: _Ranges, inflight: tuple[int, ...], act: np.ndarray, state: 
             budget_bytes=budget, min_peak_bytes=floor)
     logger.debug("interleaved cut from a split budget (pass 2), not proven optimal")
     return best, False, "dp-split-budget"
+
+
+def _bottleneck(ranges: _Ranges, cut: list[tuple[int, int]]) -> float:
+    return max(float(ranges.tau[i, j]) for i, j in cut)
+
+
+def _key(ranges: _Ranges, cut: list[tuple[int, int]]) -> tuple[float, float]:
+    """Pass 2's order of cuts: bottleneck, then sum of squares (the more even)."""
+    taus = [float(ranges.tau[i, j]) for i, j in cut]
+    return max(taus), math.fsum(t * t for t in taus)
 
 
 def _lean_search(ranges: _Ranges, inflight: tuple[int, ...], act: np.ndarray,
@@ -475,8 +512,7 @@ def _split_search(ranges: _Ranges, inflight: tuple[int, ...], act: np.ndarray,
             found = _solve(ranges, inflight, split)
             if found is None:
                 continue
-            taus = [float(ranges.tau[i, j]) for i, j in found]
-            key = (max(taus), math.fsum(t * t for t in taus))
+            key = _key(ranges, found)
             if best_key is None or key < best_key:
                 best, best_key, improved = found, key, True
         if not improved:

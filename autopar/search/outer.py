@@ -11,14 +11,14 @@ a config becomes a `ParallelConfig` only when it is evaluated. Per-unit times ar
 (micro-batch, tp, cp, ep, SP, recompute), layouts per stage split of those, and collective
 times per (kind, bytes, group), so an evaluation costs a few sums. Each config is first
 checked against a memory lower bound (model states alone); the rest are visited in order of a
-step-time lower bound (`step_lower_bound`: all work spread evenly over the pipeline ranks) and
-ranked with the closed-form pipeline estimate, stopping once the bound exceeds the
-`top_k_exact`-th best fitting time -- no config skipped then could have entered the top k, so
-the result is the same as evaluating all. A visited config whose first pipeline rank alone
-exceeds memory (`space.first_rank_memory`) is passed over: it cannot fit, so it changes
-neither the fitting times the stop depends on nor the ranking; it only has no row in the
-candidate table (see `SearchSettings.list_unfit_below`). The top k are candidates for
-the simulated schedule, visited in order of a bound on their simulated step
+step-time lower bound (`step_lower_bound`: the schedule's closed form on the work of each
+pipeline rank alone, no communication outside it) and ranked with the closed-form pipeline
+estimate, stopping once the bound exceeds the `top_k_exact`-th best fitting time -- no config
+skipped then could have entered the top k, so the result is the same as evaluating all. A
+visited config whose first pipeline rank alone exceeds memory (`space.first_rank_memory`) is
+passed over: it cannot fit, so it changes neither the fitting times the stop depends on nor
+the ranking; it only has no row in the candidate table (see
+`SearchSettings.list_unfit_below`). The top k are candidates for the simulated schedule, visited in order of a bound on their simulated step
 (`exact_step_lower_bound`: each rank's work plus the fill before and the drain after it, no
 simulation) and simulated until that bound exceeds the best fitting simulated time; the
 winner is the fastest simulated one that fits -- the one simulating all k would pick, since
@@ -45,9 +45,9 @@ from autopar.cluster import Cluster
 from autopar.config import PP_SCHEDULES, ParallelConfig
 from autopar.errors import NoPlanFitsError
 from autopar.estimate.core import (Estimate, EstimateOptions, EvalCache, ModelCosts, evaluate,
-                                   exact_step_lower_bound, split_structure,
-                                   work_per_microbatch)
-from autopar.estimate.layout import Structure
+                                   exact_step_lower_bound, split_structure, step_lower_bound,
+                                   unit_work)
+from autopar.estimate.layout import Structure, rank_work_extremes
 from autopar.estimate.memory import activation_bytes
 from autopar.search.space import (TIME_KEY_COLUMNS, ConfigTable, config_table,
                                   first_rank_memory, key_groups, states_lower_bounds,
@@ -74,11 +74,11 @@ class SearchSettings:
     max_cp: int = 16
     progress: bool = True  # a progress bar once a search has run for a second
     # Configs whose first pipeline rank alone exceeds memory are skipped without a row in the
-    # candidate table -- unless fewer than this many fitting configs turn up, in which case
-    # the table lists every config visited, fitting or not, to show the near misses. 50 is
-    # what a saved plan keeps (the best rows, fitting first), so saved plans do not depend
-    # on the skip.
-    list_unfit_below: int = 50
+    # candidate table -- unless fewer than this many fitting configs turn up (by default
+    # fewer than the simulator's candidates), in which case the table lists every config
+    # visited, fitting or not, to show the near misses. A saved plan keeps fitting rows
+    # only, so it does not depend on the skip.
+    list_unfit_below: int = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,22 +130,33 @@ def enumerate_configs(costs: ModelCosts, cluster: Cluster, *, global_batch_size:
 def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.ndarray,
                  *, global_batch_size: int, dtype: str, options: EstimateOptions,
                  cache: EvalCache) -> tuple[np.ndarray, np.ndarray]:
-    """`step_lower_bound` of each of `rows`, and a mask of the rows whose unit times could not
-    be computed (NaN bound). Per-unit times are computed once per (micro-batch, tp, cp, ep,
-    SP, recompute), for the first row with that key, as the one-config loop did."""
+    """`step_lower_bound` of each of `rows`, and a mask of the rows whose unit times or
+    pipeline split could not be made (NaN bound). Per-unit work is computed once per
+    (micro-batch, tp, cp, ep, SP, recompute), for the first row with that key; per-rank work
+    once per (pipeline split, that key)."""
     if not len(rows):
         return np.zeros(0), np.zeros(0, dtype=bool)
     first, inverse = key_groups(table, rows, TIME_KEY_COLUMNS)
-    work = np.empty(len(first))
+    work = np.full((len(first), len(costs.units)), np.nan)
+    tail = work.copy()
     for k in np.argsort(first, kind="stable"):
         try:
-            work[k] = work_per_microbatch(costs, cache, table.config(int(rows[first[k]])),
-                                          dtype, options)
+            work[k], tail[k] = unit_work(costs, cache, table.config(int(rows[first[k]])),
+                                         dtype, options)
         except ValueError:
-            work[k] = np.nan
-    per_row = work[inverse]
-    failed = np.isnan(per_row)
-    return step_lower_bounds(table, rows, per_row, global_batch_size=global_batch_size), failed
+            pass
+    s_first, s_index = key_groups(table, rows, ("pp", "virtual_stages"))
+    busiest, total, longest = (np.full((len(s_first), len(first)), np.nan) for _ in range(3))
+    pp, v = table.columns["pp"][rows], table.columns["virtual_stages"][rows]
+    for k, i in enumerate(s_first):
+        split = _split(costs, cache, int(pp[i]), int(v[i]))
+        if split is not None:
+            busiest[k], total[k] = rank_work_extremes(split.rank_counts, work)
+            longest[k] = rank_work_extremes(split.rank_counts, tail)[0]
+    at = (s_index, inverse)
+    failed = np.isnan(busiest[at])
+    return step_lower_bounds(table, rows, busiest[at], total[at], longest[at],
+                             global_batch_size=global_batch_size), failed
 
 
 def _row(est: Estimate, exact: bool) -> dict[str, Any]:
@@ -214,7 +225,8 @@ def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_b
     for i in rows[failed]:
         cfg = table.config(int(i))
         try:
-            work_per_microbatch(costs, cache, cfg, dtype, options)
+            step_lower_bound(costs, cluster, cfg, global_batch_size=global_batch_size,
+                             dtype=dtype, options=options, cache=cache)
         except ValueError as exc:
             errors.append(f"{cfg.short()}: {exc}")
     rows, step = rows[~failed], step[~failed]

@@ -9,9 +9,9 @@ ep) block at a time with numpy, and the bounds are column arithmetic:
 
 - the memory lower bound from model states of an even share of the parameters, by ZeRO
   stage (`states_lower_bounds`);
-- the step-time lower bound of `autopar.estimate.core.step_lower_bound`, from one
-  work-per-micro-batch number per (micro-batch, tp, cp, ep, SP, recompute)
-  (`step_lower_bounds`);
+- the step-time lower bound of `autopar.estimate.core.step_lower_bound`, from the busiest
+  pipeline rank's and all ranks' work per micro-batch, formed once per (pipeline split x
+  micro-batch, tp, cp, ep, SP, recompute) (`step_lower_bounds`);
 - the first pipeline rank's memory (`first_rank_memory`): its model states, the activations
   its schedule keeps in flight, one layer's working set and ZeRO-3 buffers, i.e. the rank-0
   term of the closed-form peak that `evaluate(exact=False)` maximises over ranks. A config
@@ -203,18 +203,22 @@ def states_lower_bounds(table: ConfigTable, *, dense_params: int, expert_params:
             + COMM_BUFFER_BYTES + CUDA_CONTEXT_BYTES)
 
 
-def step_lower_bounds(table: ConfigTable, rows: np.ndarray, work: np.ndarray, *,
+def step_lower_bounds(table: ConfigTable, rows: np.ndarray, busiest: np.ndarray,
+                      total: np.ndarray, tail: np.ndarray, *,
                       global_batch_size: int) -> np.ndarray:
-    """`step_lower_bound` for `rows` of the table, given each row's forward + backward
-    seconds of one micro-batch through the whole model (`work`): (m + fill) · work / pp,
-    fill = 0 for pp = 1 and ZB-H1, (pp - 1)/v interleaved, pp - 1 otherwise."""
+    """`step_lower_bound` for `rows` of the table, given per row the busiest pipeline rank's
+    and all ranks' forward + backward seconds of one micro-batch (`busiest`, `total`) and
+    the largest rank's forward + backward less weight-grad (`tail`): (m + (p-1)/v)·busiest
+    interleaved, m·busiest for p = 1, m·busiest + (p-1)·max(tail, 0) for ZB-H1, else total +
+    (m-1)·busiest."""
     c = {name: table.columns[name][rows]
          for name in ("pp", "pp_schedule", "dp", "micro_batch_size", "virtual_stages")}
     pp, sched = c["pp"], c["pp_schedule"]
     m = global_batch_size // (c["dp"] * c["micro_batch_size"])
-    fill = np.where(sched == _INTERLEAVED, (pp - 1) / c["virtual_stages"], pp - 1.0)
-    fill = np.where((pp == 1) | (sched == _ZERO_BUBBLE), 0.0, fill)
-    return (m + fill) * work / pp
+    out = total + (m - 1) * busiest
+    out = np.where(sched == _ZERO_BUBBLE, m * busiest + (pp - 1) * np.maximum(tail, 0.0), out)
+    out = np.where(pp == 1, m * busiest, out)
+    return np.where(sched == _INTERLEAVED, (m + (pp - 1) / c["virtual_stages"]) * busiest, out)
 
 
 def key_groups(table: ConfigTable, rows: np.ndarray, names: tuple[str, ...]

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import StageMemoryError
@@ -173,6 +173,56 @@ def test_interleaved_rank_memory_on_a_model_shape_matches_brute_force(budget):
     res = _solve(inst)
     assert res.method == "dp-split-budget" and not res.exact
     assert _check_consistent(res, inst) == pytest.approx(best)
+
+
+@settings(max_examples=120, deadline=None)
+@given(_instances(interleaved=True), st.randoms(use_true_random=False))
+def test_an_incumbent_that_fits_is_never_beaten_by_the_answer(inst, rng):
+    # whatever path the search takes, its T is at most a fitting incumbent's, and the
+    # "incumbent" answer is the incumbent itself
+    num, layers = inst["p"] * inst["v"], len(inst["f"])
+    edges = [0, *sorted(rng.sample(range(1, layers), num - 1)), layers]
+    incumbent = list(itertools.pairwise(edges))
+    inflight = _inflight(inst["schedule"], inst["p"], inst["m"], inst["v"])
+    assume(max(_rank_memory(incumbent, inst["a"], inst["w"], inflight, inst["p"]))
+           <= inst["budget"])
+    res = _run(inst["f"], inst["b"], inst["a"], inst["w"], num_stages=inst["p"],
+               virtual_stages=inst["v"], num_microbatches=inst["m"],
+               schedule=inst["schedule"], p2p_s=inst["p2p"],
+               memory_budget_bytes=inst["budget"], incumbent=incumbent)
+    score = _check_consistent(res, inst)
+    assert score <= _score(incumbent, inst["f"], inst["b"], inst["p"], inst["v"], inst["m"],
+                           inst["p2p"]) + 1e-9
+    if res.method == "incumbent":
+        assert list(res.boundaries) == incumbent
+
+
+def test_an_incumbent_reaching_the_least_bottleneck_is_kept_without_a_search():
+    # Megatron's placement of a model shape: 16 equal blocks, a light embedding joined to the
+    # first chunk and a head (0.8 of a block) joined to the last. Summed per-stage peaks put
+    # rank 0 over the budget (the DP's account is conservative for v > 1), pass 1's cut is
+    # that placement, and no cut has a lower bottleneck: it is returned as the incumbent
+    f = [0.1] + [1.0] * 16 + [0.8]
+    b = [2 * x for x in f]
+    a = [0.0] + [1.0] * 16 + [2.0]
+    w = [4.0] + [1.0] * 16 + [4.0]
+    ends = [5, 9, 13, 18]  # 2 ranks x 2 virtual stages
+    megatron = list(zip([0] + ends[:-1], ends))
+    kw = {"num_stages": 2, "virtual_stages": 2, "num_microbatches": 4,
+          "schedule": "interleaved-1f1b"}
+    inflight = _inflight("interleaved-1f1b", 2, 4, 2)
+    budget = max(_rank_memory(megatron, a, w, inflight, 2)) - 0.5
+    res = _run(f, b, a, w, memory_budget_bytes=budget, incumbent=megatron, **kw)
+    assert res.method == "incumbent" and res.boundaries == tuple(megatron)
+    without = _run(f, b, a, w, memory_budget_bytes=budget, **kw)
+    assert without.method == "dp-split-budget"
+    assert without.bottleneck_s > res.bottleneck_s
+
+
+def test_a_malformed_incumbent_is_refused():
+    with pytest.raises(ValueError, match="does not cut the 6 layers into 2 contiguous"):
+        _run([1.0] * 6, [1.0] * 6, [1.0] * 6, [1.0] * 6, num_stages=2, num_microbatches=4,
+             incumbent=[(0, 3), (4, 6)])
 
 
 # -- shapes the planner should find -----------------------------------------------------------

@@ -154,11 +154,17 @@ def test_column_bounds_equal_the_one_config_forms_bit_for_bit(kind, nodes, const
     rows = np.arange(len(table))
     step, failed = outer._step_bounds(costs, cluster, table, rows, global_batch_size=64,
                                       dtype=dtype, options=options, cache=cache)
-    assert not failed.any()
     one = EvalCache(cluster)
-    assert step.tolist() == [step_lower_bound(costs, cluster, c, global_batch_size=64,
-                                              dtype=dtype, options=options, cache=one)
-                             for c in configs]
+    expected = []
+    for c in configs:
+        try:
+            expected.append(step_lower_bound(costs, cluster, c, global_batch_size=64,
+                                             dtype=dtype, options=options, cache=one))
+        except ValueError:  # e.g. more pipeline chunks than layers: the search drops the row
+            expected.append(None)
+    assert failed.tolist() == [e is None for e in expected]
+    assert any(e is not None for e in expected)
+    assert step[~failed].tolist() == [e for e in expected if e is not None]
 
 
 @pytest.mark.parametrize("kind,nodes,constraints,options", CASES)
@@ -196,7 +202,7 @@ def _small_gpt():
 
 
 @pytest.mark.parametrize("build,memory_gb,gbs,seq,constraints", [
-    (_small_gpt, 10, 64, 4096, {}),  # ~80 fitting rows of ~170: the saved plan is the same
+    (_small_gpt, 10, 64, 4096, {}),  # 20 fitting rows of 40 visited
     (lambda: autopar.models.build("gpt3-6.7b"), 32, 64, 2048,  # 8 fitting rows
      {"tp": 1, "pp": 1, "cp": 1}),
 ])
@@ -214,13 +220,13 @@ def test_skipping_configs_that_cannot_fit_keeps_the_plan_and_its_fitting_candida
     fitting = lambda t: t[t["fits"] | t["exact"]].reset_index(drop=True)  # noqa: E731
     assert fitting(a).equals(fitting(b))
     assert skip.search["num_pruned_by_memory"] > full.search["num_pruned_by_memory"]
-    if b["fits"].sum() >= 50:  # the saved plan keeps the 50 best rows, fitting first
-        assert skip.to_json() == full.to_json()
-    # by default the table lists every visited config while fewer than 50 fit
+    assert skip.to_json() == full.to_json()  # a saved plan keeps fitting rows only
+    # by default the table lists every visited config while fewer fit than are simulated
+    settings = SearchSettings(progress=False)
     default = autopar.compile(build(), cluster, global_batch_size=gbs, seq_len=seq,
-                              constraints=constraints, settings=SearchSettings(progress=False))
+                              constraints=constraints, settings=settings)
     assert default.to_json() == full.to_json()
-    if b["fits"].sum() < 50:
+    if b["fits"].sum() < settings.list_unfit_below:
         assert default.candidates.equals(b)
 
 
