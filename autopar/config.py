@@ -8,6 +8,7 @@ Megatron sequence parallelism on the tp axis, and the activation-recompute polic
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -73,7 +74,9 @@ class ParallelConfig:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n >= 1, ascending (pairs d, n // d up to sqrt(n))."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int,

@@ -214,10 +214,14 @@ SOFTWARE: dict[str, tuple[dict[str, Any], str]] = {
                       "grad_reduce_dtype": "fp16", "kernels": "fused"},
                      "same Megatron-LM 2021 software as Table 1"),
     "sc21-t2-zero3": ({"attention_kernel": "math", "overlap_dp_comm": True,
-                       "zero3_max_live_params": 10**9, "grad_reduce_dtype": "fp16"},
-                      "DeepSpeed ZeRO-3 (2021): materialized attention scores; parameter "
-                      "prefetch overlaps gathers with compute; live gathered parameters capped "
-                      "by stage3_max_live_parameters (default 1e9); fp16 communication"),
+                       "zero3_max_live_params": 10**9, "grad_reduce_dtype": "fp16",
+                       "zero3_gather": "sync"},
+                      "DeepSpeed ZeRO-3 (2021, before v0.5): materialized attention scores; "
+                      "each parameter gathered on its own and waited for in the forward, the "
+                      "recompute and the backward (DeepSpeed PR #1188 describes and removes "
+                      "this in June 2021); gradient reduce-scatter overlapped with backward; "
+                      "live gathered parameters capped by stage3_max_live_parameters (default "
+                      "1e9); fp16 communication"),
     "mlm-h100": ({"attention_kernel": "cudnn", "overlap_dp_comm": True, "overlap_tp_comm": True,
                   "kernels": "fused", "grad_reduce_dtype": "bf16"},
                  "Megatron-LM r0.8 with Transformer Engine: cuDNN fused attention, TE's fused "

@@ -35,7 +35,22 @@ from costmodels import nccl_constants as K
 from costmodels.hardware import Fabric, HardwareProfile, Protocol
 
 __all__ = ["Collective", "GroupLayout", "CollectiveEstimate", "group_layout",
-           "estimate_collective", "collective_candidates", "collective_time", "bus_factor"]
+           "estimate_collective", "collective_candidates", "collective_time", "bus_factor",
+           "ZERO3_SYNC_GATHER_BYTES_PER_S", "ZERO3_PERSISTENCE_THRESHOLD"]
+
+# DeepSpeed ZeRO-3 before v0.5 (2021) fetched each partitioned parameter with its own
+# all-gather, waited for it (its "async" fetch called torch.cuda.synchronize after every
+# gather) and copied the result out of the gather buffer -- DeepSpeed PR #1188 (June 2021)
+# names both and removes them. Beyond the collective itself this moved
+# ZERO3_SYNC_GATHER_BYTES_PER_S of parameters per GPU: DeepSpeed issue #1174 (v0.3.16, one
+# 8x A100 NVLink node, a 5.1B-parameter BERT of 64 layers at h = 2560) measured a 480 ms
+# forward under ZeRO-3 against 60 ms under ZeRO-2; the 420 ms difference less this model's
+# NCCL time for its 386 gathers (73 ms on dgx-a100-40g) leaves 10.23 GB in 347 ms
+# (tests/unit/test_collectives.py re-derives it). Parameters of at most
+# ZERO3_PERSISTENCE_THRESHOLD elements (the default stage3_param_persistence_threshold) stay
+# whole on every rank and are never gathered.
+ZERO3_SYNC_GATHER_BYTES_PER_S = 29.5e9
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
 
 
 class Collective(StrEnum):

@@ -44,6 +44,7 @@ from autopar.estimate.stages import layer_sequence
 from autopar.estimate.timing import RankGroups, UnitTimes, rank_groups, unit_times
 from autopar.estimate.units import Unit, units_from_graph
 from autopar.ir import Graph, OpKind
+from costmodels.collectives import ZERO3_PERSISTENCE_THRESHOLD, ZERO3_SYNC_GATHER_BYTES_PER_S
 from costmodels.compute import optimizer_time_s
 from costmodels.memory import DTYPE_BYTES, state_bytes_per_param
 from costmodels.pipeline import PipelineTimeline, simulate_pipeline
@@ -76,6 +77,12 @@ class EstimateOptions:
     # the prefetched next one); a number caps them at that many parameters (DeepSpeed's
     # stage3_max_live_parameters, default 1e9)
     zero3_max_live_params: int | None = None
+    # ZeRO-3 parameter gathers: "prefetch" = one all-gather per block, the next block's
+    # prefetched under the running one's compute (FSDP2, DeepSpeed >= 0.5); "sync" = one
+    # all-gather per parameter tensor, waited for and copied out, in every forward,
+    # recompute and backward pass (DeepSpeed before 0.5, 2021: see
+    # costmodels.collectives.ZERO3_SYNC_GATHER_BYTES_PER_S)
+    zero3_gather: Literal["prefetch", "sync"] = "prefetch"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -306,7 +313,7 @@ class _Prepared:
     dense: float
     expert: float
     heavy_sums: dict[str, float]
-    units_here: list[tuple[float, float, float]]
+    units_here: list["_GatherUnit"]
     pipeline: dict = field(default_factory=dict)
     data_parallel: dict = field(default_factory=dict)
     timelines: dict = field(default_factory=dict)
@@ -345,6 +352,32 @@ def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dty
     return times
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _GatherUnit:
+    """A ZeRO-3 unit on the rank: its layers there, parameters of one layer on this rank
+    (dense, expert), and per parameterised op in execution order the elements on this rank and
+    whether they are expert weights -- only ops above DeepSpeed's persistence threshold."""
+
+    layers: float
+    dense: float
+    expert: float
+    tensors: tuple[tuple[float, bool], ...]
+
+
+def _gathered_tensors(unit: Unit, config: ParallelConfig) -> tuple[tuple[float, bool], ...]:
+    """The ops of one copy of `unit` whose parameters a per-parameter ZeRO-3 gathers (a
+    Linear's weight and bias count as one: the bias is 1/h of it)."""
+    per_elem = unit.param_bytes / max(1, unit.dense_params + unit.expert_params)
+    out = []
+    for op in unit.ops:
+        if op.param_bytes <= 0 or per_elem <= 0:
+            continue
+        numel = op.param_bytes / per_elem / (config.tp * (config.ep if op.expert else 1))
+        if numel > ZERO3_PERSISTENCE_THRESHOLD:
+            out.append((numel, op.expert))
+    return tuple(out)
+
+
 def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype: str,
               options: EstimateOptions,
               boundaries: tuple[tuple[int, int], ...] | None) -> _Prepared:
@@ -368,8 +401,9 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
     p2p = (cache.collective_time("send_recv", act, (0, groups.pp_next))
            if groups.pp_next is not None else 0.0)
     heavy = int(np.argmax(lay.rank_dense + lay.rank_expert))  # the first, as max() took
-    units_here = [(float(n), u.dense_params / config.tp,
-                   u.expert_params / (config.tp * config.ep))
+    units_here = [_GatherUnit(layers=float(n), dense=u.dense_params / config.tp,
+                              expert=u.expert_params / (config.tp * config.ep),
+                              tensors=_gathered_tensors(u, config))
                   for u, n in zip(units, lay.rank_counts[heavy]) if n > 0]
     prep = cache.layouts[lkey] = _Prepared(
         lay=lay, groups=groups, p2p=p2p, dense=lay.rank_dense[heavy],
@@ -461,13 +495,17 @@ def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, 
 
 def _dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: float,
              expert: float, sums: dict[str, float], m: int, dtype: str,
-             options: EstimateOptions, gather_units: list[tuple[float, float, float]]
+             options: EstimateOptions, gather_units: list[_GatherUnit]
              ) -> tuple[float, float]:
     """(exposed, total) seconds of data-parallel communication per step on one rank.
 
-    ZeRO-3 gathers and reduce-scatters once per FSDP unit (a block layer, or the glue before
-    and after): `gather_units` lists (layers, dense params, expert params) per unit on the
-    rank, so each collective pays its own latency, which grows with the group size."""
+    ZeRO-3 reduce-scatters once per FSDP unit (a block layer, or the glue before and after)
+    on the rank, so each collective pays its own latency, which grows with the group size.
+    Its gathers are per unit too, prefetched: one per unit for the forward and one for the
+    backward (the recompute runs on the backward's), hidden under compute where it lasts
+    longer, the first one exposed. With ``zero3_gather="sync"`` every parameter tensor is
+    gathered on its own, for the forward, the recompute (full) and the backward, with the
+    stream waiting: nothing hides them."""
     if len(groups.dp) == 1:
         return 0.0, 0.0
     grad_b = DTYPE_BYTES[options.grad_reduce_dtype] if dtype != "fp32" else 4
@@ -483,15 +521,26 @@ def _dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense:
     fwd = sums["compute_fwd"]
     bwd = sums["compute_bwd"] + sums["recompute"]
     if cfg.zero_stage == 3:
-        gather = scatter = first = 0.0
-        for layers, unit_dense, unit_expert in gather_units:
-            g = cluster.collective_time("all_gather", unit_dense * param_b, groups.dp)
-            r = cluster.collective_time("reduce_scatter", unit_dense * grad_b, groups.dp)
-            if unit_expert and len(expert_group) > 1:
-                g += cluster.collective_time("all_gather", unit_expert * param_b, expert_group)
-                r += cluster.collective_time("reduce_scatter", unit_expert * grad_b,
+        gather = scatter = first = synced = 0.0
+        for unit in gather_units:
+            g = cluster.collective_time("all_gather", unit.dense * param_b, groups.dp)
+            r = cluster.collective_time("reduce_scatter", unit.dense * grad_b, groups.dp)
+            if unit.expert and len(expert_group) > 1:
+                g += cluster.collective_time("all_gather", unit.expert * param_b, expert_group)
+                r += cluster.collective_time("reduce_scatter", unit.expert * grad_b,
                                              expert_group)
-            gather, scatter, first = gather + layers * g, scatter + layers * r, max(first, g)
+            gather, scatter, first = gather + unit.layers * g, scatter + unit.layers * r, \
+                max(first, g)
+            if options.zero3_gather == "sync":
+                synced += unit.layers * sum(
+                    cluster.collective_time("all_gather", n * param_b,
+                                            expert_group if is_expert else groups.dp)
+                    + n * param_b / ZERO3_SYNC_GATHER_BYTES_PER_S
+                    for n, is_expert in unit.tensors)
+        if options.zero3_gather == "sync":
+            passes = 3 if cfg.recompute == "full" else 2
+            return (m * (passes * synced + max(0.0, scatter - bwd)),
+                    m * (passes * synced + scatter))
         exposed_mb = max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd) + first
         return m * exposed_mb, m * (2 * gather + scatter)
     if cfg.zero_stage == 0:

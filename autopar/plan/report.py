@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pandas as pd
 
+from costmodels import collectives as _collectives
 from costmodels import compute as _compute
 from costmodels import memory as _memory
 from costmodels import nccl_constants as _nccl
@@ -457,11 +458,16 @@ def overlap_rules(options: dict[str, Any]) -> tuple[str, ...]:
         if options.get("overlap_dp_comm", True) else "not overlapped (overlap_dp_comm=False)"
     tp = "hidden behind the unit's GEMMs; only the excess is exposed" \
         if options.get("overlap_tp_comm", False) else "exposed (overlap_tp_comm=False)"
+    zero3 = ("ZeRO-3 gathers and reduce-scatters: hidden behind each micro-batch's forward and "
+             "backward, except the first layer's gather")
+    if options.get("zero3_gather", "prefetch") == "sync":
+        zero3 = ("ZeRO-3 gathers: one per parameter tensor, waited for, in every forward, "
+                 "recompute and backward pass (zero3_gather='sync'); reduce-scatters hidden "
+                 "behind the backward")
     return (
         f"dp gradient reduction (DDP all-reduce, ZeRO-1/2 reduce-scatter): {dp}",
         "ZeRO-1/2 parameter all-gather: hidden behind the next step's first forward",
-        ("ZeRO-3 gathers and reduce-scatters: hidden behind each micro-batch's forward and "
-         "backward, except the first layer's gather"),
+        zero3,
         f"tp communication: {tp}",
         "cp ring exchange: overlapped with attention compute",
         "ep all-to-all: never overlapped",
@@ -525,6 +531,10 @@ def _constants(hardware, dtype: str, options: dict[str, Any]) -> list[tuple[str,
               "fitted (nccl-tests scans)"),
              ("RING_SIMPLE_MULTINODE_LATENCY_FACTOR",
               f"{_nccl.RING_SIMPLE_MULTINODE_LATENCY_FACTOR:g}", "NCCL tuning model")]
+    if options.get("zero3_gather", "prefetch") == "sync":
+        rows.append(("ZERO3_SYNC_GATHER_BYTES_PER_S",
+                     f"{_collectives.ZERO3_SYNC_GATHER_BYTES_PER_S / 1e9:g} GB/s",
+                     "measured (DeepSpeed issue #1174)"))
     return rows
 
 

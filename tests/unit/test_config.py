@@ -3,7 +3,7 @@
 import pytest
 
 from autopar import ParallelConfig
-from autopar.config import check_config
+from autopar.config import check_config, divisors
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -46,3 +46,8 @@ def test_short_label():
                          virtual_stages=2, sequence_parallel=True, recompute="selective")
     assert cfg.short() == "dp8 tp8 pp16 z1 mb1 interleaved-1f1bx2 sp rc=selective"
     assert cfg.world_size == 1024
+
+
+def test_divisors_equal_trial_division():
+    for n in list(range(1, 1200)) + [4096, 16384, 3 * 5 * 7 * 11 * 13, 317 ** 2]:
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]

@@ -148,6 +148,29 @@ def test_zero3_gather_buffers_are_two_blocks_or_the_live_parameter_cap():
     assert capped.memory_by_stage[0]["zero3_buffers"] == pytest.approx(1000 * 2)
 
 
+def test_deepspeed_2021_zero3_gathers_every_tensor_synchronously_in_each_pass():
+    from costmodels.collectives import ZERO3_SYNC_GATHER_BYTES_PER_S
+
+    sync = EstimateOptions(zero3_gather="sync")
+    cluster, plain = run(dp=8, zero_stage=3, options=sync)
+    _, full = run(dp=8, zero_stage=3, recompute="full", options=sync)
+    # per block qkv, proj, fc1, fc2 (weight and bias together); token and position embeddings;
+    # the tied head gathers the token embedding again. LayerNorms stay whole (< 1e5 elements)
+    block = [3 * DIM * DIM + 3 * DIM, DIM * DIM + DIM, 4 * DIM * DIM + 4 * DIM,
+             4 * DIM * DIM + DIM]
+    tensors = LAYERS * block + [VOCAB * DIM, SEQ * DIM, VOCAB * DIM]
+    per_pass = sum(cluster.collective_time("all_gather", 2 * n, range(8))
+                   + 2 * n / ZERO3_SYNC_GATHER_BYTES_PER_S for n in tensors)
+    m = plain.num_microbatches
+    # full recompute adds one pass; the forward and backward passes are never hidden
+    assert full.breakdown["dp_comm_total"] - plain.breakdown["dp_comm_total"] == \
+        pytest.approx(m * per_pass)
+    assert plain.breakdown["dp_comm"] >= 2 * m * per_pass * (1 - 1e-9)
+    _, prefetch = run(dp=8, zero_stage=3)
+    assert plain.breakdown["dp_comm"] > prefetch.breakdown["dp_comm"]
+    assert plain.peak_memory_bytes == prefetch.peak_memory_bytes
+
+
 def test_cp_ring_is_timed_by_its_slowest_link():
     # 16 ranks of context parallelism on 2 nodes: the ring's cross-node hop sets its pace
     from autopar.estimate.timing import rank_groups
