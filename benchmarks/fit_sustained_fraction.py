@@ -28,9 +28,9 @@ from autopar import EstimateOptions, estimate  # noqa: E402
 from benchmarks.published_runs import SOFTWARE, PublishedRun, load_runs  # noqa: E402
 from costmodels import compute  # noqa: E402
 
-# DeepSpeed's 2021 ZeRO-3 moved its parameters at a small fraction of NCCL's bandwidth (the
-# README's issue 4 notes); the estimate does not model that software, so its rows would pull
-# the compute fit towards a communication error.
+# DeepSpeed's 2021 ZeRO-3 steps are mostly its synchronous per-parameter gathers
+# (EstimateOptions(zero3_gather="sync"), a constant measured elsewhere); their rows would pull
+# the compute fit towards that communication model's error.
 NOT_MODELED = ("sc21-t2-zero3",)
 GRID = tuple(x / 100 for x in range(60, 101))
 

@@ -205,39 +205,49 @@ def interleave_degree(num_layers: int, pp: int) -> int:
 # framework of the run, not a fitted correction: they are the same for every row of a group.
 SOFTWARE: dict[str, tuple[dict[str, Any], str]] = {
     "sc21-t1": ({"attention_kernel": "math", "overlap_dp_comm": False,
-                 "grad_reduce_dtype": "fp16", "kernels": "fused"},
+                 "grad_reduce_dtype": "fp16", "kernels": "fused", "recompute_early_stop": False},
                 "Megatron-LM 2021: fused scale-mask-softmax on materialized scores (flash "
                 "attention is 2022); fused bias-GeLU and bias-dropout-add (SC21 §4.2) and apex's "
                 "fused LayerNorm; gradients all-reduced after backward (overlap came in 2023) "
-                "in fp16 (--accumulate-allreduce-grads-in-fp32 was an opt-in flag)"),
+                "in fp16 (--accumulate-allreduce-grads-in-fp32 was an opt-in flag); its own "
+                "checkpoint function re-runs each whole layer"),
     "sc21-t2-ptdp": ({"attention_kernel": "math", "overlap_dp_comm": False,
-                      "grad_reduce_dtype": "fp16", "kernels": "fused"},
+                      "grad_reduce_dtype": "fp16", "kernels": "fused",
+                      "recompute_early_stop": False},
                      "same Megatron-LM 2021 software as Table 1"),
     "sc21-t2-zero3": ({"attention_kernel": "math", "overlap_dp_comm": True,
                        "zero3_max_live_params": 10**9, "grad_reduce_dtype": "fp16",
-                       "zero3_gather": "sync"},
+                       "zero3_gather": "sync", "recompute_early_stop": False},
                       "DeepSpeed ZeRO-3 (2021, before v0.5): materialized attention scores; "
                       "each parameter gathered on its own and waited for in the forward, the "
                       "recompute and the backward (DeepSpeed PR #1188 describes and removes "
                       "this in June 2021); gradient reduce-scatter overlapped with backward; "
                       "live gathered parameters capped by stage3_max_live_parameters (default "
-                      "1e9); fp16 communication"),
+                      "1e9); fp16 communication; Megatron-style checkpointing re-runs whole "
+                      "layers"),
     "mlm-h100": ({"attention_kernel": "cudnn", "overlap_dp_comm": True, "overlap_tp_comm": True,
-                  "kernels": "fused", "grad_reduce_dtype": "bf16"},
+                  "kernels": "fused", "grad_reduce_dtype": "bf16", "recompute_early_stop": False},
                  "Megatron-LM r0.8 with Transformer Engine: cuDNN fused attention, TE's fused "
                  "norm and bias-activation kernels; --overlap-grad-reduce, --overlap-param-"
                  "gather, --tp-comm-overlap (CSV notes); gradients reduced in bf16 "
                  "(--accumulate-allreduce-grads-in-fp32 is still an opt-in flag)"),
     "mlm-h100-strong": ({"attention_kernel": "cudnn", "overlap_dp_comm": True,
                          "overlap_tp_comm": True, "kernels": "fused",
-                         "grad_reduce_dtype": "bf16"},
+                         "grad_reduce_dtype": "bf16", "recompute_early_stop": False},
                         "same software as the weak-scaling rows"),
-    "mpt-h100": ({"attention_kernel": "flash", "overlap_dp_comm": True, "loss_kernel": "fused"},
+    "mpt-h100": ({"attention_kernel": "flash", "overlap_dp_comm": True, "loss_kernel": "fused",
+                  "recompute_early_stop": True},
                  "llm-foundry: triton flash attention, FSDP with backward prefetch, flash-attn's "
                  "fused cross-entropy (ComposerMPTCausalLM's default loss_fn "
-                 "'fused_crossentropy')"),
-    "mpt-a100": ({"attention_kernel": "flash", "overlap_dp_comm": True, "loss_kernel": "fused"},
-                 "same llm-foundry software as the H100 rows"),
+                 "'fused_crossentropy'); activation checkpointing non-reentrant "
+                 "(scripts/train/benchmarking/submit_benchmarks.py sets it), on a torch that "
+                 "stops recomputing early (>= 2.1: assumed from the same table's FP8 rows, a "
+                 "later software stack than the A100 tables')"),
+    "mpt-a100": ({"attention_kernel": "flash", "overlap_dp_comm": True, "loss_kernel": "fused",
+                  "recompute_early_stop": False},
+                 "llm-foundry as the H100 rows, on torch 1.13 (the benchmark script's default "
+                 "image; the README's tables await 'torch 2.0 after next Composer release'), "
+                 "whose non-reentrant checkpoint re-runs the whole block"),
 }
 
 

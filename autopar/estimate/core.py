@@ -83,6 +83,11 @@ class EstimateOptions:
     # recompute and backward pass (DeepSpeed before 0.5, 2021: see
     # costmodels.collectives.ZERO3_SYNC_GATHER_BYTES_PER_S)
     zero3_gather: Literal["prefetch", "sync"] = "prefetch"
+    # full recompute re-runs a block only until every tensor its backward saved is back, not
+    # its last GEMM and residual add: torch.utils.checkpoint non-reentrant (torch >= 2.1, as
+    # autopar's runtime runs it; measured in tests/unit/test_trace.py). False: the whole block
+    # (Megatron's and DeepSpeed's checkpointing, reentrant torch checkpoint)
+    recompute_early_stop: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -329,7 +334,7 @@ def _rank_groups(cache: EvalCache, config: ParallelConfig) -> RankGroups:
 def _times_key(config: ParallelConfig, dtype: str, options: EstimateOptions) -> tuple:
     return (config.micro_batch_size, config.tp, config.cp, config.ep, config.sequence_parallel,
             config.recompute, options.attention_kernel, options.overlap_tp_comm,
-            options.kernels, options.loss_kernel, dtype)
+            options.kernels, options.loss_kernel, options.recompute_early_stop, dtype)
 
 
 def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype: str,
@@ -347,7 +352,8 @@ def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dty
             u.name: unit_times(u, cluster=cache, dtype=dtype, cfg=config, groups=groups,
                                attention_kernel=options.attention_kernel,
                                overlap_tp=options.overlap_tp_comm,
-                               kernels=options.kernels)
+                               kernels=options.kernels,
+                               early_stop=options.recompute_early_stop)
             for u in cache.units[mbs]}
     return times
 
@@ -470,12 +476,8 @@ def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, 
     backward and weight-grad seconds per micro-batch, activation bytes kept per micro-batch,
     and model-state bytes -- the inputs of the inter-op stage DP."""
     cache = cache or EvalCache(cluster)
-    units = costs.units_for(config.micro_batch_size)
-    times = {u.name: unit_times(u, cluster=cache, dtype=dtype, cfg=config,
-                                groups=rank_groups(config),
-                                attention_kernel=options.attention_kernel,
-                                overlap_tp=options.overlap_tp_comm,
-                                kernels=options.kernels) for u in units}
+    times = _unit_times(costs, cache, config, dtype, options)
+    units = cache.units[config.micro_batch_size]
     flash = options.attention_kernel != "math"
     shards = config.dp * config.cp
     dense_b = state_bytes_per_param(dtype, config.zero_stage, shards)

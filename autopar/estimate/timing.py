@@ -117,11 +117,19 @@ def _tp_time(unit: Unit, cluster: Cluster, cfg: ParallelConfig, groups: RankGrou
 
 def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
                groups: RankGroups, attention_kernel: str, overlap_tp: bool = False,
-               kernels: str = "eager") -> UnitTimes:
-    fwd = bwd = wgrad = attn_fwd = attn_bwd = gemm_fwd = gemm_bwd = 0.0
+               kernels: str = "eager", early_stop: bool = False) -> UnitTimes:
+    """Per micro-batch seconds of one layer of `unit`. Full recompute re-runs the forward and
+    its TP communication; with `early_stop` (torch's non-reentrant checkpoint) it stops before
+    the unit's tail (`OpCost.tail`: the last GEMM and what follows it in a transformer block),
+    and that GEMM's row-parallel reduction, one of the unit's TP points."""
+    fwd = bwd = wgrad = attn_fwd = attn_bwd = gemm_fwd = gemm_bwd = tail_fwd = 0.0
+    tail_gemms = 0
     for op in unit.ops:
         f, b, w = op_times(op, cluster, dtype, cfg, attention_kernel, kernels)
         fwd, bwd, wgrad = fwd + f, bwd + b, wgrad + w
+        if op.tail:
+            tail_fwd += f
+            tail_gemms += op.kind == "gemm"
         if op.kind == "attention":
             attn_fwd, attn_bwd = attn_fwd + f, attn_bwd + b
         elif op.kind == "gemm":
@@ -148,7 +156,11 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         tokens = unit.moe_dispatch_bytes / (cfg.cp * (cfg.tp if cfg.sequence_parallel else 1))
         ep = 2 * cluster.collective_time("all_to_all", tokens, groups.ep)
 
-    if cfg.recompute == "full":
+    if cfg.recompute == "full" and early_stop:
+        points = unit.tp_points
+        kept = (points - min(tail_gemms, points)) / points if points else 1.0
+        recompute = fwd - tail_fwd - unit.tail_kernels * gap + tp_fwd * kept
+    elif cfg.recompute == "full":
         recompute = fwd + tp_fwd
     elif cfg.recompute == "selective" and attention_kernel == "math":
         recompute = attn_fwd

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
 
-__all__ = ["OpCost", "Unit", "units_from_graph", "vocab_sizes"]
+__all__ = ["OpCost", "Unit", "recompute_tail", "units_from_graph", "vocab_sizes"]
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV)
 _FREE_KINDS = (OpKind.VIEW,)
@@ -41,6 +41,8 @@ class OpCost:
     seq_kv: int = 0  # attention: key/value length
     vocab: bool = False  # a GEMM or lookup over the vocabulary (sharded by vocab-parallel TP)
     aligned: bool = True  # a GEMM whose operands' rows are all 16-byte aligned
+    # in the unit's tail that an early-stopping recompute does not re-run (`recompute_tail`)
+    tail: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,6 +64,7 @@ class Unit:
     param_bytes: int  # parameters of one copy of the unit, in their traced dtype
     loss_logits: int = 0  # elements of its cross-entropy losses' inputs (the logits)
     loss_logit_bytes: int = 0  # the same in their traced dtype
+    tail_kernels: int = 0  # kernels of the ops an early-stopping recompute skips (OpCost.tail)
 
     @property
     def count(self) -> int:
@@ -118,6 +121,22 @@ def _segments(graph: Graph) -> list[tuple[str, list[Node], tuple[str, ...]]]:
     return named
 
 
+def recompute_tail(nodes: list[Node]) -> set[str]:
+    """The trailing nodes a recompute that stops early need not re-run: walking back from
+    the last node, each one that keeps no tensor of its own for backward and whose output no
+    later node of the unit keeps (torch.utils.checkpoint's non-reentrant early stop re-runs a
+    block only until every tensor its backward saved is back: in a transformer block, the last
+    GEMM and the residual add after it)."""
+    kept_later: set[str] = set()
+    tail: set[str] = set()
+    for node in reversed(nodes):
+        if node.name in kept_later or node.name in node.saved_from:
+            break
+        tail.add(node.name)
+        kept_later.update(node.saved_from)
+    return tail
+
+
 def _vocab_sized(node: Node, vocab_dims: set[int]) -> bool:
     return any(p.shape and p.shape[0] in vocab_dims for p in node.params)
 
@@ -129,8 +148,9 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     dense = expert = 0
     in_moe = False
     seen_params: dict[str, int] = {}
-    saved_memory = kernels = tp_points = dispatch = kv = scores = 0
+    saved_memory = kernels = tp_points = dispatch = kv = scores = tail_kernels = 0
     act = 0
+    tail = recompute_tail(nodes)
     for node in nodes:
         if node.kind is OpKind.MOE_DISPATCH:
             in_moe = True
@@ -148,19 +168,21 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         if node.kind in _FREE_KINDS:
             continue
         kernels += 1
+        tail_kernels += node.name in tail
         io = node.bytes_read + node.bytes_written
         weights = sum(p.num_bytes for p in node.params)
         if node.kind in _GEMM_KINDS:
             ops.append(OpCost(kind="gemm", flops_fwd=node.flops_fwd, flops_bwd=node.flops_bwd,
                               bytes_fwd=io, param_bytes=weights, expert=in_moe,
-                              vocab=_vocab_sized(node, vocab_dims), aligned=_aligned(node)))
+                              vocab=_vocab_sized(node, vocab_dims), aligned=_aligned(node),
+                              tail=node.name in tail))
         elif node.kind is OpKind.ATTENTION and node.attention is not None:
             a = node.attention
             score = a.batch * a.num_heads * a.seq_q * a.seq_kv * node.inputs[0].num_bytes \
                 // max(1, node.inputs[0].numel)
             ops.append(OpCost(kind="attention", flops_fwd=node.flops_fwd,
                               flops_bwd=node.flops_bwd, bytes_fwd=io, causal=a.causal,
-                              score_bytes=score, seq_kv=a.seq_kv))
+                              score_bytes=score, seq_kv=a.seq_kv, tail=node.name in tail))
             kv += sum(t.num_bytes for t in node.inputs[1:3])
             # Korthikanti et al. 2022: softmax output (2 B/elt), plus the dropout mask (1 B)
             # and output (2 B) when attention dropout is on: 2·a·s²·b or 5·a·s²·b
@@ -169,7 +191,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
             ops.append(OpCost(kind="memory", flops_fwd=0.0, flops_bwd=0.0, bytes_fwd=io,
                               param_bytes=weights, expert=in_moe,
                               vocab=node.kind is OpKind.EMBEDDING
-                              and _vocab_sized(node, vocab_dims)))
+                              and _vocab_sized(node, vocab_dims), tail=node.name in tail))
             saved_memory += node.saved_bytes
         if node.kind is OpKind.NORM:
             tp_points += 1
@@ -191,7 +213,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         moe_dispatch_bytes=dispatch, attention_kv_bytes=kv, attention_score_bytes=scores,
         param_bytes=sum(seen_params.values()),
         loss_logits=sum(n.inputs[0].numel for n in losses),
-        loss_logit_bytes=sum(n.inputs[0].num_bytes for n in losses))
+        loss_logit_bytes=sum(n.inputs[0].num_bytes for n in losses), tail_kernels=tail_kernels)
 
 
 def vocab_sizes(graph: Graph) -> set[int]:

@@ -149,6 +149,9 @@ class Node:
     params: tuple[ParamSpec, ...] = ()
     saved_bytes: int = 0
     saved_bytes_recompute: int = 0
+    # the nodes whose outputs this node keeps for its backward (itself when it keeps its own
+    # output or a tensor it makes, e.g. a dropout mask or attention's log-sum-exp)
+    saved_from: tuple[str, ...] = ()
     module_path: str = ""
     layer_index: int | None = None
     attention: AttentionSpec | None = None

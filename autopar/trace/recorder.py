@@ -215,10 +215,13 @@ class Recorder:
             outs.append(self._new_value(
                 t, source=name, needs_grad=grad and t.dtype.is_floating_point,
                 score=score_out, base=base))
-        saved, kept = self._charge([self.value(t) for t in save], layer) if grad else (0, 0)
+        kept_values = [self.value(t) for t in save]
+        saved, kept = self._charge(kept_values, layer) if grad else (0, 0)
         if grad and extra_saved_bytes:
             saved += extra_saved_bytes
             kept += 0 if score_out else extra_saved_bytes
+        saved_from = tuple(sorted({v.source for v in kept_values if not v.state}
+                                  | ({name} if extra_saved_bytes else set()))) if grad else ()
         params = tuple(v.param for v in ins if v.param is not None)
         moves = kind is not OpKind.VIEW
         node = Node(
@@ -229,7 +232,7 @@ class Recorder:
             bytes_read=sum(v.spec.num_bytes for v in ins) if moves else 0,
             bytes_written=sum(v.spec.num_bytes for v in outs) if moves else 0,
             params=params, saved_bytes=saved, saved_bytes_recompute=kept,
-            module_path=path, layer_index=layer, attention=attention,
+            saved_from=saved_from, module_path=path, layer_index=layer, attention=attention,
         )
         self.nodes.append(node)
         return node

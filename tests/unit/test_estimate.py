@@ -220,3 +220,60 @@ def test_eager_loss_holds_eight_more_bytes_per_logit_than_a_fused_one():
                       dtype="bf16", options=EstimateOptions(loss_kernel=k)).tensor_memory_bytes
           for k in ("eager", "fused")}
     assert tp["eager"] - tp["fused"] == pytest.approx(8 * mb * seq * vocab / 2)  # vocab-parallel
+
+
+class _CountGemms(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.gemms = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.gemms += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm)
+        return func(*args, **(kwargs or {}))
+
+
+def _recomputed_gemms(model, tokens) -> int:
+    """Linear GEMMs torch re-runs in backward: with every block checkpointed as autopar's
+    runtime does it (non-reentrant), less a backward without checkpointing."""
+    from autopar.runtime.apply import _apply_recompute
+
+    counts = []
+    for policy in ("none", "full"):
+        if policy == "full":
+            _apply_recompute(model, "full")
+        loss = model(tokens).float().square().mean()
+        with _CountGemms() as mode:
+            loss.backward()
+        counts.append(mode.gemms)
+    return counts[1] - counts[0]
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_early_stop_recompute_skips_what_torch_skips(family):
+    # oracle: torch 2.13's non-reentrant checkpoint on CPU does not re-run a block's last
+    # GEMM (its output is kept by nothing inside the block); the trace's tail says the same
+    torch.manual_seed(0)
+    if family == "gpt":
+        model = GPT(GPTConfig(vocab_size=128, max_seq_len=16, dim=32, n_layers=2, n_heads=4))
+    else:
+        from autopar.models.llama import Llama, LlamaConfig
+
+        model = Llama(LlamaConfig(vocab_size=128, max_seq_len=16, dim=32, n_layers=2,
+                                  n_heads=4, n_kv_heads=2, ffn_dim=64))
+    from autopar.estimate.core import ModelCosts
+
+    units = ModelCosts.from_graph(autopar.trace(model, global_batch_size=2, seq_len=16)).units
+    block = next(u for u in units if u.count == 2)
+    gemms = [op for op in block.ops if op.kind == "gemm"]
+    tail = [op for op in gemms if op.tail]
+    assert len(tail) == 1 and block.tail_kernels >= 2  # the last GEMM and the residual add
+    tokens = torch.randint(0, 128, (2, 16))
+    assert _recomputed_gemms(model, tokens) == 2 * (len(gemms) - len(tail))
+    # the estimate: early stop saves exactly the tail's forward time per layer
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=1)
+    cfg = ParallelConfig(dp=8, recompute="full")
+    full = autopar.estimate(model, cluster, cfg, global_batch_size=16, seq_len=16,
+                            options=EstimateOptions(recompute_early_stop=False))
+    early = autopar.estimate(model, cluster, cfg, global_batch_size=16, seq_len=16)
+    assert early.breakdown["recompute"] < full.breakdown["recompute"]
+    assert early.breakdown["compute"] == full.breakdown["compute"]

@@ -4,9 +4,9 @@ SUSTAINED_COMPUTE_FRACTION is fitted per architecture on every row of shared/dat
 published_runs_calibration.csv but the DeepSpeed ZeRO-3 ones (benchmarks/
 fit_sustained_fraction.py). This runs `estimate` on all 47 rows (benchmarks/published_runs.py
 prints the table) and checks that the constants in use are the protocol's optimum.
-The DeepSpeed ZeRO-3 rows of SC21 Table 2 are reported, not asserted: their step times stop
-falling beyond 768 GPUs, i.e. gathers ran at ~20 GB/s per GPU, far below what NCCL reaches on
-that fabric, and nothing in the sources explains it (see the issue 4 notes).
+The DeepSpeed ZeRO-3 rows of SC21 Table 2 are outside the fit: their steps are DeepSpeed
+2021's synchronous per-parameter gathers (EstimateOptions(zero3_gather="sync"), whose
+throughput constant comes from another measurement, DeepSpeed issue #1174).
 """
 
 import statistics
@@ -47,13 +47,14 @@ def test_every_published_configuration_is_predicted_to_fit(errors):
 def test_every_group_tracks_the_published_step_times(errors):
     assert _median(errors, {"sc21-t1"}) <= 0.05
     assert _median(errors, {"sc21-t2-ptdp"}) <= 0.05
-    assert _median(errors, {"mlm-h100"}) <= 0.06
     assert _median(errors, {"mlm-h100-strong"}) <= 0.10
     assert _median(errors, {"mpt-a100"}) <= 0.10
-    # the two H100 sources disagree by ~15% in compute speed (Megatron-LM's weak-scaling rows
-    # alone fit a sustained fraction of 0.66, the other H100 rows 0.82); the joint fit sits
-    # between them
-    assert _median(errors, {"mpt-h100"}) <= 0.17
+    # the two H100 sources disagree by ~10% in compute speed (fitted on the other source
+    # alone, MosaicML's rows would take a sustained fraction of 0.66, Megatron-LM's 0.75); the
+    # joint fit sits between them
+    assert _median(errors, {"mlm-h100"}) <= 0.07
+    assert _median(errors, {"mpt-h100"}) <= 0.08
+    assert _median(errors, {"sc21-t2-zero3"}) <= 0.20
 
 
 @pytest.mark.parametrize("arch", ["ampere", "hopper"])
@@ -72,7 +73,7 @@ def test_sustained_fraction_in_use_is_the_fit_protocol_optimum(arch):
 
 
 def test_all_rows_median_error(errors):
-    assert statistics.median(abs(e) for _, e, _ in errors.values()) <= 0.07
+    assert statistics.median(abs(e) for _, e, _ in errors.values()) <= 0.06
 
 
 def test_sustained_fraction_is_named_per_architecture_and_falls_back_to_the_mean():
