@@ -45,7 +45,8 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
     """(kept per layer per micro-batch, working set of one layer while it runs) on one rank.
 
     A fused attention node keeps no score matrix; with an unfused kernel (`flash` False) the
-    scores it would keep are added. Selective recompute drops the score-sized tensors. A
+    scores it would keep are added. Full recompute keeps a block's input only (the glue is not
+    checkpointed); selective recompute drops the score-sized tensors. A
     cross-entropy keeps and briefly holds what `loss_bytes` says, its logits sharded over
     tp (vocabulary-parallel) and cp.
     """
@@ -55,7 +56,7 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
     scores = 0.0 if flash else unit.attention_score_bytes / (tp * cp)
     full = (unit.saved_bytes - unit.saved_bytes_memory_ops) / (tp * cp) \
         + unit.saved_bytes_memory_ops / mem_split + scores + loss_kept
-    if cfg.recompute == "full":
+    if cfg.recompute == "full" and unit.is_block:  # the glue is not checkpointed
         return unit.act_bytes / mem_split, full + loss
     if cfg.recompute == "selective":
         dropped = (unit.saved_bytes - unit.saved_bytes_recompute) / (tp * cp) + scores

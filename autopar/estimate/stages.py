@@ -18,8 +18,7 @@ Chunk = list[tuple[Unit, tuple[str, ...]]]  # (unit, the layer FQNs of it placed
 
 def assign_stages(units: tuple[Unit, ...], num_chunks: int) -> list[Chunk]:
     items = [(u, fqn) for u in units for fqn in u.layer_fqns]
-    is_block = [u.count > 1 or u.name not in ("pre", "post") and not u.name.startswith("glue")
-                for u, _ in items]
+    is_block = [u.is_block for u, _ in items]
     body_idx = [i for i, b in enumerate(is_block) if b] or list(range(len(items)))
     first, last = body_idx[0], body_idx[-1]
     body = items[first:last + 1]

@@ -118,8 +118,9 @@ def _tp_time(unit: Unit, cluster: Cluster, cfg: ParallelConfig, groups: RankGrou
 def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
                groups: RankGroups, attention_kernel: str, overlap_tp: bool = False,
                kernels: str = "eager", early_stop: bool = False) -> UnitTimes:
-    """Per micro-batch seconds of one layer of `unit`. Full recompute re-runs the forward and
-    its TP communication; with `early_stop` (torch's non-reentrant checkpoint) it stops before
+    """Per micro-batch seconds of one layer of `unit`. Full recompute re-runs a block's
+    forward and its TP communication (the glue -- embedding, head, loss -- is not
+    checkpointed); with `early_stop` (torch's non-reentrant checkpoint) it stops before
     the unit's tail (`OpCost.tail`: the last GEMM and what follows it in a transformer block),
     and that GEMM's row-parallel reduction, one of the unit's TP points."""
     fwd = bwd = wgrad = attn_fwd = attn_bwd = gemm_fwd = gemm_bwd = tail_fwd = 0.0
@@ -156,7 +157,9 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         tokens = unit.moe_dispatch_bytes / (cfg.cp * (cfg.tp if cfg.sequence_parallel else 1))
         ep = 2 * cluster.collective_time("all_to_all", tokens, groups.ep)
 
-    if cfg.recompute == "full" and early_stop:
+    if cfg.recompute == "full" and not unit.is_block:
+        recompute = 0.0  # checkpointing wraps the blocks (Megatron's layers, the runtime's)
+    elif cfg.recompute == "full" and early_stop:
         points = unit.tp_points
         kept = (points - min(tail_gemms, points)) / points if points else 1.0
         recompute = fwd - tail_fwd - unit.tail_kernels * gap + tp_fwd * kept

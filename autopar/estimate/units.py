@@ -70,6 +70,12 @@ class Unit:
     def count(self) -> int:
         return len(self.layer_fqns)
 
+    @property
+    def is_block(self) -> bool:
+        """A repeated layer (a transformer block), not the glue before, between or after."""
+        return self.count > 1 or self.name not in ("pre", "post") \
+            and not self.name.startswith("glue")
+
     def scaled(self, factor: float) -> "Unit":
         """The unit for `factor` times the traced batch: work and activations scale,
         parameters and their reads do not."""

@@ -277,3 +277,18 @@ def test_early_stop_recompute_skips_what_torch_skips(family):
     early = autopar.estimate(model, cluster, cfg, global_batch_size=16, seq_len=16)
     assert early.breakdown["recompute"] < full.breakdown["recompute"]
     assert early.breakdown["compute"] == full.breakdown["compute"]
+
+
+def test_full_recompute_reruns_the_blocks_not_the_head():
+    # checkpointing wraps the blocks (Megatron's layers, the runtime's ModuleList children):
+    # a larger vocabulary adds head and loss work but no recompute
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=1)
+    cfg = ParallelConfig(dp=8, recompute="full")
+    out = []
+    for vocab in (VOCAB, 4 * VOCAB):
+        with torch.device("meta"):
+            model = GPT(GPTConfig(vocab_size=vocab, max_seq_len=SEQ, dim=DIM, n_layers=LAYERS,
+                                  n_heads=HEADS, tie_embeddings=False))
+        out.append(autopar.estimate(model, cluster, cfg, global_batch_size=16, seq_len=SEQ))
+    assert out[1].breakdown["compute"] > out[0].breakdown["compute"]
+    assert out[1].breakdown["recompute"] == pytest.approx(out[0].breakdown["recompute"])
