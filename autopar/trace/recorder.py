@@ -215,12 +215,12 @@ class Recorder:
             outs.append(self._new_value(
                 t, source=name, needs_grad=grad and t.dtype.is_floating_point,
                 score=score_out, base=base))
-        kept_values = [self.value(t) for t in save]
-        saved, kept = self._charge(kept_values, layer) if grad else (0, 0)
+        saved_values = [self.value(t) for t in save]
+        saved, kept = self._charge(saved_values, layer) if grad else (0, 0)
         if grad and extra_saved_bytes:
             saved += extra_saved_bytes
             kept += 0 if score_out else extra_saved_bytes
-        saved_from = tuple(sorted({v.source for v in kept_values if not v.state}
+        saved_from = tuple(sorted({v.source for v in saved_values if not v.state}
                                   | ({name} if extra_saved_bytes else set()))) if grad else ()
         params = tuple(v.param for v in ins if v.param is not None)
         moves = kind is not OpKind.VIEW
