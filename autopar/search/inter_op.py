@@ -396,6 +396,8 @@ def _search(ranges: _Ranges, inflight: tuple[int, ...], act: np.ndarray, state: 
     if lean is not None:
         best = _split_search(ranges, inflight, act, state, p, budget, [lean, best or lean])
     if incumbent is not None and (best is None or _key(ranges, incumbent) < _key(ranges, best)):
+        if max(_rank_memory(incumbent, inflight, act, state, p)) > budget:
+            return incumbent, False, "incumbent"  # trusted; the chain moves need a fitting start
         best = incumbent
     if best is not None:
         best = _descend(best, inflight, act, state, ranges, p, budget)

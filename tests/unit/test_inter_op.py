@@ -219,6 +219,20 @@ def test_an_incumbent_reaching_the_least_bottleneck_is_kept_without_a_search():
     assert without.bottleneck_s > res.bottleneck_s
 
 
+def test_pass_2_returns_a_better_incumbent_the_dp_thinks_too_large():
+    # pass 1 has a lower bottleneck, pass 2 finds nothing as good as the incumbent, and the
+    # DP's per-stage peaks put the incumbent 0.5 B over the budget: it is returned as it is
+    # (the chain moves would need a start that fits; this asserted in `make demo`)
+    f = [2.0, 3.0, 1.0, 3.0, 5.0, 4.0, 5.0, 2.0, 3.0, 3.0, 5.0]
+    incumbent = [(0, 2), (2, 3), (3, 7), (7, 11)]
+    res = _run(f, [2 * x for x in f], [3.0, 4.0, 3.0, 4.0, 0.0, 3.0, 1.0, 5.0, 3.0, 3.0, 5.0],
+               [1.0, 2.0, 4.0, 5.0, 5.0, 5.0, 2.0, 0.0, 3.0, 5.0, 4.0], num_stages=2,
+               virtual_stages=2, num_microbatches=2, schedule="interleaved-1f1b",
+               memory_budget_bytes=53.5, incumbent=incumbent)
+    assert res.method == "incumbent" and not res.exact
+    assert list(res.boundaries) == incumbent and max(res.rank_memory_bytes) == 54.0
+
+
 def test_a_malformed_incumbent_is_refused():
     with pytest.raises(ValueError, match="does not cut the 6 layers into 2 contiguous"):
         _run([1.0] * 6, [1.0] * 6, [1.0] * 6, [1.0] * 6, num_stages=2, num_microbatches=4,
