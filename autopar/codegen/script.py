@@ -127,6 +127,12 @@ if __name__ == "__main__":
         main()
     except ValueError as exc:  # a bad launch or a plan for another model: say so and stop
         sys.exit(f"error: {{exc}}")
+    # The run is finished and its groups destroyed, but gloo's worker threads can still hold
+    # collective results that the interpreter's finalization frees without the GIL, which
+    # aborts a finished run now and then (pytorch/pytorch#179291): leave without finalizing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 '''
 
 
