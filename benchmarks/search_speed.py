@@ -12,7 +12,7 @@ stage DP's check of its 4 x 8 stages over 130 layers (~0.005 s: pass 1's bottlen
 no cut beats Megatron's placement, so the split-budget search is skipped) and the simulation of
 its candidates that a bound on the simulated step cannot rule out. The outer search visits
 configs in order of a step bound from each pipeline rank's work (the busiest rank, and the
-zero-bubble tail), evaluating 20 (32 layers) and 70 (128 layers) of 35-47 thousand; what is
+zero-bubble tail), evaluating 20 (32 layers) and 67 (128 layers) of 35-47 thousand; what is
 left of the depth ratio is mostly the 33 % larger space (more pipeline degrees and
 virtual-stage splits), those extra evaluations and the plan-dependent work above. The search
 column separates the outer search. On a shared machine the wall times swing; the CPU column is

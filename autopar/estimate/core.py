@@ -360,19 +360,20 @@ def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dty
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _GatherUnit:
-    """A ZeRO-3 unit on the rank: its layers there, parameters of one layer on this rank
-    (dense, expert), and per parameterised op in execution order the elements on this rank and
-    whether they are expert weights -- only ops above DeepSpeed's persistence threshold."""
+    """A ZeRO-3 unit on the rank: its layers there and the parameters of one layer on this
+    rank (dense, expert)."""
 
+    unit: Unit
     layers: float
     dense: float
     expert: float
-    tensors: tuple[tuple[float, bool], ...]
 
 
 def _gathered_tensors(unit: Unit, config: ParallelConfig) -> tuple[tuple[float, bool], ...]:
-    """The ops of one copy of `unit` whose parameters a per-parameter ZeRO-3 gathers (a
-    Linear's weight and bias count as one: the bias is 1/h of it)."""
+    """Per parameterised op of one copy of `unit`, in execution order, the elements on this
+    rank and whether they are expert weights: the tensors a per-parameter ZeRO-3 gathers,
+    those above DeepSpeed's persistence threshold (a Linear's weight and bias count as one:
+    the bias is 1/h of it)."""
     per_elem = unit.param_bytes / max(1, unit.dense_params + unit.expert_params)
     out = []
     for op in unit.ops:
@@ -407,9 +408,8 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
     p2p = (cache.collective_time("send_recv", act, (0, groups.pp_next))
            if groups.pp_next is not None else 0.0)
     heavy = int(np.argmax(lay.rank_dense + lay.rank_expert))  # the first, as max() took
-    units_here = [_GatherUnit(layers=float(n), dense=u.dense_params / config.tp,
-                              expert=u.expert_params / (config.tp * config.ep),
-                              tensors=_gathered_tensors(u, config))
+    units_here = [_GatherUnit(unit=u, layers=float(n), dense=u.dense_params / config.tp,
+                              expert=u.expert_params / (config.tp * config.ep))
                   for u, n in zip(units, lay.rank_counts[heavy]) if n > 0]
     prep = cache.layouts[lkey] = _Prepared(
         lay=lay, groups=groups, p2p=p2p, dense=lay.rank_dense[heavy],
@@ -523,26 +523,29 @@ def _dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense:
     fwd = sums["compute_fwd"]
     bwd = sums["compute_bwd"] + sums["recompute"]
     if cfg.zero_stage == 3:
-        gather = scatter = first = synced = 0.0
-        for unit in gather_units:
-            g = cluster.collective_time("all_gather", unit.dense * param_b, groups.dp)
-            r = cluster.collective_time("reduce_scatter", unit.dense * grad_b, groups.dp)
-            if unit.expert and len(expert_group) > 1:
-                g += cluster.collective_time("all_gather", unit.expert * param_b, expert_group)
-                r += cluster.collective_time("reduce_scatter", unit.expert * grad_b,
+        sync = options.zero3_gather == "sync"
+        gather = scatter = first = 0.0
+        for here in gather_units:
+            r = cluster.collective_time("reduce_scatter", here.dense * grad_b, groups.dp)
+            if here.expert and len(expert_group) > 1:
+                r += cluster.collective_time("reduce_scatter", here.expert * grad_b,
                                              expert_group)
-            gather, scatter, first = gather + unit.layers * g, scatter + unit.layers * r, \
-                max(first, g)
-            if options.zero3_gather == "sync":
-                synced += unit.layers * sum(
+            scatter += here.layers * r
+            if sync:  # one gather per parameter tensor, the stream waiting for it
+                gather += here.layers * sum(
                     cluster.collective_time("all_gather", n * param_b,
                                             expert_group if is_expert else groups.dp)
                     + n * param_b / ZERO3_SYNC_GATHER_BYTES_PER_S
-                    for n, is_expert in unit.tensors)
-        if options.zero3_gather == "sync":
+                    for n, is_expert in _gathered_tensors(here.unit, cfg))
+                continue
+            g = cluster.collective_time("all_gather", here.dense * param_b, groups.dp)
+            if here.expert and len(expert_group) > 1:
+                g += cluster.collective_time("all_gather", here.expert * param_b, expert_group)
+            gather, first = gather + here.layers * g, max(first, g)
+        if sync:
             passes = 3 if cfg.recompute == "full" else 2
-            return (m * (passes * synced + max(0.0, scatter - bwd)),
-                    m * (passes * synced + scatter))
+            return (m * (passes * gather + max(0.0, scatter - bwd)),
+                    m * (passes * gather + scatter))
         exposed_mb = max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd) + first
         return m * exposed_mb, m * (2 * gather + scatter)
     if cfg.zero_stage == 0:

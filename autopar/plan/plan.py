@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from autopar.config import ParallelConfig
@@ -74,12 +73,11 @@ class Plan:
         from autopar import __version__
 
         table = self.candidates
-        keep = np.zeros(len(table), dtype=bool)
-        if "fits" in table:  # the best fitting rows: which unfit ones were listed depends on
-            fits = table["fits"].astype(bool).to_numpy()  # the search's memory skip
-            keep[np.flatnonzero(fits)[:_SAVED_CANDIDATES]] = True
+        keep = table.index < _SAVED_CANDIDATES  # the table lists fitting rows first
+        if "fits" in table:  # which unfit rows were listed depends on the search's memory skip
+            keep = keep & table["fits"].astype(bool).to_numpy()
         if "exact" in table:  # every simulated row, so "next candidates" survive a reload
-            keep |= table["exact"].astype(bool).to_numpy()
+            keep = keep | table["exact"].astype(bool).to_numpy()
         top = table[keep].to_dict(orient="records")
         return _clean({
             "plan_version": self.version, "autopar_version": __version__,

@@ -202,7 +202,7 @@ def _small_gpt():
 
 
 @pytest.mark.parametrize("build,memory_gb,gbs,seq,constraints", [
-    (_small_gpt, 10, 64, 4096, {}),  # 20 fitting rows of 40 visited
+    (_small_gpt, 10, 64, 4096, {}),  # 23 fitting rows of 44 visited
     (lambda: autopar.models.build("gpt3-6.7b"), 32, 64, 2048,  # 8 fitting rows
      {"tp": 1, "pp": 1, "cp": 1}),
 ])
