@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import numpy as np
 import torch.nn as nn
@@ -83,6 +83,11 @@ class EstimateOptions:
     # recompute and backward pass (DeepSpeed before 0.5, 2021: see
     # costmodels.collectives.ZERO3_SYNC_GATHER_BYTES_PER_S)
     zero3_gather: Literal["prefetch", "sync"] = "prefetch"
+    # with zero3_gather="sync": a gathered tensor whose next use in the micro-batch's forward
+    # and backward comes after at most this many parameter elements of other uses is kept,
+    # not released and gathered again (DeepSpeed's stage3_max_reuse_distance, default 1e9;
+    # with full recompute it keeps a block's last tensors from its recompute to its backward)
+    zero3_max_reuse_distance: int = 10**9
     # full recompute re-runs a block only until every tensor its backward saved is back, not
     # its last GEMM and residual add: torch.utils.checkpoint non-reentrant (torch >= 2.1, as
     # autopar's runtime runs it; measured in tests/unit/test_trace.py). False: the whole block
@@ -369,20 +374,57 @@ class _GatherUnit:
     expert: float
 
 
-def _gathered_tensors(unit: Unit, config: ParallelConfig) -> tuple[tuple[float, bool], ...]:
-    """Per parameterised op of one copy of `unit`, in execution order, the elements on this
-    rank and whether they are expert weights: the tensors a per-parameter ZeRO-3 gathers,
-    those above DeepSpeed's persistence threshold (a Linear's weight and bias count as one:
-    the bias is 1/h of it)."""
+def _param_tensors(unit: Unit, config: ParallelConfig) -> tuple[tuple[float, bool], ...]:
+    """Per parameterised op of one copy of `unit`, in execution order, its parameter elements
+    on this rank and whether they are expert weights (a Linear's weight and bias count as one
+    tensor: the bias is 1/h of it)."""
     per_elem = unit.param_bytes / max(1, unit.dense_params + unit.expert_params)
-    out = []
-    for op in unit.ops:
-        if op.param_bytes <= 0 or per_elem <= 0:
-            continue
-        numel = op.param_bytes / per_elem / (config.tp * (config.ep if op.expert else 1))
-        if numel > ZERO3_PERSISTENCE_THRESHOLD:
-            out.append((numel, op.expert))
-    return tuple(out)
+    if per_elem <= 0:
+        return ()
+    return tuple((op.param_bytes / per_elem / (config.tp * (config.ep if op.expert else 1)),
+                  op.expert) for op in unit.ops if op.param_bytes > 0)
+
+
+def _sync_gather_uses(gather_units: Sequence["_GatherUnit"], config: ParallelConfig,
+                     max_reuse_distance: float) -> list[tuple[float, bool]]:
+    """The parameter gathers of one micro-batch under DeepSpeed-2021 ZeRO-3 (one all-gather
+    per tensor, ``zero3_gather="sync"``): (elements on this rank, expert) for every use of a
+    tensor that has to gather it.
+
+    The rank's uses in order: the forward over its units and layers; then the backward in
+    reverse, where full recompute re-runs each block's forward just before that block's
+    backward. DeepSpeed's coordinator records this trace and, when a module's use ends,
+    keeps its parameters if the module's next use comes after at most `max_reuse_distance`
+    parameter elements of the uses in between (every parameter counts, persistent ones too;
+    its stage-3 `PrefetchCoordinator.get_reuse_distance_in_numel`, 2021); a kept tensor
+    is not gathered again. Tensors of at most ZERO3_PERSISTENCE_THRESHOLD elements stay
+    whole on every rank and are never gathered."""
+    full = config.recompute == "full"
+    trace: list[tuple[tuple[int, int, int], float, bool]] = []
+    per_unit = []
+    for k, here in enumerate(gather_units):
+        per_unit.append([(k, t, n, e) for t, (n, e) in enumerate(_param_tensors(here.unit,
+                                                                              config))])
+    for k, here in enumerate(gather_units):
+        for copy in range(int(here.layers)):
+            trace += [((k, copy, t), n, e) for _, t, n, e in per_unit[k]]
+    for k in reversed(range(len(gather_units))):
+        here, tensors = gather_units[k], per_unit[k]
+        for copy in reversed(range(int(here.layers))):
+            if full and here.unit.is_block:
+                trace += [((k, copy, t), n, e) for _, t, n, e in tensors]
+            trace += [((k, copy, t), n, e) for _, t, n, e in reversed(tensors)]
+    uses: list[tuple[float, bool]] = []
+    last_end: dict[tuple[int, int, int], float] = {}  # elements seen up to a key's last use
+    seen = 0.0
+    for key, numel, expert in trace:
+        prior = last_end.get(key)
+        if numel > ZERO3_PERSISTENCE_THRESHOLD and (
+                prior is None or seen - prior > max_reuse_distance):
+            uses.append((numel, expert))
+        seen += numel
+        last_end[key] = seen
+    return uses
 
 
 def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype: str,
@@ -506,8 +548,9 @@ def _dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense:
     Its gathers are per unit too, prefetched: one per unit for the forward and one for the
     backward (the recompute runs on the backward's), hidden under compute where it lasts
     longer, the first one exposed. With ``zero3_gather="sync"`` every parameter tensor is
-    gathered on its own, for the forward, the recompute (full) and the backward, with the
-    stream waiting: nothing hides them."""
+    gathered on its own, for the forward, the recompute (full) and the backward unless it was
+    kept since its last use (`_sync_gather_uses`), with the stream waiting: nothing hides
+    them."""
     if len(groups.dp) == 1:
         return 0.0, 0.0
     grad_b = DTYPE_BYTES[options.grad_reduce_dtype] if dtype != "fp32" else 4
@@ -531,21 +574,19 @@ def _dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense:
                 r += cluster.collective_time("reduce_scatter", here.expert * grad_b,
                                              expert_group)
             scatter += here.layers * r
-            if sync:  # one gather per parameter tensor, the stream waiting for it
-                gather += here.layers * sum(
-                    cluster.collective_time("all_gather", n * param_b,
-                                            expert_group if is_expert else groups.dp)
-                    + n * param_b / ZERO3_SYNC_GATHER_BYTES_PER_S
-                    for n, is_expert in _gathered_tensors(here.unit, cfg))
+            if sync:
                 continue
             g = cluster.collective_time("all_gather", here.dense * param_b, groups.dp)
             if here.expert and len(expert_group) > 1:
                 g += cluster.collective_time("all_gather", here.expert * param_b, expert_group)
             gather, first = gather + here.layers * g, max(first, g)
-        if sync:
-            passes = 3 if cfg.recompute == "full" else 2
-            return (m * (passes * gather + max(0.0, scatter - bwd)),
-                    m * (passes * gather + scatter))
+        if sync:  # one gather per parameter tensor and use, the stream waiting for it
+            gather = sum(cluster.collective_time("all_gather", n * param_b,
+                                                 expert_group if is_expert else groups.dp)
+                         + n * param_b / ZERO3_SYNC_GATHER_BYTES_PER_S
+                         for n, is_expert in _sync_gather_uses(
+                             gather_units, cfg, options.zero3_max_reuse_distance))
+            return m * (gather + max(0.0, scatter - bwd)), m * (gather + scatter)
         exposed_mb = max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd) + first
         return m * exposed_mb, m * (2 * gather + scatter)
     if cfg.zero_stage == 0:

@@ -148,27 +148,59 @@ def test_zero3_gather_buffers_are_two_blocks_or_the_live_parameter_cap():
     assert capped.memory_by_stage[0]["zero3_buffers"] == pytest.approx(1000 * 2)
 
 
-def test_deepspeed_2021_zero3_gathers_every_tensor_synchronously_in_each_pass():
+def _sync_gather_s(cluster, tensors):
     from costmodels.collectives import ZERO3_SYNC_GATHER_BYTES_PER_S
 
-    sync = EstimateOptions(zero3_gather="sync")
+    return sum(cluster.collective_time("all_gather", 2 * n, range(8))
+               + 2 * n / ZERO3_SYNC_GATHER_BYTES_PER_S for n in tensors)
+
+
+# per GPT block qkv, proj, fc1, fc2 (weight and bias together); LayerNorms stay whole (< 1e5)
+_BLOCK_TENSORS = [3 * DIM * DIM + 3 * DIM, DIM * DIM + DIM, 4 * DIM * DIM + 4 * DIM,
+                  4 * DIM * DIM + DIM]
+
+
+def test_deepspeed_2021_zero3_gathers_every_tensor_synchronously_in_each_pass():
+    # no reuse: every use gathers. Token and position embeddings; the tied head gathers the
+    # token embedding again
+    sync = EstimateOptions(zero3_gather="sync", zero3_max_reuse_distance=-1)
     cluster, plain = run(dp=8, zero_stage=3, options=sync)
     _, full = run(dp=8, zero_stage=3, recompute="full", options=sync)
-    # per block qkv, proj, fc1, fc2 (weight and bias together); token and position embeddings;
-    # the tied head gathers the token embedding again. LayerNorms stay whole (< 1e5 elements)
-    block = [3 * DIM * DIM + 3 * DIM, DIM * DIM + DIM, 4 * DIM * DIM + 4 * DIM,
-             4 * DIM * DIM + DIM]
-    tensors = LAYERS * block + [VOCAB * DIM, SEQ * DIM, VOCAB * DIM]
-    per_pass = sum(cluster.collective_time("all_gather", 2 * n, range(8))
-                   + 2 * n / ZERO3_SYNC_GATHER_BYTES_PER_S for n in tensors)
+    per_pass = _sync_gather_s(cluster, LAYERS * _BLOCK_TENSORS + [VOCAB * DIM, SEQ * DIM,
+                                                                   VOCAB * DIM])
     m = plain.num_microbatches
-    # full recompute adds one pass; the forward and backward passes are never hidden
+    # full recompute adds one pass over the blocks (the glue is not recomputed); the forward
+    # and backward passes are never hidden
     assert full.breakdown["dp_comm_total"] - plain.breakdown["dp_comm_total"] == \
-        pytest.approx(m * per_pass)
+        pytest.approx(m * _sync_gather_s(cluster, LAYERS * _BLOCK_TENSORS))
     assert plain.breakdown["dp_comm"] >= 2 * m * per_pass * (1 - 1e-9)
     _, prefetch = run(dp=8, zero_stage=3)
     assert plain.breakdown["dp_comm"] > prefetch.breakdown["dp_comm"]
     assert plain.peak_memory_bytes == prefetch.peak_memory_bytes
+
+
+def test_deepspeed_zero3_keeps_tensors_reused_within_the_reuse_distance():
+    def total(distance, **cfg):
+        options = EstimateOptions(zero3_gather="sync", zero3_max_reuse_distance=distance)
+        return run(dp=8, zero_stage=3, options=options, **cfg)
+
+    cluster, plain = total(1)
+    _, full = total(1, recompute="full")
+    m = plain.num_microbatches
+    # distance 1 keeps only back-to-back uses: each block's fc2 from its recompute to its
+    # backward (nothing runs between) and the head from its forward to its backward, so
+    # recompute adds qkv, proj and fc1 of every block and nothing else
+    assert full.breakdown["dp_comm_total"] - plain.breakdown["dp_comm_total"] == \
+        pytest.approx(m * _sync_gather_s(cluster, LAYERS * _BLOCK_TENSORS[:3]))
+    # the default (1e9 elements) exceeds this 15M-parameter model: each tensor use is kept
+    # until its next one, so the step gathers every tensor once per micro-batch
+    once = m * _sync_gather_s(cluster, LAYERS * _BLOCK_TENSORS + [VOCAB * DIM, SEQ * DIM,
+                                                                   VOCAB * DIM])
+    # (without reuse: twice, and the blocks a third time under full recompute)
+    blocks = m * _sync_gather_s(cluster, LAYERS * _BLOCK_TENSORS)
+    for cfg, extra in (({}, once), ({"recompute": "full"}, once + blocks)):
+        kept = total(10**9, **cfg)[1].breakdown["dp_comm_total"]
+        assert total(-1, **cfg)[1].breakdown["dp_comm_total"] - kept == pytest.approx(extra)
 
 
 def test_cp_ring_is_timed_by_its_slowest_link():
