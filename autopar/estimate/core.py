@@ -400,20 +400,20 @@ def _sync_gather_uses(gather_units: Sequence["_GatherUnit"], config: ParallelCon
     is not gathered again. Tensors of at most ZERO3_PERSISTENCE_THRESHOLD elements stay
     whole on every rank and are never gathered."""
     full = config.recompute == "full"
+    tensors = [list(enumerate(_param_tensors(here.unit, config))) for here in gather_units]
     trace: list[tuple[tuple[int, int, int], float, bool]] = []
-    per_unit = []
-    for k, here in enumerate(gather_units):
-        per_unit.append([(k, t, n, e) for t, (n, e) in enumerate(_param_tensors(here.unit,
-                                                                              config))])
+
+    def run(k: int, copy: int, ops) -> None:
+        trace.extend(((k, copy, t), n, e) for t, (n, e) in ops)
+
     for k, here in enumerate(gather_units):
         for copy in range(int(here.layers)):
-            trace += [((k, copy, t), n, e) for _, t, n, e in per_unit[k]]
+            run(k, copy, tensors[k])
     for k in reversed(range(len(gather_units))):
-        here, tensors = gather_units[k], per_unit[k]
-        for copy in reversed(range(int(here.layers))):
-            if full and here.unit.is_block:
-                trace += [((k, copy, t), n, e) for _, t, n, e in tensors]
-            trace += [((k, copy, t), n, e) for _, t, n, e in reversed(tensors)]
+        for copy in reversed(range(int(gather_units[k].layers))):
+            if full and gather_units[k].unit.is_block:
+                run(k, copy, tensors[k])  # the recompute, just before the block's backward
+            run(k, copy, reversed(tensors[k]))
     uses: list[tuple[float, bool]] = []
     last_end: dict[tuple[int, int, int], float] = {}  # elements seen up to a key's last use
     seen = 0.0
