@@ -43,7 +43,8 @@ Option names, with the files they were read from (names and semantics only):
 - DeepSpeed, deepspeedai/DeepSpeed ``deepspeed/runtime/constants.py``: train_batch_size,
   train_micro_batch_size_per_gpu, gradient_accumulation_steps, bf16.enabled, fp16.enabled,
   communication_data_type; ``deepspeed/runtime/zero/config.py``: zero_optimization.stage,
-  overlap_comm, stage3_max_live_parameters; activation_checkpointing.partition_activations and
+  overlap_comm, stage3_max_live_parameters, stage3_max_reuse_distance;
+  activation_checkpointing.partition_activations and
   number_checkpoints (DeepSpeed's activation checkpointing config);
   ``deepspeed/runtime/tensor_parallel/config.py``: tensor_parallel.autotp_size, tp_overlap_comm
   (AutoTP training covers ZeRO stages 0-2, deepspeed.ai/tutorials/autotp-training);
@@ -389,6 +390,8 @@ def _deepspeed(plan: Any) -> tuple[str, list[str]]:
                             "overlap_comm": bool(opts.get("overlap_dp_comm", False))}
     if cfg.zero_stage == 3 and opts.get("zero3_max_live_params") is not None:
         zero["stage3_max_live_parameters"] = int(opts["zero3_max_live_params"])
+    if cfg.zero_stage == 3 and opts.get("zero3_gather") == "sync":  # the estimate's reuse rule
+        zero["stage3_max_reuse_distance"] = int(opts.get("zero3_max_reuse_distance", 10**9))
     config: dict[str, Any] = {
         "train_batch_size": shape.global_batch_size,
         "train_micro_batch_size_per_gpu": cfg.micro_batch_size,

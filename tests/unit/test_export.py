@@ -351,6 +351,18 @@ def test_precision_maps_to_each_target(plans, dtype, megatron, titan, ds):
     assert (config["bf16"]["enabled"], config["fp16"]["enabled"]) == ds
 
 
+def test_deepspeed_zero3_gather_settings_reach_the_json(plans):
+    base = plans["pp2_gpipe_zero3"]
+    zero = json.loads(export_plan(base, "deepspeed").text)["zero_optimization"]
+    assert "stage3_max_reuse_distance" not in zero  # FSDP-style prefetch: not a DeepSpeed rule
+    options = {**base.training["options"], "zero3_gather": "sync",
+               "zero3_max_reuse_distance": 5 * 10**8, "zero3_max_live_params": 10**9}
+    plan = dataclasses.replace(base, training={**base.training, "options": options})
+    zero = json.loads(export_plan(plan, "deepspeed").text)["zero_optimization"]
+    assert zero["stage3_max_reuse_distance"] == 5 * 10**8
+    assert zero["stage3_max_live_parameters"] == 10**9
+
+
 def test_exports_of_a_saved_plan_match_the_original(plans, tmp_path):
     plan = plans["tp4_pp2_cp2_zero1_selective"]
     loaded = autopar.load_plan(plan.save(tmp_path / "plan.json"))
