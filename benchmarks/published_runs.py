@@ -221,7 +221,7 @@ SOFTWARE: dict[str, tuple[dict[str, Any], str]] = {
                       "DeepSpeed ZeRO-3 (2021, before v0.5): materialized attention scores; "
                       "each parameter gathered on its own and waited for in the forward, the "
                       "recompute and the backward (DeepSpeed PR #1188 describes and removes "
-                      "this in June 2021), except those kept since a use at most "
+                      "this in June 2021), except those kept since a use fewer than "
                       "stage3_max_reuse_distance (default 1e9) elements back -- each block's "
                       "last Linear from its recompute to its backward; gradient reduce-"
                       "scatter overlapped with backward; "

@@ -84,7 +84,7 @@ class EstimateOptions:
     # costmodels.collectives.ZERO3_SYNC_GATHER_BYTES_PER_S)
     zero3_gather: Literal["prefetch", "sync"] = "prefetch"
     # with zero3_gather="sync": a gathered tensor whose next use in the micro-batch's forward
-    # and backward comes after at most this many parameter elements of other uses is kept,
+    # and backward comes after fewer than this many parameter elements of other uses is kept,
     # not released and gathered again (DeepSpeed's stage3_max_reuse_distance, default 1e9;
     # with full recompute it keeps a block's last tensors from its recompute to its backward)
     zero3_max_reuse_distance: int = 10**9
@@ -394,7 +394,7 @@ def _sync_gather_uses(gather_units: Sequence["_GatherUnit"], config: ParallelCon
     The rank's uses in order: the forward over its units and layers; then the backward in
     reverse, where full recompute re-runs each block's forward just before that block's
     backward. DeepSpeed's coordinator records this trace and, when a module's use ends,
-    keeps its parameters if the module's next use comes after at most `max_reuse_distance`
+    keeps its parameters if the module's next use comes after fewer than `max_reuse_distance`
     parameter elements of the uses in between (every parameter counts, persistent ones too;
     its stage-3 `PrefetchCoordinator.get_reuse_distance_in_numel`, 2021); a kept tensor
     is not gathered again. Tensors of at most ZERO3_PERSISTENCE_THRESHOLD elements stay
@@ -420,7 +420,7 @@ def _sync_gather_uses(gather_units: Sequence["_GatherUnit"], config: ParallelCon
     for key, numel, expert in trace:
         prior = last_end.get(key)
         if numel > ZERO3_PERSISTENCE_THRESHOLD and (
-                prior is None or seen - prior > max_reuse_distance):
+                prior is None or seen - prior >= max_reuse_distance):
             uses.append((numel, expert))
         seen += numel
         last_end[key] = seen
