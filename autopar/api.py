@@ -9,8 +9,8 @@ from typing import Any
 import torch.nn as nn
 
 from autopar.cluster import Cluster
-from autopar.estimate.core import (EstimateOptions, EvalCache, ModelCosts, evaluate,
-                                   exact_step_lower_bound, layer_costs)
+from autopar.estimate.core import (BOUND_MARGIN, EstimateOptions, EvalCache, ModelCosts,
+                                   evaluate, exact_step_lower_bound, layer_costs)
 from autopar.errors import StageMemoryError
 from autopar.search.inter_op import partition_stages
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES
@@ -22,9 +22,6 @@ from autopar.search.outer import SearchSettings, search
 __all__ = ["compile"]
 
 log = logging.getLogger(__name__)
-
-# relative: a bound summed in another order than the simulation may differ in its last bits
-_BOUND_MARGIN = 1e-9
 
 
 def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
@@ -154,7 +151,7 @@ def _rebalance_stages(costs: ModelCosts, cluster: Cluster, best, global_batch_si
     bound = exact_step_lower_bound(costs, cluster, cfg, global_batch_size=global_batch_size,
                                    dtype=dtype, options=options, cache=cache,
                                    stage_boundaries=boundaries)
-    if bound * (1 - _BOUND_MARGIN) >= best.step_time_s:  # cannot be faster: skip simulating
+    if bound * (1 - BOUND_MARGIN) >= best.step_time_s:  # cannot be faster: skip simulating
         return best
     candidate = evaluate(costs, cluster, cfg, global_batch_size=global_batch_size, dtype=dtype,
                          options=options, cache=cache, exact=True, stage_boundaries=boundaries)

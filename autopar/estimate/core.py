@@ -51,8 +51,12 @@ from costmodels.pipeline import PipelineTimeline, simulate_pipeline
 
 log = logging.getLogger(__name__)
 
+# relative margin for comparing a bound with the number it bounds: a bound summed in another
+# order than the estimate or the simulation may differ from a tight case in its last bits
+BOUND_MARGIN = 1e-9
+
 __all__ = ["Estimate", "EstimateOptions", "EvalCache", "ModelCosts", "estimate",
-           "estimate_graph", "evaluate", "exact_step_lower_bound", "layer_costs",
+           "estimate_graph", "evaluate", "exact_step_lower_bound", "layer_costs", "BOUND_MARGIN",
            "split_structure", "step_lower_bound", "unit_work"]
 
 
@@ -557,7 +561,9 @@ def _dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense:
     param_b = DTYPE_BYTES[dtype] if dtype != "fp8" else 2
     expert_group = groups.dp[::cfg.ep] if cfg.ep > 1 else groups.dp
 
-    def both(kind: str, nbytes_per_param: float) -> float:
+    def both(kind: str, nbytes_per_param: float, dense: float = dense,
+             expert: float = expert) -> float:
+        """`kind` over `dense` parameters in the dp group and `expert` ones in theirs."""
         t = cluster.collective_time(kind, dense * nbytes_per_param, groups.dp)
         if expert and len(expert_group) > 1:
             t += cluster.collective_time(kind, expert * nbytes_per_param, expert_group)
@@ -569,16 +575,10 @@ def _dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense:
         sync = options.zero3_gather == "sync"
         gather = scatter = first = 0.0
         for here in gather_units:
-            r = cluster.collective_time("reduce_scatter", here.dense * grad_b, groups.dp)
-            if here.expert and len(expert_group) > 1:
-                r += cluster.collective_time("reduce_scatter", here.expert * grad_b,
-                                             expert_group)
-            scatter += here.layers * r
+            scatter += here.layers * both("reduce_scatter", grad_b, here.dense, here.expert)
             if sync:
                 continue
-            g = cluster.collective_time("all_gather", here.dense * param_b, groups.dp)
-            if here.expert and len(expert_group) > 1:
-                g += cluster.collective_time("all_gather", here.expert * param_b, expert_group)
+            g = both("all_gather", param_b, here.dense, here.expert)
             gather, first = gather + here.layers * g, max(first, g)
         if sync:  # one gather per parameter tensor and use, the stream waiting for it
             gather = sum(cluster.collective_time("all_gather", n * param_b,

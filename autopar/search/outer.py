@@ -18,12 +18,13 @@ skipped then could have entered the top k, so the result is the same as evaluati
 visited config whose first pipeline rank alone exceeds memory (`space.first_rank_memory`) is
 passed over: it cannot fit, so it changes neither the fitting times the stop depends on nor
 the ranking; it only has no row in the candidate table (see
-`SearchSettings.list_unfit_below`). The top k are candidates for the simulated schedule, visited in order of a bound on their simulated step
-(`exact_step_lower_bound`: each rank's work plus the fill before and the drain after it, no
-simulation) and simulated until that bound exceeds the best fitting simulated time; the
-winner is the fastest simulated one that fits -- the one simulating all k would pick, since
-a skipped config is slower than it. The candidate table marks the simulated rows
-`exact=True`; a top-k config skipped keeps its closed-form row (`exact=False`). Ties (equal
+`SearchSettings.list_unfit_below`). The top k are candidates for the simulated schedule,
+visited in order of a bound on their simulated step (`exact_step_lower_bound`: each rank's
+work plus the fill before and the drain after it, no simulation) and simulated until that
+bound exceeds the best fitting simulated time; the winner is the fastest simulated one that
+fits -- the one simulating all k would pick, since a skipped config is slower than it. The
+candidate table marks the simulated rows `exact=True`; a top-k config skipped keeps its
+closed-form row (`exact=False`). Ties (equal
 step time to 1e-12 s) go to the simpler config: the fields compared in the order (pp, tp, cp,
 ep, dp, zero_stage, recompute, micro_batch_size, pp_schedule, virtual_stages,
 sequence_parallel), smaller first -- so DDP beats ZeRO when they cost the same, and the same
@@ -44,9 +45,9 @@ import pandas as pd
 from autopar.cluster import Cluster
 from autopar.config import PP_SCHEDULES, ParallelConfig
 from autopar.errors import NoPlanFitsError
-from autopar.estimate.core import (Estimate, EstimateOptions, EvalCache, ModelCosts, evaluate,
-                                   exact_step_lower_bound, split_structure, step_lower_bound,
-                                   unit_work)
+from autopar.estimate.core import (BOUND_MARGIN, Estimate, EstimateOptions, EvalCache,
+                                   ModelCosts, evaluate, exact_step_lower_bound,
+                                   split_structure, step_lower_bound, unit_work)
 from autopar.estimate.layout import Structure, rank_work_extremes
 from autopar.estimate.memory import activation_bytes
 from autopar.search.space import (TIME_KEY_COLUMNS, ConfigTable, config_table,
@@ -61,7 +62,6 @@ CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
 _TIE_ORDER = ("pp", "tp", "cp", "ep", "dp", "zero_stage", "recompute", "micro_batch_size",
               "pp_schedule", "virtual_stages", "sequence_parallel")
 _RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
-_BOUND_MARGIN = 1e-9  # relative: a bound summed in another order may differ in its last bits
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -236,7 +236,7 @@ def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_b
         dtype=dtype, global_batch_size=global_batch_size,
         flash=options.attention_kernel != "math", zero3_cap=options.zero3_max_live_params)
     # a small margin covers the bound summing in another order than the estimate
-    return _Bounds(rows=rows, step=step, cannot_fit=first_rank * (1 - _BOUND_MARGIN) > usable,
+    return _Bounds(rows=rows, step=step, cannot_fit=first_rank * (1 - BOUND_MARGIN) > usable,
                    pruned=int(over.sum()), smallest=smallest, errors=tuple(errors))
 
 
@@ -320,7 +320,7 @@ def _simulate_best(costs: ModelCosts, cluster: Cluster, top: list[Estimate], *,
     best: Estimate | None = None
     for i in order:
         if best is not None and \
-                round(bounds[i] * (1 - _BOUND_MARGIN), 12) > _rank_key(best)[0]:
+                round(bounds[i] * (1 - BOUND_MARGIN), 12) > _rank_key(best)[0]:
             break
         est = exact[i] = evaluate(costs, cluster, top[i].config,
                                   global_batch_size=global_batch_size, dtype=dtype,
