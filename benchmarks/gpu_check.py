@@ -10,7 +10,9 @@ prints measured / predicted per kind and for the whole step, and the peak bytes.
 The steps ran for seconds at boost clocks; `SUSTAINED_COMPUTE_FRACTION` (hours-long runs at the
 power limit, fitted on published runs) is divided out of the predicted compute here. The
 harness's fp32 master-gradient casts (6 bytes per parameter, a copy kernel) are taken out of
-the measured memory-bound time: the estimate's optimizer (30 B per parameter) covers them.
+the measured memory-bound time: the estimate's optimizer (30 B per parameter) covers them. The
+eager steps' loss is F.cross_entropy on fp32-upcast logits, the compiled steps' the fused
+kernel torch.compile makes of it.
 
 Run: python benchmarks/gpu_check.py [--file PATH] [--profile dgx-h100] [--precision compiled]
 """
@@ -38,6 +40,7 @@ from costmodels.compute import MEMORY_OP_TRAFFIC_FACTOR, optimizer_time_s, susta
 DEFAULT_FILE = ROOT / "tests" / "data" / "h100_measurements.json"
 HARNESS_CAST_BYTES_PER_PARAM = 6.0  # bf16 gradient read, fp32 master gradient written
 KERNELS_OF_PRECISION = {"bf16": "eager", "compiled": "fused"}  # the software each ran
+LOSS_OF_PRECISION = {"bf16": "eager", "compiled": "fused"}  # compiled: the loss under torch.compile
 
 
 @dataclass(frozen=True)
@@ -59,23 +62,27 @@ def check_step(step: dict, cluster: autopar.Cluster, *, attention_kernel: str = 
     device = cluster.hardware.device
     mb, seq, recompute = step["micro_batch"], step["seq_len"], step["recompute"]
     kernels = KERNELS_OF_PRECISION[step["precision"]]
+    loss_kernel = LOSS_OF_PRECISION[step["precision"]]
     model = _model(step)
     cfg = autopar.ParallelConfig(dp=1, tp=1, pp=1, zero_stage=0, micro_batch_size=mb,
                                  recompute=recompute)
     graph = autopar.trace(model, global_batch_size=mb, seq_len=seq, dtype="bf16")
     costs = ModelCosts.from_graph(graph)
     boost = 1.0 / sustained_fraction(device.arch)
-    pred = {"gemm": 0.0, "attention": 0.0, "memory": 0.0}
+    pred = {"gemm": 0.0, "attention": 0.0, "memory": 0.0, "loss": 0.0}
     for unit in costs.units_for(mb):
         rerun = 2 if recompute == "full" and unit.count > 1 else 1  # blocks re-run forward
         for op in unit.ops:
-            fwd, bwd, _ = op_times(op, cluster, "bf16", cfg, attention_kernel, kernels)
+            fwd, bwd, _ = op_times(op, cluster, "bf16", cfg, attention_kernel, kernels,
+                                   loss_kernel)
             scale = 1.0 if op.kind == "memory" else boost
             pred[op.kind] += unit.count * (rerun * fwd + bwd) / scale
+            if op.logits:
+                pred["loss"] += unit.count * (fwd + bwd)
     pred["optimizer"] = optimizer_time_s(device, step["params"])
     est = autopar.estimate(graph, cluster, cfg, global_batch_size=mb, seq_len=seq, dtype="bf16",
                            options=EstimateOptions(attention_kernel=attention_kernel,
-                                                   kernels=kernels))
+                                                   kernels=kernels, loss_kernel=loss_kernel))
     compute = est.breakdown.get("compute", 0.0) + est.breakdown.get("recompute", 0.0)
     pred["step"] = est.step_time_s - compute + pred["gemm"] + pred["attention"] + pred["memory"]
     pred["peak_bytes"] = est.tensor_memory_bytes
@@ -86,6 +93,14 @@ def check_step(step: dict, cluster: autopar.Cluster, *, attention_kernel: str = 
             "memory": k.get("other", 0.0) - cast, "optimizer": k.get("optimizer", 0.0) + cast,
             "step": step["step_s"], "peak_bytes": float(step["peak_allocated_bytes"])}
     return StepCheck(step_id=step["id"], measured=meas, predicted=pred)
+
+
+def traffic_factor(check: StepCheck, factor: float) -> float:
+    """The step's memory-bound time other than its cross-entropy (predicted per kernel pass,
+    costmodels.compute.loss_traffic_bytes) over its ops' minimum traffic at the profile's
+    bandwidth: what MEMORY_OP_TRAFFIC_FACTOR would be for this step alone."""
+    loss = check.predicted["loss"]
+    return (check.measured["memory"] - loss) / (check.predicted["memory"] - loss) * factor
 
 
 def check_file(path: Path = DEFAULT_FILE, profile: str = "dgx-h100",
@@ -121,9 +136,10 @@ def main(argv=None) -> int:
               f"range {min(ratios):.3f}-{max(ratios):.3f}")
     kernels = KERNELS_OF_PRECISION[args.precision]
     factor = MEMORY_OP_TRAFFIC_FACTOR[kernels]
-    mem = [r.measured["memory"] / r.predicted["memory"] * factor for r in rows]
-    print(f"memory-bound time / minimum IR traffic at profile bandwidth: median "
-          f"{statistics.median(mem):.2f} (MEMORY_OP_TRAFFIC_FACTOR[{kernels!r}] = {factor})")
+    mem = [traffic_factor(r, factor) for r in rows]
+    print(f"memory-bound time less the loss / minimum IR traffic at profile bandwidth: median "
+          f"{statistics.median(mem):.2f}, range {min(mem):.2f}-{max(mem):.2f} "
+          f"(MEMORY_OP_TRAFFIC_FACTOR[{kernels!r}] = {factor})")
     return 0
 
 

@@ -205,19 +205,22 @@ def interleave_degree(num_layers: int, pp: int) -> int:
 # framework of the run, not a fitted correction: they are the same for every row of a group.
 SOFTWARE: dict[str, tuple[dict[str, Any], str]] = {
     "sc21-t1": ({"attention_kernel": "math", "overlap_dp_comm": False,
-                 "grad_reduce_dtype": "fp16", "kernels": "fused", "recompute_early_stop": False},
+                 "grad_reduce_dtype": "fp16", "kernels": "fused", "loss_kernel": "megatron",
+                 "recompute_early_stop": False},
                 "Megatron-LM 2021: fused scale-mask-softmax on materialized scores (flash "
                 "attention is 2022); fused bias-GeLU and bias-dropout-add (SC21 §4.2) and apex's "
                 "fused LayerNorm; gradients all-reduced after backward (overlap came in 2023) "
                 "in fp16 (--accumulate-allreduce-grads-in-fp32 was an opt-in flag); its own "
-                "checkpoint function re-runs each whole layer"),
+                "checkpoint function re-runs each whole layer; its unfused vocab-parallel "
+                "cross-entropy on fp32 logits"),
     "sc21-t2-ptdp": ({"attention_kernel": "math", "overlap_dp_comm": False,
-                      "grad_reduce_dtype": "fp16", "kernels": "fused",
+                      "grad_reduce_dtype": "fp16", "kernels": "fused", "loss_kernel": "megatron",
                       "recompute_early_stop": False},
                      "same Megatron-LM 2021 software as Table 1"),
     "sc21-t2-zero3": ({"attention_kernel": "math", "overlap_dp_comm": True,
                        "zero3_max_live_params": 10**9, "grad_reduce_dtype": "fp16",
-                       "zero3_gather": "sync", "recompute_early_stop": False},
+                       "zero3_gather": "sync", "loss_kernel": "megatron",
+                       "recompute_early_stop": False},
                       "DeepSpeed ZeRO-3 (2021, before v0.5): materialized attention scores; "
                       "each parameter gathered on its own and waited for in the forward, the "
                       "recompute and the backward (DeepSpeed PR #1188 describes and removes "
@@ -227,15 +230,19 @@ SOFTWARE: dict[str, tuple[dict[str, Any], str]] = {
                       "scatter overlapped with backward; "
                       "live gathered parameters capped by stage3_max_live_parameters (default "
                       "1e9); fp16 communication; Megatron-style checkpointing re-runs whole "
-                      "layers"),
+                      "layers; the GPT model of DeepSpeed's Megatron-LM fork, with Megatron's "
+                      "vocab-parallel cross-entropy"),
     "mlm-h100": ({"attention_kernel": "cudnn", "overlap_dp_comm": True, "overlap_tp_comm": True,
-                  "kernels": "fused", "grad_reduce_dtype": "bf16", "recompute_early_stop": False},
+                  "kernels": "fused", "grad_reduce_dtype": "bf16", "loss_kernel": "megatron",
+                  "recompute_early_stop": False},
                  "Megatron-LM r0.8 with Transformer Engine: cuDNN fused attention, TE's fused "
                  "norm and bias-activation kernels; --overlap-grad-reduce, --overlap-param-"
                  "gather, --tp-comm-overlap (CSV notes); gradients reduced in bf16 "
-                 "(--accumulate-allreduce-grads-in-fp32 is still an opt-in flag)"),
+                 "(--accumulate-allreduce-grads-in-fp32 is still an opt-in flag); the unfused "
+                 "vocab-parallel cross-entropy on fp32 logits (--cross-entropy-loss-fusion is "
+                 "opt-in, default False in megatron/training/arguments.py)"),
     "mlm-h100-strong": ({"attention_kernel": "cudnn", "overlap_dp_comm": True,
-                         "overlap_tp_comm": True, "kernels": "fused",
+                         "overlap_tp_comm": True, "kernels": "fused", "loss_kernel": "megatron",
                          "grad_reduce_dtype": "bf16", "recompute_early_stop": False},
                         "same software as the weak-scaling rows"),
     "mpt-h100": ({"attention_kernel": "flash", "overlap_dp_comm": True, "loss_kernel": "fused",

@@ -13,8 +13,9 @@
   and backward apart), and skips the masked half of a causal score matrix; an
   unfused ("math") kernel runs two batched GEMMs and moves the score matrix through memory
   `MATH_ATTENTION_SCORE_PASSES` times.
-- Everything else (norms, elementwise, softmax, embedding lookups, losses) is bound by memory
-  bandwidth, at `MEMORY_OP_TRAFFIC_FACTOR` times its minimum traffic (what eager PyTorch moves).
+- Everything else (norms, elementwise, softmax, embedding lookups) is bound by memory
+  bandwidth, at `MEMORY_OP_TRAFFIC_FACTOR` times its minimum traffic (what eager PyTorch moves);
+  a cross-entropy loss at the bytes per logit its software's kernels move (`loss_traffic_bytes`).
 The constants are named here with their sources; the published-runs benchmark checks them.
 No torch import.
 """
@@ -30,6 +31,7 @@ __all__ = [
     "op_overhead_s", "peak_flops", "gemm_time_s", "memory_time_s", "attention_time_s", "optimizer_time_s",
     "fused_attention_fraction", "ATTENTION_SEQ_HALF", "MEMORY_OP_TRAFFIC_FACTOR", "KERNEL_STYLES",
     "UNALIGNED_GEMM_FRACTION", "unaligned_gemm_slowdown", "activation_memory_time_s",
+    "LOSS_KERNELS", "loss_traffic_bytes", "loss_time_s",
 ]
 
 # Size at which a GEMM reaches half the large-GEMM efficiency. From H100 SXM torch.matmul bf16:
@@ -72,14 +74,37 @@ ATTENTION_SEQ_HALF = {
 # gradient for the bias gradient, norms reduce their parameter gradients in a second kernel,
 # and many kernels run below copy bandwidth. Measured on an H100 SXM
 # (tests/data/h100_measurements.json, 2026-11-22): in 10 bf16 training steps of GPT and Llama
-# shapes (0.35-175B widths, 1k-8k tokens) the time of every kernel that is not a GEMM, attention
-# or the optimizer is this many times the IR's memory-bound bytes at the profile's bandwidth
-# (median 2.5; the steps range 2.0-3.5x, benchmarks/gpu_check.py prints them). Training software
-# that fuses the memory-bound ops with their neighbours (Megatron-LM's fused bias-GELU,
-# bias-dropout-add and scale-mask-softmax, Transformer Engine, torch.compile) moves less: the
-# same steps with the forward and the loss under torch.compile (inductor's fused kernels, 8
-# recompute-free steps, same GPU and day) take 1.4x the IR's bytes (median; range 1.0-1.9x).
-MEMORY_OP_TRAFFIC_FACTOR = {"eager": 2.5, "fused": 1.4}
+# shapes (0.35-175B widths, 1k-8k tokens) the time of every kernel that is not a GEMM, attention,
+# the optimizer or the cross-entropy (timed on its own, LOSS_KERNELS) is this many times the
+# IR's memory-bound bytes at the profile's bandwidth (median 2.0; the steps range 1.4-2.8x,
+# benchmarks/gpu_check.py prints them). Training software that fuses the memory-bound ops with
+# their neighbours (Megatron-LM's fused bias-GELU, bias-dropout-add and scale-mask-softmax,
+# Transformer Engine, torch.compile) moves less: the same steps with the forward and the loss
+# under torch.compile (inductor's fused kernels, 8 recompute-free steps, same GPU and day) take
+# 1.4x the IR's bytes (median; range 1.0-1.9x).
+MEMORY_OP_TRAFFIC_FACTOR = {"eager": 2.0, "fused": 1.4}
+
+# Cross-entropy over the vocabulary is memory-bound on logits far larger than any activation
+# (8k tokens x 128k vocabulary = 1G logits), and how many times it moves them depends on the
+# software, so its traffic is counted per kernel pass instead of scaled by the factor above.
+# Bytes per logit (forward, backward) for logits of `e` bytes (2 in bf16/fp16):
+#   "eager"    F.cross_entropy(logits.float()) (autopar's runtime, Hugging Face): the upcast
+#              reads e and writes 4; log_softmax over a row too long for shared memory reads
+#              it three times (max, sum of exp, output) and writes 4; backward: nll_loss fills
+#              a zero fp32 gradient (4), log_softmax_backward reads gradient and output (three
+#              reads) and writes 4, the downcast reads 4 and writes e.          22 / 26 at e=2
+#   "megatron" Megatron-LM's vocab-parallel cross-entropy (2021 through Megatron-Core r0.8,
+#              without --cross-entropy-loss-fusion): upcast (e+4), max (4), in-place subtract
+#              (8), in-place exp (8), sum (4), in-place divide to the softmax it saves (8);
+#              backward: the in-place multiply by the loss gradient (8), downcast (4+e). 38 / 14
+#   "fused"    one fused kernel each way (torch.compile's online softmax, flash-attn's
+#              CrossEntropyLoss): the forward reads the logits (two passes, as inductor's
+#              kernel measured), the backward reads them and writes their gradient.  4 / 4
+# On fp32 logits the casts are no-ops. Measured on an H100 SXM (tests/data/
+# h100_measurements.json, llama3-8b-l4-s8192 step, 1.05G logits): the eager log_softmax
+# forward and backward kernels take 14.9 and 15.3 B/logit at the profile's bandwidth (counted:
+# 16, 16); inductor's fused forward and backward 3.8 and 4.1 (counted: 4, 4).
+LOSS_KERNELS = ("eager", "megatron", "fused")
 KERNEL_STYLES = tuple(MEMORY_OP_TRAFFIC_FACTOR)
 
 # A GEMM with an operand whose rows are not a multiple of 16 bytes (GPT-2's 50,257-token
@@ -114,15 +139,15 @@ MATH_ATTENTION_SCORE_PASSES = {
 # of that architecture except DeepSpeed-2021 ZeRO-3's (their steps are DeepSpeed's parameter
 # gathers, not compute): grid 0.60-1.00 in steps of 0.01, least median |error|. A100: 23 rows
 # (SC21 Tables 1-2, MosaicML), and each group fitted on the others alone lands within
-# 0.82-0.86. H100: 18 rows (Megatron-LM README, MosaicML); the sources disagree -- the
+# 0.83-0.84. H100: 18 rows (Megatron-LM README, MosaicML); the sources disagree -- the
 # MosaicML rows fitted on the Megatron-LM ones alone would take 0.66, the Megatron-LM weak-
-# scaling rows on the others 0.75 -- so the joint value carries a ~10% uncertainty on H100.
+# scaling rows on the others 0.73 -- so the joint value carries a ~10% uncertainty on H100.
 # Architectures without a fit use the mean of the fitted values (an assumption). Refitted
-# 2026-11-23 (session 6) once full recompute stopped re-running each block's last GEMM where
-# the software does so (EstimateOptions.recompute_early_stop) and the glue (embedding, head,
-# loss) was no longer recomputed at all; a short single-GPU step runs
-# its GEMMs at the full measured efficiency (benchmarks/gpu_check.py divides this out).
-SUSTAINED_COMPUTE_FRACTION = {"ampere": 0.82, "hopper": 0.72}
+# 2026-11-23 (session 8) once the cross-entropy was timed by its software's kernel passes
+# (LOSS_KERNELS) and the eager memory-bound factor measured without it; a short single-GPU
+# step runs its GEMMs at the full measured efficiency (benchmarks/gpu_check.py divides this
+# out).
+SUSTAINED_COMPUTE_FRACTION = {"ampere": 0.84, "hopper": 0.70}
 
 
 def sustained_fraction(arch: str) -> float:
@@ -153,6 +178,27 @@ def peak_flops(device: DeviceSpec, dtype: str) -> float:
 
 def memory_time_s(device: DeviceSpec, num_bytes: float) -> float:
     return num_bytes / (device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
+
+
+def loss_traffic_bytes(loss_kernel: str, logit_bytes: float) -> tuple[float, float]:
+    """(forward, backward) bytes moved per logit by a cross-entropy of `loss_kernel` software
+    on logits of `logit_bytes` bytes each (the LOSS_KERNELS comment counts the passes)."""
+    cast = 0.0 if logit_bytes >= 4 else logit_bytes + 4  # fp32 upcast, and the downcast back
+    if loss_kernel == "eager":
+        return cast + 16, 20 + cast
+    if loss_kernel == "megatron":
+        return cast + 32, 8 + cast
+    if loss_kernel == "fused":
+        return 2 * logit_bytes, 2 * logit_bytes
+    raise ValueError(f"loss_kernel={loss_kernel!r} is not known; use one of "
+                     f"{', '.join(LOSS_KERNELS)}")
+
+
+def loss_time_s(device: DeviceSpec, logits: float, logit_bytes: float,
+                loss_kernel: str) -> tuple[float, float]:
+    """(forward, backward) seconds of a cross-entropy over `logits` elements."""
+    fwd, bwd = loss_traffic_bytes(loss_kernel, logit_bytes)
+    return memory_time_s(device, logits * fwd), memory_time_s(device, logits * bwd)
 
 
 def activation_memory_time_s(device: DeviceSpec, num_bytes: float,

@@ -74,8 +74,10 @@ class EstimateOptions:
     # inductor's pad_mm)
     kernels: Literal["eager", "fused"] = "eager"
     # cross-entropy: "eager" upcasts the logits to fp32 (autopar's runtime, Hugging Face);
-    # "fused" is a fused kernel (flash-attn's CrossEntropyLoss, llm-foundry's default)
-    loss_kernel: Literal["eager", "fused"] = "eager"
+    # "megatron" is Megatron-LM's unfused vocab-parallel loss on fp32 logits (memory as
+    # "eager", more passes); "fused" is a fused kernel (flash-attn's CrossEntropyLoss,
+    # llm-foundry's default; torch.compile). Time: costmodels.compute.loss_traffic_bytes
+    loss_kernel: Literal["eager", "megatron", "fused"] = "eager"
     grad_reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     # ZeRO-3 gathered-parameter buffers: None = FSDP2 per-block units (the running block and
     # the prefetched next one); a number caps them at that many parameters (DeepSpeed's
@@ -361,7 +363,7 @@ def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dty
             u.name: unit_times(u, cluster=cache, dtype=dtype, cfg=config, groups=groups,
                                attention_kernel=options.attention_kernel,
                                overlap_tp=options.overlap_tp_comm,
-                               kernels=options.kernels,
+                               kernels=options.kernels, loss_kernel=options.loss_kernel,
                                early_stop=options.recompute_early_stop)
             for u in cache.units[mbs]}
     return times

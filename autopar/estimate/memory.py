@@ -27,15 +27,19 @@ def loss_bytes(unit: Unit, loss_kernel: str) -> tuple[float, float]:
     The trace keeps log-probabilities the size of the logits in their dtype. The eager loss
     (``F.cross_entropy(logits.float(), ...)``, autopar's runtime) keeps them in fp32 and its
     backward holds two more fp32 buffers (measured: LOSS_KEPT_BYTES_PER_LOGIT,
-    LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT). A fused kernel (flash-attn's CrossEntropyLoss,
-    llm-foundry's default) keeps the logits and per-row statistics and writes one gradient of
-    the logits' size.
+    LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT). Megatron-LM's loss also keeps an fp32 softmax, but
+    its backward works in place on it: only the downcast gradient is new. A fused kernel
+    (flash-attn's CrossEntropyLoss, llm-foundry's default) keeps the logits and per-row
+    statistics and writes one gradient of the logits' size.
     """
     if loss_kernel == "fused":
         return 0.0, float(unit.loss_logit_bytes)
-    if loss_kernel != "eager":
-        raise ValueError(f"loss_kernel={loss_kernel!r} is not known; use 'eager' or 'fused'")
+    if loss_kernel not in ("eager", "megatron"):
+        raise ValueError(f"loss_kernel={loss_kernel!r} is not known; use 'eager', 'megatron' "
+                         f"or 'fused'")
     kept = unit.loss_logits * LOSS_KEPT_BYTES_PER_LOGIT
+    if loss_kernel == "megatron":
+        return kept - unit.loss_logit_bytes, float(unit.loss_logit_bytes)
     return (kept - unit.loss_logit_bytes,
             unit.loss_logits * (LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT - LOSS_KEPT_BYTES_PER_LOGIT))
 

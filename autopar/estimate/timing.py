@@ -24,7 +24,7 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate.units import OpCost, Unit
 from costmodels.compute import (activation_memory_time_s, attention_time_s, gemm_time_s,
-                                op_overhead_s, unaligned_gemm_slowdown)
+                                loss_time_s, op_overhead_s, unaligned_gemm_slowdown)
 
 __all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitTimes", "op_times", "rank_groups",
            "unit_times"]
@@ -78,8 +78,10 @@ def rank_groups(cfg: ParallelConfig) -> RankGroups:
 
 
 def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
-             kernel: str, kernels: str = "eager") -> tuple[float, float, float]:
-    """(forward, backward, weight-grad part of backward) seconds of one op on one rank."""
+             kernel: str, kernels: str = "eager", loss_kernel: str = "eager"
+             ) -> tuple[float, float, float]:
+    """(forward, backward, weight-grad part of backward) seconds of one op on one rank. A
+    cross-entropy runs on logits sharded over tp (vocabulary-parallel) and cp."""
     device = cluster.hardware.device
     tp, cp = cfg.tp, cfg.cp
     if op.kind == "gemm":
@@ -96,6 +98,9 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
                       causal=op.causal, kernel=kernel, seq_kv=op.seq_kv / cp, kernels=kernels)
         fwd = attention_time_s(device, dtype, flops=op.flops_fwd / scale, backward=False, **common)
         bwd = attention_time_s(device, dtype, flops=op.flops_bwd / scale, backward=True, **common)
+        return fwd, bwd, 0.0
+    if op.logits:
+        fwd, bwd = loss_time_s(device, op.logits / (tp * cp), op.logit_bytes, loss_kernel)
         return fwd, bwd, 0.0
     split = cp * (tp if cfg.sequence_parallel or op.vocab or op.expert else 1)
     fwd = activation_memory_time_s(device, op.bytes_fwd / split, kernels)
@@ -117,7 +122,8 @@ def _tp_time(unit: Unit, cluster: Cluster, cfg: ParallelConfig, groups: RankGrou
 
 def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
                groups: RankGroups, attention_kernel: str, overlap_tp: bool = False,
-               kernels: str = "eager", early_stop: bool = False) -> UnitTimes:
+               kernels: str = "eager", loss_kernel: str = "eager",
+               early_stop: bool = False) -> UnitTimes:
     """Per micro-batch seconds of one layer of `unit`. Full recompute re-runs a block's
     forward and its TP communication (the glue -- embedding, head, loss -- is not
     checkpointed); with `early_stop` (torch's non-reentrant checkpoint) it stops before
@@ -126,7 +132,7 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
     fwd = bwd = wgrad = attn_fwd = attn_bwd = gemm_fwd = gemm_bwd = tail_fwd = 0.0
     tail_gemms = 0
     for op in unit.ops:
-        f, b, w = op_times(op, cluster, dtype, cfg, attention_kernel, kernels)
+        f, b, w = op_times(op, cluster, dtype, cfg, attention_kernel, kernels, loss_kernel)
         fwd, bwd, wgrad = fwd + f, bwd + b, wgrad + w
         if op.tail:
             tail_fwd += f

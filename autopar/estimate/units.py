@@ -43,6 +43,8 @@ class OpCost:
     aligned: bool = True  # a GEMM whose operands' rows are all 16-byte aligned
     # in the unit's tail that an early-stopping recompute does not re-run (`recompute_tail`)
     tail: bool = False
+    logits: float = 0.0  # a cross-entropy: elements of its logits (timed by `loss_time_s`)
+    logit_bytes: int = 0  # bytes of one logit in its traced dtype
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,7 +85,7 @@ class Unit:
             return self
         ops = tuple(replace(op, flops_fwd=op.flops_fwd * factor, flops_bwd=op.flops_bwd * factor,
                             bytes_fwd=op.param_bytes + (op.bytes_fwd - op.param_bytes) * factor,
-                            score_bytes=op.score_bytes * factor)
+                            score_bytes=op.score_bytes * factor, logits=op.logits * factor)
                     for op in self.ops)
         return replace(self, ops=ops, saved_bytes=self.saved_bytes * factor,
                        saved_bytes_recompute=self.saved_bytes_recompute * factor,
@@ -143,6 +145,10 @@ def recompute_tail(nodes: list[Node]) -> set[str]:
     return tail
 
 
+def _is_cross_entropy(node: Node) -> bool:
+    return node.kind is OpKind.LOSS and node.target == "F.cross_entropy"
+
+
 def _vocab_sized(node: Node, vocab_dims: set[int]) -> bool:
     return any(p.shape and p.shape[0] in vocab_dims for p in node.params)
 
@@ -194,10 +200,14 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
             # and output (2 B) when attention dropout is on: 2·a·s²·b or 5·a·s²·b
             scores += int(score * (2.5 if a.dropout_p > 0 else 1.0))
         else:
+            loss = _is_cross_entropy(node)
             ops.append(OpCost(kind="memory", flops_fwd=0.0, flops_bwd=0.0, bytes_fwd=io,
                               param_bytes=weights, expert=in_moe,
                               vocab=node.kind is OpKind.EMBEDDING
-                              and _vocab_sized(node, vocab_dims), tail=node.name in tail))
+                              and _vocab_sized(node, vocab_dims), tail=node.name in tail,
+                              logits=node.inputs[0].numel if loss else 0.0,
+                              logit_bytes=node.inputs[0].num_bytes // max(1, node.inputs[0].numel)
+                              if loss else 0))
             saved_memory += node.saved_bytes
         if node.kind is OpKind.NORM:
             tp_points += 1
@@ -209,7 +219,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
                    if not src.startswith(("param:", "buffer:", "const"))), default=0)
     if tp_points == 0 and any(op.kind == "gemm" or op.vocab for op in ops):
         tp_points = 1  # an embedding or head: one vocab-parallel reduction
-    losses = [n for n in nodes if n.kind is OpKind.LOSS and n.target == "F.cross_entropy"]
+    losses = [n for n in nodes if _is_cross_entropy(n)]
     return Unit(
         name=name, layer_fqns=fqns, ops=tuple(ops), num_kernels=kernels,
         dense_params=dense, expert_params=expert,

@@ -254,6 +254,30 @@ def test_eager_loss_holds_eight_more_bytes_per_logit_than_a_fused_one():
     assert tp["eager"] - tp["fused"] == pytest.approx(8 * mb * seq * vocab / 2)  # vocab-parallel
 
 
+
+def test_loss_time_is_its_kernels_bytes_per_logit_over_the_vocabulary_shard():
+    """The cross-entropy's compute time is the counted bytes per bf16 logit (eager 22 + 26,
+    Megatron 38 + 14, fused 4 + 4) at the profile's bandwidth, its logits split over tp
+    (vocabulary-parallel): the step differs between two loss kernels by exactly that, per
+    micro-batch; the memory-bound factor of the other ops does not apply to it."""
+    from costmodels.compute import memory_time_s
+
+    vocab, seq, mb, micro = 32768, 256, 2, 3
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=vocab, max_seq_len=seq, dim=64, n_layers=2, n_heads=4))
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=1)
+    device = cluster.hardware.device
+    for tp in (1, 2):
+        cfg = ParallelConfig(dp=8 // tp, tp=tp, pp=1, micro_batch_size=mb)
+        compute = {k: estimate(model, cluster, cfg, global_batch_size=8 // tp * mb * micro,
+                               seq_len=seq, dtype="bf16",
+                               options=EstimateOptions(loss_kernel=k)).breakdown["compute"]
+                   for k in ("eager", "megatron", "fused")}
+        logits = mb * seq * vocab / tp
+        for kernel, per_logit in (("eager", 48), ("megatron", 52)):
+            gap = memory_time_s(device, logits * (per_logit - 8)) * micro
+            assert compute[kernel] - compute["fused"] == pytest.approx(gap, rel=1e-9), kernel
+
 class _CountGemms(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()
