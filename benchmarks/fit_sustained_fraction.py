@@ -24,8 +24,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import autopar  # noqa: E402
-from autopar import EstimateOptions, estimate  # noqa: E402
-from benchmarks.published_runs import SOFTWARE, PublishedRun, load_runs  # noqa: E402
+from autopar import estimate  # noqa: E402
+from benchmarks.published_runs import PublishedRun, load_runs  # noqa: E402
 from costmodels import compute  # noqa: E402
 
 # DeepSpeed's 2021 ZeRO-3 steps are mostly its synchronous per-parameter gathers
@@ -48,7 +48,7 @@ def _errors(runs: list[PublishedRun], graphs: dict, arch: str, fraction: float) 
                     seq_len=run.seq_len, dtype=run.dtype)
             est = estimate(graphs[run.run_id], run.make_cluster(), run.config,
                            global_batch_size=run.global_batch_size, seq_len=run.seq_len,
-                           dtype=run.dtype, options=EstimateOptions(**SOFTWARE[run.group][0]))
+                           dtype=run.dtype, options=run.options())
             out[run.run_id] = est.step_time_s / run.published_step_time_s - 1.0
         return out
     finally:

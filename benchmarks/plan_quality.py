@@ -20,9 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import autopar  # noqa: E402
-from autopar import EstimateOptions  # noqa: E402
 from autopar.estimate import ModelCosts, evaluate  # noqa: E402
-from benchmarks.published_runs import SOFTWARE, load_runs  # noqa: E402
+from benchmarks.published_runs import load_runs  # noqa: E402
 
 _FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "micro_batch_size", "pp_schedule",
            "virtual_stages", "sequence_parallel", "recompute")
@@ -45,7 +44,7 @@ def main() -> None:
     for run in load_runs():
         if args.group and run.group not in args.group:
             continue
-        options = EstimateOptions(**SOFTWARE[run.group][0])
+        options = run.options()
         cluster = run.make_cluster()
         # the published config through the same cost path compile ranks with (one trace per
         # sequence, scaled to the micro-batch), so equal configs compare equal

@@ -71,9 +71,14 @@ GROUPS = {
 }
 
 _SC21_MICRO_BATCH = (
-    "micro_batch_size=1: Table 1 does not give it; SC21 uses 1 in its Table 2 PTD-P rows (175B, "
-    "530B) and in §5.3.1/§5.4.2/§5.4.3, while §5.5 finds 2 best for one 91B model and calls the "
-    "optimum model-dependent, so 1 is the paper's default")
+    "micro_batch_size=1: Table 2 gives it for its PTD-P rows (175B, 530B), and SC21 uses 1 in "
+    "§5.3.1/§5.4.2/§5.4.3")
+_SC21_TABLE1_SCRIPT_NOTE = (
+    "micro-batch, interleaving and data-parallel implementation per model size as NVIDIA's "
+    "reproduction script for Table 1 sets them (Megatron-LM examples/sc21/run_table_1.sh: "
+    "MBS, --num-layers-per-virtual-pipeline-stage, DDP); --DDP-impl torch (PyTorch DDP, the "
+    "pp=1 rows) all-reduces gradient buckets during the backward, local (the pipelined rows) "
+    "after it")
 _INTERLEAVE = (
     "pp>1 -> interleaved-1f1b with virtual_stages = the smallest divisor >= 2 of layers/pp (the "
     "least interleaving Megatron accepts, closest to the 2 chunks per device of SC21 §2.2.2 "
@@ -87,7 +92,9 @@ _SC21_COMMON = (
     "dtype='fp16': mixed precision fp16, 312 TFLOP/s peak (SC21 §5)",
     "cluster dgx-a100-80g as shipped: Selene nodes have 8 A100 80GB on NVSwitch and 8 HDR "
     "200 Gb/s IB compute NICs (SC21 §5)",
-    "model: Megatron GPT (learned positions, biases, tied embedding/output), P by eq. (2)",
+    "model: Megatron GPT (learned positions, biases, tied embedding/output), P by eq. (2), "
+    "with Megatron-LM's default attention and hidden dropout of 0.1 (megatron/arguments.py "
+    "--attention-dropout, --hidden-dropout)",
 )
 _MLM_COMMON = (
     "zero_stage=1: 'distributed optimizer likely'; --overlap-param-gather, listed by the README, "
@@ -108,8 +115,7 @@ _MLM_COMMON = (
     "cluster dgx-h100 as shipped (8x NDR 400G IB per node; the README names no cluster)",
 )
 GROUP_ASSUMPTIONS: dict[str, tuple[str, ...]] = {
-    "sc21-t1": (_SC21_MICRO_BATCH, "schedule: SC21 §5.1 uses the interleaved schedule with "
-                "scatter/gather; " + _INTERLEAVE) + _SC21_COMMON,
+    "sc21-t1": (_SC21_TABLE1_SCRIPT_NOTE,) + _SC21_COMMON,
     "sc21-t2-zero3": (
         "ZeRO-3 via DeepSpeed without model parallelism: zero_stage=3, tp=pp=1, dp=n (SC21 §5.2)",
         "micro_batch_size as Table 2 gives it",
@@ -189,6 +195,17 @@ def mosaicml_flops_per_token(*, params: float, num_layers: int, hidden: int,
     """MosaicML's MFU numerator per token: 6·N plus attention 3·(4·l·h·s) (llm-foundry
     scripts/train/benchmarking/README.md, 'MFU'); HFU multiplies by 4/3 with checkpointing."""
     return 6.0 * params + 12.0 * num_layers * hidden * seq_len
+
+
+# NVIDIA's reproduction script for SC21 Table 1 (Megatron-LM examples/sc21/run_table_1.sh),
+# keyed by the CSV's params_billion: micro-batch size, layers per virtual pipeline stage
+# (None: no --num-layers-per-virtual-pipeline-stage, the plain 1F1B schedule) and --DDP-impl.
+SC21_TABLE1_SCRIPT: dict[float, tuple[int, int | None, str]] = {
+    1.7: (16, None, "torch"), 3.6: (16, None, "torch"), 7.5: (16, None, "torch"),
+    18.4: (8, None, "torch"), 39.1: (4, None, "local"), 76.1: (2, 5, "local"),
+    145.6: (2, 5, "local"), 310.1: (1, 3, "local"), 529.6: (1, 1, "local"),
+    1008.0: (1, None, "local"),
+}
 
 
 def interleave_degree(num_layers: int, pp: int) -> int:
@@ -293,6 +310,9 @@ class PublishedRun:
     step_time_derivation: str
     assumptions: tuple[str, ...]
     notes: str
+    # EstimateOptions fields this row's own source sets apart from its group's SOFTWARE
+    option_overrides: tuple[tuple[str, Any], ...] = ()
+    dropout: float = 0.0            # attention and hidden dropout of the model
 
     @property
     def n_gpus(self) -> int:
@@ -306,7 +326,7 @@ class PublishedRun:
         return GPTConfig(vocab_size=self.vocab_size, max_seq_len=self.seq_len, dim=self.hidden,
                          n_layers=self.num_layers, n_heads=self.num_heads,
                          ffn_mult=self.ffn_hidden // self.hidden,
-                         tie_embeddings=self.tie_embeddings)
+                         tie_embeddings=self.tie_embeddings, dropout=self.dropout)
 
     def build_model(self, device: str = "meta") -> GPT:
         """The GPT of this run (meta device by default: no memory)."""
@@ -314,6 +334,12 @@ class PublishedRun:
 
     def make_cluster(self) -> Cluster:
         return Cluster.from_profile(self.profile, self.num_nodes, **self.overrides)
+
+    def options(self):
+        """The EstimateOptions of the software this run used (its group's, and the row's)."""
+        from autopar.estimate import EstimateOptions
+
+        return EstimateOptions(**{**SOFTWARE[self.group][0], **dict(self.option_overrides)})
 
     def short(self) -> str:
         return f"{self.run_id}: {self.model_name} on {self.n_gpus} GPUs, {self.config.short()}"
@@ -368,13 +394,29 @@ def _run_id(group: str, row: dict[str, str]) -> str:
     return f"{group}-{float(row['params_billion']):g}b-n{n}"
 
 
-def _config(group: str, row: dict[str, str], num_layers: int) -> tuple[ParallelConfig, list[str]]:
-    """The ParallelConfig of a row under its group's rules, and row-level notes on it."""
+def _config(group: str, row: dict[str, str], num_layers: int
+            ) -> tuple[ParallelConfig, list[str], tuple[tuple[str, Any], ...]]:
+    """The ParallelConfig of a row under its group's rules, row-level notes on it, and the
+    EstimateOptions fields the row's source sets apart from its group's."""
     tp, pp, dp, cp = (_int(row, k) for k in ("tp", "pp", "dp", "cp"))
     extra: list[str] = []
-    if group.startswith("sc21"):
+    options: tuple[tuple[str, Any], ...] = ()
+    virtual = interleave_degree(num_layers, pp) if pp > 1 else 1
+    if group == "sc21-t1":
+        size = float(row["params_billion"])
+        if size not in SC21_TABLE1_SCRIPT:
+            raise ValueError(f"SC21 Table 1 row {row['model_name']!r}: no {size:g}B case in "
+                             f"run_table_1.sh; known: {', '.join(map(str, SC21_TABLE1_SCRIPT))}")
+        mbs, per_virtual, ddp = SC21_TABLE1_SCRIPT[size]
+        virtual = 1 if per_virtual is None else num_layers // (pp * per_virtual)
+        zero, recompute, sp = 0, "full", False
+        extra.append(f"run_table_1.sh: MBS={mbs}, DDP={ddp}" + (
+            f", {per_virtual} layers per virtual stage" if per_virtual else ""))
+        if ddp == "torch":
+            options = (("overlap_dp_comm", True),)
+    elif group.startswith("sc21"):
         zero = 3 if group == "sc21-t2-zero3" else 0
-        mbs = 1 if group == "sc21-t1" else _int(row, "micro_batch")
+        mbs = _int(row, "micro_batch")
         recompute, sp = "full", False
     elif group.startswith("mlm"):
         zero, mbs, recompute, sp = 1, 1, "none", tp > 1
@@ -385,15 +427,14 @@ def _config(group: str, row: dict[str, str], num_layers: int) -> tuple[ParallelC
             raise ValueError(f"MosaicML row {row['model_name']!r}: recompute must be 'full' or "
                              f"'none' (activation checkpointing on/off), got {recompute!r}")
         sp = False
-    virtual = interleave_degree(num_layers, pp) if pp > 1 else 1
     schedule = "interleaved-1f1b" if virtual > 1 else "1f1b"
-    if virtual > 1:
+    if virtual > 1 and group != "sc21-t1":
         extra.append(f"virtual_stages={virtual} ({num_layers // (pp * virtual)} layers per "
                      f"virtual stage)")
     cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero, micro_batch_size=mbs,
                          pp_schedule=schedule, virtual_stages=virtual, sequence_parallel=sp,
                          recompute=recompute)
-    return cfg, extra
+    return cfg, extra, options
 
 
 def _published_step(group: str, row: dict[str, str], *, n_gpus: int, num_layers: int,
@@ -440,7 +481,7 @@ def _row_to_run(row: dict[str, str]) -> PublishedRun:
                          f"GPTConfig.ffn_mult is an integer")
     if n_gpus % gpn:
         raise ValueError(f"{name}: {n_gpus} GPUs do not fill nodes of {gpn}")
-    cfg, extra = _config(group, row, layers)
+    cfg, extra, option_overrides = _config(group, row, layers)
     if cfg.world_size != n_gpus:
         raise ValueError(f"{name}: dp·tp·pp·cp = {cfg.world_size} but the row has {n_gpus} GPUs")
     if group.startswith("sc21"):
@@ -467,7 +508,8 @@ def _row_to_run(row: dict[str, str]) -> PublishedRun:
         global_batch_size=global_batch, dtype=_dtype(row["precision"]),
         metric=row["measured_metric"].strip(), metric_value=float(row["measured_value"]),
         published_step_time_s=step, step_time_derivation=derivation, assumptions=assumptions,
-        notes=notes)
+        notes=notes, option_overrides=option_overrides,
+        dropout=0.1 if group.startswith("sc21") else 0.0)
 
 
 def load_runs(path: str | Path | None = None) -> list[PublishedRun]:
@@ -535,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             est = estimate(run.build_model(), run.make_cluster(), run.config,
                            global_batch_size=run.global_batch_size, seq_len=run.seq_len,
-                           dtype=run.dtype, options=EstimateOptions(**SOFTWARE[run.group][0]))
+                           dtype=run.dtype, options=run.options())
         except Exception as exc:  # a benchmark reports every row; one failure is not the table
             failures += 1
             print(f"{run.run_id:<34} {run.model_name[:26]:<26} {run.n_gpus:>5}  "

@@ -95,7 +95,8 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
     if op.kind == "attention":
         scale = tp * cp
         common = dict(io_bytes=op.bytes_fwd / scale, score_bytes=op.score_bytes / scale,
-                      causal=op.causal, kernel=kernel, seq_kv=op.seq_kv / cp, kernels=kernels)
+                      causal=op.causal, kernel=kernel, seq_kv=op.seq_kv / cp, kernels=kernels,
+                      dropout=op.dropout)
         fwd = attention_time_s(device, dtype, flops=op.flops_fwd / scale, backward=False, **common)
         bwd = attention_time_s(device, dtype, flops=op.flops_bwd / scale, backward=True, **common)
         return fwd, bwd, 0.0

@@ -39,6 +39,7 @@ class OpCost:
     causal: bool = False
     score_bytes: float = 0.0  # attention: the b·a·s_q·s_kv score matrix in the compute dtype
     seq_kv: int = 0  # attention: key/value length
+    dropout: bool = False  # attention: dropout on the probabilities
     vocab: bool = False  # a GEMM or lookup over the vocabulary (sharded by vocab-parallel TP)
     aligned: bool = True  # a GEMM whose operands' rows are all 16-byte aligned
     # in the unit's tail that an early-stopping recompute does not re-run (`recompute_tail`)
@@ -194,7 +195,8 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
                 // max(1, node.inputs[0].numel)
             ops.append(OpCost(kind="attention", flops_fwd=node.flops_fwd,
                               flops_bwd=node.flops_bwd, bytes_fwd=io, causal=a.causal,
-                              score_bytes=score, seq_kv=a.seq_kv, tail=node.name in tail))
+                              score_bytes=score, seq_kv=a.seq_kv, dropout=a.dropout_p > 0,
+                              tail=node.name in tail))
             kv += sum(t.num_bytes for t in node.inputs[1:3])
             # Korthikanti et al. 2022: softmax output (2 B/elt), plus the dropout mask (1 B)
             # and output (2 B) when attention dropout is on: 2·a·s²·b or 5·a·s²·b

@@ -348,3 +348,23 @@ def test_full_recompute_reruns_the_blocks_not_the_head():
         out.append(autopar.estimate(model, cluster, cfg, global_batch_size=16, seq_len=SEQ))
     assert out[1].breakdown["compute"] > out[0].breakdown["compute"]
     assert out[1].breakdown["recompute"] == pytest.approx(out[0].breakdown["recompute"])
+
+
+def test_unfused_attention_dropout_adds_its_own_passes_and_a_fused_kernel_none():
+    """Dropout on the probabilities of a materialized score matrix is a kernel of its own
+    (MATH_ATTENTION_DROPOUT_PASSES passes of the scores each way); flash applies it inside."""
+    from costmodels.compute import (MATH_ATTENTION_DROPOUT_PASSES, attention_time_s,
+                                    memory_time_s)
+
+    device = autopar.Cluster.from_profile("dgx-a100-80g", num_nodes=1).hardware.device
+    common = dict(flops=1e12, io_bytes=1e8, score_bytes=3e9, causal=True, seq_kv=2048)
+    for backward in (False, True):
+        for kernels in ("fused", "eager"):
+            with_, without = (attention_time_s(device, "fp16", kernel="math", kernels=kernels,
+                                               backward=backward, dropout=d, **common)
+                              for d in (True, False))
+            assert with_ - without == pytest.approx(
+                memory_time_s(device, MATH_ATTENTION_DROPOUT_PASSES * 3e9))
+        flash = [attention_time_s(device, "fp16", kernel="flash", backward=backward,
+                                  dropout=d, **common) for d in (True, False)]
+        assert flash[0] == flash[1]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import autopar
-from autopar import EstimateOptions, estimate
+from autopar import estimate
 from costmodels.compute import (FUSED_ATTENTION_PEAK_FRACTION, SUSTAINED_COMPUTE_FRACTION,
                                 fused_attention_fraction, sustained_fraction)
 
@@ -25,13 +25,13 @@ pytestmark = pytest.mark.skipif(not CSV.is_file(), reason="shared/data not prese
 
 @pytest.fixture(scope="module")
 def errors():
-    from benchmarks.published_runs import SOFTWARE, load_runs
+    from benchmarks.published_runs import load_runs
 
     out = {}
     for run in load_runs(CSV):
         est = estimate(run.build_model(), run.make_cluster(), run.config,
                        global_batch_size=run.global_batch_size, seq_len=run.seq_len,
-                       dtype=run.dtype, options=EstimateOptions(**SOFTWARE[run.group][0]))
+                       dtype=run.dtype, options=run.options())
         out[run.run_id] = (run.group, est.step_time_s / run.published_step_time_s - 1, est.fits)
     return out
 

@@ -70,8 +70,10 @@ def test_group_rules():
         if run.group.startswith("sc21"):
             assert cfg.recompute == "full" and not cfg.sequence_parallel
             assert cfg.zero_stage == (3 if run.group == "sc21-t2-zero3" else 0)
-        if run.group in ("sc21-t1", "sc21-t2-ptdp"):
+        if run.group == "sc21-t2-ptdp":
             assert cfg.micro_batch_size == 1
+        if run.group.startswith("sc21"):
+            assert run.dropout == 0.1  # Megatron-LM's default attention and hidden dropout
         if run.group == "sc21-t2-zero3":
             assert cfg.tp == cfg.pp == 1 and cfg.dp == run.n_gpus
         if run.group.startswith("mlm"):
@@ -80,13 +82,33 @@ def test_group_rules():
             assert not run.tie_embeddings
         if run.group.startswith("mpt"):
             assert cfg.zero_stage == 3 and cfg.tp == cfg.pp == 1 and cfg.dp == run.n_gpus
-        if cfg.pp > 1:
+        if cfg.pp > 1 and run.group != "sc21-t1":
             assert cfg.pp_schedule == "interleaved-1f1b" and cfg.virtual_stages >= 2
     a100 = BY_ID["mpt-a100-70b-s2048-n64"]
     assert a100.overrides == {"network_kind": "roce", "nics_per_node": 8, "nic_gbps": 200}
     cluster = a100.make_cluster()
     assert cluster.hardware.network.nics_per_node * 200 == 1600
     assert BY_ID["mpt-a100-40g-13b-s2048-n128"].profile == "dgx-a100-40g"
+
+
+def test_sc21_table1_rows_take_nvidias_reproduction_script():
+    """Megatron-LM examples/sc21/run_table_1.sh: MBS, layers per virtual stage, DDP impl."""
+    def row(size):
+        return BY_ID[next(i for i in BY_ID if i.startswith(f"sc21-t1-{size}b-"))]
+
+    r = row("18.4")
+    assert r.config.micro_batch_size == 8 and r.config.pp_schedule == "1f1b"
+    assert r.options().overlap_dp_comm  # --DDP-impl torch overlaps the gradient all-reduce
+    r = row("39.1")
+    assert (r.config.micro_batch_size, r.config.pp_schedule) == (4, "1f1b")
+    assert not r.options().overlap_dp_comm  # local DDP reduces after the backward
+    r = row("76.1")  # 60 layers / 4 stages, 5 layers per virtual stage
+    assert (r.config.micro_batch_size, r.config.virtual_stages) == (2, 3)
+    r = row("529.6")  # 105 / 35 = 3 layers per stage, one per virtual stage
+    assert (r.config.micro_batch_size, r.config.virtual_stages) == (1, 3)
+    assert row("1008").config.pp_schedule == "1f1b"
+    assert {round(r.params_billion, 1) for r in RUNS if r.group == "sc21-t1"} == \
+        set(pr.SC21_TABLE1_SCRIPT)
 
 
 def test_interleave_degree():
