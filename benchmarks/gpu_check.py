@@ -39,8 +39,8 @@ from costmodels.compute import MEMORY_OP_TRAFFIC_FACTOR, optimizer_time_s, susta
 
 DEFAULT_FILE = ROOT / "tests" / "data" / "h100_measurements.json"
 HARNESS_CAST_BYTES_PER_PARAM = 6.0  # bf16 gradient read, fp32 master gradient written
-KERNELS_OF_PRECISION = {"bf16": "eager", "compiled": "fused"}  # the software each ran
-LOSS_OF_PRECISION = {"bf16": "eager", "compiled": "fused"}  # compiled: the loss under torch.compile
+# the software each ran: its memory-bound kernels, and its loss (compiled: under torch.compile)
+KERNELS_OF_PRECISION = {"bf16": "eager", "compiled": "fused"}
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def check_step(step: dict, cluster: autopar.Cluster, *, attention_kernel: str = 
     device = cluster.hardware.device
     mb, seq, recompute = step["micro_batch"], step["seq_len"], step["recompute"]
     kernels = KERNELS_OF_PRECISION[step["precision"]]
-    loss_kernel = LOSS_OF_PRECISION[step["precision"]]
+    loss_kernel = kernels  # the EstimateOptions.loss_kernel of the same name
     model = _model(step)
     cfg = autopar.ParallelConfig(dp=1, tp=1, pp=1, zero_stage=0, micro_batch_size=mb,
                                  recompute=recompute)

@@ -70,9 +70,6 @@ GROUPS = {
     "mpt-a100": "MosaicML llm-foundry MPT: A100, 1600 Gbps RoCE",
 }
 
-_SC21_MICRO_BATCH = (
-    "micro_batch_size=1: Table 2 gives it for its PTD-P rows (175B, 530B), and SC21 uses 1 in "
-    "§5.3.1/§5.4.2/§5.4.3")
 _SC21_TABLE1_SCRIPT_NOTE = (
     "micro-batch, interleaving and data-parallel implementation per model size as NVIDIA's "
     "reproduction script for Table 1 sets them (Megatron-LM examples/sc21/run_table_1.sh: "
@@ -219,15 +216,16 @@ def interleave_degree(num_layers: int, pp: int) -> int:
 
 
 # Software each group ran, as the sources state it (EstimateOptions fields). These describe the
-# framework of the run, not a fitted correction: they are the same for every row of a group.
+# framework of the run, not a fitted correction: they are the same for every row of a group,
+# except where a row's own source sets one apart (PublishedRun.option_overrides).
 SOFTWARE: dict[str, tuple[dict[str, Any], str]] = {
     "sc21-t1": ({"attention_kernel": "math", "overlap_dp_comm": False,
                  "grad_reduce_dtype": "fp16", "kernels": "fused", "loss_kernel": "megatron",
                  "recompute_early_stop": False},
                 "Megatron-LM 2021: fused scale-mask-softmax on materialized scores (flash "
                 "attention is 2022); fused bias-GeLU and bias-dropout-add (SC21 §4.2) and apex's "
-                "fused LayerNorm; gradients all-reduced after backward (overlap came in 2023) "
-                "in fp16 (--accumulate-allreduce-grads-in-fp32 was an opt-in flag); its own "
+                "fused LayerNorm; gradients all-reduced after backward by its local DDP "
+                "(the pp=1 rows' --DDP-impl torch overlaps them, run_table_1.sh) in fp16 (--accumulate-allreduce-grads-in-fp32 was an opt-in flag); its own "
                 "checkpoint function re-runs each whole layer; its unfused vocab-parallel "
                 "cross-entropy on fp32 logits"),
     "sc21-t2-ptdp": ({"attention_kernel": "math", "overlap_dp_comm": False,
@@ -401,7 +399,7 @@ def _config(group: str, row: dict[str, str], num_layers: int
     tp, pp, dp, cp = (_int(row, k) for k in ("tp", "pp", "dp", "cp"))
     extra: list[str] = []
     options: tuple[tuple[str, Any], ...] = ()
-    virtual = interleave_degree(num_layers, pp) if pp > 1 else 1
+    virtual = None  # the groups' interleaving rule unless the row's source gives it
     if group == "sc21-t1":
         size = float(row["params_billion"])
         if size not in SC21_TABLE1_SCRIPT:
@@ -410,8 +408,7 @@ def _config(group: str, row: dict[str, str], num_layers: int
         mbs, per_virtual, ddp = SC21_TABLE1_SCRIPT[size]
         virtual = 1 if per_virtual is None else num_layers // (pp * per_virtual)
         zero, recompute, sp = 0, "full", False
-        extra.append(f"run_table_1.sh: MBS={mbs}, DDP={ddp}" + (
-            f", {per_virtual} layers per virtual stage" if per_virtual else ""))
+        extra.append(f"run_table_1.sh: MBS={mbs}, DDP={ddp}")
         if ddp == "torch":
             options = (("overlap_dp_comm", True),)
     elif group.startswith("sc21"):
@@ -427,8 +424,10 @@ def _config(group: str, row: dict[str, str], num_layers: int
             raise ValueError(f"MosaicML row {row['model_name']!r}: recompute must be 'full' or "
                              f"'none' (activation checkpointing on/off), got {recompute!r}")
         sp = False
+    if virtual is None:
+        virtual = interleave_degree(num_layers, pp) if pp > 1 else 1
     schedule = "interleaved-1f1b" if virtual > 1 else "1f1b"
-    if virtual > 1 and group != "sc21-t1":
+    if virtual > 1:
         extra.append(f"virtual_stages={virtual} ({num_layers // (pp * virtual)} layers per "
                      f"virtual stage)")
     cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, zero_stage=zero, micro_batch_size=mbs,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from autopar.config import ParallelConfig
 from autopar.estimate.units import Unit
+from costmodels.compute import LOSS_KERNELS
 from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
                                CUDA_CONTEXT_BYTES, LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT,
                                LOSS_KEPT_BYTES_PER_LOGIT, state_bytes_split)
@@ -34,9 +35,9 @@ def loss_bytes(unit: Unit, loss_kernel: str) -> tuple[float, float]:
     """
     if loss_kernel == "fused":
         return 0.0, float(unit.loss_logit_bytes)
-    if loss_kernel not in ("eager", "megatron"):
-        raise ValueError(f"loss_kernel={loss_kernel!r} is not known; use 'eager', 'megatron' "
-                         f"or 'fused'")
+    if loss_kernel not in LOSS_KERNELS:
+        raise ValueError(f"loss_kernel={loss_kernel!r} is not known; use one of "
+                         f"{', '.join(LOSS_KERNELS)}")
     kept = unit.loss_logits * LOSS_KEPT_BYTES_PER_LOGIT
     if loss_kernel == "megatron":
         return kept - unit.loss_logit_bytes, float(unit.loss_logit_bytes)
