@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import hwprofiles
-from costmodels.collectives import CollectiveEstimate, estimate_collective
+from costmodels.collectives import (CollectiveEstimate, GroupLayout, check_ranks,
+                                   estimate_collective, group_layout)
 from costmodels.hardware import HardwareProfile
 
 __all__ = ["Cluster"]
@@ -89,6 +90,13 @@ class Cluster:
         """The modelled collective with its algorithm, protocol, latency and bus bandwidth."""
         return estimate_collective(self.hardware, kind, nbytes, _as_ranks(ranks),
                                    world_size=self.world_size, algorithm=algorithm)
+
+    def group_layout(self, ranks: Sequence[int]) -> GroupLayout:
+        """Where the global `ranks` live (checked): for `costmodels.collectives.
+        estimate_on_layout`, which callers costing many collectives per group use."""
+        group = _as_ranks(ranks)
+        check_ranks(self.hardware, group, self.world_size)
+        return group_layout(group, self.gpus_per_node, self.hardware.network.nodes_per_leaf)
 
     def collective_time(self, kind: str, nbytes: float, ranks: Sequence[int]) -> float:
         """Seconds for one collective over global `ranks`.

@@ -34,8 +34,8 @@ from typing import Iterable, Sequence
 from costmodels import nccl_constants as K
 from costmodels.hardware import Fabric, HardwareProfile, Protocol
 
-__all__ = ["Collective", "GroupLayout", "CollectiveEstimate", "group_layout",
-           "estimate_collective", "collective_candidates", "collective_time", "bus_factor",
+__all__ = ["Collective", "GroupLayout", "CollectiveEstimate", "group_layout", "check_ranks",
+           "estimate_collective", "estimate_on_layout", "collective_candidates", "collective_time", "bus_factor",
            "ZERO3_SYNC_GATHER_BYTES_PER_S", "ZERO3_PERSISTENCE_THRESHOLD"]
 
 # DeepSpeed ZeRO-3 before v0.5 (2021) fetched each partitioned parameter with its own
@@ -103,8 +103,7 @@ def group_layout(ranks: Sequence[int], gpus_per_node: int, nodes_per_leaf: int) 
                        max_ranks_per_node=max(counts.values()), num_leaves=len(leaves))
 
 
-def _validate(hw: HardwareProfile, kind: str, nbytes: float, ranks: Sequence[int],
-              world_size: int) -> Collective:
+def _check_request(kind: str | Collective, nbytes: float) -> Collective:
     try:
         kind_enum = Collective(kind)
     except ValueError:
@@ -112,6 +111,11 @@ def _validate(hw: HardwareProfile, kind: str, nbytes: float, ranks: Sequence[int
                          f"{', '.join(c.value for c in Collective)}") from None
     if not (isinstance(nbytes, (int, float)) and nbytes >= 0 and math.isfinite(nbytes)):
         raise ValueError(f"nbytes must be a finite number >= 0, got {nbytes!r}")
+    return kind_enum
+
+
+def check_ranks(hw: HardwareProfile, ranks: Sequence[int], world_size: int) -> None:
+    """Raise unless `ranks` are distinct global ranks of a world of `world_size`."""
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"ranks must be distinct, got {list(ranks)}")
     bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < world_size)]
@@ -119,9 +123,6 @@ def _validate(hw: HardwareProfile, kind: str, nbytes: float, ranks: Sequence[int
         raise ValueError(f"ranks {bad} are outside the cluster's 0..{world_size - 1} "
                          f"({world_size // hw.node.gpus_per_node} nodes x "
                          f"{hw.node.gpus_per_node} GPUs)")
-    if kind_enum is Collective.SEND_RECV and len(ranks) not in (1, 2):
-        raise ValueError(f"send_recv takes the two ranks [src, dst], got {len(ranks)} ranks")
-    return kind_enum
 
 
 # -- bandwidth of the tiers -------------------------------------------------------------------
@@ -336,8 +337,21 @@ def estimate_collective(hw: HardwareProfile, kind: str | Collective, nbytes: flo
     A group of one rank, or an empty buffer, costs zero. Ties go to the first candidate in the
     order ring, tree, nvls, direct/p2p and LL, LL128, Simple.
     """
-    kind_enum = _validate(hw, str(kind), nbytes, ranks, world_size)
+    kind_enum = _check_request(kind, nbytes)
+    check_ranks(hw, ranks, world_size)
     layout = group_layout(ranks, hw.node.gpus_per_node, hw.network.nodes_per_leaf)
+    return estimate_on_layout(hw, kind_enum, nbytes, layout, algorithm=algorithm)
+
+
+def estimate_on_layout(hw: HardwareProfile, kind: str | Collective, nbytes: float,
+                       layout: GroupLayout, *, algorithm: str | None = None
+                       ) -> CollectiveEstimate:
+    """`estimate_collective` for a group already checked and laid out (`check_ranks`,
+    `group_layout`): what the estimate calls, which costs many collectives on few groups."""
+    kind_enum = _check_request(kind, nbytes)
+    if kind_enum is Collective.SEND_RECV and layout.num_ranks not in (1, 2):
+        raise ValueError(f"send_recv takes the two ranks [src, dst], got {layout.num_ranks} "
+                         f"ranks")
     if layout.num_ranks <= 1 or nbytes == 0:
         return CollectiveEstimate(kind=kind_enum, algorithm="none", protocol=Protocol.SIMPLE,
                                   nbytes=nbytes, time_s=0.0, latency_s=0.0, busbw_bytes_per_s=0.0)

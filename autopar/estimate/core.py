@@ -40,11 +40,11 @@ from autopar.estimate.layout import (Layout, Structure, UnitVectors, analytic_in
                                      rank_work_extremes, simulated_lower_bound, structure,
                                      unit_vectors)
 from autopar.estimate.memory import activation_bytes, stage_memory
-from autopar.estimate.stages import layer_sequence
 from autopar.estimate.timing import RankGroups, UnitTimes, rank_groups, unit_times
 from autopar.estimate.units import Unit, units_from_graph
 from autopar.ir import Graph, OpKind
-from costmodels.collectives import ZERO3_PERSISTENCE_THRESHOLD, ZERO3_SYNC_GATHER_BYTES_PER_S
+from costmodels.collectives import (ZERO3_PERSISTENCE_THRESHOLD, ZERO3_SYNC_GATHER_BYTES_PER_S,
+                                   GroupLayout, estimate_on_layout)
 from costmodels.compute import optimizer_time_s
 from costmodels.memory import DTYPE_BYTES, state_bytes_per_param
 from costmodels.pipeline import PipelineTimeline, simulate_pipeline
@@ -178,12 +178,19 @@ class EvalCache:
         self.vectors: dict[tuple, UnitVectors] = {}
         self.groups: dict[tuple, RankGroups] = {}
         self._comm: dict[tuple, float] = {}
+        self._layouts: dict[tuple, GroupLayout] = {}
 
     def collective_time(self, kind: str, nbytes: float, ranks) -> float:
-        key = (kind, nbytes, tuple(ranks))
-        if key not in self._comm:
-            self._comm[key] = self.cluster.collective_time(kind, nbytes, key[2])
-        return self._comm[key]
+        """`Cluster.collective_time`, memoised; each group is checked and laid out once."""
+        group = ranks if type(ranks) is tuple else tuple(ranks)
+        key = (kind, nbytes, group)
+        t = self._comm.get(key)
+        if t is None:
+            layout = self._layouts.get(group)
+            if layout is None:
+                layout = self._layouts[group] = self.cluster.group_layout(group)
+            t = self._comm[key] = estimate_on_layout(self.hardware, kind, nbytes, layout).time_s
+        return t
 
 
 def _num_experts(graph: Graph) -> int | None:
@@ -532,14 +539,14 @@ def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, 
     expert_b = state_bytes_per_param(dtype, config.zero_stage, max(1, shards // config.ep))
     out: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "wgrad", "act",
                                                    "states")}
-    for unit, _ in layer_sequence(units):
+    for unit in units:  # every layer of a unit alike, in model order
         t = times[unit.name]
-        out["forward"].append(t.forward)
-        out["backward"].append(t.backward)
-        out["wgrad"].append(t.compute_wgrad)
-        out["act"].append(activation_bytes(unit, config, flash, options.loss_kernel)[0])
-        out["states"].append(unit.dense_params / config.tp * dense_b
-                             + unit.expert_params / (config.tp * config.ep) * expert_b)
+        kept = activation_bytes(unit, config, flash, options.loss_kernel)[0]
+        states = unit.dense_params / config.tp * dense_b \
+            + unit.expert_params / (config.tp * config.ep) * expert_b
+        for key, value in (("forward", t.forward), ("backward", t.backward),
+                           ("wgrad", t.compute_wgrad), ("act", kept), ("states", states)):
+            out[key] += [value] * unit.count
     return out
 
 

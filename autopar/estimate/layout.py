@@ -20,7 +20,7 @@ import numpy as np
 
 from autopar.config import ParallelConfig
 from autopar.estimate.memory import activation_bytes
-from autopar.estimate.stages import Chunk, assign_stages, cut_stages
+from autopar.estimate.stages import Boundaries, check_boundaries, megatron_boundaries
 from autopar.estimate.timing import UnitTimes
 from autopar.estimate.units import Unit
 from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
@@ -112,7 +112,7 @@ class Layout:
 class Structure:
     """Which layers of which unit each chunk holds, for one (pp, virtual stages) split."""
 
-    chunks: list[Chunk]
+    boundaries: Boundaries  # each chunk's layers, as a range over layer_sequence(units)
     counts: np.ndarray  # [chunk, unit] layers
     rank_counts: np.ndarray  # [rank, unit] layers
     rank_chunks: list[list[int]]
@@ -124,22 +124,29 @@ class Structure:
 
 
 def structure(units: tuple[Unit, ...], pp: int, v: int,
-              boundaries: tuple[tuple[int, int], ...] | None = None) -> Structure:
+              boundaries: Boundaries | None = None) -> Structure:
     """Layers per unit on each of the pp x v chunks; the same for every micro-batch size
     (scaling a unit changes its costs, not its layers), so callers key it by the split only."""
-    chunks = assign_stages(units, pp * v) if boundaries is None else cut_stages(units, boundaries)
-    index = {u.name: i for i, u in enumerate(units)}
-    counts = np.zeros((len(chunks), len(units)))
-    for c, chunk in enumerate(chunks):
-        for u, fqns in chunk:
-            counts[c, index[u.name]] += len(fqns)
-    rank_chunks = [list(range(r, len(chunks), pp)) for r in range(pp)]
-    rank_counts = np.array([counts[idx].sum(axis=0) for idx in rank_chunks])
-    return Structure(chunks=chunks, counts=counts, rank_counts=rank_counts,
-                     rank_chunks=rank_chunks,
-                     stage_layers=tuple(tuple(f for _, fqns in c for f in fqns) for c in chunks),
+    fqns = tuple(f for u in units for f in u.layer_fqns)
+    if boundaries is None:
+        boundaries = megatron_boundaries(units, pp * v)
+    else:
+        check_boundaries(len(fqns), boundaries)
+        if len(boundaries) != pp * v:
+            raise ValueError(f"{len(boundaries)} stage boundaries for pp x virtual stages = "
+                             f"{pp} x {v} chunks")
+    # seen[k, u]: layers of unit u among the first k of the sequence
+    seen = np.zeros((len(fqns) + 1, len(units)))
+    seen[1:] = np.cumsum(np.repeat(np.eye(len(units)), [len(u.layer_fqns) for u in units],
+                                   axis=0), axis=0)
+    cuts = np.array(boundaries)
+    counts = seen[cuts[:, 1]] - seen[cuts[:, 0]]
+    rank_counts = counts.reshape(v, pp, len(units)).sum(axis=0)  # chunk c on rank c mod pp
+    return Structure(boundaries=tuple(boundaries), counts=counts, rank_counts=rank_counts,
+                     rank_chunks=[list(range(r, pp * v, pp)) for r in range(pp)],
+                     stage_layers=tuple(fqns[i:j] for i, j in boundaries),
                      in_chunk=counts > 0, in_rank=rank_counts > 0,
-                     rank_chunks_n=np.array([len(idx) for idx in rank_chunks], dtype=float))
+                     rank_chunks_n=np.full(pp, float(v)))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,42 +11,28 @@ from __future__ import annotations
 
 from autopar.estimate.units import Unit
 
-__all__ = ["Chunk", "assign_stages", "cut_stages", "layer_sequence"]
+__all__ = ["Boundaries", "megatron_boundaries", "check_boundaries", "layer_sequence"]
 
-Chunk = list[tuple[Unit, tuple[str, ...]]]  # (unit, the layer FQNs of it placed here)
+Boundaries = tuple[tuple[int, int], ...]  # half-open layer ranges over layer_sequence(units)
 
 
-def assign_stages(units: tuple[Unit, ...], num_chunks: int) -> list[Chunk]:
-    items = [(u, fqn) for u in units for fqn in u.layer_fqns]
-    is_block = [u.is_block for u, _ in items]
-    body_idx = [i for i, b in enumerate(is_block) if b] or list(range(len(items)))
-    first, last = body_idx[0], body_idx[-1]
-    body = items[first:last + 1]
-    if len(body) < num_chunks:
-        raise ValueError(f"{num_chunks} pipeline stages for {len(body)} layers: every stage "
+def megatron_boundaries(units: tuple[Unit, ...], num_chunks: int) -> Boundaries:
+    """Megatron's placement (module docstring) as half-open ranges over `layer_sequence`."""
+    spans, start = [], 0  # (first layer, end) of each unit's layers in the sequence
+    for u in units:
+        spans.append((start, start + len(u.layer_fqns)))
+        start += len(u.layer_fqns)
+    body = [span for u, span in zip(units, spans) if u.is_block and span[0] < span[1]]
+    first, end = (body[0][0], body[-1][1]) if body else (0, start)
+    n_body = end - first
+    if n_body < num_chunks:
+        raise ValueError(f"{num_chunks} pipeline stages for {n_body} layers: every stage "
                          f"needs at least one layer; lower pp or virtual_stages")
-    base, extra = divmod(len(body), num_chunks)
-    sizes = [base + (1 if 0 < c <= extra else 0) for c in range(num_chunks)]
-    if extra and sizes[0] == base and sum(sizes) < len(body):
-        sizes[-1] += len(body) - sum(sizes)
-    chunks: list[list[tuple[Unit, str]]] = []
-    start = 0
-    for size in sizes:
-        chunks.append(body[start:start + size])
-        start += size
-    chunks[0] = items[:first] + chunks[0]
-    chunks[-1] = chunks[-1] + items[last + 1:]
-    return [_group(c) for c in chunks]
-
-
-def _group(items: list[tuple[Unit, str]]) -> Chunk:
-    out: Chunk = []
-    for unit, fqn in items:
-        if out and out[-1][0] is unit:
-            out[-1] = (unit, out[-1][1] + (fqn,))
-        else:
-            out.append((unit, (fqn,)))
-    return out
+    base, extra = divmod(n_body, num_chunks)
+    ends = [first + base * (c + 1) + min(c, extra) for c in range(num_chunks)]
+    starts = [0] + ends[:-1]
+    ends[-1] = start
+    return tuple(zip(starts, ends))
 
 
 def layer_sequence(units: tuple[Unit, ...]) -> list[tuple[Unit, str]]:
@@ -54,12 +40,9 @@ def layer_sequence(units: tuple[Unit, ...]) -> list[tuple[Unit, str]]:
     return [(u, fqn) for u in units for fqn in u.layer_fqns]
 
 
-def cut_stages(units: tuple[Unit, ...], boundaries: tuple[tuple[int, int], ...]) -> list[Chunk]:
-    """Chunks from explicit half-open layer ranges over `layer_sequence(units)` (e.g. the
-    inter-op stage DP's cut); the ranges must cover the sequence in order."""
-    items = layer_sequence(units)
-    if boundaries[0][0] != 0 or boundaries[-1][1] != len(items) or any(
+def check_boundaries(num_layers: int, boundaries: Boundaries) -> None:
+    """Raise unless `boundaries` cut `num_layers` layers into contiguous non-empty ranges."""
+    if boundaries[0][0] != 0 or boundaries[-1][1] != num_layers or any(
             a[1] != b[0] or a[0] >= a[1] for a, b in zip(boundaries, boundaries[1:])):
-        raise ValueError(f"stage boundaries {boundaries} do not cut the {len(items)} layers "
+        raise ValueError(f"stage boundaries {boundaries} do not cut the {num_layers} layers "
                          f"into contiguous non-empty ranges")
-    return [_group(items[a:b]) for a, b in boundaries]

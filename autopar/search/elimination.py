@@ -34,13 +34,17 @@ they are exact; a problem whose objective could exceed that returns None.
 
 from __future__ import annotations
 
+import bisect
+import functools
+import heapq
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import numpy as np
 
-from autopar.sharding.placement import reshard_collective
+from autopar.sharding.placement import REPLICATE, reshard_collective
 from autopar.sharding.problem import BLOCK_INPUT, BLOCK_OUTPUT, BlockProblem, TensorUse
 
 __all__ = ["solve_by_elimination", "MAX_TABLE_ENTRIES"]
@@ -49,8 +53,7 @@ MAX_TABLE_ENTRIES = 1 << 18  # a table larger than this hands the problem to CP-
 _EXACT_LIMIT = 2.0 ** 53  # float64 adds integers exactly below this
 
 
-@dataclass(frozen=True)
-class _Factor:
+class _Factor(NamedTuple):
     scope: tuple[int, ...]  # node indices, ascending
     table: np.ndarray  # one axis per scope node, in scope order
 
@@ -65,32 +68,40 @@ def solve_by_elimination(problem: BlockProblem, *,
     sizes = [len(problem.strategies[v]) for v in nodes]
     weight = 1 + sum(n - 1 for n in sizes)
     index = {v: i for i, v in enumerate(nodes)}
-    factors = _node_factors(problem, weight, sizes)
-    factors += [_tensor_factor(problem, t, index, weight) for t in problem.tensors]
-    factors += _param_factors(problem, index)
+    reshards = _reshards(problem, weight)
+    soft = _node_factors(problem, weight, sizes)
+    soft += [_tensor_factor(problem, t, index, reshards) for t in problem.tensors]
+    # the hard factors hold only 0 and ∞: the soft ones bound the objective
+    if sum(float(f.table.max()) for f in soft) >= _EXACT_LIMIT:
+        return None
+    factors = soft + _param_factors(problem, index)
     if problem.periodic:
         n = sizes[index[BLOCK_INPUT]]
         assert n == sizes[index[BLOCK_OUTPUT]], "the boundary nodes share their strategies"
         table = np.where(np.eye(n, dtype=bool), 0.0, np.inf)
         a, b = index[BLOCK_INPUT], index[BLOCK_OUTPUT]
         factors.append(_Factor((a, b), table) if a < b else _Factor((b, a), table.T.copy()))
-    largest = sum(float(np.max(f.table[np.isfinite(f.table)], initial=0.0)) for f in factors)
-    if largest >= _EXACT_LIMIT:
-        return None
     order = _elimination_order(factors, sizes, max_table_entries)
     if order is None:
         return None
+    # bucket elimination: a factor waits in the bucket of its scope node eliminated first,
+    # so the bucket of v holds exactly the live factors that mention v when v's turn comes
+    position = {v: k for k, v in enumerate(order)}
+    buckets: list[list[_Factor]] = [[] for _ in order]
+    for f in factors:
+        buckets[min(position[u] for u in f.scope)].append(f)
     choices: list[tuple[int, tuple[int, ...], np.ndarray]] = []
-    live = list(factors)
-    for v in order:
-        touching = [f for f in live if v in f.scope]
-        live = [f for f in live if v not in f.scope]
-        joint = _combine(touching, sizes)
+    total = 0.0
+    for v, bucket in zip(order, buckets):
+        joint = _combine(bucket, sizes)
         axis = joint.scope.index(v)
         rest = joint.scope[:axis] + joint.scope[axis + 1:]
-        choices.append((v, rest, np.argmin(joint.table, axis=axis)))
-        live.append(_Factor(rest, np.min(joint.table, axis=axis)))
-    total = sum(float(f.table) for f in live)  # every factor is a scalar now
+        choices.append((v, rest, joint.table.argmin(axis=axis)))
+        reduced = joint.table.min(axis=axis)
+        if rest:
+            buckets[min(position[u] for u in rest)].append(_Factor(rest, reduced))
+        else:
+            total += float(reduced)
     if not math.isfinite(total):
         return None
     chosen: dict[int, int] = {}
@@ -106,49 +117,85 @@ def _node_factors(problem: BlockProblem, weight: int, sizes: list[int]) -> list[
             for i, v in enumerate(problem.nodes)]
 
 
+@dataclass(frozen=True)
+class _Reshards:
+    """Reshard costs as arrays over pairs of the problem's K placements (sorted; the pair
+    (a, b) is row ``row[a, b]`` = a·K + b).
+
+    A demand on a tensor is column q ("take it placed q") or, when the tensor has a gradient,
+    column K + g ("hand its gradient back placed g"). A consumer strategy taking q and handing
+    back g asks row ``asks[grad][row[q, g]]``: a one at q (and at K + g); a producer strategy
+    placing the tensor p and wanting its gradient as w pays row
+    ``prices(nbytes, grad)[row[p, w]]``: W · c(p → q) at column q (and W · c(g → w) at
+    column K + g)."""
+
+    row: dict[tuple[str, str], int]
+    asks: dict[bool, np.ndarray]
+    prices: Callable[[float, bool], np.ndarray]
+
+
+def _reshards(problem: BlockProblem, weight: int) -> _Reshards:
+    # every placement a strategy names (grad_outputs are output_grads, or the outputs with
+    # P -> R)
+    placements = sorted({REPLICATE}.union(*(
+        (*st.inputs, *st.outputs, *st.input_grads, *st.output_grads)
+        for sts in problem.strategies.values() for st in sts)))
+    k = len(placements)
+
+    def by_pair(table: np.ndarray, grad: bool) -> np.ndarray:
+        """Row (a, b): row a of the K x K `table`, then (with a gradient) its column b."""
+        first = np.repeat(table, k, axis=0)
+        return np.concatenate((first, np.tile(table.T, (k, 1))), axis=1) if grad else first
+
+    @functools.cache  # the tensors of a block share a few sizes
+    def prices(nbytes: float, grad: bool) -> np.ndarray:
+        units = np.array([[weight * _units(problem, src, dst, nbytes) for dst in placements]
+                          for src in placements], dtype=np.float64)
+        return by_pair(units, grad)
+
+    eye = np.eye(k)
+    return _Reshards(row={pair: i for i, pair in enumerate(itertools.product(placements,
+                                                                             repeat=2))},
+                     asks={grad: by_pair(eye, grad) for grad in (False, True)}, prices=prices)
+
+
+def _units(problem: BlockProblem, src: str, dst: str, nbytes: float) -> int:
+    """Units of resharding `nbytes` from `src` to `dst` (0 when it is free)."""
+    c = reshard_collective(src, dst, nbytes, problem.axis_size)
+    return problem.collective_units(c) if c else 0
+
+
 def _tensor_factor(problem: BlockProblem, t: TensorUse, index: dict[str, int],
-                   weight: int) -> _Factor:
-    """Reshard cost of T over its producer and consumer nodes: each distinct forward demand q
-    (and, with a gradient, each distinct gradient g handed back) paid once, as `reshards`:
+                   reshards: _Reshards) -> _Factor:
+    """Reshard cost of T over its producer u and consumer nodes: each distinct forward demand
+    q (and, with a gradient, each distinct gradient g handed back) paid once, as `reshards`:
 
         Σ_q [some consumer demands q] · c(p → q)  +  Σ_g [some consumer hands back g] · c(g → w)
+        = Σ_d price[s_u, d] · max_v asks_v[s_v, d]       (demand columns d as in `_Reshards`)
 
-    as array arithmetic, one axis per node (a node reading T twice is one axis)."""
-    users = sorted({index[v] for v, _ in t.consumers} | {index[t.producer]})
-    sizes = [len(problem.strategies[problem.nodes[u]]) for u in users]
-    units: dict[tuple[str, str], int] = {}
-
-    def cost(src: str, dst: str) -> int:
-        if (src, dst) not in units:
-            c = reshard_collective(src, dst, t.nbytes, problem.axis_size)
-            units[src, dst] = problem.collective_units(c) if c else 0
-        return units[src, dst]
-
-    def along(u: int, values: list) -> np.ndarray:  # a vector on node u's axis
-        shape = [1] * len(users)
-        shape[users.index(u)] = len(values)
-        return np.array(values).reshape(shape)
-
-    out = [(problem.out_placement(t, s), problem.out_grad_placement(t, s))
-           for s in range(len(problem.strategies[t.producer]))]
+    as array arithmetic: the max over one axis per consumer node (a node reading T twice is
+    one axis), then a product with the price rows."""
+    consumers = sorted({index[v] for v, _ in t.consumers})
     producer = index[t.producer]
-    asked: dict[tuple[str, str], np.ndarray] = {}  # (direction, placement) -> anyone asks
-    for v, i in t.consumers:
-        strategies = problem.strategies[v]
-        directions = [("fwd", [st.inputs[i] for st in strategies])]
-        if t.requires_grad:
-            directions.append(("bwd", [st.input_grads[i] for st in strategies]))
-        for direction, placements in directions:
-            for q in sorted(set(placements)):
-                mask = along(index[v], [x == q for x in placements])
-                key = (direction, q)
-                asked[key] = mask if key not in asked else asked[key] | mask
-    table = np.zeros(sizes, dtype=np.float64)
-    for (direction, q), mask in sorted(asked.items()):
-        paid = [cost(p, q) if direction == "fwd" else cost(q, want) for p, want in out]
-        if any(paid):
-            table = table + np.where(mask, along(producer, paid), 0)
-    return _Factor(tuple(users), table * weight)
+    assert producer not in consumers, "a node never reads its own output"
+    row, asks = reshards.row, reshards.asks[t.requires_grad]
+
+    def along(v: str, rows: np.ndarray) -> np.ndarray:  # one row per strategy of v
+        shape = [1] * len(consumers) + [rows.shape[1]]
+        shape[consumers.index(index[v])] = len(rows)
+        return rows.reshape(shape)
+
+    asked = functools.reduce(np.maximum, [
+        along(v, asks.take([row[st.inputs[i], st.input_grads[i]]
+                            for st in problem.strategies[v]], axis=0))
+        for v, i in t.consumers])
+    price = reshards.prices(t.nbytes, t.requires_grad).take(
+        [row[st.outputs[t.output], st.grad_outputs[t.output]]
+         for st in problem.strategies[t.producer]], axis=0)
+    table = asked @ price.T  # consumer axes, then the producer's
+    axes = list(range(len(consumers)))
+    axes.insert(bisect.bisect(consumers, producer), len(consumers))
+    return _Factor(tuple(sorted([*consumers, producer])), table.transpose(axes))
 
 
 def _param_factors(problem: BlockProblem, index: dict[str, int]) -> list[_Factor]:
@@ -187,18 +234,25 @@ def _elimination_order(factors: list[_Factor], sizes: list[int],
     def entries(u: int) -> int:
         return sizes[u] * math.prod(sizes[w] for w in neighbours[u])
 
-    score = {u: entries(u) for u in range(len(sizes))}
+    score = [entries(u) for u in range(len(sizes))]
+    heap = [(n, u) for u, n in enumerate(score)]  # (entries, node), stale ones skipped
+    heapq.heapify(heap)
+    eliminated = [False] * len(sizes)
     order = []
-    while score:
-        v = min(score, key=lambda u: (score[u], u))
-        if score.pop(v) > max_entries:
+    while heap:
+        n, v = heapq.heappop(heap)
+        if eliminated[v] or n != score[v]:
+            continue
+        if n > max_entries:
             return None
+        eliminated[v] = True
         near = neighbours[v]
         for u in near:
             neighbours[u].discard(v)
             neighbours[u].update(near - {u})
         for u in near:
             score[u] = entries(u)
+            heapq.heappush(heap, (score[u], u))
         order.append(v)
     return order
 
@@ -206,9 +260,5 @@ def _elimination_order(factors: list[_Factor], sizes: list[int],
 def _combine(factors: list[_Factor], sizes: list[int]) -> _Factor:
     """The sum of `factors` as one table over the union of their scopes (ascending)."""
     scope = tuple(sorted(set().union(*(f.scope for f in factors))))
-    shape = [sizes[u] for u in scope]
-    total = np.zeros(shape, dtype=np.float64)
-    for f in factors:
-        view = [sizes[u] if u in f.scope else 1 for u in scope]
-        total = total + f.table.reshape(view)
-    return _Factor(scope, total)
+    return _Factor(scope, functools.reduce(np.add, [
+        f.table.reshape([sizes[u] if u in f.scope else 1 for u in scope]) for f in factors]))

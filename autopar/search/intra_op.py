@@ -362,7 +362,8 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     if boundary not in ("periodic", "replicated"):
         raise ValueError(f"boundary must be 'periodic' or 'replicated', got {boundary!r}")
     names = list(node_names)
-    unknown = [n for n in names if n not in {m.name for m in graph.nodes}]
+    known = {m.name for m in graph.nodes}
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
         raise ValueError(f"node_names must be non-empty names of graph nodes; unknown: "
                          f"{unknown[:5]}")

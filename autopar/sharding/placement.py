@@ -32,6 +32,7 @@ partial sum gets the same, replicated gradient).
 
 from __future__ import annotations
 
+import functools
 import re
 
 __all__ = ["REPLICATE", "PARTIAL", "shard", "shard_dim", "is_shard", "grad_placement",
@@ -48,6 +49,7 @@ def shard(dim: int) -> str:
     return f"S({dim})"
 
 
+@functools.cache  # a handful of placements, asked about again and again
 def shard_dim(placement: str) -> int | None:
     """The dim a ``"S(d)"`` placement shards, else ``None``."""
     match = _SHARD_RE.match(placement)

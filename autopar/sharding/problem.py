@@ -46,6 +46,7 @@ from autopar.sharding.placement import (PARTIAL, REPLICATE, is_shard, reshard_co
 from autopar.sharding.rules import strategies as rule_strategies
 from autopar.sharding.strategy import Collective, Strategy
 from costmodels.compute import activation_memory_time_s, attention_time_s, gemm_time_s
+from costmodels.collectives import estimate_on_layout
 
 __all__ = ["BLOCK_INPUT", "BLOCK_OUTPUT", "BlockProblem", "ParamUse", "TensorUse",
            "build_problem", "to_units"]
@@ -189,29 +190,38 @@ def _node_compute_s(node: Node, device, dtype: str, divisor: int) -> float:
     return activation_memory_time_s(device, nbytes) * (1 + BACKWARD_MEMORY_RATIO)
 
 
-def _activation_share(node: Node, st: Strategy, n: int) -> float:
-    """Fraction of the node's saved activations one rank keeps under ``st``."""
-    full = part = 0.0
-    tensors = [(t, p) for t, p, src in zip(node.inputs, st.inputs, node.input_sources)
-               if not src.startswith("param:")] + list(zip(node.outputs, st.outputs))
-    for t, p in tensors:
-        full += t.num_bytes
-        part += t.num_bytes / (n if is_shard(p) else 1)
-    return part / full if full else 1.0
+def _activation_shares(node: Node, sts: Sequence[Strategy], n: int) -> list[float]:
+    """Fraction of the node's saved activations (non-parameter inputs, then outputs) one rank
+    keeps under each strategy."""
+    ins = [(i, node.inputs[i].num_bytes) for i, src in enumerate(node.input_sources)
+           if not src.startswith("param:")]
+    outs = [t.num_bytes for t in node.outputs]
+    full = 0.0
+    for b in [b for _, b in ins] + outs:
+        full += b
+    shares = []
+    for st in sts:
+        part = 0.0
+        for i, b in ins:
+            part += b / (n if is_shard(st.inputs[i]) else 1)
+        for b, p in zip(outs, st.outputs):
+            part += b / (n if is_shard(p) else 1)
+        shares.append(part / full if full else 1.0)
+    return shares
 
 
-def _source_map(graph: Graph, names: set[str]) -> dict[tuple[str, int], tuple[str, int]]:
+def _source_map(by_name: Mapping[str, Node], names: set[str]
+                ) -> dict[tuple[str, int], tuple[str, int]]:
     """(consumer, input index) -> (producer, output index) for node-produced inputs."""
     out: dict[tuple[str, int], tuple[str, int]] = {}
     for name in names:
-        node = graph.node(name)
+        node = by_name[name]
         seen: dict[str, int] = {}
         for i, src in enumerate(node.input_sources):
             if src == name or ":" in src or src == "const":
                 continue
-            try:
-                producer = graph.node(src)
-            except KeyError:
+            producer = by_name.get(src)
+            if producer is None:
                 continue
             k = seen.get(src, 0)
             seen[src] = k + 1
@@ -229,21 +239,24 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
     in_set = set(names)
     device = cluster.hardware.device
     group = tuple(ranks) if ranks is not None else tuple(range(axis_size))
+    layout = cluster.group_layout(group)  # checked once; every collective runs on it
     grad_bytes = dtype_num_bytes({"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16",
                                   "fp32": "float32"}.get(dtype, "float32"))
     times: dict[Collective, int] = {}
 
     def collective_units(c: Collective) -> int:
         if c not in times:
-            times[c] = max(1, to_units(cluster.collective_time(c[0], c[1], group)))
+            times[c] = max(1, to_units(estimate_on_layout(cluster.hardware, c[0], c[1],
+                                                          layout).time_s))
         return times[c]
 
+    by_name = {n.name: n for n in graph.nodes}
     req = _requires_grad(graph)
-    sources = _source_map(graph, in_set)
+    sources = _source_map(by_name, in_set)
     consumed_outside = {src for n in graph.nodes if n.name not in in_set
                         for src in n.input_sources if src in in_set}
     out_node = next((n for n in reversed(names) if n in consumed_outside), None)
-    out_shape = graph.node(out_node).outputs[0].shape if out_node else None
+    out_shape = by_name[out_node].outputs[0].shape if out_node else None
 
     strategies: dict[str, tuple[Strategy, ...]] = {}
     consumers: dict[tuple[str, int], list[tuple[str, int]]] = {}
@@ -251,7 +264,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
     external: dict[str, set[int]] = {}
     hidden_in = None
     for name in names:
-        node = graph.node(name)
+        node = by_name[name]
         strategies[name] = rule_strategies(node, axis_size)
         for i, spec in enumerate(node.inputs):
             if (name, i) not in sources:
@@ -282,7 +295,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
         if periodic:
             pseudo[BLOCK_OUTPUT] = tuple(Strategy(name=p, inputs=(p,), outputs=(),
                                                   input_grads=(p,)) for p in choices)
-            spec = graph.node(out_node).outputs[0]
+            spec = by_name[out_node].outputs[0]
             consumers.setdefault((out_node, 0), []).append((BLOCK_OUTPUT, 0))
             meta.setdefault((out_node, 0), (float(spec.num_bytes), req.get(out_node, False)))
     for name in names:  # other tensors leaving the set are taken replicated outside
@@ -290,7 +303,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
             sink = f"<consumer:{name}>"
             pseudo[sink] = (Strategy(name="R", inputs=(REPLICATE,), outputs=(),
                                      input_grads=(REPLICATE,)),)
-            spec = graph.node(name).outputs[0]
+            spec = by_name[name].outputs[0]
             consumers.setdefault((name, 0), []).append((sink, 0))
             meta.setdefault((name, 0), (float(spec.num_bytes),
                                         req.get(name, False) and _is_float(spec.dtype)))
@@ -300,6 +313,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
                                 input_grads=()),)
 
     nodes = tuple(sorted(pseudo)) + tuple(names)
+    position = {v: k for k, v in enumerate(nodes)}
     strategies.update(pseudo)
     compute, comm, memory = {}, {}, {}
     params: list[ParamUse] = []
@@ -310,7 +324,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
             compute[name] = comm[name] = tuple(0 for _ in sts)
             memory[name] = tuple(0.0 for _ in sts)
             continue
-        node = graph.node(name)
+        node = by_name[name]
         uses = []
         for i, src in enumerate(node.input_sources):
             if not src.startswith("param:"):
@@ -324,11 +338,12 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
             charged.add(spec.fqn)
             uses.append((use, spec.requires_grad))
             params.append(use)
-        c_units, m_units, mem = [], [], []
-        for st in sts:
-            c_units.append(to_units(_node_compute_s(node, device, dtype, st.work_divisor)))
-            colls = list(st.fwd_collectives) + list(st.bwd_collectives)
-            bytes_ = node.saved_bytes * _activation_share(node, st, axis_size)
+        units_by_divisor = {d: to_units(_node_compute_s(node, device, dtype, d))
+                            for d in {st.work_divisor for st in sts}}
+        m_units, mem = [], []
+        for st, share in zip(sts, _activation_shares(node, sts, axis_size)):
+            colls = [*st.fwd_collectives, *st.bwd_collectives]
+            bytes_ = node.saved_bytes * share
             for use, trainable in uses:
                 sharded = is_shard(st.inputs[use.input_index])
                 if use.first_use:
@@ -336,14 +351,15 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
                 if (trainable and st.inputs[use.input_index] == REPLICATE
                         and st.input_grads[use.input_index] == PARTIAL):
                     colls.append(("all_reduce", float(use.numel * grad_bytes)))
-            m_units.append(sum(collective_units(c) for c in colls))
+            m_units.append(sum(map(collective_units, colls)))
             mem.append(bytes_)
-        compute[name], comm[name], memory[name] = tuple(c_units), tuple(m_units), tuple(mem)
+        compute[name] = tuple(units_by_divisor[st.work_divisor] for st in sts)
+        comm[name], memory[name] = tuple(m_units), tuple(mem)
 
     tensors = tuple(
         TensorUse(producer=key[0], output=key[1], nbytes=meta[key][0], requires_grad=meta[key][1],
                   consumers=tuple(consumers[key]))
-        for key in sorted(consumers, key=lambda k: (nodes.index(k[0]), k[1])))
+        for key in sorted(consumers, key=lambda k: (position[k[0]], k[1])))
     assert all(not math.isnan(m) for v in memory.values() for m in v)
     return BlockProblem(axis_size=axis_size, nodes=nodes, strategies=strategies,
                         compute_units=compute, comm_units=comm, memory_bytes=memory,

@@ -39,6 +39,7 @@ back through a transposed view (``nn.Linear`` traces ``x @ W.T``).
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 from autopar.ir import Node, OpKind
@@ -62,19 +63,19 @@ def _ok(size: int, n: int) -> bool:
     return size >= n and size % n == 0
 
 
-def _replicate(node: Node) -> Strategy:
-    ins = tuple([REPLICATE] * len(node.inputs))
-    return Strategy(name="R", inputs=ins, outputs=tuple([REPLICATE] * len(node.outputs)),
-                    input_grads=ins)
+@functools.cache  # strategies are immutable: nodes of the same arity share these two
+def _replicate(num_inputs: int, num_outputs: int) -> Strategy:
+    ins = (REPLICATE,) * num_inputs
+    return Strategy(name="R", inputs=ins, outputs=(REPLICATE,) * num_outputs, input_grads=ins)
 
 
-def _replicate_partial_grad(node: Node) -> Strategy:
+@functools.cache
+def _replicate_partial_grad(num_inputs: int, num_outputs: int) -> Strategy:
     """Replicated forward whose backward takes and hands on partial gradients (its backward
     is linear in the output gradient, so the sum can be deferred to a producer)."""
-    ins = tuple([REPLICATE] * len(node.inputs))
-    return Strategy(name="R~P", inputs=ins, outputs=tuple([REPLICATE] * len(node.outputs)),
-                    input_grads=tuple([PARTIAL] * len(node.inputs)),
-                    output_grads=tuple([PARTIAL] * len(node.outputs)))
+    return Strategy(name="R~P", inputs=(REPLICATE,) * num_inputs,
+                    outputs=(REPLICATE,) * num_outputs, input_grads=(PARTIAL,) * num_inputs,
+                    output_grads=(PARTIAL,) * num_outputs)
 
 
 def _make(name: str, inputs: Sequence[str], outputs: Sequence[str], n: int, *,
@@ -291,13 +292,13 @@ def strategies(node: Node, axis_size: int) -> tuple[Strategy, ...]:
     """The strategies of ``node`` on one mesh axis of ``axis_size`` ranks, replicate first."""
     if axis_size < 1:
         raise ValueError(f"axis size must be >= 1, got {axis_size}")
-    base = _replicate(node)
+    base = _replicate(len(node.inputs), len(node.outputs))
     if axis_size == 1 or not node.outputs or not node.inputs:
         return (base,)
     rule = _RULES.get(node.kind)
     found = rule(node, axis_size) if rule is not None else []
     if node.kind in _PARTIAL_GRAD_KINDS and node.outputs[0].shape:
-        found.append(_replicate_partial_grad(node))
+        found.append(_replicate_partial_grad(len(node.inputs), len(node.outputs)))
     unique: dict[tuple, Strategy] = {}
     for s in [base, *found]:
         assert len(s.inputs) == len(node.inputs) and len(s.outputs) == len(node.outputs)

@@ -51,7 +51,7 @@ class Strategy:
     @property
     def grad_outputs(self) -> tuple[str, ...]:
         """Placement of each output's gradient that this strategy's backward consumes."""
-        return self.output_grads or tuple(grad_placement(p) for p in self.outputs)
+        return self.output_grads or tuple(map(grad_placement, self.outputs))
 
 
 def default_input_grads(inputs: Sequence[str], split: bool) -> tuple[str, ...]:

@@ -42,6 +42,23 @@ def test_rank_r_lives_on_node_r_div_gpus_per_node():
     assert across.time_s > inside.time_s
 
 
+def test_a_group_laid_out_once_costs_what_the_cluster_says():
+    from autopar.estimate.core import EvalCache
+
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=4)
+    cache = EvalCache(cluster)
+    groups = [tuple(range(8)), tuple(range(0, 32, 8)), tuple(range(2, 32, 4)), (3, 12), (5,)]
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        for group in groups:
+            for nbytes in (0, 4096, 2**20, 3 * 2**30):
+                assert cache.collective_time(kind, nbytes, list(group)) == \
+                    cluster.collective_time(kind, nbytes, group)
+    assert cache.collective_time("send_recv", 2**20, (3, 12)) == \
+        cluster.collective_time("send_recv", 2**20, [3, 12])
+    with pytest.raises(ValueError, match=r"ranks \[40\] are outside"):
+        cache.collective_time("all_gather", 1024, (0, 40))
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda c: c.collective_time("allreduce", 1024, [0, 1]), "unknown collective 'allreduce'"),
     (lambda c: c.collective_time("all_reduce", -1, [0, 1]), "nbytes must be"),

@@ -368,3 +368,48 @@ def test_unfused_attention_dropout_adds_its_own_passes_and_a_fused_kernel_none()
         flash = [attention_time_s(device, "fp16", kernel="flash", backward=backward,
                                   dropout=d, **common) for d in (True, False)]
         assert flash[0] == flash[1]
+
+
+def _unit(name: str, count: int) -> "Unit":
+    from autopar.estimate.units import Unit
+
+    zero = dict.fromkeys(("num_kernels", "dense_params", "expert_params", "saved_bytes",
+                          "saved_bytes_recompute", "saved_bytes_memory_ops", "act_bytes",
+                          "tp_points", "moe_dispatch_bytes", "attention_kv_bytes",
+                          "attention_score_bytes", "param_bytes"), 0)
+    fqns = tuple(f"{name}.{i}" for i in range(count)) if count > 1 else (name,)
+    return Unit(name=name, layer_fqns=fqns, ops=(), **zero)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 5, 7, 9])
+def test_megatron_placement_splits_the_blocks_evenly_with_glue_at_the_ends(chunks):
+    from autopar.estimate.layout import structure
+    from autopar.estimate.stages import layer_sequence, megatron_boundaries
+
+    # glue, 5 copies of block a, glue between, 4 copies of block b, glue: 9 block layers
+    units = (_unit("pre", 1), _unit("a", 5), _unit("glue1", 1), _unit("b", 4), _unit("post", 1))
+    seq = [f for _, f in layer_sequence(units)]
+    cuts = megatron_boundaries(units, chunks)
+    assert [f for i, j in cuts for f in seq[i:j]] == seq and all(i < j for i, j in cuts)
+    # the blocks (and the glue between them) evenly: chunk 0 the base size, the remainder
+    # one each on chunks 1, 2, ...; the glue before and after rides on the end chunks
+    body = [j - i for i, j in cuts]
+    body[0] -= 1
+    body[-1] -= 1
+    base, extra = divmod(10, chunks)
+    assert body == [base + (0 < c <= extra) for c in range(chunks)]
+    for pp in (p for p in (1, 2, 3) if chunks % p == 0):
+        st = structure(units, pp, chunks // pp)
+        assert st.stage_layers == tuple(tuple(seq[i:j]) for i, j in cuts)
+        for c, layers in enumerate(st.stage_layers):  # counts per unit, counted by name
+            assert list(st.counts[c]) == [sum(f.split(".")[0] == u.name for f in layers)
+                                          for u in units]
+        for r in range(pp):
+            assert list(st.rank_counts[r]) == list(st.counts[r::pp].sum(axis=0))
+
+
+def test_megatron_placement_refuses_more_chunks_than_block_layers():
+    from autopar.estimate.stages import megatron_boundaries
+
+    with pytest.raises(ValueError, match="11 pipeline stages for 10 layers"):
+        megatron_boundaries((_unit("pre", 1), _unit("a", 10), _unit("post", 1)), 11)

@@ -157,6 +157,33 @@ def test_elimination_and_cp_sat_agree_on_llama_block(llama, tp, cluster):
     assert by_elimination == by_cp_sat
 
 
+@pytest.mark.parametrize("tp", [2, 8])
+def test_elimination_tables_add_up_to_the_objective(llama, tp, cluster):
+    """The node and tensor cost tables variable elimination builds (reshard prices as arrays
+    over placement pairs) sum to the ILP's whole objective, tie-break included, at sampled
+    assignments of a Llama block (tensors with several consumers, with and without
+    gradients)."""
+    from autopar.search.elimination import _node_factors, _reshards, _tensor_factor
+    from autopar.sharding.problem import BLOCK_INPUT, BLOCK_OUTPUT
+
+    g, names = llama
+    problem = build_problem(g, names, axis_size=tp, cluster=cluster, dtype="bf16")
+    sizes = [len(problem.strategies[v]) for v in problem.nodes]
+    weight = 1 + sum(n - 1 for n in sizes)
+    index = {v: i for i, v in enumerate(problem.nodes)}
+    reshards = _reshards(problem, weight)
+    factors = _node_factors(problem, weight, sizes) + [
+        _tensor_factor(problem, t, index, reshards) for t in problem.tensors]
+    assert any(len(t.consumers) > 1 for t in problem.tensors)
+    assert {t.requires_grad for t in problem.tensors} == {False, True}
+    rng = random.Random(tp)
+    for _ in range(40):
+        combo = [rng.randrange(n) for n in sizes]
+        combo[index[BLOCK_OUTPUT]] = combo[index[BLOCK_INPUT]]  # the periodic boundary
+        total = sum(f.table[tuple(combo[u] for u in f.scope)] for f in factors)
+        assert total == _tie_broken(problem, dict(zip(problem.nodes, combo)))
+
+
 def test_elimination_hands_wide_or_budgeted_problems_to_cp_sat(cluster):
     g = _diamond()
     problem = build_problem(g, [n.name for n in g.nodes], axis_size=4, cluster=cluster,
