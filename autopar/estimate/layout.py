@@ -112,7 +112,6 @@ class Layout:
 class Structure:
     """Which layers of which unit each chunk holds, for one (pp, virtual stages) split."""
 
-    boundaries: Boundaries  # each chunk's layers, as a range over layer_sequence(units)
     counts: np.ndarray  # [chunk, unit] layers
     rank_counts: np.ndarray  # [rank, unit] layers
     rank_chunks: list[list[int]]
@@ -142,7 +141,7 @@ def structure(units: tuple[Unit, ...], pp: int, v: int,
     cuts = np.array(boundaries)
     counts = seen[cuts[:, 1]] - seen[cuts[:, 0]]
     rank_counts = counts.reshape(v, pp, len(units)).sum(axis=0)  # chunk c on rank c mod pp
-    return Structure(boundaries=tuple(boundaries), counts=counts, rank_counts=rank_counts,
+    return Structure(counts=counts, rank_counts=rank_counts,
                      rank_chunks=[list(range(r, pp * v, pp)) for r in range(pp)],
                      stage_layers=tuple(fqns[i:j] for i, j in boundaries),
                      in_chunk=counts > 0, in_rank=rank_counts > 0,
