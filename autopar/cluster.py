@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import hwprofiles
 from costmodels.collectives import (CollectiveEstimate, GroupLayout, check_ranks,
-                                   estimate_collective, group_layout)
+                                   estimate_on_layout, group_layout)
 from costmodels.hardware import HardwareProfile
 
 __all__ = ["Cluster"]
@@ -88,12 +88,13 @@ class Cluster:
     def collective_estimate(self, kind: str, nbytes: float, ranks: Sequence[int], *,
                             algorithm: str | None = None) -> CollectiveEstimate:
         """The modelled collective with its algorithm, protocol, latency and bus bandwidth."""
-        return estimate_collective(self.hardware, kind, nbytes, _as_ranks(ranks),
-                                   world_size=self.world_size, algorithm=algorithm)
+        return estimate_on_layout(self.hardware, kind, nbytes, self.group_layout(ranks),
+                                  algorithm=algorithm)
 
     def group_layout(self, ranks: Sequence[int]) -> GroupLayout:
-        """Where the global `ranks` live (checked): for `costmodels.collectives.
-        estimate_on_layout`, which callers costing many collectives per group use."""
+        """Where the global `ranks` live (checked), what `costmodels.collectives.
+        estimate_on_layout` costs a collective on; callers costing many collectives on one
+        group lay it out once."""
         group = _as_ranks(ranks)
         check_ranks(self.hardware, group, self.world_size)
         return group_layout(group, self.gpus_per_node, self.hardware.network.nodes_per_leaf)

@@ -225,7 +225,8 @@ SOFTWARE: dict[str, tuple[dict[str, Any], str]] = {
                 "Megatron-LM 2021: fused scale-mask-softmax on materialized scores (flash "
                 "attention is 2022); fused bias-GeLU and bias-dropout-add (SC21 §4.2) and apex's "
                 "fused LayerNorm; gradients all-reduced after backward by its local DDP "
-                "(the pp=1 rows' --DDP-impl torch overlaps them, run_table_1.sh) in fp16 (--accumulate-allreduce-grads-in-fp32 was an opt-in flag); its own "
+                "(the pp=1 rows' --DDP-impl torch overlaps them, run_table_1.sh) in fp16 "
+                "(--accumulate-allreduce-grads-in-fp32 was an opt-in flag); its own "
                 "checkpoint function re-runs each whole layer; its unfused vocab-parallel "
                 "cross-entropy on fp32 logits"),
     "sc21-t2-ptdp": ({"attention_kernel": "math", "overlap_dp_comm": False,

@@ -35,7 +35,8 @@ from costmodels import nccl_constants as K
 from costmodels.hardware import Fabric, HardwareProfile, Protocol
 
 __all__ = ["Collective", "GroupLayout", "CollectiveEstimate", "group_layout", "check_ranks",
-           "estimate_collective", "estimate_on_layout", "collective_candidates", "collective_time", "bus_factor",
+           "estimate_collective", "estimate_on_layout", "collective_candidates",
+           "collective_time", "bus_factor",
            "ZERO3_SYNC_GATHER_BYTES_PER_S", "ZERO3_PERSISTENCE_THRESHOLD"]
 
 # DeepSpeed ZeRO-3 before v0.5 (2021) fetched each partitioned parameter with its own

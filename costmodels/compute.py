@@ -209,9 +209,9 @@ def loss_time_s(device: DeviceSpec, logits: float, logit_bytes: float,
 
 def activation_memory_time_s(device: DeviceSpec, num_bytes: float,
                              kernels: str = "eager") -> float:
-    """A memory-bound op of the model (norm, elementwise, softmax, loss, lookup) whose minimum
-    traffic is `num_bytes`, as eager or fused-kernel training software runs it
-    (MEMORY_OP_TRAFFIC_FACTOR)."""
+    """A memory-bound op of the model (norm, elementwise, softmax, lookup; the cross-entropy
+    is `loss_time_s`) whose minimum traffic is `num_bytes`, as eager or fused-kernel training
+    software runs it (MEMORY_OP_TRAFFIC_FACTOR)."""
     factor = MEMORY_OP_TRAFFIC_FACTOR.get(kernels)
     if factor is None:
         raise ValueError(f"kernels={kernels!r} is not known; use one of "

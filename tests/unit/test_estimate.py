@@ -254,7 +254,6 @@ def test_eager_loss_holds_eight_more_bytes_per_logit_than_a_fused_one():
     assert tp["eager"] - tp["fused"] == pytest.approx(8 * mb * seq * vocab / 2)  # vocab-parallel
 
 
-
 def test_loss_time_is_its_kernels_bytes_per_logit_over_the_vocabulary_shard():
     """The cross-entropy's compute time is the counted bytes per bf16 logit (eager 22 + 26,
     Megatron 38 + 14, fused 4 + 4) at the profile's bandwidth, its logits split over tp
