@@ -47,7 +47,7 @@ activation bytes per micro-batch, count a pair from its F's start until its last
 Cost: the event loop touches each op once, with its dependency, hop and duration looked up
 beforehand in array passes; per-rank sums (busy time, in-flight counts and bytes) are array
 passes too, summed in op order, so they do not depend on how they are computed. The per-op
-list (`ops`) is optional: a search that only needs the numbers skips building it.
+list (`ops`) is built when first read: a search that only needs the numbers never builds it.
 
 No torch import here.
 """
@@ -60,7 +60,7 @@ import logging
 import math
 import numbers
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import NamedTuple, Sequence
 
@@ -104,13 +104,27 @@ class PipelineTimeline:
     num_microbatches: int
     virtual_stages: int
     step_time_s: float        # makespan: first op starts at 0
-    ops: tuple[tuple[PipelineOp, ...], ...]   # per rank, in execution order
     busy_s: tuple[float, ...]
     idle_s: tuple[float, ...]  # step_time_s - busy_s: the rank's bubble
     bubble_fraction: float    # (step_time_s - mean busy) / step_time_s
     peak_inflight_microbatches: tuple[int, ...]
     # per rank, when `activation_bytes` was given: the most activation bytes held at once
     peak_inflight_bytes: tuple[float, ...] = ()
+    # per rank (kinds, stages, micro-batches, starts, ends): what `ops` is built from
+    runs: tuple[tuple[np.ndarray, ...], ...] = field(default=(), repr=False, compare=False)
+    _ops: list = field(default_factory=list, repr=False, compare=False)  # memo of `ops`
+
+    @property
+    def ops(self) -> tuple[tuple[PipelineOp, ...], ...]:
+        """Per rank, in execution order; built when first read (a search reads only the
+        numbers above, the plots and reports read the ops)."""
+        if not self._ops:  # tuple.__new__ builds each PipelineOp without argument parsing
+            new = functools.partial(tuple.__new__, PipelineOp)
+            self._ops.append(tuple(
+                tuple(map(new, zip([_KINDS[k] for k in kinds.tolist()], stages.tolist(),
+                                   micro.tolist(), begin.tolist(), end.tolist())))
+                for kinds, stages, micro, begin, end in self.runs))
+        return self._ops[0]
 
     @property
     def bubble_s(self) -> float:
@@ -302,7 +316,6 @@ def simulate_pipeline(*, schedule: PipelineSchedule | str, num_stages: int,
                       forward_s: Sequence[float] | float, backward_s: Sequence[float] | float,
                       weight_grad_s: Sequence[float] | float | None = None,
                       p2p_s: Sequence[float] | float = 0.0,
-                      record_ops: bool = True,
                       activation_bytes: Sequence[float] | None = None) -> PipelineTimeline:
     """Simulate one training step of `schedule` and return its timeline.
 
@@ -314,10 +327,9 @@ def simulate_pipeline(*, schedule: PipelineSchedule | str, num_stages: int,
     ``zero-bubble`` (B = backward - W) and ignored by the other schedules. `p2p_s`: send time
     of an activation (forward) or its gradient (backward) over each stage boundary, one number
     for all or p·v - 1 entries; a boundary between two stages on one rank costs nothing.
-    `record_ops=False` leaves `ops` empty, for searches that only need the numbers.
     `activation_bytes`: bytes one micro-batch keeps on each stage from the start of its F until
     its last B (or W) ends; given, `peak_inflight_bytes` holds each rank's peak of their sum
-    (the same sweep as reading it off `ops`, without recording them).
+    (the same sweep as reading it off `ops`, which are built only when read).
 
     Raises ValueError for an unknown schedule, counts below 1, virtual_stages > 1 outside
     ``interleaved-1f1b``, ``interleaved-1f1b`` with num_microbatches not a multiple of
@@ -362,12 +374,12 @@ def simulate_pipeline(*, schedule: PipelineSchedule | str, num_stages: int,
     if activation_bytes is not None:
         sizes = _times("activation_bytes", activation_bytes, n, what)
     starts = _run(orders, n, m, [f_dur, b_dur, w_dur], hop)
-    return _timeline(kind, p, m, v, orders, starts, [f_dur, b_dur, w_dur], record_ops, sizes)
+    return _timeline(kind, p, m, v, orders, starts, [f_dur, b_dur, w_dur], sizes)
 
 
 def _timeline(kind: PipelineSchedule, p: int, m: int, v: int, orders: list[list[int]],
               starts: list[list[float]], dur: list[list[float]],
-              record_ops: bool, sizes: list[float] | None = None) -> PipelineTimeline:
+              sizes: list[float] | None = None) -> PipelineTimeline:
     """Per-rank numbers of a simulated run, as array arithmetic over each rank's ops.
 
     Sums run in op order (`np.cumsum` accumulates left to right, as a Python loop would), so
@@ -375,7 +387,7 @@ def _timeline(kind: PipelineSchedule, p: int, m: int, v: int, orders: list[list[
     sm = p * v * m
     table = np.array(dur, dtype=np.float64)  # [kind, stage]
     size_of = None if sizes is None else np.array(sizes, dtype=np.float64)
-    ops: list[tuple[PipelineOp, ...]] = []
+    runs: list[tuple[np.ndarray, ...]] = []
     busy: list[float] = []
     peak: list[int] = []
     peak_bytes: list[float] = []
@@ -393,12 +405,7 @@ def _timeline(kind: PipelineSchedule, p: int, m: int, v: int, orders: list[list[
         busy.append(float(np.cumsum(lengths)[-1]))
         held = np.cumsum(np.where(kinds == _F, 1, np.where(kinds == _B, -1, 0)))
         peak.append(max(0, int(held.max())))
-        if record_ops:  # tuple.__new__ builds each PipelineOp without argument parsing
-            ops.append(tuple(map(functools.partial(tuple.__new__, PipelineOp), zip(
-                [_KINDS[k] for k in kinds.tolist()], stages.tolist(), (keys % m).tolist(),
-                begin, end_s.tolist()))))
-        else:
-            ops.append(())
+        runs.append((kinds, stages, keys % m, start_s, end_s))
         if size_of is not None:
             peak_bytes.append(_peak_bytes(kinds, keys // m, keys, start_s, end_s, size_of, sm))
     idle = tuple(step - b for b in busy)
@@ -407,9 +414,9 @@ def _timeline(kind: PipelineSchedule, p: int, m: int, v: int, orders: list[list[
     logger.debug("%s p=%d m=%d v=%d: step %.6g s, bubble %.3f", kind.value, p, m, v, step,
                  fraction)
     return PipelineTimeline(schedule=kind, num_stages=p, num_microbatches=m, virtual_stages=v,
-                            step_time_s=step, ops=tuple(ops), busy_s=tuple(busy), idle_s=idle,
+                            step_time_s=step, busy_s=tuple(busy), idle_s=idle,
                             bubble_fraction=fraction, peak_inflight_microbatches=tuple(peak),
-                            peak_inflight_bytes=tuple(peak_bytes))
+                            peak_inflight_bytes=tuple(peak_bytes), runs=tuple(runs))
 
 
 def _peak_bytes(kinds: np.ndarray, stages: np.ndarray, keys: np.ndarray, start_s: np.ndarray,

@@ -57,7 +57,7 @@ BOUND_MARGIN = 1e-9
 
 __all__ = ["Estimate", "EstimateOptions", "EvalCache", "ModelCosts", "estimate",
            "estimate_graph", "evaluate", "exact_step_lower_bound", "layer_costs", "BOUND_MARGIN",
-           "split_structure", "step_lower_bound", "unit_work"]
+           "split_structure", "step_lower_bound", "unit_work", "zero3_traffic_floor"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -226,12 +226,10 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
              global_batch_size: int, dtype: str = "bf16",
              options: EstimateOptions = EstimateOptions(), cache: EvalCache | None = None,
              exact: bool = True,
-             stage_boundaries: tuple[tuple[int, int], ...] | None = None,
-             record_ops: bool = True) -> Estimate:
+             stage_boundaries: tuple[tuple[int, int], ...] | None = None) -> Estimate:
     """Estimate `config` from model costs; `exact` simulates the schedule, else closed form.
     `stage_boundaries` (layer ranges over the whole model, glue included) replaces the
-    Megatron placement of layers on stages. `record_ops=False` leaves the simulated
-    timeline's per-op list empty (same numbers; for callers that do not draw it)."""
+    Megatron placement of layers on stages."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is unknown; allowed: {', '.join(DTYPE_BYTES)}")
     m = _checked(costs, cluster, config, global_batch_size)
@@ -240,13 +238,13 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
     lay, p2p = prep.lay, prep.p2p
     timeline = None
     if exact:  # the simulation depends on the layout, schedule and m: not on ZeRO
-        key = (config.pp_schedule, m, record_ops)
+        key = (config.pp_schedule, m)
         if key not in prep.timelines:
             prep.timelines[key] = simulate_pipeline(
                 schedule=config.pp_schedule, num_stages=config.pp, num_microbatches=m,
                 virtual_stages=config.virtual_stages, forward_s=lay.fwd, backward_s=lay.bwd,
                 weight_grad_s=lay.wgrad if config.pp_schedule == "zero-bubble" else None,
-                p2p_s=p2p, record_ops=record_ops, activation_bytes=lay.kept)
+                p2p_s=p2p, activation_bytes=lay.kept)
         timeline = prep.timelines[key]
         pipe_s, busy = timeline.step_time_s, list(timeline.busy_s)
         inflight = list(timeline.peak_inflight_bytes)
@@ -327,7 +325,7 @@ class _Prepared:
     groups, the p2p time and the data-parallel view of the pipeline rank with the most
     parameters. `pipeline` and `data_parallel` memoise the closed-form pipeline terms per
     (schedule, micro-batches) and the DP/optimizer terms per (ZeRO stage, micro-batches,
-    options), `timelines` the simulated schedule per (schedule, micro-batches, ops recorded),
+    options), `timelines` the simulated schedule per (schedule, micro-batches),
     so a search pays for each once."""
 
     lay: Layout
@@ -566,8 +564,7 @@ def _dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense:
     them."""
     if len(groups.dp) == 1:
         return 0.0, 0.0
-    grad_b = DTYPE_BYTES[options.grad_reduce_dtype] if dtype != "fp32" else 4
-    param_b = DTYPE_BYTES[dtype] if dtype != "fp8" else 2
+    param_b, grad_b = _dp_bytes(dtype, options)
     expert_group = groups.dp[::cfg.ep] if cfg.ep > 1 else groups.dp
 
     def both(kind: str, nbytes_per_param: float, dense: float = dense,
@@ -605,6 +602,38 @@ def _dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense:
     if not options.overlap_dp_comm:
         return reduce + gather, reduce + gather
     return max(0.0, reduce - bwd) + max(0.0, gather - fwd), reduce + gather
+
+
+def _dp_bytes(dtype: str, options: EstimateOptions) -> tuple[int, int]:
+    """Bytes per parameter that data parallelism gathers and per gradient it reduces."""
+    param_b = DTYPE_BYTES[dtype] if dtype != "fp8" else 2
+    grad_b = DTYPE_BYTES[options.grad_reduce_dtype] if dtype != "fp32" else 4
+    return param_b, grad_b
+
+
+def zero3_traffic_floor(costs: ModelCosts, cache: EvalCache, config: ParallelConfig,
+                        dtype: str, options: EstimateOptions) -> float:
+    """Per micro-batch, a bound below 2·G + S of `_dp_comm`'s prefetched ZeRO-3 on the rank
+    with the most parameters (G its per-unit gathers, S its reduce-scatters); 0 where that
+    form does not apply (ZeRO < 3, synchronous gathers, expert weights, one replica).
+
+    Since max(0, G - f) + max(0, G + S - b) >= 2·G + S - (f + b), the exposed ZeRO-3 time of a
+    micro-batch is at least this floor less the rank's forward + backward work, which the
+    search bounds from above by its busiest rank's. The floor costs one gather and one
+    reduce-scatter of the average rank's parameters: every candidate collective time is
+    affine in the bytes with a non-negative intercept (`costmodels.collectives`), so the
+    fastest is concave and subadditive -- the units' collectives take at least one
+    collective of their bytes together -- and increasing, and the heaviest rank holds at
+    least the average."""
+    if config.zero_stage != 3 or options.zero3_gather != "prefetch" or config.dp * config.cp == 1:
+        return 0.0
+    if any(u.expert_params for u in costs.units):
+        return 0.0
+    dense = sum(u.dense_params * u.count for u in costs.units) / (config.tp * config.pp)
+    param_b, grad_b = _dp_bytes(dtype, options)
+    dp = _rank_groups(cache, config).dp
+    return 2 * cache.collective_time("all_gather", dense * param_b, dp) \
+        + cache.collective_time("reduce_scatter", dense * grad_b, dp)
 
 
 def _breakdown(step: float, sums: dict[str, float], m: int) -> dict[str, float]:

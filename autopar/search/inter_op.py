@@ -39,9 +39,9 @@ Among the cuts with every tau <= tau* a second DP picks the most even one (least
 
 and backtracks with ties to the smallest i: later stages (which hold fewer micro-batches under
 1F1B) take the extra layers. Each DP is S numpy passes over the rows a stage can start at
-(L - S + 2 of them) and all L + 1 ends: O(L^2 S) time at worst, O(L^2) memory. The result is
-re-simulated with `costmodels.pipeline.simulate_pipeline`, whose makespan is the number to
-believe; T is the formula's.
+(L - S + 2 of them) and all L + 1 ends: O(L^2 S) time at worst, O(L^2) memory. The result's
+`simulated_step_time_s` (simulated with `costmodels.pipeline.simulate_pipeline` when first
+read) is the number to believe; T is the formula's.
 
 Interleaved memory (v > 1) sums v non-adjacent stages per rank, which the prefix DP cannot
 carry. Pass 1 relaxes it: stage s gets M_s = M minus the least any other chunk of its rank can
@@ -93,7 +93,7 @@ _BOUND_TOLERANCE = 0.01  # stop narrowing the seed's bound within 1%; the DP und
                          # taken from the seed then finds that split's exact least bottleneck
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True)
 class StagePartition:
     """Layer ranges of the p·v pipeline stages and what they cost; stage s runs on rank s mod p.
 
@@ -114,9 +114,19 @@ class StagePartition:
     memory_budget_bytes: float
     bottleneck_s: float                       # max of stage_time_s
     predicted_step_time_s: float              # sum(t)/v + (m·v - 1)·max(t)
-    simulated_step_time_s: float              # simulate_pipeline's makespan: the truth
+    stage_weight_grad_s: tuple[float, ...] | None  # zero-bubble's W part of stage_backward_s
+    p2p_s: float                              # one send across a stage boundary
     exact: bool                               # False only for a pass-2 interleaved cut
     method: str                   # "even-split" | "dp" | "dp-split-budget" | "incumbent"
+
+    @functools.cached_property
+    def simulated_step_time_s(self) -> float:
+        """simulate_pipeline's makespan of the cut: the truth (simulated when first read)."""
+        return simulate_pipeline(
+            schedule=self.schedule, num_stages=self.num_stages,
+            num_microbatches=self.num_microbatches, virtual_stages=self.virtual_stages,
+            forward_s=self.stage_forward_s, backward_s=self.stage_backward_s,
+            weight_grad_s=self.stage_weight_grad_s, p2p_s=self.p2p_s).step_time_s
 
     @property
     def layers_per_stage(self) -> tuple[int, ...]:
@@ -641,15 +651,11 @@ def _result(kind: PipelineSchedule, p: int, m: int, v: int, cut: list[tuple[int,
     times = tuple(f + b + 2.0 * hop for f, b in zip(stage_f, stage_b))
     bottleneck = max(times)
     predicted = math.fsum(times) / v + (m * v - 1) * bottleneck
-    stage_w = None if wgrad is None else [min(math.fsum(wgrad[i:j]), b)
-                                          for (i, j), b in zip(cut, stage_b)]
-    simulated = simulate_pipeline(schedule=kind, num_stages=p, num_microbatches=m,
-                                  virtual_stages=v, forward_s=stage_f, backward_s=stage_b,
-                                  weight_grad_s=stage_w, p2p_s=hop,
-                                  record_ops=False).step_time_s
-    logger.debug("%s p=%d v=%d m=%d: %s layers/stage, bottleneck %.6g s, predicted %.6g s, "
-                 "simulated %.6g s (%s)", kind.value, p, v, m,
-                 [j - i for i, j in cut], bottleneck, predicted, simulated, method)
+    stage_w = None if wgrad is None else tuple(min(math.fsum(wgrad[i:j]), b)
+                                               for (i, j), b in zip(cut, stage_b))
+    logger.debug("%s p=%d v=%d m=%d: %s layers/stage, bottleneck %.6g s, predicted %.6g s "
+                 "(%s)", kind.value, p, v, m, [j - i for i, j in cut], bottleneck, predicted,
+                 method)
     return StagePartition(
         schedule=kind, num_stages=p, virtual_stages=v, num_microbatches=m,
         boundaries=tuple(cut), stage_forward_s=stage_f, stage_backward_s=stage_b,
@@ -657,4 +663,4 @@ def _result(kind: PipelineSchedule, p: int, m: int, v: int, cut: list[tuple[int,
         stage_memory_bytes=tuple(_stage_memory(cut, inflight, act, state)),
         rank_memory_bytes=tuple(_rank_memory(cut, inflight, act, state, p)),
         memory_budget_bytes=budget, bottleneck_s=bottleneck, predicted_step_time_s=predicted,
-        simulated_step_time_s=simulated, exact=exact, method=method)
+        stage_weight_grad_s=stage_w, p2p_s=hop, exact=exact, method=method)

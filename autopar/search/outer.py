@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import heapq
 import logging
 import time
 from dataclasses import dataclass, fields
@@ -47,7 +48,8 @@ from autopar.config import PP_SCHEDULES, ParallelConfig
 from autopar.errors import NoPlanFitsError
 from autopar.estimate.core import (BOUND_MARGIN, Estimate, EstimateOptions, EvalCache,
                                    ModelCosts, evaluate, exact_step_lower_bound,
-                                   split_structure, step_lower_bound, unit_work)
+                                   split_structure, step_lower_bound, unit_work,
+                                   zero3_traffic_floor)
 from autopar.estimate.layout import Structure, rank_work_extremes
 from autopar.estimate.memory import activation_bytes
 from autopar.search.space import (TIME_KEY_COLUMNS, ConfigTable, config_table,
@@ -129,13 +131,14 @@ def enumerate_configs(costs: ModelCosts, cluster: Cluster, *, global_batch_size:
 
 def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.ndarray,
                  *, global_batch_size: int, dtype: str, options: EstimateOptions,
-                 cache: EvalCache) -> tuple[np.ndarray, np.ndarray]:
-    """`step_lower_bound` of each of `rows`, and a mask of the rows whose unit times or
-    pipeline split could not be made (NaN bound). Per-unit work is computed once per
+                 cache: EvalCache) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`step_lower_bound` of each of `rows`, a mask of the rows whose unit times or
+    pipeline split could not be made (NaN bound), and each row's busiest pipeline rank's
+    forward + backward seconds of one micro-batch. Per-unit work is computed once per
     (micro-batch, tp, cp, ep, SP, recompute), for the first row with that key; per-rank work
     once per (pipeline split, that key)."""
     if not len(rows):
-        return np.zeros(0), np.zeros(0, dtype=bool)
+        return np.zeros(0), np.zeros(0, dtype=bool), np.zeros(0)
     first, inverse = key_groups(table, rows, TIME_KEY_COLUMNS)
     work = np.full((len(first), len(costs.units)), np.nan)
     tail = work.copy()
@@ -156,7 +159,7 @@ def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: 
     at = (s_index, inverse)
     failed = np.isnan(busiest[at])
     return step_lower_bounds(table, rows, busiest[at], total[at], longest[at],
-                             global_batch_size=global_batch_size), failed
+                             global_batch_size=global_batch_size), failed, busiest[at]
 
 
 def _row(est: Estimate, exact: bool) -> dict[str, Any]:
@@ -194,12 +197,14 @@ class _Progress:
 @dataclass(frozen=True)
 class _Bounds:
     """The table after the two memory bounds and with the step-time bound: `rows` (table
-    rows) that model states alone do not rule out, their step bounds, which of them cannot
-    fit by the first rank's memory; the count pruned by states and the one with the least
-    states (for the error when nothing fits); rejections found computing the bounds."""
+    rows) that model states alone do not rule out, their step bounds and busiest pipeline
+    rank's work per micro-batch, which of them cannot fit by the first rank's memory; the
+    count pruned by states and the one with the least states (for the error when nothing
+    fits); rejections found computing the bounds."""
 
     rows: np.ndarray
     step: np.ndarray
+    work: np.ndarray
     cannot_fit: np.ndarray
     pruned: int
     smallest: tuple[float, ParallelConfig] | None
@@ -218,9 +223,9 @@ def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_b
         i = int(np.flatnonzero(over)[np.argmin(states[over])])
         smallest = (float(states[i]), table.config(i))
     rows = np.flatnonzero(~over)
-    step, failed = _step_bounds(costs, cluster, table, rows,
-                                global_batch_size=global_batch_size, dtype=dtype,
-                                options=options, cache=cache)
+    step, failed, work = _step_bounds(costs, cluster, table, rows,
+                                      global_batch_size=global_batch_size, dtype=dtype,
+                                      options=options, cache=cache)
     errors = []
     for i in rows[failed]:
         cfg = table.config(int(i))
@@ -229,14 +234,14 @@ def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_b
                              dtype=dtype, options=options, cache=cache)
         except ValueError as exc:
             errors.append(f"{cfg.short()}: {exc}")
-    rows, step = rows[~failed], step[~failed]
+    rows, step, work = rows[~failed], step[~failed], work[~failed]
     first_rank = first_rank_memory(
         table, rows, units=cache.units, structure_of=functools.partial(_split, costs, cache),
         activations_of=functools.partial(activation_bytes, loss_kernel=options.loss_kernel),
         dtype=dtype, global_batch_size=global_batch_size,
         flash=options.attention_kernel != "math", zero3_cap=options.zero3_max_live_params)
     # a small margin covers the bound summing in another order than the estimate
-    return _Bounds(rows=rows, step=step, cannot_fit=first_rank * (1 - BOUND_MARGIN) > usable,
+    return _Bounds(rows=rows, step=step, work=work, cannot_fit=first_rank * (1 - BOUND_MARGIN) > usable,
                    pruned=int(over.sum()), smallest=smallest, errors=tuple(errors))
 
 
@@ -261,7 +266,7 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     # visit in the order (bound, tie key): lexsort's last key is the primary one
     order = np.lexsort(tuple(col[b.rows] for col in reversed(table.tie_order())) + (b.step,))
     done: dict[int, Estimate | ValueError] = {}
-    visit = functools.partial(_visit, costs, cluster, table, b.rows, b.step, order, done,
+    visit = functools.partial(_visit, costs, cluster, table, b.rows, b.step, b.work, order, done,
                               global_batch_size=global_batch_size, dtype=dtype,
                               options=options, cache=cache, settings=settings,
                               progress=progress)
@@ -288,9 +293,6 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
         best = min(exact, key=lambda e: e.peak_memory_bytes)
         log.warning("the %d best configs exceed memory once simulated; returning %s",
                     len(exact), best.config.short())
-    # the winner again with its per-op timeline (the same numbers), for plots and reports
-    best = evaluate(costs, cluster, best.config, global_batch_size=global_batch_size,
-                    dtype=dtype, options=options, cache=cache, exact=True)
     exact_cfgs = {e.config for e in exact}
     records = [_row(e, False) for e in fast if e.config not in exact_cfgs] + \
         [_row(e, True) for e in exact]
@@ -324,37 +326,61 @@ def _simulate_best(costs: ModelCosts, cluster: Cluster, top: list[Estimate], *,
             break
         est = exact[i] = evaluate(costs, cluster, top[i].config,
                                   global_batch_size=global_batch_size, dtype=dtype,
-                                  options=options, cache=cache, exact=True, record_ops=False)
+                                  options=options, cache=cache, exact=True)
         if est.fits and (best is None or _rank_key(est) < _rank_key(best)):
             best = est
     return [exact[i] for i in sorted(exact)]
 
 
 def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.ndarray,
-           bounds: np.ndarray, order: np.ndarray, done: dict, cannot_fit: np.ndarray | None, *,
+           bounds: np.ndarray, work: np.ndarray, order: np.ndarray, done: dict,
+           cannot_fit: np.ndarray | None, *,
            global_batch_size: int, dtype: str, options: EstimateOptions, cache: EvalCache,
            settings: SearchSettings, progress: _Progress
            ) -> tuple[list[Estimate], list[str], int, int]:
     """Evaluate configs in bound order until the bound exceeds the `top_k_exact`-th best
     fitting time; configs flagged in `cannot_fit` are passed over without an evaluation (they
     cannot fit, so they never change the fitting times the stop depends on: the stop comes at
-    the same config either way). Returns (estimates in visit order, errors, configs left after
-    the stop, configs passed over). `done` memoises evaluations across calls."""
+    the same config either way). A ZeRO-3 config's bound is raised, when its turn comes, by
+    its gathers' floor (`zero3_traffic_floor` less `work`, the busiest rank's forward +
+    backward, per micro-batch) and the config goes back in line at the raised bound (lazy
+    A*-style): the visit stays in bound order, so the stop stays exact. Returns (estimates in
+    visit order, errors, configs left after the stop, configs passed over as unable to fit).
+    `done` memoises evaluations across calls."""
     fast: list[Estimate] = []
     errors: list[str] = []
     best_times: list[float] = []  # the k fastest fitting closed-form times, ascending
-    skipped = unfit = 0
-    for i, j in enumerate(order):
-        if i % 256 == 0:
-            progress.tick(i, len(order))
-        if len(best_times) == settings.top_k_exact and bounds[j] > best_times[-1]:
-            skipped = len(order) - i
-            break
+    unfit = 0
+    zero3 = table.columns["zero_stage"][rows] == 3
+    floors: dict[tuple, float] = {}
+    deferred: list[tuple[float, int, int]] = []  # (raised bound, place in order, row)
+    i = visited = 0
+    while i < len(order) or deferred:
+        if visited % 256 == 0:
+            progress.tick(visited, len(order))
+        visited += 1
+        if deferred and (i == len(order) or deferred[0][:2] < (bounds[order[i]], i)):
+            bound, _, j = heapq.heappop(deferred)
+            raised = True
+        else:
+            j, i, raised = order[i], i + 1, False
+            bound = bounds[j]
+        if len(best_times) == settings.top_k_exact and bound > best_times[-1]:
+            return fast, errors, len(order) - i + len(deferred) + 1, unfit
         if cannot_fit is not None and cannot_fit[j]:
             unfit += 1
             continue
         if j not in done:
             cfg = table.config(int(rows[j]))
+            if zero3[j] and not raised:
+                key = (cfg.tp, cfg.cp, cfg.dp, cfg.pp)
+                if key not in floors:
+                    floors[key] = zero3_traffic_floor(costs, cache, cfg, dtype, options)
+                m = global_batch_size // (cfg.dp * cfg.micro_batch_size)
+                gap = m * (floors[key] - work[j]) * (1 - BOUND_MARGIN)
+                if gap > 0:
+                    heapq.heappush(deferred, (bound + gap, i, j))
+                    continue
             try:
                 done[j] = evaluate(costs, cluster, cfg, global_batch_size=global_batch_size,
                                    dtype=dtype, options=options, cache=cache, exact=False)
@@ -368,7 +394,7 @@ def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.nda
         if est.fits:
             bisect.insort(best_times, est.step_time_s)
             del best_times[settings.top_k_exact:]
-    return fast, errors, skipped, unfit
+    return fast, errors, 0, unfit
 
 
 def _split(costs: ModelCosts, cache: EvalCache, pp: int, v: int) -> Structure | None:

@@ -138,6 +138,18 @@ def test_time_is_monotone_in_bytes(group, kind, n1, n2):
 
 
 @settings(max_examples=150, deadline=None)
+@given(groups(), kinds, sizes, sizes)
+def test_one_collective_of_two_buffers_costs_at_most_two(group, kind, n1, n2):
+    # every candidate is affine in the bytes with a non-negative intercept, so the fastest is
+    # subadditive: the search's ZeRO-3 floor (estimate.core.zero3_traffic_floor) relies on it
+    profile, nodes, ranks = group
+    ranks = ranks[:2] if kind == "send_recv" else ranks
+    c = Cluster.from_profile(profile, num_nodes=nodes)
+    apart = c.collective_time(kind, n1, ranks) + c.collective_time(kind, n2, ranks)
+    assert c.collective_time(kind, n1 + n2, ranks) <= apart * (1 + 1e-12)
+
+
+@settings(max_examples=150, deadline=None)
 @given(groups(), sizes)
 def test_all_reduce_costs_at_least_reduce_scatter(group, nbytes):
     # Same algorithm: always. Best algorithm: whenever bandwidth matters (>= 1 MiB). Below that,

@@ -54,7 +54,7 @@ def test_simulated_lower_bound_never_exceeds_the_simulated_step(inst):
     cfg = SimpleNamespace(pp=p, pp_schedule=schedule)
     sim = simulate_pipeline(schedule=schedule, num_stages=p, num_microbatches=m,
                             virtual_stages=v, forward_s=fs, backward_s=bs, weight_grad_s=ws,
-                            p2p_s=p2p, record_ops=False)
+                            p2p_s=p2p)
     assert simulated_lower_bound(cfg, m, lay, p2p) <= sim.step_time_s * (1 + 1e-12) + 1e-12
 
 

@@ -289,8 +289,6 @@ def test_event_loop_equals_a_naive_sweep_to_the_last_bit(kw, scale):
     reference = _reference_starts(kw, t)
     assert [[op.start_s for op in ops] for ops in t.ops] == reference
     assert t.step_time_s == max((o.end_s for ops in t.ops for o in ops), default=0.0)
-    light = simulate_pipeline(**kw, record_ops=False)
-    assert (light.step_time_s, light.busy_s) == (t.step_time_s, t.busy_s)
 
 
 @settings(max_examples=60, deadline=None)
@@ -299,10 +297,6 @@ def test_more_p2p_time_never_shortens_the_step(kw, extra):
     base = simulate_pipeline(**kw)
     slower = simulate_pipeline(**{**kw, "p2p_s": [c + extra for c in kw["p2p_s"]]})
     assert slower.step_time_s >= base.step_time_s - 1e-9
-    light = simulate_pipeline(**kw, record_ops=False)
-    assert light.ops == ((),) * kw["num_stages"]
-    assert light.step_time_s == base.step_time_s
-    assert light.peak_inflight_microbatches == base.peak_inflight_microbatches
 
 
 @settings(max_examples=120, deadline=None)
@@ -317,9 +311,6 @@ def test_peak_inflight_bytes_is_the_most_activation_bytes_held_at_once(kw, data)
     sizes = data.draw(st.lists(st.sampled_from([0.0, 1.0, 2.5, 1e9, 123456789.125]),
                                min_size=n, max_size=n))
     full = simulate_pipeline(**kw, activation_bytes=sizes)
-    light = simulate_pipeline(**kw, record_ops=False, activation_bytes=sizes)
-    assert light.peak_inflight_bytes == full.peak_inflight_bytes
-    assert (light.step_time_s, light.busy_s) == (full.step_time_s, full.busy_s)
     for rank, ops in enumerate(full.ops):
         assert full.peak_inflight_bytes[rank] == peak_inflight_bytes(full, rank, sizes)
         held = {}
