@@ -263,15 +263,21 @@ SOFTWARE: dict[str, tuple[dict[str, Any], str]] = {
                         "same software as the weak-scaling rows"),
     "mpt-h100": ({"attention_kernel": "flash", "overlap_dp_comm": True, "loss_kernel": "fused",
                   "recompute_early_stop": True},
-                 "llm-foundry: triton flash attention, FSDP with backward prefetch, flash-attn's "
+                 "llm-foundry: FlashAttention-2 (the H100 tables' benchmark script, the one "
+                 "with FP8 runs, installs llm-foundry[gpu-flash2] and defaults --attn_impl to "
+                 "'flash'), FSDP with backward prefetch, flash-attn's "
                  "fused cross-entropy (ComposerMPTCausalLM's default loss_fn "
                  "'fused_crossentropy'); activation checkpointing non-reentrant "
                  "(scripts/train/benchmarking/submit_benchmarks.py sets it), on a torch that "
                  "stops recomputing early (>= 2.1: assumed from the same table's FP8 rows, a "
                  "later software stack than the A100 tables')"),
-    "mpt-a100": ({"attention_kernel": "flash", "overlap_dp_comm": True, "loss_kernel": "fused",
+    "mpt-a100": ({"attention_kernel": "triton", "overlap_dp_comm": True, "loss_kernel": "fused",
                   "recompute_early_stop": False},
-                 "llm-foundry as the H100 rows, on torch 1.13 (the benchmark script's default "
+                 "llm-foundry as the H100 rows but with its Triton attention: the benchmark "
+                 "script of these tables (scripts/train/benchmarking/submit_benchmarks.py with "
+                 "the mosaicml/pytorch:1.13.1 default image) defaults --attn_impl to 'triton', "
+                 "llm-foundry's copy of Tri Dao's Triton FlashAttention-1 kernel "
+                 "(FlashAttention-2 came with the later script); on torch 1.13 (that default "
                  "image; the README's tables await 'torch 2.0 after next Composer release'), "
                  "whose non-reentrant checkpoint re-runs the whole block"),
 }

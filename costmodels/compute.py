@@ -7,12 +7,12 @@
   GEMMs: `size_efficiency(F) = F / (F + F_half)`, F_half the profile's
   `gemm_half_efficiency_gflop` or else `GEMM_HALF_EFFICIENCY_FLOPS` (an H100 figure).
 - Every launched op also costs the profile's `op_overhead_us` (else `KERNEL_GAP_S`).
-- A fused attention kernel (FlashAttention-2, cuDNN, FlashAttention-3) runs at a measured
-  fraction of dense peak that depends on the kernel and the architecture
-  (`FUSED_ATTENTION_PEAK_FRACTION`), less on short keys/values (`ATTENTION_SEQ_HALF`, forward
-  and backward apart), and skips the masked half of a causal score matrix; an
-  unfused ("math") kernel runs two batched GEMMs and moves the score matrix through memory
-  `MATH_ATTENTION_SCORE_PASSES` times.
+- A fused attention kernel (FlashAttention-2, cuDNN, FlashAttention-3, FlashAttention-1 in
+  Triton) runs at a measured or published fraction of dense peak that depends on the kernel
+  and the architecture (`FUSED_ATTENTION_PEAK_FRACTION`), less on short keys/values
+  (`ATTENTION_SEQ_HALF`, forward and backward apart), and skips the masked half of a causal
+  score matrix; an unfused ("math") kernel runs two batched GEMMs and moves the score matrix
+  through memory `MATH_ATTENTION_SCORE_PASSES` times.
 - Everything else (norms, elementwise, softmax, embedding lookups) is bound by memory
   bandwidth, at `MEMORY_OP_TRAFFIC_FACTOR` times its minimum traffic (what eager PyTorch moves);
   a cross-entropy loss at the bytes per logit its software's kernels move (`loss_traffic_bytes`).
@@ -39,7 +39,7 @@ __all__ = [
 # performance-test-data#79); F/(F+F_half) matches that 0.989 ratio with F_half = 1.7 GFLOP.
 GEMM_HALF_EFFICIENCY_FLOPS = 1.7e9
 
-ATTENTION_KERNELS = ("flash", "cudnn", "flash3", "math")
+ATTENTION_KERNELS = ("flash", "cudnn", "flash3", "triton", "math")
 
 # Fraction of dense 16-bit peak a fused attention kernel reaches on long sequences (causal
 # work, head dim 128); shorter sequences reach less, see ATTENTION_SEQ_HALF. Hopper flash and
@@ -47,10 +47,19 @@ ATTENTION_KERNELS = ("flash", "cudnn", "flash3", "math")
 # 2026-11-22; least-squares fit of f·s/(s + s_half) to s = 1k-8k, forward and backward agree
 # on f within 3%). FlashAttention-3: Shah et al. 2024, forward, head dim 128, H100, causal,
 # 521-579 TFLOP/s of 989 (no backward figure; the cuDNN curves are assumed). Ampere: Dao 2023
-# (FlashAttention-2) reaches 50-73% of A100 peak; 0.63 is that range's middle. Other
-# architectures scale the Ampere figure by their GEMM efficiency (an assumption until measured).
+# (FlashAttention-2) reaches 50-73% of A100 peak; 0.63 is that range's middle. Triton: the
+# FlashAttention-1 algorithm in Tri Dao's Triton kernel (flash-attention's flash_attn/
+# flash_attn_triton.py, which llm-foundry's 2023 attn_impl "triton" copies); its docstring
+# finds its forward + backward slightly slower than the FlashAttention-1 CUDA kernel, which
+# Dao 2023 (FlashAttention-2, abstract) puts at 25-40% of A100 peak. 0.40, the top of that
+# range, as the long-key plateau: no sequence curve is known for this kernel (no
+# ATTENTION_SEQ_HALF entry), so shorter keys get the plateau too. Cross-check on MosaicML's A100
+# table rows with 32k-64k keys that the calibration set leaves out (760m-13b): -3% to +5% with
+# 0.40, +15% to +18% with the range's middle. Other architectures scale a kernel's Ampere
+# figure by their GEMM efficiency (an assumption until measured).
 FUSED_ATTENTION_PEAK_FRACTION = {
     ("flash", "ampere"): 0.63,
+    ("triton", "ampere"): 0.40,
     ("flash", "hopper"): 0.29,
     ("cudnn", "hopper"): 0.59,
     ("flash3", "hopper"): 0.56,
@@ -248,7 +257,8 @@ def fused_attention_fraction(device: DeviceSpec, kernel: str) -> float:
     known = FUSED_ATTENTION_PEAK_FRACTION.get((kernel, device.arch))
     if known is not None:
         return known
-    ampere = FUSED_ATTENTION_PEAK_FRACTION[("flash", "ampere")]
+    ampere = FUSED_ATTENTION_PEAK_FRACTION.get((kernel, "ampere"),
+                                               FUSED_ATTENTION_PEAK_FRACTION[("flash", "ampere")])
     return ampere * device.gemm_efficiency.get("bf16", 0.8) / 0.869  # A100 bf16 MAMF fraction
 
 

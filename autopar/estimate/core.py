@@ -64,7 +64,7 @@ __all__ = ["Estimate", "EstimateOptions", "EvalCache", "ModelCosts", "estimate",
 class EstimateOptions:
     """Properties of the training software, not of the model or the hardware."""
 
-    attention_kernel: Literal["flash", "cudnn", "flash3", "math"] = "flash"
+    attention_kernel: Literal["flash", "cudnn", "flash3", "triton", "math"] = "flash"
     overlap_dp_comm: bool = True
     overlap_tp_comm: bool = False  # Megatron --tp-comm-overlap / TE userbuffers
     # "eager": one kernel per op and GEMMs over the model's own sizes, as PyTorch eager and

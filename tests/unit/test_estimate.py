@@ -369,6 +369,31 @@ def test_unfused_attention_dropout_adds_its_own_passes_and_a_fused_kernel_none()
         assert flash[0] == flash[1]
 
 
+def test_triton_flash_attention_runs_at_its_ampere_plateau_at_every_key_length():
+    """FlashAttention-1 in Triton (llm-foundry's attn_impl "triton"): the causal half of the
+    FLOPs at FUSED_ATTENTION_PEAK_FRACTION[("triton", "ampere")] of dense peak times the
+    sustained fraction, with no sequence-length curve (it has no ATTENTION_SEQ_HALF entry);
+    an architecture without a figure scales the kernel's own Ampere figure."""
+    import dataclasses
+
+    from costmodels.compute import (ATTENTION_SEQ_HALF, FUSED_ATTENTION_PEAK_FRACTION,
+                                    attention_time_s, fused_attention_fraction,
+                                    sustained_fraction)
+
+    device = autopar.Cluster.from_profile("dgx-a100-80g", num_nodes=1).hardware.device
+    frac = FUSED_ATTENTION_PEAK_FRACTION[("triton", "ampere")]
+    assert frac == 0.40 and ("triton", "fwd") not in ATTENTION_SEQ_HALF
+    rate = device.peak_flops["bf16"] * frac * sustained_fraction("ampere")
+    for seq_kv in (1024, 65536):
+        for backward in (False, True):
+            t = attention_time_s(device, "bf16", flops=4e12, io_bytes=1e6, score_bytes=0.0,
+                                 causal=True, kernel="triton", backward=backward,
+                                 seq_kv=seq_kv)
+            assert t == pytest.approx(2e12 / rate)
+    other = dataclasses.replace(device, arch="future", gemm_efficiency={"bf16": 0.869 / 2})
+    assert fused_attention_fraction(other, "triton") == pytest.approx(frac / 2)
+
+
 def _unit(name: str, count: int) -> "Unit":
     from autopar.estimate.units import Unit
 
