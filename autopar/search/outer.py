@@ -6,7 +6,8 @@ micro-batch sizes, pipeline schedules and virtual stages. Tensor parallelism sta
 node (the mesh order is pp, dp, cp, tp with tp innermost; rank r lives on node r // g).
 
 Cost: the model is traced once; the space is a table of integer columns
-(`autopar.search.space`) and both lower bounds below are column arithmetic over all of it, so
+(`autopar.search.space`) and the lower bounds below are column arithmetic (the states and
+step bounds over all of it, the first rank's memory over the configs the visit reaches), so
 a config becomes a `ParallelConfig` only when it is evaluated. Per-unit times are cached per
 (micro-batch, tp, cp, ep, SP, recompute), layouts per stage split of those, and collective
 times per (kind, bytes, group), so an evaluation costs a few sums. Each config is first
@@ -38,7 +39,7 @@ import heapq
 import logging
 import time
 from dataclasses import dataclass, fields
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pandas as pd
@@ -205,7 +206,7 @@ class _Bounds:
     rows: np.ndarray
     step: np.ndarray
     work: np.ndarray
-    cannot_fit: np.ndarray
+    cannot_fit: Callable[[np.ndarray], np.ndarray]
     pruned: int
     smallest: tuple[float, ParallelConfig] | None
     errors: tuple[str, ...]
@@ -235,13 +236,18 @@ def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_b
         except ValueError as exc:
             errors.append(f"{cfg.short()}: {exc}")
     rows, step, work = rows[~failed], step[~failed], work[~failed]
-    first_rank = first_rank_memory(
-        table, rows, units=cache.units, structure_of=functools.partial(_split, costs, cache),
+    first_rank = functools.partial(
+        first_rank_memory, table, units=cache.units,
+        structure_of=functools.partial(_split, costs, cache),
         activations_of=functools.partial(activation_bytes, loss_kernel=options.loss_kernel),
         dtype=dtype, global_batch_size=global_batch_size,
         flash=options.attention_kernel != "math", zero3_cap=options.zero3_max_live_params)
-    # a small margin covers the bound summing in another order than the estimate
-    return _Bounds(rows=rows, step=step, work=work, cannot_fit=first_rank * (1 - BOUND_MARGIN) > usable,
+
+    def cannot_fit(at: np.ndarray) -> np.ndarray:
+        # a small margin covers the bound summing in another order than the estimate
+        return first_rank(rows[at]) * (1 - BOUND_MARGIN) > usable
+
+    return _Bounds(rows=rows, step=step, work=work, cannot_fit=cannot_fit,
                    pruned=int(over.sum()), smallest=smallest, errors=tuple(errors))
 
 
@@ -334,14 +340,15 @@ def _simulate_best(costs: ModelCosts, cluster: Cluster, top: list[Estimate], *,
 
 def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.ndarray,
            bounds: np.ndarray, work: np.ndarray, order: np.ndarray, done: dict,
-           cannot_fit: np.ndarray | None, *,
+           cannot_fit: Callable[[np.ndarray], np.ndarray] | None, *,
            global_batch_size: int, dtype: str, options: EstimateOptions, cache: EvalCache,
            settings: SearchSettings, progress: _Progress
            ) -> tuple[list[Estimate], list[str], int, int]:
     """Evaluate configs in bound order until the bound exceeds the `top_k_exact`-th best
-    fitting time; configs flagged in `cannot_fit` are passed over without an evaluation (they
-    cannot fit, so they never change the fitting times the stop depends on: the stop comes at
-    the same config either way). A ZeRO-3 config's bound is raised, when its turn comes, by
+    fitting time; configs `cannot_fit` flags (asked for the next configs in order, in growing
+    batches, as the visit reaches them) are passed over without an evaluation (they cannot
+    fit, so they never change the fitting times the stop depends on: the stop comes at the
+    same config either way). A ZeRO-3 config's bound is raised, when its turn comes, by
     its gathers' floor (`zero3_traffic_floor` less `work`, the busiest rank's forward +
     backward, per micro-batch) and the config goes back in line at the raised bound (lazy
     A*-style): the visit stays in bound order, so the stop stays exact. Returns (estimates in
@@ -354,6 +361,8 @@ def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.nda
     zero3 = table.columns["zero_stage"][rows] == 3
     floors: dict[tuple, float] = {}
     deferred: list[tuple[float, int, int]] = []  # (raised bound, place in order, row)
+    unfit_flags = np.zeros(len(rows), dtype=bool)
+    known, batch = 0, 256  # cannot_fit asked for order[:known]
     i = visited = 0
     while i < len(order) or deferred:
         if visited % 256 == 0:
@@ -367,7 +376,11 @@ def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.nda
             bound = bounds[j]
         if len(best_times) == settings.top_k_exact and bound > best_times[-1]:
             return fast, errors, len(order) - i + len(deferred) + 1, unfit
-        if cannot_fit is not None and cannot_fit[j]:
+        if cannot_fit is not None and i > known:  # j is order[i - 1]
+            ask = order[known:known + batch]
+            unfit_flags[ask] = cannot_fit(ask)
+            known, batch = known + len(ask), 2 * batch
+        if unfit_flags[j]:
             unfit += 1
             continue
         if j not in done:

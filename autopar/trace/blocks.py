@@ -29,13 +29,6 @@ _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 _PLAIN = frozenset({int, float, str, bool, type(None)})
 
 
-@functools.lru_cache(maxsize=4096)
-def _is_config_key(key: str) -> bool:
-    """Public attributes other than the training flag and layer numbers (``layer_idx``)."""
-    return key not in {"training", "layer_id", "layer_number"} and "idx" not in key \
-        and "index" not in key
-
-
 def _config_value(val):
     if type(val) in _PLAIN:
         return val
@@ -47,8 +40,18 @@ def _config_value(val):
 
 
 _SKIP = object()
-# attributes every nn.Module has; skipping them with one set difference keeps signature cheap
+# attributes every nn.Module has
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
+
+
+@functools.lru_cache(maxsize=4096)
+def _config_keys(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The configuration attributes among a module's instance attributes, sorted: public
+    ones other than the training flag and layer numbers (``layer_idx``). Modules of one class
+    share their attribute names, so this runs once per class, not once per layer."""
+    return tuple(sorted(k for k in keys if k[0] != "_" and k not in _MODULE_INTERNALS
+                        and k not in {"layer_id", "layer_number"} and "idx" not in k
+                        and "index" not in k))
 
 
 def signature(module: nn.Module) -> tuple:
@@ -65,13 +68,11 @@ def signature(module: nn.Module) -> tuple:
         depth, key, m = todo.pop()
         d = m.__dict__
         config = []
-        for k in d.keys() - _MODULE_INTERNALS:
-            if k[0] != "_" and _is_config_key(k):
-                v = d[k]
-                c = v if type(v) in plain else _config_value(v)
-                if c is not _SKIP:
-                    config.append((k, c))
-        config.sort()
+        for k in _config_keys(tuple(d)):
+            v = d[k]
+            c = v if type(v) in plain else _config_value(v)
+            if c is not _SKIP:
+                config.append((k, c))
         params = tuple([(k, p.shape, p.dtype, p.requires_grad)
                         for k, p in d["_parameters"].items() if p is not None])
         bufs = tuple([(k, b.shape, b.dtype) for k, b in d["_buffers"].items() if b is not None])
