@@ -25,6 +25,8 @@ def _check_num_nodes(num_nodes: Any) -> None:
 
 
 def _as_ranks(ranks: Sequence[int]) -> tuple[int, ...]:
+    if type(ranks) is tuple and set(map(type, ranks)) <= {int}:
+        return ranks  # already what the checks below would return
     try:
         out = tuple(int(r) for r in ranks)
     except (TypeError, ValueError):

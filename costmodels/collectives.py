@@ -26,6 +26,7 @@ No torch import here.
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass
 from enum import StrEnum
@@ -95,9 +96,7 @@ def bus_factor(kind: Collective, n: int) -> float:
 
 
 def group_layout(ranks: Sequence[int], gpus_per_node: int, nodes_per_leaf: int) -> GroupLayout:
-    counts: dict[int, int] = {}
-    for r in ranks:
-        counts[r // gpus_per_node] = counts.get(r // gpus_per_node, 0) + 1
+    counts = collections.Counter([r // gpus_per_node for r in ranks])
     leaves = {node // nodes_per_leaf for node in counts}
     return GroupLayout(num_ranks=len(ranks), num_nodes=len(counts),
                        min_ranks_per_node=min(counts.values()),
