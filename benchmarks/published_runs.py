@@ -26,6 +26,14 @@ Metric -> step time (definitions from shared/data/throughput_notes.md and the so
 Fields the sources leave unstated get one documented choice per group (never tuned per row);
 `GROUP_ASSUMPTIONS` says what was chosen and why, and every run lists the ones it uses.
 
+Held-out check: ``benchmarks/data/llm_foundry_a100_heldout.csv`` (`HELDOUT_CSV`) holds 38 more
+rows in the same columns, never used for calibration: every A100 80GB, 8-GPU MPT 760m-30b row
+of llm-foundry's benchmarking README (commit c90b9b31, the amp_bf16 version of the table) that
+the calibration CSV does not already hold. They fall in the ``mpt-a100`` group and run with its
+assumptions and SOFTWARE entry:
+
+    python benchmarks/published_runs.py --csv benchmarks/data/llm_foundry_a100_heldout.csv
+
 Run: python benchmarks/published_runs.py [--csv PATH] [--group GROUP]
 """
 
@@ -49,12 +57,14 @@ from autopar.config import ParallelConfig  # noqa: E402
 from autopar.models import GPT, GPTConfig, build  # noqa: E402
 
 __all__ = [
-    "DEFAULT_CSV", "GROUPS", "GROUP_ASSUMPTIONS", "MEGATRON_MFU_PEAK_TFLOPS", "PublishedRun",
-    "interleave_degree", "load_runs", "main", "megatron_model_flops", "mosaicml_flops_per_token",
+    "DEFAULT_CSV", "GROUPS", "GROUP_ASSUMPTIONS", "HELDOUT_CSV", "MEGATRON_MFU_PEAK_TFLOPS",
+    "PublishedRun", "interleave_degree", "load_runs", "main", "megatron_model_flops", "mosaicml_flops_per_token",
     "mosaicml_step_time_s", "sc21_iteration_flops", "step_time_from_tflops",
 ]
 
 DEFAULT_CSV = ROOT.parent / "shared" / "data" / "published_runs_calibration.csv"
+# held-out validation rows (same columns, disjoint from DEFAULT_CSV; see the module docstring)
+HELDOUT_CSV = ROOT / "benchmarks" / "data" / "llm_foundry_a100_heldout.csv"
 
 # Megatron-LM README "Performance Benchmarking" (r0.8.0): MFU = TFLOP/s / 989 (H100 SXM dense
 # BF16 peak), e.g. 474.4 / 989 = 48 % (shared/data/throughput_notes.md).
@@ -519,7 +529,8 @@ def _row_to_run(row: dict[str, str]) -> PublishedRun:
 
 
 def load_runs(path: str | Path | None = None) -> list[PublishedRun]:
-    """Every row of the calibration CSV as a `PublishedRun`, in file order."""
+    """Every row of a published-runs CSV (default: the calibration CSV; `HELDOUT_CSV` for the
+    held-out rows) as a `PublishedRun`, in file order."""
     csv_path = Path(path) if path is not None else DEFAULT_CSV
     if not csv_path.is_file():
         raise FileNotFoundError(
@@ -556,7 +567,9 @@ def _summary_line(label: str, errors: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--csv", default=None, help=f"calibration CSV (default: {DEFAULT_CSV})")
+    parser.add_argument("--csv", default=None,
+                        help=f"published-runs CSV (default: the calibration CSV {DEFAULT_CSV}; "
+                             f"held-out rows: {HELDOUT_CSV.relative_to(ROOT)})")
     parser.add_argument("--group", choices=sorted(GROUPS), default=None,
                         help="only the rows of one source group")
     parser.add_argument("--assumptions", action="store_true",

@@ -239,3 +239,58 @@ def test_unknown_metric_is_rejected(tmp_path):
         pr.load_runs(bad)
 
 
+# ---------------------------------------------------------------------------------------------
+# The held-out rows (benchmarks/data/llm_foundry_a100_heldout.csv): loaded, never estimated here
+
+HELDOUT = pr.load_runs(pr.HELDOUT_CSV)
+
+
+def _setup_key(run):
+    # same model, sequence, GPUs, micro-batch, global batch and hardware (profile): the same
+    # measurement; an H100 row of the same shape is a different one
+    return (run.model_name, run.seq_len, run.n_gpus, run.config.micro_batch_size,
+            run.global_batch_size, run.profile)
+
+
+def test_heldout_rows_load_disjoint_from_calibration():
+    assert len(HELDOUT) >= 30
+    calibration = {_setup_key(run) for run in RUNS}
+    assert not [run.run_id for run in HELDOUT if _setup_key(run) in calibration]
+    assert not {run.run_id for run in HELDOUT} & set(BY_ID)
+    assert len({_setup_key(run) for run in HELDOUT}) == len(HELDOUT)
+
+
+def test_heldout_rows_are_mpt_a100_setups():
+    software = pr.SOFTWARE["mpt-a100"][0]
+    for run in HELDOUT:
+        assert run.group == "mpt-a100", run.run_id
+        assert run.assumptions[:len(pr.GROUP_ASSUMPTIONS["mpt-a100"])] == \
+            pr.GROUP_ASSUMPTIONS["mpt-a100"]
+        assert {k: getattr(run.options(), k) for k in software} == software
+        assert run.profile == "dgx-a100-80g" and run.dtype == "bf16" and run.n_gpus == 8
+        cfg = run.config
+        assert (cfg.dp, cfg.zero_stage, cfg.recompute in ("full", "none")) == (8, 3, True)
+        check_config(cfg, world_size=8, global_batch_size=run.global_batch_size,
+                     num_layers=run.num_layers, num_heads=run.num_heads,
+                     num_kv_heads=run.num_kv_heads, seq_len=run.seq_len)
+        assert "held-out" in run.notes
+
+
+def test_heldout_figures_agree_with_the_model():
+    # the README's own figures cross-check each row: NumParams is our GPT's count exactly (a
+    # learned position table of seq_len rows), MFU = T·(6N + 12·l·h·s) / 312 TFLOP/s, HFU is
+    # 4/3 of it with activation checkpointing, and global batch = grad accum · 8 · micro-batch
+    for run in HELDOUT:
+        count = sum(p.numel() for p in run.build_model().parameters())
+        assert count == int(re.search(r"NumParams column (\d+)", run.notes).group(1)), run.run_id
+        at_2048 = count - (run.seq_len - 2048) * run.hidden
+        assert at_2048 == pytest.approx(run.params_billion * 1e9, abs=5e6), run.run_id
+        mfu, hfu = (float(x) for x in re.search(r"MFU ([\d.]+)% HFU ([\d.]+)%", run.notes).groups())
+        per_token = pr.mosaicml_flops_per_token(params=count, num_layers=run.num_layers,
+                                                hidden=run.hidden, seq_len=run.seq_len)
+        assert run.metric_value * per_token / 312e12 * 100 == pytest.approx(mfu, abs=0.1), \
+            run.run_id
+        assert hfu / mfu == pytest.approx(4 / 3 if run.config.recompute == "full" else 1.0,
+                                          abs=2e-3), run.run_id
+        accum = int(re.search(r"grad accum (\d+)", run.notes).group(1))
+        assert run.global_batch_size == accum * 8 * run.config.micro_batch_size, run.run_id
