@@ -58,8 +58,8 @@ from autopar.models import GPT, GPTConfig, build  # noqa: E402
 
 __all__ = [
     "DEFAULT_CSV", "GROUPS", "GROUP_ASSUMPTIONS", "HELDOUT_CSV", "MEGATRON_MFU_PEAK_TFLOPS",
-    "PublishedRun", "interleave_degree", "load_runs", "main", "megatron_model_flops", "mosaicml_flops_per_token",
-    "mosaicml_step_time_s", "sc21_iteration_flops", "step_time_from_tflops",
+    "PublishedRun", "interleave_degree", "load_runs", "main", "megatron_model_flops",
+    "mosaicml_flops_per_token", "mosaicml_step_time_s", "sc21_iteration_flops", "step_time_from_tflops",
 ]
 
 DEFAULT_CSV = ROOT.parent / "shared" / "data" / "published_runs_calibration.csv"
