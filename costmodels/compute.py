@@ -53,9 +53,10 @@ ATTENTION_KERNELS = ("flash", "cudnn", "flash3", "triton", "math")
 # finds its forward + backward slightly slower than the FlashAttention-1 CUDA kernel, which
 # Dao 2023 (FlashAttention-2, abstract) puts at 25-40% of A100 peak. 0.40, the top of that
 # range, as the long-key plateau: no sequence curve is known for this kernel (no
-# ATTENTION_SEQ_HALF entry), so shorter keys get the plateau too. Cross-check on MosaicML's A100
-# table rows with 32k-64k keys that the calibration set leaves out (760m-13b): -3% to +5% with
-# 0.40, +15% to +18% with the range's middle. Other architectures scale a kernel's Ampere
+# ATTENTION_SEQ_HALF entry), so shorter keys get the plateau too. Cross-check on the held-out
+# rows with 32k-64k keys (benchmarks/data/llm_foundry_a100_heldout.csv, 760m-13b): the six with
+# activation checkpointing -3.0% to +5.2% at 0.40, +15% to +18% at the range's middle (0.325);
+# the two without, -9% at 0.40 and +7% at 0.325. Other architectures scale a kernel's Ampere
 # figure by their GEMM efficiency (an assumption until measured).
 FUSED_ATTENTION_PEAK_FRACTION = {
     ("flash", "ampere"): 0.63,

@@ -625,9 +625,8 @@ def zero3_traffic_floor(costs: ModelCosts, cache: EvalCache, config: ParallelCon
     fastest is concave and subadditive -- the units' collectives take at least one
     collective of their bytes together -- and increasing, and the heaviest rank holds at
     least the average."""
-    if config.zero_stage != 3 or options.zero3_gather != "prefetch" or config.dp * config.cp == 1:
-        return 0.0
-    if any(u.expert_params for u in costs.units):
+    if config.zero_stage != 3 or options.zero3_gather != "prefetch" \
+            or config.dp * config.cp == 1 or any(u.expert_params for u in costs.units):
         return 0.0
     dense = sum(u.dense_params * u.count for u in costs.units) / (config.tp * config.pp)
     param_b, grad_b = _dp_bytes(dtype, options)

@@ -127,14 +127,20 @@ def groups(draw):
 sizes = st.floats(1.0, 64 * 2**30, allow_nan=False)
 
 
-@settings(max_examples=150, deadline=None)
-@given(groups(), kinds, sizes, sizes)
-def test_time_is_monotone_in_bytes(group, kind, n1, n2):
+def _time_of(group, kind):
+    """Seconds of `kind` over a drawn group as a function of its bytes."""
     profile, nodes, ranks = group
     ranks = ranks[:2] if kind == "send_recv" else ranks
     c = Cluster.from_profile(profile, num_nodes=nodes)
+    return lambda nbytes: c.collective_time(kind, nbytes, ranks)
+
+
+@settings(max_examples=150, deadline=None)
+@given(groups(), kinds, sizes, sizes)
+def test_time_is_monotone_in_bytes(group, kind, n1, n2):
+    time_of = _time_of(group, kind)
     lo, hi = sorted((n1, n2))
-    assert c.collective_time(kind, lo, ranks) <= c.collective_time(kind, hi, ranks) * (1 + 1e-12)
+    assert time_of(lo) <= time_of(hi) * (1 + 1e-12)
 
 
 @settings(max_examples=150, deadline=None)
@@ -142,11 +148,8 @@ def test_time_is_monotone_in_bytes(group, kind, n1, n2):
 def test_one_collective_of_two_buffers_costs_at_most_two(group, kind, n1, n2):
     # every candidate is affine in the bytes with a non-negative intercept, so the fastest is
     # subadditive: the search's ZeRO-3 floor (estimate.core.zero3_traffic_floor) relies on it
-    profile, nodes, ranks = group
-    ranks = ranks[:2] if kind == "send_recv" else ranks
-    c = Cluster.from_profile(profile, num_nodes=nodes)
-    apart = c.collective_time(kind, n1, ranks) + c.collective_time(kind, n2, ranks)
-    assert c.collective_time(kind, n1 + n2, ranks) <= apart * (1 + 1e-12)
+    time_of = _time_of(group, kind)
+    assert time_of(n1 + n2) <= (time_of(n1) + time_of(n2)) * (1 + 1e-12)
 
 
 @settings(max_examples=150, deadline=None)
