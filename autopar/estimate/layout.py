@@ -46,7 +46,6 @@ class Layout:
     chunk_wgrad: np.ndarray
     chunk_kept: np.ndarray  # activation bytes per micro-batch
     chunk_working: np.ndarray
-    rank_chunks: list[list[int]]  # chunk indices per pipeline rank
     rank_sums: dict[str, np.ndarray]  # UnitTimes attribute -> seconds per micro-batch per rank
     stage_layers: tuple[tuple[str, ...], ...]
     rank_work: np.ndarray  # forward + backward seconds per micro-batch
@@ -114,12 +113,29 @@ class Structure:
 
     counts: np.ndarray  # [chunk, unit] layers
     rank_counts: np.ndarray  # [rank, unit] layers
-    rank_chunks: list[list[int]]
-    stage_layers: tuple[tuple[str, ...], ...]
+    cuts: np.ndarray  # int64 [chunk, (start, end)]: half-open ranges over `fqns`
+    fqns: tuple[str, ...]  # every layer in model order
     # derived once per split: which units a chunk / rank holds, chunks per rank
     in_chunk: np.ndarray
     in_rank: np.ndarray
     rank_chunks_n: np.ndarray
+
+    @functools.cached_property
+    def stage_layers(self) -> tuple[tuple[str, ...], ...]:
+        """Module paths per chunk (built when a layout of the split is)."""
+        return tuple(self.fqns[i:j] for i, j in self.cuts.tolist())
+
+    @functools.cached_property
+    def distinct_rank_counts(self) -> np.ndarray:
+        """The distinct rows of `rank_counts`: a deep pipeline's middle ranks hold the same
+        layers, so a maximum over ranks needs only these few."""
+        rows = dict.fromkeys(map(tuple, self.rank_counts.tolist()))
+        return np.array(list(rows), dtype=np.float64).reshape(len(rows), -1)
+
+    @functools.cached_property
+    def unit_layers(self) -> np.ndarray:
+        """Layers per unit over all ranks."""
+        return self.rank_counts.sum(axis=0)
 
 
 def structure(units: tuple[Unit, ...], pp: int, v: int,
@@ -128,22 +144,22 @@ def structure(units: tuple[Unit, ...], pp: int, v: int,
     (scaling a unit changes its costs, not its layers), so callers key it by the split only."""
     fqns = tuple(f for u in units for f in u.layer_fqns)
     if boundaries is None:
-        boundaries = megatron_boundaries(units, pp * v)
+        cuts = megatron_boundaries(units, pp * v)
     else:
         check_boundaries(len(fqns), boundaries)
         if len(boundaries) != pp * v:
             raise ValueError(f"{len(boundaries)} stage boundaries for pp x virtual stages = "
                              f"{pp} x {v} chunks")
-    # seen[k, u]: layers of unit u among the first k of the sequence
-    seen = np.zeros((len(fqns) + 1, len(units)))
-    seen[1:] = np.cumsum(np.repeat(np.eye(len(units)), [len(u.layer_fqns) for u in units],
-                                   axis=0), axis=0)
-    cuts = np.array(boundaries)
-    counts = seen[cuts[:, 1]] - seen[cuts[:, 0]]
+        cuts = np.array(boundaries, dtype=np.int64)
+    # a unit's layers are consecutive in the sequence: chunk [a, b) holds the overlap of
+    # [a, b) with each unit's span [start, end)
+    sizes = np.array([len(u.layer_fqns) for u in units])
+    ends = np.cumsum(sizes)
+    counts = np.maximum(np.minimum(cuts[:, 1, None], ends) - np.maximum(cuts[:, 0, None],
+                                                                        ends - sizes), 0)
+    counts = counts.astype(np.float64)
     rank_counts = counts.reshape(v, pp, len(units)).sum(axis=0)  # chunk c on rank c mod pp
-    return Structure(counts=counts, rank_counts=rank_counts,
-                     rank_chunks=[list(range(r, pp * v, pp)) for r in range(pp)],
-                     stage_layers=tuple(fqns[i:j] for i, j in boundaries),
+    return Structure(counts=counts, rank_counts=rank_counts, cuts=cuts, fqns=fqns,
                      in_chunk=counts > 0, in_rank=rank_counts > 0,
                      rank_chunks_n=np.full(pp, float(v)))
 
@@ -188,7 +204,6 @@ def layout(vec: UnitVectors, cfg: ParallelConfig, st: Structure) -> Layout:
     return Layout(
         chunk_fwd=fwd, chunk_bwd=bwd, chunk_wgrad=wgrad, chunk_kept=st.counts @ vec.kept,
         chunk_working=np.where(st.in_chunk, vec.working, 0.0).max(axis=1),
-        rank_chunks=st.rank_chunks,
         rank_sums={a: st.rank_counts @ per_unit[a] for a in TIME_ATTRS},
         stage_layers=st.stage_layers,
         rank_work=st.rank_counts @ vec.work,
@@ -205,18 +220,18 @@ def layout(vec: UnitVectors, cfg: ParallelConfig, st: Structure) -> Layout:
         fwd_s=tuple(fwd.tolist()), bwd_s=tuple(bwd.tolist()), wgrad_s=tuple(wgrad.tolist()))
 
 
-def rank_work_extremes(rank_counts: np.ndarray, work: np.ndarray
-                       ) -> tuple[np.ndarray, np.ndarray]:
+def rank_work_extremes(split: Structure, work: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Busiest rank's and all ranks' work per micro-batch, for K sets of per-unit work at once:
-    `rank_counts` is [rank, unit] layers of one split, `work` is [K, unit] seconds. Sums run
-    unit by unit, then rank by rank, so a set's numbers do not depend on the others beside it
-    (the search's columns equal the one-config bound to the bit). The total is summed over
-    units of the layer counts, which are integers and so exact."""
-    per_rank = np.zeros((rank_counts.shape[0], work.shape[0]))
+    `work` is [K, unit] seconds. Sums run unit by unit, then rank by rank, so a set's numbers
+    do not depend on the others beside it (the search's columns equal the one-config bound to
+    the bit); ranks holding the same layers are summed once. The total is summed over units
+    of the layer counts, which are integers and so exact."""
+    kinds = split.distinct_rank_counts
+    per_rank = np.zeros((kinds.shape[0], work.shape[0]))
     total = np.zeros(work.shape[0])
-    layers = rank_counts.sum(axis=0)
-    for u in range(rank_counts.shape[1]):
-        per_rank += rank_counts[:, u, None] * work[None, :, u]
+    layers = split.unit_layers
+    for u in range(kinds.shape[1]):
+        per_rank += kinds[:, u, None] * work[None, :, u]
         total += layers[u] * work[:, u]
     return per_rank.max(axis=0), total
 
@@ -252,8 +267,18 @@ def simulated_lower_bound(cfg: ParallelConfig, m: int, lay: Layout, p2p: float) 
     through chunks 0..r-1 and r hops (fill_r = sum_{s<r} F_s + r * p2p); the rank then runs
     m * work_r seconds of ops one after another; its last op is a backward of some chunk
     s >= r, after which the backward still crosses chunks r-1..0 and r hops (drain_r =
-    sum_{s<r} B_s + r * p2p). Under zero-bubble a rank may end on a weight-grad op that
-    nothing waits for, so drain_r = 0 there. Summed in another order than the simulator, it
+    sum_{s<r} B_s + r * p2p).
+
+    Zero-bubble (v = 1) splits the backward into the input grad I and the weight grad W, and
+    a rank may end on a W that nothing waits for. There the bound follows the last
+    micro-batch's input grad: in the simulator's order rank r runs every F, every I and its
+    first max(0, m-1-r) W's by the end of I_r(m-1); that input grad then crosses ranks
+    r-1..s (I and a hop each), and rank s still owes min(s+1, m) W's after its I_s(m-1):
+
+        max over s <= r of  fill_r + m (F_r + I_r) + max(0, m-1-r) W_r
+                            + sum_{s<=q<r} (I_q + p2p) + min(s+1, m) W_s
+
+    (s = r gives fill_r + m * work_r). Summed in another order than the simulator, a bound
     can differ from a tight case in its last bits: callers compare it with a margin."""
     p = cfg.pp
     busy = m * lay.rank_work
@@ -261,9 +286,15 @@ def simulated_lower_bound(cfg: ParallelConfig, m: int, lay: Layout, p2p: float) 
         return float(busy[0])
     ranks = np.arange(p)
     fill = np.concatenate(([0.0], np.cumsum(lay.chunk_fwd[:p - 1]))) + ranks * p2p
-    drain = np.zeros(p) if cfg.pp_schedule == "zero-bubble" else \
-        np.concatenate(([0.0], np.cumsum(lay.chunk_bwd[:p - 1]))) + ranks * p2p
-    return float((fill + busy + drain).max())
+    if cfg.pp_schedule != "zero-bubble":
+        drain = np.concatenate(([0.0], np.cumsum(lay.chunk_bwd[:p - 1]))) + ranks * p2p
+        return float((fill + busy + drain).max())
+    wgrad = lay.chunk_wgrad
+    igrad = lay.chunk_bwd - wgrad
+    last_i = fill + m * (lay.chunk_fwd + igrad) + np.maximum(0, m - 1 - ranks) * wgrad
+    chain = np.concatenate(([0.0], np.cumsum(igrad[:p - 1] + p2p)))  # sum_{q<r} (I_q + p2p)
+    owed = np.maximum.accumulate(np.minimum(ranks + 1, m) * wgrad - chain)  # best s <= r
+    return float((last_i + chain + owed).max())
 
 
 def analytic_inflight(cfg: ParallelConfig, m: int, lay: Layout) -> np.ndarray:

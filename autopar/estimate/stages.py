@@ -9,6 +9,8 @@ c mod pp (interleaved placement). The search may balance stages differently.
 
 from __future__ import annotations
 
+import numpy as np
+
 from autopar.estimate.units import Unit
 
 __all__ = ["Boundaries", "megatron_boundaries", "check_boundaries", "layer_sequence"]
@@ -16,8 +18,9 @@ __all__ = ["Boundaries", "megatron_boundaries", "check_boundaries", "layer_seque
 Boundaries = tuple[tuple[int, int], ...]  # half-open layer ranges over layer_sequence(units)
 
 
-def megatron_boundaries(units: tuple[Unit, ...], num_chunks: int) -> Boundaries:
-    """Megatron's placement (module docstring) as half-open ranges over `layer_sequence`."""
+def megatron_boundaries(units: tuple[Unit, ...], num_chunks: int) -> np.ndarray:
+    """Megatron's placement (module docstring) as half-open ranges over `layer_sequence`:
+    int64 [chunk, (start, end)]."""
     spans, start = [], 0  # (first layer, end) of each unit's layers in the sequence
     for u in units:
         spans.append((start, start + len(u.layer_fqns)))
@@ -29,10 +32,13 @@ def megatron_boundaries(units: tuple[Unit, ...], num_chunks: int) -> Boundaries:
         raise ValueError(f"{num_chunks} pipeline stages for {n_body} layers: every stage "
                          f"needs at least one layer; lower pp or virtual_stages")
     base, extra = divmod(n_body, num_chunks)
-    ends = [first + base * (c + 1) + min(c, extra) for c in range(num_chunks)]
-    starts = [0] + ends[:-1]
-    ends[-1] = start
-    return tuple(zip(starts, ends))
+    chunk = np.arange(num_chunks, dtype=np.int64)
+    cuts = np.empty((num_chunks, 2), dtype=np.int64)
+    cuts[:, 1] = first + base * (chunk + 1) + np.minimum(chunk, extra)
+    cuts[-1, 1] = start
+    cuts[0, 0] = 0
+    cuts[1:, 0] = cuts[:-1, 1]
+    return cuts
 
 
 def layer_sequence(units: tuple[Unit, ...]) -> list[tuple[Unit, str]]:

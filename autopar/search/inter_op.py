@@ -188,18 +188,45 @@ def _inflight(kind: PipelineSchedule, p: int, m: int, v: int) -> tuple[int, ...]
 # -- the dynamic programs -----------------------------------------------------------------------
 
 class _Ranges:
-    """Range sums tau, state bytes and activation bytes for every (i, j), i < j, as matrices
-    of (L+1) x (L+1), inf where i >= j (no stage)."""
+    """Range sums tau, state bytes and activation bytes for every (i, j), i < j: as prefix
+    sums, as matrices of (L+1) x (L+1) with inf where i >= j (no stage; built when first
+    used), and as bands (`band`). `cap`, when finite, is a bottleneck the caller already has
+    (an incumbent's): the least-bottleneck DP first looks only at stages with tau <= cap."""
 
     def __init__(self, compute: np.ndarray, act: np.ndarray, state: np.ndarray):
         self.num_layers = compute.size
         self.size = compute.size + 1
-        self.valid = np.triu(np.ones((self.size, self.size), dtype=bool), k=1)
-        self.tau = np.where(self.valid, _span(compute), np.inf)
-        self.act = np.where(self.valid, _span(act), np.inf)
-        self.state = np.where(self.valid, _span(state), np.inf)
+        self.prefix = {name: np.concatenate(([0.0], np.cumsum(values)))
+                       for name, values in (("tau", compute), ("act", act), ("state", state))}
+        self.cap = math.inf
         self._held: dict[int, np.ndarray] = {}  # in-flight count -> state + count * act
+        self._bands: dict[int, _Band] = {}
         self.solved: dict[tuple, list[tuple[int, int]] | None] = {}  # `_solve`'s memo
+
+    @functools.cached_property
+    def valid(self) -> np.ndarray:
+        return np.triu(np.ones((self.size, self.size), dtype=bool), k=1)
+
+    def _matrix(self, name: str) -> np.ndarray:
+        prefix = self.prefix[name]
+        return np.where(self.valid, prefix[None, :] - prefix[:, None], np.inf)
+
+    @functools.cached_property
+    def tau(self) -> np.ndarray:
+        return self._matrix("tau")
+
+    @functools.cached_property
+    def act(self) -> np.ndarray:
+        return self._matrix("act")
+
+    @functools.cached_property
+    def state(self) -> np.ndarray:
+        return self._matrix("state")
+
+    def tau_of(self, i: int, j: int) -> float:
+        """tau(i, j), the same number as `tau[i, j]`."""
+        prefix = self.prefix["tau"]
+        return float(prefix[j] - prefix[i])
 
     def held(self, inflight: int, rows: slice) -> np.ndarray:
         """Bytes a stage [i, j) holds with `inflight` micro-batches in flight, rows i only
@@ -210,17 +237,70 @@ class _Ranges:
             matrix = self._held[inflight] = self.state + inflight * self.act
         return matrix[rows]
 
-    def allowed(self, matrix: np.ndarray, inflight: int, budget: float,
-                rows: slice) -> np.ndarray:
-        """matrix[rows] where the stage fits `budget`, inf elsewhere."""
+    def band(self, bound: float) -> "_Band":
+        """The stages [i, j) with j - i at most the longest run of layers with tau <= bound
+        (all of them for an infinite bound)."""
+        prefix = self.prefix["tau"]
+        if math.isfinite(bound):
+            # a little wider than tau <= bound: the sum below need not round as the difference
+            reach = np.searchsorted(prefix, prefix + bound * (1 + 1e-9), side="right") - 1
+            width = max(1, int((reach - np.arange(self.size)).max()))
+        else:
+            width = self.num_layers
+        if width not in self._bands:
+            self._bands[width] = _Band(self, width)
+        return self._bands[width]
+
+
+class _Band:
+    """Stages [i, j) with 0 < j - i <= width as (L+1) x width matrices indexed by the end j
+    and c = i - (j - width), i.e. starts in ascending order (inf where i < 0). The DPs below
+    over the band equal those over the full matrices whenever every stage they may pick lies
+    in it: the entries are the same subtractions of the same prefix sums."""
+
+    def __init__(self, ranges: _Ranges, width: int):
+        ends = np.arange(ranges.size)[:, None]
+        starts = ends - width + np.arange(width)[None, :]
+        inside = starts >= 0
+        self.starts = np.where(inside, starts, 0)
+        self.rows = np.arange(ranges.size)
+        sums = {}
+        for name, prefix in ranges.prefix.items():
+            sums[name] = np.where(inside, prefix[ends] - prefix[self.starts], np.inf)
+        self.tau, self.act, self.state = sums["tau"], sums["act"], sums["state"]
+        self._held: dict[int, np.ndarray] = {}
+
+    def allowed(self, matrix: np.ndarray, inflight: int, budget: float) -> np.ndarray:
+        """`matrix` where the stage fits `budget` with `inflight` micro-batches, inf elsewhere."""
         if budget == math.inf:
-            return matrix[rows]
-        return np.where(self.held(inflight, rows) <= budget, matrix[rows], np.inf)
+            return matrix
+        held = self._held.get(inflight)
+        if held is None:
+            held = self._held[inflight] = self.state + inflight * self.act
+        return np.where(held <= budget, matrix, np.inf)
 
-
-def _span(values: np.ndarray) -> np.ndarray:
-    prefix = np.concatenate(([0.0], np.cumsum(values)))
-    return prefix[None, :] - prefix[:, None]
+    def cut(self, num: int, cost_of: Callable[[int], np.ndarray], minimax: bool
+            ) -> tuple[list[tuple[int, int]] | None, float]:
+        """`_cut_dp` over the band: the cut and its value (None, inf if every cut costs inf).
+        Ties go to the smallest start, as there."""
+        best = np.full(len(self.rows), np.inf)
+        best[0] = 0.0
+        choice = []
+        for s in range(num):
+            cand = best[self.starts]
+            cost = cost_of(s)
+            cand = np.maximum(cand, cost) if minimax else cand + cost
+            pick = cand.argmin(axis=1)
+            best = cand[self.rows, pick]
+            choice.append(self.starts[self.rows, pick])
+        value = float(best[-1])
+        if not math.isfinite(value):
+            return None, value
+        cut, end = [], len(self.rows) - 1
+        for start in reversed(choice):
+            cut.append((int(start[end]), end))
+            end = int(start[end])
+        return cut[::-1], value
 
 
 def _cut_dp(num: int, size: int, cost_of: Callable[[int, slice], np.ndarray],
@@ -255,10 +335,18 @@ def _cut_dp(num: int, size: int, cost_of: Callable[[int, slice], np.ndarray],
 
 def _fastest(ranges: _Ranges, inflight: tuple[int, ...], budgets: list[float]
              ) -> list[tuple[int, int]] | None:
-    """Step 1: a cut of least bottleneck tau with stage s within budgets[s]."""
-    return _cut_dp(len(inflight), ranges.size,
-                   lambda s, rows: ranges.allowed(ranges.tau, inflight[s], budgets[s], rows),
-                   minimax=True)
+    """Step 1: a cut of least bottleneck tau with stage s within budgets[s]. With a finite
+    `ranges.cap` the band of stages up to it is searched first: a least bottleneck <= cap
+    uses only stages of tau <= cap, all in the band, so it is the answer; otherwise the
+    whole matrix is."""
+    for bound in ((ranges.cap, math.inf) if math.isfinite(ranges.cap) else (math.inf,)):
+        band = ranges.band(bound)
+        cut, value = band.cut(
+            len(inflight), lambda s: band.allowed(band.tau, inflight[s], budgets[s]),
+            minimax=True)
+        if value <= bound:
+            return cut
+    return None
 
 
 def _solve(ranges: _Ranges, inflight: tuple[int, ...], budgets: list[float]
@@ -277,11 +365,11 @@ def _solve_once(ranges: _Ranges, inflight: tuple[int, ...], budgets: list[float]
     fastest = _fastest(ranges, inflight, budgets)
     if fastest is None:
         return None
-    bound = max(ranges.tau[i, j] for i, j in fastest)
-    square = np.where(ranges.tau <= bound, ranges.tau * ranges.tau, np.inf)
-    even = _cut_dp(len(inflight), ranges.size,
-                   lambda s, rows: ranges.allowed(square, inflight[s], budgets[s], rows),
-                   minimax=False)
+    bound = _bottleneck(ranges, fastest)
+    band = ranges.band(bound)  # every stage of tau <= tau*
+    square = np.where(band.tau <= bound, band.tau * band.tau, np.inf)
+    even, _ = band.cut(len(inflight), lambda s: band.allowed(square, inflight[s], budgets[s]),
+                       minimax=False)
     assert even is not None, "the bottleneck bound admits the fastest cut"
     return even
 
@@ -355,6 +443,8 @@ def partition_stages(*, forward_s: Sequence[float], backward_s: Sequence[float],
             cut = None
     if cut is None:
         ranges = _Ranges(fwd + bwd, act, state)
+        if incumbent is not None:
+            ranges.cap = _bottleneck(ranges, incumbent)
         cut, exact, method = _search(ranges, inflight, act, state, p, v, budget, incumbent)
     return _result(kind, p, m, v, cut, inflight, fwd, bwd, wgrad, act, state, hop, budget,
                    exact, method)
@@ -428,12 +518,12 @@ def _search(ranges: _Ranges, inflight: tuple[int, ...], act: np.ndarray, state: 
 
 
 def _bottleneck(ranges: _Ranges, cut: list[tuple[int, int]]) -> float:
-    return max(float(ranges.tau[i, j]) for i, j in cut)
+    return max(ranges.tau_of(i, j) for i, j in cut)
 
 
 def _key(ranges: _Ranges, cut: list[tuple[int, int]]) -> tuple[float, float]:
     """Pass 2's order of cuts: bottleneck, then sum of squares (the more even)."""
-    taus = [float(ranges.tau[i, j]) for i, j in cut]
+    taus = [ranges.tau_of(i, j) for i, j in cut]
     return max(taus), math.fsum(t * t for t in taus)
 
 
@@ -485,7 +575,7 @@ def _lean_search(ranges: _Ranges, inflight: tuple[int, ...], act: np.ndarray,
         return settle(bound) or weigh(bound)
 
     fastest = _fastest(ranges, inflight, relaxed)
-    lower = max(ranges.tau[i, j] for i, j in fastest) if fastest else math.inf
+    lower = _bottleneck(ranges, fastest) if fastest else math.inf
     bounds = np.unique(ranges.tau[ranges.valid])
     bounds = bounds[(bounds >= lower) & (bounds < upper)]
     if bounds.size == 0:

@@ -155,8 +155,8 @@ def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: 
     for k, i in enumerate(s_first):
         split = _split(costs, cache, int(pp[i]), int(v[i]))
         if split is not None:
-            busiest[k], total[k] = rank_work_extremes(split.rank_counts, work)
-            longest[k] = rank_work_extremes(split.rank_counts, tail)[0]
+            busiest[k], total[k] = rank_work_extremes(split, work)
+            longest[k] = rank_work_extremes(split, tail)[0]
     at = (s_index, inverse)
     failed = np.isnan(busiest[at])
     return step_lower_bounds(table, rows, busiest[at], total[at], longest[at],
@@ -241,7 +241,8 @@ def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_b
         structure_of=functools.partial(_split, costs, cache),
         activations_of=functools.partial(activation_bytes, loss_kernel=options.loss_kernel),
         dtype=dtype, global_batch_size=global_batch_size,
-        flash=options.attention_kernel != "math", zero3_cap=options.zero3_max_live_params)
+        flash=options.attention_kernel != "math", zero3_cap=options.zero3_max_live_params,
+        memo={})
 
     def cannot_fit(at: np.ndarray) -> np.ndarray:
         # a small margin covers the bound summing in another order than the estimate

@@ -235,14 +235,17 @@ def key_groups(table: ConfigTable, rows: np.ndarray, names: tuple[str, ...]
 
 def first_rank_memory(table: ConfigTable, rows: np.ndarray, *, units: dict[int, tuple],
                       structure_of, activations_of, dtype: str, global_batch_size: int,
-                      flash: bool, zero3_cap: int | None) -> np.ndarray:
+                      flash: bool, zero3_cap: int | None,
+                      memo: dict | None = None) -> np.ndarray:
     """Peak bytes of pipeline rank 0 by the closed form of `evaluate(exact=False)`, per row
     (NaN where the rank's layers are unknown: a split the estimate refuses).
 
     `units[mbs]` are the model's units for a micro-batch size; `structure_of(pp, v)` the
     layer counts per rank of that split (None if it cannot be made); `activations_of(unit,
-    cfg, flash)` the (kept, working) bytes per layer. The sum is formed in another order than
-    the estimate's, so callers compare it with a relative margin."""
+    cfg, flash)` the (kept, working) bytes per layer. `memo`, a dict the caller keeps across
+    calls on one table, holds the per-unit activation bytes of each key already seen. The sum
+    is formed in another order than the estimate's, so callers compare it with a relative
+    margin."""
     if not len(rows):
         return np.zeros(0)
     c = {name: col[rows] for name, col in table.columns.items()}
@@ -258,15 +261,18 @@ def first_rank_memory(table: ConfigTable, rows: np.ndarray, *, units: dict[int, 
     counts = counts[s_index]
     present = counts > 0
     # per-layer activation bytes per (micro-batch, tp, cp, SP, recompute)
-    a_first, a_index = key_groups(table, rows, ("micro_batch_size", "tp", "cp",
-                                                "sequence_parallel", "recompute"))
+    names = ("micro_batch_size", "tp", "cp", "sequence_parallel", "recompute")
+    a_first, a_index = key_groups(table, rows, names)
     kept_u = np.empty((len(a_first), n_units))
     working_u = np.empty((len(a_first), n_units))
+    memo = {} if memo is None else memo
     for k, i in enumerate(a_first):
-        cfg = table.config(int(rows[i]))
-        acts = [activations_of(u, cfg, flash) for u in units[cfg.micro_batch_size]]
-        kept_u[k] = [a for a, _ in acts]
-        working_u[k] = [w for _, w in acts]
+        key = tuple(int(c[name][i]) for name in names)
+        if key not in memo:
+            cfg = table.config(int(rows[i]))
+            acts = [activations_of(u, cfg, flash) for u in units[cfg.micro_batch_size]]
+            memo[key] = ([a for a, _ in acts], [w for _, w in acts])
+        kept_u[k], working_u[k] = memo[key]
     kept = (counts * kept_u[a_index]).sum(axis=1)
     working = np.where(present, working_u[a_index], 0.0).max(axis=1)
     base = units[min(units)]

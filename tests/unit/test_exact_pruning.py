@@ -1,7 +1,7 @@
 """Skipping simulations the search cannot need, against exhaustive simulation.
 
 - `simulated_lower_bound` never exceeds the simulator's makespan (random non-uniform stages,
-  every schedule, p2p time), and `exact_step_lower_bound` never exceeds the simulated
+  every schedule, p2p time) and meets it on equal stages (1F1B, zero-bubble), and `exact_step_lower_bound` never exceeds the simulated
   estimate of a config;
 - `outer._simulate_best` picks the same winner as simulating every candidate, and every
   candidate it skips is slower once simulated than that winner (seeded random instances:
@@ -50,6 +50,7 @@ def test_simulated_lower_bound_never_exceeds_the_simulated_step(inst):
     schedule, p, v, m, fs, bs, ws, p2p = inst
     work = np.array(fs) + np.array(bs)
     lay = SimpleNamespace(chunk_fwd=np.array(fs), chunk_bwd=np.array(bs),
+                          chunk_wgrad=np.array(ws),
                           rank_work=np.array([work[r::p].sum() for r in range(p)]))
     cfg = SimpleNamespace(pp=p, pp_schedule=schedule)
     sim = simulate_pipeline(schedule=schedule, num_stages=p, num_microbatches=m,
@@ -64,6 +65,22 @@ def test_the_bound_is_tight_on_equal_stages_without_p2p():
                           rank_work=3 * np.ones(4))
     cfg = SimpleNamespace(pp=4, pp_schedule="1f1b")
     assert simulated_lower_bound(cfg, 8, lay, 0.0) == (8 + 3) * 3.0
+
+
+@pytest.mark.parametrize("p,m,w", [(4, 8, 0.5), (4, 32, 0.8), (2, 16, 0.3), (8, 8, 1.0)])
+def test_the_zero_bubble_bound_is_tight_on_equal_stages(p, m, w):
+    # ZB-H1 on equal stages with W the shortest pass, without p2p: m (F + B + W) +
+    # (p - 1)(F + B - W) (Qi et al. 2023; B the input grad, b - w here), reached by the last
+    # micro-batch's input grad crossing back to rank 0, which then owes one W
+    f, b, p2p = 1.0, 2.0, 0.0
+    lay = SimpleNamespace(chunk_fwd=np.full(p, f), chunk_bwd=np.full(p, b),
+                          chunk_wgrad=np.full(p, w), rank_work=np.full(p, f + b))
+    cfg = SimpleNamespace(pp=p, pp_schedule="zero-bubble")
+    sim = simulate_pipeline(schedule="zero-bubble", num_stages=p, num_microbatches=m,
+                            forward_s=f, backward_s=b, weight_grad_s=w, p2p_s=p2p)
+    bound = simulated_lower_bound(cfg, m, lay, p2p)
+    assert bound == pytest.approx(m * (f + b) + (p - 1) * (f + b - 2 * w), rel=1e-12)
+    assert bound == pytest.approx(sim.step_time_s, rel=1e-12)
 
 
 def _costs(layers: int) -> ModelCosts:

@@ -453,3 +453,41 @@ def test_vectorised_descent_equals_the_per_move_loop(monkeypatch):
         assert new.boundaries == old.boundaries
         reached += new.method == "dp-split-budget"
     assert reached >= 20
+
+
+def _solve_on_full_matrices(ranges, inflight, budgets):
+    """Steps 1 and 2 of the module docstring with `_cut_dp` over the whole (L+1)^2 matrices."""
+    def allowed(matrix, s, rows):
+        held = ranges.held(inflight[s], rows)
+        return np.where(held <= budgets[s], matrix[rows], np.inf)
+
+    num = len(inflight)
+    fastest = inter_op._cut_dp(num, ranges.size, lambda s, rows: allowed(ranges.tau, s, rows),
+                               minimax=True)
+    if fastest is None:
+        return None
+    bound = max(ranges.tau[i, j] for i, j in fastest)
+    square = np.where(ranges.tau <= bound, ranges.tau * ranges.tau, np.inf)
+    return inter_op._cut_dp(num, ranges.size, lambda s, rows: allowed(square, s, rows),
+                            minimax=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 12), st.randoms(use_true_random=False))
+def test_the_banded_dp_equals_the_dp_over_full_matrices(num, rng):
+    # the DPs run over a band of stages (up to the incumbent's bottleneck, then up to tau*);
+    # whatever the incumbent, the band's cut is the full matrices' cut, ties included
+    layers = num + rng.randint(0, 14)
+    compute = np.array([float(rng.choice([0, 1, 1, 2, 3, 8])) for _ in range(layers)])
+    act = np.array([float(rng.randint(0, 4)) for _ in range(layers)])
+    state = np.array([float(rng.randint(0, 4)) for _ in range(layers)])
+    inflight = tuple(rng.randint(1, 4) for _ in range(num))
+    total = state.sum() + 4 * act.sum()
+    budgets = [rng.choice([math.inf, rng.uniform(0.2, 1.0) * total]) for _ in range(num)]
+    edges = [0, *sorted(rng.sample(range(1, layers), num - 1)), layers]
+    expected = _solve_on_full_matrices(inter_op._Ranges(compute, act, state), inflight, budgets)
+    for cap in (math.inf, inter_op._bottleneck(inter_op._Ranges(compute, act, state),
+                                               list(itertools.pairwise(edges)))):
+        ranges = inter_op._Ranges(compute, act, state)
+        ranges.cap = cap
+        assert inter_op._solve(ranges, inflight, budgets) == expected
