@@ -270,8 +270,7 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     b = _bounds(costs, cluster, table, global_batch_size=global_batch_size, dtype=dtype,
                 options=options, cache=cache)
     errors = list(b.errors)
-    # visit in the order (bound, tie key): lexsort's last key is the primary one
-    order = np.lexsort(tuple(col[b.rows] for col in reversed(table.tie_order())) + (b.step,))
+    order = _VisitOrder(b.step, tuple(col[b.rows] for col in table.tie_order()))
     done: dict[int, Estimate | ValueError] = {}
     visit = functools.partial(_visit, costs, cluster, table, b.rows, b.step, b.work, order, done,
                               global_batch_size=global_batch_size, dtype=dtype,
@@ -339,8 +338,39 @@ def _simulate_best(costs: ModelCosts, cluster: Cluster, top: list[Estimate], *,
     return [exact[i] for i in sorted(exact)]
 
 
+class _VisitOrder:
+    """Positions of the search's rows in the order (step bound, tie key), sorted a prefix at a
+    time: a search stops after a few dozen of tens of thousands. A prefix holds every row whose
+    bound is at most its last bound, sorted as one lexsort of all rows would (ties on every
+    key keep row order), so the prefixes join into that order."""
+
+    def __init__(self, step: np.ndarray, ties: tuple[np.ndarray, ...]) -> None:
+        self.step, self.ties = step, ties  # tie columns most significant first
+        self.sorted = np.zeros(0, dtype=np.int64)
+        self.rest = np.arange(len(step))  # rows not yet in `sorted`, ascending
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    def upto(self, n: int) -> np.ndarray:
+        """The order's first min(n, len) positions (or more)."""
+        while len(self.sorted) < min(n, len(self.step)):
+            want = max(n - len(self.sorted), len(self.sorted), 1024)
+            rest = self.rest
+            if want >= len(rest):
+                take, self.rest = rest, rest[:0]
+            else:
+                kth = np.partition(self.step[rest], want - 1)[want - 1]
+                inside = self.step[rest] <= kth
+                take, self.rest = rest[inside], rest[~inside]
+            # lexsort's last key is the primary one
+            keys = tuple(col[take] for col in reversed(self.ties)) + (self.step[take],)
+            self.sorted = np.concatenate((self.sorted, take[np.lexsort(keys)]))
+        return self.sorted
+
+
 def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.ndarray,
-           bounds: np.ndarray, work: np.ndarray, order: np.ndarray, done: dict,
+           bounds: np.ndarray, work: np.ndarray, visit_order: _VisitOrder, done: dict,
            cannot_fit: Callable[[np.ndarray], np.ndarray] | None, *,
            global_batch_size: int, dtype: str, options: EstimateOptions, cache: EvalCache,
            settings: SearchSettings, progress: _Progress
@@ -364,20 +394,25 @@ def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.nda
     deferred: list[tuple[float, int, int]] = []  # (raised bound, place in order, row)
     unfit_flags = np.zeros(len(rows), dtype=bool)
     known, batch = 0, 256  # cannot_fit asked for order[:known]
+    total = len(visit_order)
+    order = visit_order.upto(batch)
     i = visited = 0
-    while i < len(order) or deferred:
+    while i < total or deferred:
         if visited % 256 == 0:
-            progress.tick(visited, len(order))
+            progress.tick(visited, total)
         visited += 1
-        if deferred and (i == len(order) or deferred[0][:2] < (bounds[order[i]], i)):
+        if i == len(order) < total:
+            order = visit_order.upto(i + 1)
+        if deferred and (i == total or deferred[0][:2] < (bounds[order[i]], i)):
             bound, _, j = heapq.heappop(deferred)
             raised = True
         else:
             j, i, raised = order[i], i + 1, False
             bound = bounds[j]
         if len(best_times) == settings.top_k_exact and bound > best_times[-1]:
-            return fast, errors, len(order) - i + len(deferred) + 1, unfit
+            return fast, errors, total - i + len(deferred) + 1, unfit
         if cannot_fit is not None and i > known:  # j is order[i - 1]
+            order = visit_order.upto(known + batch)
             ask = order[known:known + batch]
             unfit_flags[ask] = cannot_fit(ask)
             known, batch = known + len(ask), 2 * batch

@@ -97,7 +97,10 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
     the body layers to split evenly into pp·v chunks and the micro-batches to be a multiple
     of pp."""
     gbs, heads = global_batch_size, num_heads
-    blocks: list[dict[str, np.ndarray]] = []
+    degrees: list[tuple[int, int, int, int, int]] = []  # (dp, tp, pp, cp, ep) of each block
+    sizes: list[int] = []
+    inner: list[dict[str, np.ndarray]] = []
+    grids = _Grids()
     tps = [t for t in divisors(world) if t <= gpus_per_node and (heads is None or heads % t == 0)]
     for tp in _allowed("tp", tps, constraints):
         cps = [c for c in divisors(world // tp) if c <= max_cp
@@ -113,23 +116,54 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
                 eps = [e for e in divisors(dp * cp)
                        if num_experts and num_experts % e == 0] or [1]
                 for ep in _allowed("ep", eps, constraints):
-                    block = _block(gbs, constraints, tp=tp, cp=cp, pp=pp, dp=dp, ep=ep,
+                    block = _block(gbs, constraints, grids, tp=tp, cp=cp, pp=pp, dp=dp,
                                    body_layers=body_layers, math_attention=math_attention,
-                                   sequence=bool(seq_len),
-                                   max_mbs=max_micro_batch_size, max_v=max_virtual_stages)
+                                   sequence=bool(seq_len), max_mbs=max_micro_batch_size,
+                                   max_v=max_virtual_stages)
                     if block is not None:
-                        blocks.append(block)
-    if not blocks:
+                        degrees.append((dp, tp, pp, cp, ep))
+                        sizes.append(len(block["zero_stage"]))
+                        inner.append(block)
+    if not inner:
         return ConfigTable({name: np.zeros(0, dtype=np.int64) for name in COLUMNS})
-    return ConfigTable({name: np.concatenate([b[name] for b in blocks]) for name in COLUMNS})
+    per_block = np.array(degrees, dtype=np.int64)
+    columns = {name: np.repeat(per_block[:, k], sizes)
+               for k, name in enumerate(("dp", "tp", "pp", "cp", "ep"))}
+    for name in _INNER_COLUMNS:
+        columns[name] = np.concatenate([b[name] for b in inner])
+    return ConfigTable({name: columns[name] for name in COLUMNS})
 
 
-def _block(gbs: int, constraints: dict[str, Any], *, tp: int, cp: int, pp: int, dp: int,
-           ep: int, body_layers: int, math_attention: bool, sequence: bool, max_mbs: int,
+_INNER_COLUMNS = ("zero_stage", "micro_batch_size", "pp_schedule", "virtual_stages",
+                  "sequence_parallel", "recompute")
+
+
+class _Grids:
+    """Memo of one `config_table` call: the C-order index grids of each block shape and the
+    int64 arrays of each list of values (blocks repeat both many times)."""
+
+    def __init__(self) -> None:
+        self._grids: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}
+        self._arrays: dict[tuple, np.ndarray] = {}
+
+    def grid(self, shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+        if shape not in self._grids:
+            self._grids[shape] = tuple(a.ravel() for a in np.indices(shape))
+        return self._grids[shape]
+
+    def array(self, values: tuple) -> np.ndarray:
+        if values not in self._arrays:
+            self._arrays[values] = np.array(values, dtype=np.int64)
+        return self._arrays[values]
+
+
+def _block(gbs: int, constraints: dict[str, Any], grids: _Grids, *, tp: int, cp: int, pp: int,
+           dp: int, body_layers: int, math_attention: bool, sequence: bool, max_mbs: int,
            max_v: int) -> dict[str, np.ndarray] | None:
-    """The rows of one (tp, cp, pp, dp, ep): the product micro-batch x recompute x SP x
-    schedule x ZeRO in that nesting (C order), less interleaved rows whose micro-batch count
-    is not a multiple of pp."""
+    """The ZeRO, micro-batch, schedule, virtual-stage, SP and recompute columns of the rows
+    of one (tp, cp, pp, dp, ep): the product micro-batch x recompute x SP x schedule x ZeRO
+    in that nesting (C order), less interleaved rows whose micro-batch count is not a
+    multiple of pp."""
     zeros = _allowed("zero_stage", [0, 1, 2, 3] if dp * cp > 1 else [0], constraints)
     # sequence parallelism splits a token dimension: models without one (CNNs) get none
     sps = _allowed("sequence_parallel", [False, True] if tp > 1 and sequence else [False],
@@ -152,22 +186,22 @@ def _block(gbs: int, constraints: dict[str, Any], *, tp: int, cp: int, pp: int, 
     shape = (len(mbss), len(recomputes), len(sps), len(schedules), len(zeros))
     if 0 in shape:
         return None
-    i_mbs, i_rc, i_sp, i_sched, i_zero = (a.ravel() for a in np.indices(shape))
-    mbs = np.array(mbss, dtype=np.int64)[i_mbs]
-    sched = np.array([PP_SCHEDULES.index(s) for s, _ in schedules], dtype=np.int64)[i_sched]
-    keep = ~((sched == _INTERLEAVED) & ((gbs // (dp * mbs)) % pp != 0))
-    n = int(keep.sum())
-    full = lambda value: np.full(n, value, dtype=np.int64)  # noqa: E731
-    return {
-        "dp": full(dp), "tp": full(tp), "pp": full(pp), "cp": full(cp), "ep": full(ep),
-        "zero_stage": np.array(zeros, dtype=np.int64)[i_zero][keep],
-        "micro_batch_size": mbs[keep],
-        "pp_schedule": sched[keep],
-        "virtual_stages": np.array([v for _, v in schedules], dtype=np.int64)[i_sched][keep],
-        "sequence_parallel": np.array(sps, dtype=np.int64)[i_sp][keep],
-        "recompute": np.array([RECOMPUTE_POLICIES.index(r) for r in recomputes],
-                              dtype=np.int64)[i_rc][keep],
+    i_mbs, i_rc, i_sp, i_sched, i_zero = grids.grid(shape)
+    mbs = grids.array(tuple(mbss))[i_mbs]
+    sched = grids.array(tuple(PP_SCHEDULES.index(s) for s, _ in schedules))[i_sched]
+    out = {
+        "zero_stage": grids.array(tuple(zeros))[i_zero],
+        "micro_batch_size": mbs,
+        "pp_schedule": sched,
+        "virtual_stages": grids.array(tuple(v for _, v in schedules))[i_sched],
+        "sequence_parallel": grids.array(tuple(int(x) for x in sps))[i_sp],
+        "recompute": grids.array(tuple(RECOMPUTE_POLICIES.index(r) for r in recomputes))[i_rc],
     }
+    if pp > 1 and any(s == "interleaved-1f1b" for s, _ in schedules):
+        keep = ~((sched == _INTERLEAVED) & ((gbs // (dp * mbs)) % pp != 0))
+        if not keep.all():
+            out = {name: col[keep] for name, col in out.items()}
+    return out
 
 
 def _int_over(numerator: int, denominator: np.ndarray) -> np.ndarray:

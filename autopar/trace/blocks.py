@@ -59,27 +59,33 @@ def signature(module: nn.Module) -> tuple:
 
     One entry per submodule in depth-first order (depth, key, class, plain config attributes,
     own parameters and buffers with shape, dtype and ``requires_grad``). Written as a tight
-    loop because it runs once per layer and must stay cheap next to tracing one block.
+    recursion because it runs once per layer and must stay cheap next to tracing one block.
     """
-    entries = []
-    todo = [(0, "", module)]
+    entries: list[tuple] = []
+    append = entries.append
     plain = _PLAIN
-    while todo:
-        depth, key, m = todo.pop()
+
+    def visit(depth: int, key: str, m: nn.Module) -> None:
         d = m.__dict__
         config = []
         for k in _config_keys(tuple(d)):
             v = d[k]
-            c = v if type(v) in plain else _config_value(v)
-            if c is not _SKIP:
-                config.append((k, c))
-        params = tuple([(k, p.shape, p.dtype, p.requires_grad)
-                        for k, p in d["_parameters"].items() if p is not None])
-        bufs = tuple([(k, b.shape, b.dtype) for k, b in d["_buffers"].items() if b is not None])
-        entries.append((depth, key, type(m), tuple(config), params, bufs))
-        children = d["_modules"]
-        if children:
-            todo.extend([(depth + 1, k, c) for k, c in children.items() if c is not None][::-1])
+            if type(v) not in plain:
+                v = _config_value(v)
+                if v is _SKIP:
+                    continue
+            config.append((k, v))
+        params, bufs = d["_parameters"], d["_buffers"]
+        append((depth, key, type(m), tuple(config),
+                tuple([(k, p.shape, p.dtype, p.requires_grad) for k, p in params.items()
+                       if p is not None]) if params else (),
+                tuple([(k, b.shape, b.dtype) for k, b in bufs.items() if b is not None])
+                if bufs else ()))
+        for k, child in d["_modules"].items():
+            if child is not None:
+                visit(depth + 1, k, child)
+
+    visit(0, "", module)
     return tuple(entries)
 
 

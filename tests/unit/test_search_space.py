@@ -289,3 +289,19 @@ def test_evaluations_through_a_shared_cache_equal_fresh_ones(exact):
             if exact:
                 assert a.timeline.busy_s == b.timeline.busy_s
                 assert a.timeline.ops == b.timeline.ops and len(a.timeline.ops[0]) > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_visit_order_sorted_a_prefix_at_a_time_is_one_lexsort(seed):
+    # many equal bounds and equal tie columns, asked for in uneven steps
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 5000))
+    step = rng.integers(0, 40, n).astype(float) / 4
+    ties = tuple(rng.integers(0, 3, n) for _ in range(3))
+    expected = np.lexsort(tuple(reversed(ties)) + (step,))
+    order = outer._VisitOrder(step, ties)
+    for want in sorted(rng.integers(1, n + 2, 4)) + [n]:
+        got = order.upto(int(want))
+        assert len(got) >= min(want, n)
+        np.testing.assert_array_equal(got, expected[:len(got)])
+    assert len(order.upto(n)) == n
