@@ -40,11 +40,11 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import numpy as np
 
-from autopar.sharding.placement import REPLICATE, reshard_collective
+from autopar.sharding.placement import reshard_collective
 from autopar.sharding.problem import BLOCK_INPUT, BLOCK_OUTPUT, BlockProblem, TensorUse
 
 __all__ = ["solve_by_elimination", "MAX_TABLE_ENTRIES"]
@@ -72,7 +72,7 @@ def solve_by_elimination(problem: BlockProblem, *,
     soft = _node_factors(problem, weight, sizes)
     soft += [_tensor_factor(problem, t, index, reshards) for t in problem.tensors]
     # the hard factors hold only 0 and ∞: the soft ones bound the objective
-    if sum(float(f.table.max()) for f in soft) >= _EXACT_LIMIT:
+    if sum(_maxima([f.table for f in soft])) >= _EXACT_LIMIT:
         return None
     factors = soft + _param_factors(problem, index)
     if problem.periodic:
@@ -84,22 +84,40 @@ def solve_by_elimination(problem: BlockProblem, *,
     order = _elimination_order(factors, sizes, max_table_entries)
     if order is None:
         return None
-    # bucket elimination: a factor waits in the bucket of its scope node eliminated first,
-    # so the bucket of v holds exactly the live factors that mention v when v's turn comes
-    position = {v: k for k, v in enumerate(order)}
-    buckets: list[list[_Factor]] = [[] for _ in order]
+    return _eliminate(factors, sizes, order, nodes)
+
+
+def _eliminate(factors: list[_Factor], sizes: list[int], order: list[int],
+               nodes: tuple[str, ...]) -> dict[str, int] | None:
+    """Bucket elimination along `order`, then the backward pass (None if infeasible).
+
+    A factor waits in the bucket of its scope node eliminated first, so the bucket of v holds
+    exactly the live factors that mention v when v's turn comes. Factors over v alone (its
+    node factor, messages from eliminated neighbours) are summed into one vector, ``unary[v]``,
+    as they arrive, and added to v's joint table once. The sums are of integers below 2^53
+    (or ∞), so grouping them so gives the very same tables as summing factor by factor."""
+    position = [0] * len(nodes)
+    for k, v in enumerate(order):
+        position[v] = k
+    unary: list[np.ndarray | None] = [None] * len(nodes)
+    buckets: list[list[_Factor]] = [[] for _ in nodes]
+
+    def add(f: _Factor) -> None:
+        if len(f.scope) == 1:
+            (u,) = f.scope
+            unary[u] = f.table if unary[u] is None else unary[u] + f.table
+        else:
+            buckets[order[min(map(position.__getitem__, f.scope))]].append(f)
+
     for f in factors:
-        buckets[min(position[u] for u in f.scope)].append(f)
+        add(f)
     choices: list[tuple[int, tuple[int, ...], np.ndarray]] = []
     total = 0.0
-    for v, bucket in zip(order, buckets):
-        joint = _combine(bucket, sizes)
-        axis = joint.scope.index(v)
-        rest = joint.scope[:axis] + joint.scope[axis + 1:]
-        choices.append((v, rest, joint.table.argmin(axis=axis)))
-        reduced = joint.table.min(axis=axis)
+    for v in order:  # every node has a node factor, so unary[v] is set
+        rest, argmin, reduced = _step(v, buckets[v], unary[v], sizes)
+        choices.append((v, rest, argmin))
         if rest:
-            buckets[min(position[u] for u in rest)].append(_Factor(rest, reduced))
+            add(_Factor(rest, reduced))
         else:
             total += float(reduced)
     if not math.isfinite(total):
@@ -110,59 +128,156 @@ def solve_by_elimination(problem: BlockProblem, *,
     return {v: chosen[i] for i, v in enumerate(nodes)}
 
 
+def _step(v: int, bucket: list[_Factor], unary: np.ndarray, sizes: list[int]
+          ) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+    """Eliminate v: the rest of the joint scope (ascending), the minimising s_v per
+    assignment of the rest, and the minimum (the message over the rest). `bucket` holds the
+    factors over v and others, `unary` the sum of those over v alone. A chain link (two
+    factors over v and one other node each) takes `_link`, the rest `_joint`: the same
+    tables either way."""
+    if len(bucket) == 2 and len(bucket[0].scope) == len(bucket[1].scope) == 2:
+        found = _link(v, bucket[0], bucket[1], unary)
+        if found is not None:
+            return found
+    return _joint(v, bucket, unary, sizes)
+
+
+def _link(v: int, first: _Factor, second: _Factor, unary: np.ndarray
+          ) -> tuple[tuple[int, ...], np.ndarray, np.ndarray] | None:
+    """`_joint` for min_v A[l, v] + unary[v] + B[v, r] over two nodes l != r (None if the
+    two factors share both nodes): one broadcast sum, no reshaping."""
+    (a, b), (c, d) = first.scope, second.scope
+    left, right = (a if b == v else b), (c if d == v else d)
+    if left == right:
+        return None
+    before = first.table.T if b == v else first.table  # [v, left]
+    after = second.table.T if d == v else second.table  # [v, right]
+    joint = (before + unary[:, None])[:, :, None] + after[:, None, :]
+    argmin, reduced = joint.argmin(axis=0), joint.min(axis=0)
+    if left < right:
+        return (left, right), argmin, reduced
+    return (right, left), argmin.T, reduced.T
+
+
+def _joint(v: int, bucket: list[_Factor], unary: np.ndarray, sizes: list[int]
+           ) -> tuple[tuple[int, ...], np.ndarray, np.ndarray]:
+    """`_step` on the sum of all of `bucket` and `unary` as one table, v's axis first (numpy
+    reduces over a leading axis several times faster than over an inner one of a few
+    entries; the values are the same in any axis order, so are argmin and min)."""
+    rest = sorted({u for f in bucket for u in f.scope} - {v})
+    joint = unary.reshape([-1] + [1] * len(rest))
+    for f in bucket:
+        table = f.table
+        k = f.scope.index(v)
+        if k:  # v's axis first; the others stay ascending
+            table = table.transpose(k, *range(k), *range(k + 1, len(f.scope)))
+        joint = joint + table.reshape([-1] + [sizes[u] if u in f.scope else 1 for u in rest])
+    return tuple(rest), joint.argmin(axis=0), joint.min(axis=0)
+
+
+def _maxima(tables: list[np.ndarray]) -> list[float]:
+    """``[float(t.max()) for t in tables]``, in two numpy calls."""
+    if not tables:
+        return []
+    flat = [t.ravel() for t in tables]
+    starts = np.cumsum([0] + [len(f) for f in flat[:-1]])
+    return np.maximum.reduceat(np.concatenate(flat), starts).tolist()
+
+
 def _node_factors(problem: BlockProblem, weight: int, sizes: list[int]) -> list[_Factor]:
-    return [_Factor((i,), np.array([weight * (problem.compute_units[v][s]
-                                              + problem.comm_units[v][s]) + s
-                                    for s in range(sizes[i])], dtype=np.float64))
-            for i, v in enumerate(problem.nodes)]
+    values = np.array([weight * (compute + comm) + s
+                       for v in problem.nodes
+                       for s, (compute, comm) in enumerate(zip(problem.compute_units[v],
+                                                               problem.comm_units[v]))],
+                      dtype=np.float64)
+    ends = itertools.accumulate(sizes)
+    return [_Factor((i,), values[end - n:end]) for i, (n, end) in enumerate(zip(sizes, ends))]
 
 
 @dataclass(frozen=True)
 class _Reshards:
-    """Reshard costs as arrays over pairs of the problem's K placements (sorted; the pair
-    (a, b) is row ``row[a, b]`` = a·K + b).
+    """Reshard costs as arrays over the (placement, gradient placement) classes the
+    problem's strategies use, and the class of every connected node input and output.
 
-    A demand on a tensor is column q ("take it placed q") or, when the tensor has a gradient,
-    column K + g ("hand its gradient back placed g"). A consumer strategy taking q and handing
-    back g asks row ``asks[grad][row[q, g]]``: a one at q (and at K + g); a producer strategy
-    placing the tensor p and wanting its gradient as w pays row
-    ``prices(nbytes, grad)[row[p, w]]``: W · c(p → q) at column q (and W · c(g → w) at
-    column K + g)."""
+    An input's class (q, g) is "takes the tensor placed q, hands its gradient back placed g";
+    an output's class (p, w) is "places the tensor p, wants its gradient as w" (w from
+    ``grad_outputs``). ``taken[v, i]`` and ``made[v, j]`` list the class of input i and output
+    j of node v, one per strategy (for the inputs and outputs that tensors connect).
+    ``pair_prices(nbytes, grad)[x, y]`` is what output class x = (p, w) pays when one
+    consumer input in class y = (q, g) reads the tensor: W · c(p → q) (+ W · c(g → w) with a
+    gradient).
 
-    row: dict[tuple[str, str], int]
-    asks: dict[bool, np.ndarray]
+    Several consumers pay each distinct demand once. A demand is column k ("take it placed
+    placement k") or, when the tensor has a gradient, column K + k ("hand its gradient back
+    placed k"), over the K placements; input class y asks row ``asks(grad)[y]`` (a one at q,
+    and at K + g) and output class x pays row ``prices(nbytes, grad)[x]``: W · c(p → q) at
+    column q (and W · c(g → w) at column K + g)."""
+
+    taken: Mapping[tuple[str, int], list[int]]
+    made: Mapping[tuple[str, int], list[int]]
+    asks: Callable[[bool], np.ndarray]
     prices: Callable[[float, bool], np.ndarray]
+    pair_prices: Callable[[float, bool], np.ndarray]
 
 
 def _reshards(problem: BlockProblem, weight: int) -> _Reshards:
-    # every placement a strategy names (grad_outputs are output_grads, or the outputs with
-    # P -> R)
-    placements = sorted({REPLICATE}.union(*(
-        (*st.inputs, *st.outputs, *st.input_grads, *st.output_grads)
-        for sts in problem.strategies.values() for st in sts)))
-    k = len(placements)
+    classes: dict[tuple[str, str], int] = {}
+    columns: dict[tuple[int, bool, int], list[int]] = {}  # nodes alike share one tuple
 
-    def by_pair(table: np.ndarray, grad: bool) -> np.ndarray:
-        """Row (a, b): row a of the K x K `table`, then (with a gradient) its column b."""
-        first = np.repeat(table, k, axis=0)
-        return np.concatenate((first, np.tile(table.T, (k, 1))), axis=1) if grad else first
+    def column(v: str, output: bool, k: int) -> list[int]:
+        sts = problem.strategies[v]
+        key = (id(sts), output, k)
+        if key not in columns:
+            columns[key] = [classes.setdefault((st.outputs[k], st.grad_outputs[k]) if output
+                                               else (st.inputs[k], st.input_grads[k]),
+                                               len(classes)) for st in sts]
+        return columns[key]
+
+    made = {(t.producer, t.output): column(t.producer, True, t.output)
+            for t in problem.tensors}
+    taken = {(v, i): column(v, False, i) for t in problem.tensors for v, i in t.consumers}
+    placements = sorted({p for pair in classes for p in pair})
+    code = {p: k for k, p in enumerate(placements)}
+    first = np.array([code[a] for a, _ in classes], dtype=np.intp)
+    second = np.array([code[b] for _, b in classes], dtype=np.intp)
+    n = problem.axis_size
+    # the reshards that are not free, by the collective each runs on one byte: pairs that
+    # agree there run the same collective at every size (the kind fixes how it scales)
+    moves: dict[tuple[str, float], list[int]] = {}
+    for a, src in enumerate(placements):
+        for b, dst in enumerate(placements):
+            unit = reshard_collective(src, dst, 1.0, n)
+            if unit:
+                moves.setdefault(unit, []).append(a * len(placements) + b)
 
     @functools.cache  # the tensors of a block share a few sizes
+    def units(nbytes: float) -> np.ndarray:
+        """W · c(src → dst) at [src, dst] over the K placements."""
+        table = np.zeros(len(placements) ** 2, dtype=np.float64)
+        for pairs in moves.values():
+            src, dst = divmod(pairs[0], len(placements))
+            c = reshard_collective(placements[src], placements[dst], nbytes, n)
+            table[pairs] = weight * problem.collective_units(c)
+        return table.reshape(len(placements), len(placements))
+
+    @functools.cache
+    def asks(grad: bool) -> np.ndarray:
+        eye = np.eye(len(placements))
+        return np.concatenate((eye[first], eye[second]), axis=1) if grad else eye[first]
+
+    @functools.cache
     def prices(nbytes: float, grad: bool) -> np.ndarray:
-        units = np.array([[weight * _units(problem, src, dst, nbytes) for dst in placements]
-                          for src in placements], dtype=np.float64)
-        return by_pair(units, grad)
+        table = units(nbytes)
+        return (np.concatenate((table[first], table.T[second]), axis=1) if grad
+                else table[first])
 
-    eye = np.eye(k)
-    return _Reshards(row={pair: i for i, pair in enumerate(itertools.product(placements,
-                                                                             repeat=2))},
-                     asks={grad: by_pair(eye, grad) for grad in (False, True)}, prices=prices)
+    @functools.cache
+    def pair_prices(nbytes: float, grad: bool) -> np.ndarray:
+        table = units(nbytes)
+        pay = table[np.ix_(first, first)]
+        return pay + table[np.ix_(second, second)].T if grad else pay
 
-
-def _units(problem: BlockProblem, src: str, dst: str, nbytes: float) -> int:
-    """Units of resharding `nbytes` from `src` to `dst` (0 when it is free)."""
-    c = reshard_collective(src, dst, nbytes, problem.axis_size)
-    return problem.collective_units(c) if c else 0
+    return _Reshards(taken=taken, made=made, asks=asks, prices=prices, pair_prices=pair_prices)
 
 
 def _tensor_factor(problem: BlockProblem, t: TensorUse, index: dict[str, int],
@@ -174,24 +289,31 @@ def _tensor_factor(problem: BlockProblem, t: TensorUse, index: dict[str, int],
         = Σ_d price[s_u, d] · max_v asks_v[s_v, d]       (demand columns d as in `_Reshards`)
 
     as array arithmetic: the max over one axis per consumer node (a node reading T twice is
-    one axis), then a product with the price rows."""
-    consumers = sorted({index[v] for v, _ in t.consumers})
+    one axis), then a product with the price rows. With one consumer input the max is that
+    input's one row, and the table is a lookup of `reshards.pair_prices`."""
+    produced = reshards.made[t.producer, t.output]
     producer = index[t.producer]
+    if len(t.consumers) == 1:
+        (v, i), = t.consumers
+        consumer = index[v]
+        assert producer != consumer, "a node never reads its own output"
+        table = reshards.pair_prices(t.nbytes, t.requires_grad).take(produced, axis=0).take(
+            reshards.taken[v, i], axis=1)
+        if producer < consumer:
+            return _Factor((producer, consumer), table)
+        return _Factor((consumer, producer), table.T)
+    consumers = sorted({index[v] for v, _ in t.consumers})
     assert producer not in consumers, "a node never reads its own output"
-    row, asks = reshards.row, reshards.asks[t.requires_grad]
+    asks = reshards.asks(t.requires_grad)
 
     def along(v: str, rows: np.ndarray) -> np.ndarray:  # one row per strategy of v
         shape = [1] * len(consumers) + [rows.shape[1]]
         shape[consumers.index(index[v])] = len(rows)
         return rows.reshape(shape)
 
-    asked = functools.reduce(np.maximum, [
-        along(v, asks.take([row[st.inputs[i], st.input_grads[i]]
-                            for st in problem.strategies[v]], axis=0))
-        for v, i in t.consumers])
-    price = reshards.prices(t.nbytes, t.requires_grad).take(
-        [row[st.outputs[t.output], st.grad_outputs[t.output]]
-         for st in problem.strategies[t.producer]], axis=0)
+    asked = functools.reduce(np.maximum, [along(v, asks.take(reshards.taken[v, i], axis=0))
+                                          for v, i in t.consumers])
+    price = reshards.prices(t.nbytes, t.requires_grad).take(produced, axis=0)
     table = asked @ price.T  # consumer axes, then the producer's
     axes = list(range(len(consumers)))
     axes.insert(bisect.bisect(consumers, producer), len(consumers))
@@ -223,19 +345,20 @@ def _elimination_order(factors: list[_Factor], sizes: list[int],
     """Greedy order on the interaction graph (nodes sharing a factor are neighbours): next
     the node whose joint table ({node} and its neighbours) has the fewest entries, ties to
     the lower node index; eliminating it joins its neighbours. None if a table would exceed
-    `max_entries`."""
+    `max_entries`. A node's entry count is kept as a product, updated as its neighbours
+    change (divided by the size of the one eliminated, times those of the ones it gains)."""
     neighbours: list[set[int]] = [set() for _ in sizes]
     for f in factors:
-        for u in f.scope:
-            neighbours[u].update(f.scope)
+        if len(f.scope) > 1:
+            for u in f.scope:
+                neighbours[u].update(f.scope)
     for u, near in enumerate(neighbours):
         near.discard(u)
-
-    def entries(u: int) -> int:
-        return sizes[u] * math.prod(sizes[w] for w in neighbours[u])
-
-    score = [entries(u) for u in range(len(sizes))]
-    heap = [(n, u) for u, n in enumerate(score)]  # (entries, node), stale ones skipped
+    score = [sizes[u] * math.prod(map(sizes.__getitem__, near))
+             for u, near in enumerate(neighbours)]
+    # (entries, node); an entry whose count is no longer the node's is skipped, and a node's
+    # current count always has an entry
+    heap = [(n, u) for u, n in enumerate(score)]
     heapq.heapify(heap)
     eliminated = [False] * len(sizes)
     order = []
@@ -248,17 +371,14 @@ def _elimination_order(factors: list[_Factor], sizes: list[int],
         eliminated[v] = True
         near = neighbours[v]
         for u in near:
-            neighbours[u].discard(v)
-            neighbours[u].update(near - {u})
-        for u in near:
-            score[u] = entries(u)
-            heapq.heappush(heap, (score[u], u))
+            mine = neighbours[u]
+            mine.discard(v)
+            gained = near - mine
+            gained.discard(u)
+            mine |= gained
+            entries = score[u] // sizes[v] * math.prod(map(sizes.__getitem__, gained))
+            if entries != score[u]:
+                score[u] = entries
+                heapq.heappush(heap, (entries, u))
         order.append(v)
     return order
-
-
-def _combine(factors: list[_Factor], sizes: list[int]) -> _Factor:
-    """The sum of `factors` as one table over the union of their scopes (ascending)."""
-    scope = tuple(sorted(set().union(*(f.scope for f in factors))))
-    return _Factor(scope, functools.reduce(np.add, [
-        f.table.reshape([sizes[u] if u in f.scope else 1 for u in scope]) for f in factors]))

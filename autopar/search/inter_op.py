@@ -259,6 +259,7 @@ class _Band:
     in it: the entries are the same subtractions of the same prefix sums."""
 
     def __init__(self, ranges: _Ranges, width: int):
+        self.size, self.width = ranges.size, width
         ends = np.arange(ranges.size)[:, None]
         starts = ends - width + np.arange(width)[None, :]
         inside = starts >= 0
@@ -283,23 +284,24 @@ class _Band:
             ) -> tuple[list[tuple[int, int]] | None, float]:
         """`_cut_dp` over the band: the cut and its value (None, inf if every cut costs inf).
         Ties go to the smallest start, as there."""
-        best = np.full(len(self.rows), np.inf)
+        best = np.full(self.size, np.inf)
         best[0] = 0.0
-        choice = []
+        picks = []
         for s in range(num):
             cand = best[self.starts]
             cost = cost_of(s)
             cand = np.maximum(cand, cost) if minimax else cand + cost
             pick = cand.argmin(axis=1)
-            best = cand[self.rows, pick]
-            choice.append(self.starts[self.rows, pick])
+            best = cand[self.rows, pick]  # faster than min(axis=1) on these small arrays
+            picks.append(pick)
         value = float(best[-1])
         if not math.isfinite(value):
             return None, value
-        cut, end = [], len(self.rows) - 1
-        for start in reversed(choice):
-            cut.append((int(start[end]), end))
-            end = int(start[end])
+        cut, end = [], self.size - 1
+        for pick in reversed(picks):
+            start = end - self.width + int(pick[end])
+            cut.append((start, end))
+            end = start
         return cut[::-1], value
 
 

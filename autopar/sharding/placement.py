@@ -43,6 +43,7 @@ PARTIAL = "P"
 _SHARD_RE = re.compile(r"^S\((\d+)\)$")
 
 
+@functools.cache  # a handful of dims
 def shard(dim: int) -> str:
     """The placement sharding non-negative tensor dim ``dim``."""
     assert dim >= 0, "shard dims are normalised to be non-negative"
@@ -56,6 +57,7 @@ def shard_dim(placement: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+@functools.cache
 def is_shard(placement: str) -> bool:
     return shard_dim(placement) is not None
 

@@ -40,9 +40,10 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from autopar.estimate.timing import BACKWARD_MEMORY_RATIO
-from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
+from autopar.ir import Graph, Node, OpKind, TensorSpec, dtype_num_bytes
 from autopar.sharding.placement import (PARTIAL, REPLICATE, is_shard, reshard_collective,
                                         shard, shard_dim)
+from autopar.sharding.rules import signature as rule_signature
 from autopar.sharding.rules import strategies as rule_strategies
 from autopar.sharding.strategy import Collective, Strategy
 from costmodels.compute import activation_memory_time_s, attention_time_s, gemm_time_s
@@ -114,19 +115,25 @@ class BlockProblem:
     def reshards(self, tensor: TensorUse, choice: Mapping[str, int]
                  ) -> tuple[list[Collective], list[Collective]]:
         """Forward and backward reshard collectives of one tensor under ``choice``."""
-        p = self.out_placement(tensor, choice[tensor.producer])
-        want = self.out_grad_placement(tensor, choice[tensor.producer])
-        demanded, grads = set(), set()
-        for node, i in tensor.consumers:
+        made = self.strategies[tensor.producer][choice[tensor.producer]]
+        p = made.outputs[tensor.output]
+        if len(tensor.consumers) == 1:
+            (node, i), = tensor.consumers
             st = self.strategies[node][choice[node]]
-            demanded.add(st.inputs[i])
-            grads.add(st.input_grads[i])
-        n = self.axis_size
-        fwd = [reshard_collective(p, q, tensor.nbytes, n) for q in sorted(demanded)]
+            demanded, grads = [st.inputs[i]], [st.input_grads[i]]
+        else:
+            taken = [self.strategies[node][choice[node]].inputs[i]
+                     for node, i in tensor.consumers]
+            handed = [self.strategies[node][choice[node]].input_grads[i]
+                      for node, i in tensor.consumers]
+            demanded, grads = sorted(set(taken)), sorted(set(handed))
+        n, nbytes = self.axis_size, tensor.nbytes
+        fwd = [c for q in demanded if (c := reshard_collective(p, q, nbytes, n))]
         bwd = []
         if tensor.requires_grad:
-            bwd = [reshard_collective(g, want, tensor.nbytes, n) for g in sorted(grads)]
-        return [c for c in fwd if c], [c for c in bwd if c]
+            want = made.grad_outputs[tensor.output]
+            bwd = [c for g in grads if (c := reshard_collective(g, want, nbytes, n))]
+        return fwd, bwd
 
     def feasible(self, choice: Mapping[str, int]) -> bool:
         """Parameter placements agree across users; the boundary is periodic."""
@@ -160,10 +167,13 @@ def _requires_grad(graph: Graph) -> dict[str, bool]:
     """Whether each node's outputs need a gradient (depend on a trainable parameter)."""
     req: dict[str, bool] = {}
     for node in graph.nodes:
-        trainable = {p.fqn for p in node.params if p.requires_grad}
-        req[node.name] = any(
-            (src.startswith("param:") and src[6:] in trainable) or req.get(src, False)
-            for src in node.input_sources)
+        trainable = {p.fqn for p in node.params if p.requires_grad} if node.params else ()
+        needs = False
+        for src in node.input_sources:
+            if req.get(src, False) or (src.startswith("param:") and src[6:] in trainable):
+                needs = True
+                break
+        req[node.name] = needs
     return req
 
 
@@ -199,14 +209,19 @@ def _activation_shares(node: Node, sts: Sequence[Strategy], n: int) -> list[floa
     full = 0.0
     for b in [b for _, b in ins] + outs:
         full += b
+    if not full:
+        return [1.0] * len(sts)
+    # each tensor's bytes on one rank, sharded or whole (b / n and b / 1 as floats)
+    split_ins = [(i, b / n, b / 1) for i, b in ins]
+    split_outs = [(j, b / n, b / 1) for j, b in enumerate(outs)]
     shares = []
     for st in sts:
         part = 0.0
-        for i, b in ins:
-            part += b / (n if is_shard(st.inputs[i]) else 1)
-        for b, p in zip(outs, st.outputs):
-            part += b / (n if is_shard(p) else 1)
-        shares.append(part / full if full else 1.0)
+        for i, sharded, whole in split_ins:
+            part += sharded if is_shard(st.inputs[i]) else whole
+        for j, sharded, whole in split_outs:
+            part += sharded if is_shard(st.outputs[j]) else whole
+        shares.append(part / full)
     return shares
 
 
@@ -222,6 +237,9 @@ def _source_map(by_name: Mapping[str, Node], names: set[str]
                 continue
             producer = by_name.get(src)
             if producer is None:
+                continue
+            if len(producer.outputs) == 1:  # what the shapes below pick among one output
+                out[(name, i)] = (src, 0)
                 continue
             k = seen.get(src, 0)
             seen[src] = k + 1
@@ -260,12 +278,16 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
 
     strategies: dict[str, tuple[Strategy, ...]] = {}
     consumers: dict[tuple[str, int], list[tuple[str, int]]] = {}
-    meta: dict[tuple[str, int], tuple[float, bool]] = {}
+    meta: dict[tuple[str, int], tuple[TensorSpec, bool]] = {}  # the last reader's view
     external: dict[str, set[int]] = {}
     hidden_in = None
+    shared: dict[tuple, tuple[Strategy, ...]] = {}  # nodes the rules cannot tell apart
     for name in names:
         node = by_name[name]
-        strategies[name] = rule_strategies(node, axis_size)
+        key = rule_signature(node)
+        if key not in shared:
+            shared[key] = rule_strategies(node, axis_size)
+        strategies[name] = shared[key]
         for i, spec in enumerate(node.inputs):
             if (name, i) not in sources:
                 continue
@@ -281,7 +303,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
                 key = (src, j)
                 grad = grad and req.get(src, False)
             consumers.setdefault(key, []).append((name, i))
-            meta[key] = (float(spec.num_bytes), grad)
+            meta[key] = (spec, grad)
 
     pseudo: dict[str, tuple[Strategy, ...]] = {}
     periodic = hidden_in is not None and out_node is not None
@@ -297,7 +319,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
                                                   input_grads=(p,)) for p in choices)
             spec = by_name[out_node].outputs[0]
             consumers.setdefault((out_node, 0), []).append((BLOCK_OUTPUT, 0))
-            meta.setdefault((out_node, 0), (float(spec.num_bytes), req.get(out_node, False)))
+            meta.setdefault((out_node, 0), (spec, req.get(out_node, False)))
     for name in names:  # other tensors leaving the set are taken replicated outside
         if name in consumed_outside and not (periodic and name == out_node):
             sink = f"<consumer:{name}>"
@@ -305,8 +327,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
                                      input_grads=(REPLICATE,)),)
             spec = by_name[name].outputs[0]
             consumers.setdefault((name, 0), []).append((sink, 0))
-            meta.setdefault((name, 0), (float(spec.num_bytes),
-                                        req.get(name, False) and _is_float(spec.dtype)))
+            meta.setdefault((name, 0), (spec, req.get(name, False) and _is_float(spec.dtype)))
     for ext, outs in sorted(external.items()):
         width = max(outs) + 1
         pseudo[ext] = (Strategy(name="R", inputs=(), outputs=(REPLICATE,) * width,
@@ -318,6 +339,9 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
     compute, comm, memory = {}, {}, {}
     params: list[ParamUse] = []
     charged: set[str] = set()
+    # nodes without parameters that the rules and the cost model cannot tell apart (equal
+    # strategies, work, shapes and kept bytes) share their tables
+    alike: dict[tuple, tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]]] = {}
     for name in nodes:
         sts = strategies[name]
         if name in pseudo:
@@ -325,6 +349,14 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
             memory[name] = tuple(0.0 for _ in sts)
             continue
         node = by_name[name]
+        key = None
+        if not node.params:
+            key = (id(sts), node.kind, node.flops_fwd, node.flops_bwd, node.bytes_read,
+                   node.bytes_written, node.attention, node.saved_bytes, node.inputs,
+                   node.outputs)
+            if key in alike:
+                compute[name], comm[name], memory[name] = alike[key]
+                continue
         uses = []
         for i, src in enumerate(node.input_sources):
             if not src.startswith("param:"):
@@ -340,27 +372,31 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
             params.append(use)
         units_by_divisor = {d: to_units(_node_compute_s(node, device, dtype, d))
                             for d in {st.work_divisor for st in sts}}
-        m_units, mem = [], []
-        for st, share in zip(sts, _activation_shares(node, sts, axis_size)):
+        saved = node.saved_bytes
+        mem = [saved * share for share in _activation_shares(node, sts, axis_size)]
+        m_units = [0] * len(sts)
+        for s, st in enumerate(sts):
+            if not uses and not st.fwd_collectives and not st.bwd_collectives:
+                continue  # no parameter, no collective of its own
             colls = [*st.fwd_collectives, *st.bwd_collectives]
-            bytes_ = node.saved_bytes * share
             for use, trainable in uses:
-                sharded = is_shard(st.inputs[use.input_index])
                 if use.first_use:
-                    bytes_ += use.numel * bytes_per_param / (axis_size if sharded else 1)
+                    sharded = is_shard(st.inputs[use.input_index])
+                    mem[s] += use.numel * bytes_per_param / (axis_size if sharded else 1)
                 if (trainable and st.inputs[use.input_index] == REPLICATE
                         and st.input_grads[use.input_index] == PARTIAL):
                     colls.append(("all_reduce", float(use.numel * grad_bytes)))
-            m_units.append(sum(map(collective_units, colls)))
-            mem.append(bytes_)
+            m_units[s] = sum(map(collective_units, colls)) if colls else 0
+        assert not any(map(math.isnan, mem))
         compute[name] = tuple(units_by_divisor[st.work_divisor] for st in sts)
         comm[name], memory[name] = tuple(m_units), tuple(mem)
+        if key is not None:
+            alike[key] = compute[name], comm[name], memory[name]
 
     tensors = tuple(
-        TensorUse(producer=key[0], output=key[1], nbytes=meta[key][0], requires_grad=meta[key][1],
-                  consumers=tuple(consumers[key]))
+        TensorUse(producer=key[0], output=key[1], nbytes=float(meta[key][0].num_bytes),
+                  requires_grad=meta[key][1], consumers=tuple(consumers[key]))
         for key in sorted(consumers, key=lambda k: (position[k[0]], k[1])))
-    assert all(not math.isnan(m) for v in memory.values() for m in v)
     return BlockProblem(axis_size=axis_size, nodes=nodes, strategies=strategies,
                         compute_units=compute, comm_units=comm, memory_bytes=memory,
                         tensors=tensors, params=tuple(params), periodic=periodic,

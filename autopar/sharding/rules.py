@@ -48,7 +48,7 @@ from autopar.sharding.placement import PARTIAL, REPLICATE, shard
 from autopar.sharding.strategy import Strategy, default_input_grads
 from autopar.sharding.views import op_name, view_dim_map
 
-__all__ = ["strategies", "op_name"]
+__all__ = ["signature", "strategies", "op_name"]
 
 _LINEAR = {"add", "add_", "sub", "sub_", "neg", "cat", "clone", "copy", "copy_", "sum"}
 _LINEAR_REDUCE = {"sum", "mean"}
@@ -288,6 +288,13 @@ _RULES = {
 _PARTIAL_GRAD_KINDS = {OpKind.VIEW, OpKind.ELEMENTWISE, OpKind.DROPOUT}
 
 
+def signature(node: Node) -> tuple:
+    """All that :func:`strategies` reads of ``node``: nodes with equal signatures have the
+    same strategies on an axis of any size."""
+    return (node.kind, node.target, tuple(t.shape for t in node.inputs),
+            tuple(t.shape for t in node.outputs), node.attention)
+
+
 def strategies(node: Node, axis_size: int) -> tuple[Strategy, ...]:
     """The strategies of ``node`` on one mesh axis of ``axis_size`` ranks, replicate first."""
     if axis_size < 1:
@@ -299,8 +306,9 @@ def strategies(node: Node, axis_size: int) -> tuple[Strategy, ...]:
     found = rule(node, axis_size) if rule is not None else []
     if node.kind in _PARTIAL_GRAD_KINDS and node.outputs[0].shape:
         found.append(_replicate_partial_grad(len(node.inputs), len(node.outputs)))
+    arity = (len(node.inputs), len(node.outputs))
     unique: dict[tuple, Strategy] = {}
     for s in [base, *found]:
-        assert len(s.inputs) == len(node.inputs) and len(s.outputs) == len(node.outputs)
+        assert (len(s.inputs), len(s.outputs)) == arity
         unique.setdefault((s.inputs, s.outputs, s.input_grads, s.grad_outputs), s)
     return tuple(unique.values())
