@@ -78,17 +78,15 @@ def megatron_tp_placements(graph: Graph) -> dict[str, str]:
 def param_placements(graph: Graph, cfg: ParallelConfig, tp_map: dict[str, str]
                      ) -> dict[str, dict[str, str]]:
     """{param FQN: {axis: placement}} for every parameter of the model, sorted by FQN."""
-    expand: dict[str, list[str]] = {}
-    for block in graph.blocks:
-        for name in block.node_names:
-            expand[name] = list(block.layer_fqns)
+    block_of = {name: block for block in graph.blocks for name in block.node_names}
     result: dict[str, dict[str, str]] = {}
     for node in graph.nodes:
-        layers = expand.get(node.name)
-        rep = next((b.representative for b in graph.blocks if node.name in b.node_names), None)
+        block = block_of.get(node.name)
+        prefix = block.representative + "." if block is not None else None
         for p in node.params:
-            names = [p.fqn.replace(rep + ".", layer + ".", 1) for layer in layers] \
-                if layers and rep and p.fqn.startswith(rep + ".") else [p.fqn]
+            # a block parameter stands for the same parameter of every layer of the block
+            names = [layer + "." + p.fqn[len(prefix):] for layer in block.layer_fqns] \
+                if prefix and block.layer_fqns and p.fqn.startswith(prefix) else [p.fqn]
             expert = ".experts" in p.fqn
             axes = {"dp": "S(0)" if cfg.zero_stage == 3 else "R",
                     "tp": tp_map.get(p.fqn, "R") if cfg.tp > 1 else "R"}

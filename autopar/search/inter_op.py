@@ -38,10 +38,14 @@ Among the cuts with every tau <= tau* a second DP picks the most even one (least
     E_s(j) = min over i < j, tau(i, j) <= tau*, mem_s(i, j) <= M_s of  E_{s-1}(i) + tau(i, j)^2
 
 and backtracks with ties to the smallest i: later stages (which hold fewer micro-batches under
-1F1B) take the extra layers. Each DP is S numpy passes over the rows a stage can start at
-(L - S + 2 of them) and all L + 1 ends: O(L^2 S) time at worst, O(L^2) memory. The result's
-`simulated_step_time_s` (simulated with `costmodels.pipeline.simulate_pipeline` when first
-read) is the number to believe; T is the formula's.
+1F1B) take the extra layers. Each DP runs over a band: the stages [i, j) no longer than the
+longest run of layers with tau <= a bound, S numpy passes over (L + 1) x W tables, O(L W S)
+time. The second DP's bound is tau*; the first's is an incumbent's bottleneck when one is
+given (else there is no band: W = L), and if its least bottleneck exceeds that bound it runs
+again without one. A stage outside the band has tau above the bound, so neither DP could
+pick it where it counts. The result's `simulated_step_time_s` (simulated with
+`costmodels.pipeline.simulate_pipeline` when first read) is the number to believe; T is the
+formula's.
 
 Interleaved memory (v > 1) sums v non-adjacent stages per rank, which the prefix DP cannot
 carry. Pass 1 relaxes it: stage s gets M_s = M minus the least any other chunk of its rank can
