@@ -7,7 +7,7 @@ H100 <= 10 s, Llama-3-405B on 16,384 H100 <= 60 s, ratio <= 1.2.
 
 The two depths need not pick the same plan, and work that follows from the plan is in the
 compile time: the 128-layer model's winner (tp=4, pp=4, interleaved x8) needs the intra-op
-problem of its block (~0.004 s by variable elimination, the same at any depth), the inter-op
+problem of its block (~0.005 s by variable elimination, the same at any depth), the inter-op
 stage DP's check of its 4 x 8 stages over 130 layers (~0.0014 s: a banded DP up to Megatron's
 bottleneck shows no cut beats that placement, so neither the split-budget search nor a
 simulation of the cut runs) and the simulation of the one candidate that a bound on the

@@ -203,7 +203,6 @@ class _Ranges:
         self.prefix = {name: np.concatenate(([0.0], np.cumsum(values)))
                        for name, values in (("tau", compute), ("act", act), ("state", state))}
         self.cap = math.inf
-        self._held: dict[int, np.ndarray] = {}  # in-flight count -> state + count * act
         self._bands: dict[int, _Band] = {}
         self.solved: dict[tuple, list[tuple[int, int]] | None] = {}  # `_solve`'s memo
 
@@ -231,15 +230,6 @@ class _Ranges:
         """tau(i, j), the same number as `tau[i, j]`."""
         prefix = self.prefix["tau"]
         return float(prefix[j] - prefix[i])
-
-    def held(self, inflight: int, rows: slice) -> np.ndarray:
-        """Bytes a stage [i, j) holds with `inflight` micro-batches in flight, rows i only
-        (the whole matrix computed once per in-flight count: the DPs of one search ask for the
-        same few counts many times)."""
-        matrix = self._held.get(inflight)
-        if matrix is None:
-            matrix = self._held[inflight] = self.state + inflight * self.act
-        return matrix[rows]
 
     def band(self, bound: float) -> "_Band":
         """The stages [i, j) with j - i at most the longest run of layers with tau <= bound
@@ -275,19 +265,25 @@ class _Band:
         self.tau, self.act, self.state = sums["tau"], sums["act"], sums["state"]
         self._held: dict[int, np.ndarray] = {}
 
+    def held(self, inflight: int) -> np.ndarray:
+        """Bytes each stage holds with `inflight` micro-batches in flight (computed once per
+        count: the DPs of one search ask for the same few counts many times)."""
+        if inflight not in self._held:
+            self._held[inflight] = self.state + inflight * self.act
+        return self._held[inflight]
+
     def allowed(self, matrix: np.ndarray, inflight: int, budget: float) -> np.ndarray:
         """`matrix` where the stage fits `budget` with `inflight` micro-batches, inf elsewhere."""
         if budget == math.inf:
             return matrix
-        held = self._held.get(inflight)
-        if held is None:
-            held = self._held[inflight] = self.state + inflight * self.act
-        return np.where(held <= budget, matrix, np.inf)
+        return np.where(self.held(inflight) <= budget, matrix, np.inf)
 
     def cut(self, num: int, cost_of: Callable[[int], np.ndarray], minimax: bool
             ) -> tuple[list[tuple[int, int]] | None, float]:
-        """`_cut_dp` over the band: the cut and its value (None, inf if every cut costs inf).
-        Ties go to the smallest start, as there."""
+        """The cut into `num` stages least in max_s (minimax) or sum_s of cost(s, i_s, i_{s+1})
+        and that least value (None, inf if every cut costs inf). cost_of(s) gives stage s's
+        costs over the band, inf where stage s may not be [i, j). Backtracking takes the
+        smallest start among equal values, so later stages take the extra layers."""
         best = np.full(self.size, np.inf)
         best[0] = 0.0
         picks = []
@@ -307,36 +303,6 @@ class _Band:
             cut.append((start, end))
             end = start
         return cut[::-1], value
-
-
-def _cut_dp(num: int, size: int, cost_of: Callable[[int, slice], np.ndarray],
-            minimax: bool) -> list[tuple[int, int]] | None:
-    """The cut into `num` stages least in max_s (minimax) or sum_s of cost(s, i_s, i_{s+1}).
-
-    cost_of(s, rows) gives stage s's costs for starts i in `rows` and every end j, inf where
-    stage s may not be [i, j); None if every cut costs inf. Stage s can only start at
-    s <= i <= L - (num - s), so only those rows are asked for. Backtracking takes the smallest
-    start among equal values, so later stages take the extra layers.
-    """
-    cols = np.arange(size)
-    best = np.full(size, np.inf)
-    best[0] = 0.0
-    choice = []
-    for s in range(num):
-        rows = slice(s, size - num + s)
-        cand = best[rows, None]
-        cost = cost_of(s, rows)
-        cand = np.maximum(cand, cost) if minimax else cand + cost
-        start = cand.argmin(axis=0)
-        best = cand[start, cols]
-        choice.append(start + s)
-    if not math.isfinite(best[-1]):
-        return None
-    cut, end = [], size - 1
-    for start in reversed(choice):
-        cut.append((int(start[end]), end))
-        end = int(start[end])
-    return cut[::-1]
 
 
 def _fastest(ranges: _Ranges, inflight: tuple[int, ...], budgets: list[float]
@@ -560,15 +526,16 @@ def _lean_search(ranges: _Ranges, inflight: tuple[int, ...], act: np.ndarray,
 
     def weigh(bound: float) -> list[tuple[int, int]] | None:
         # least sum_s lambda_rank * mem_s, raising lambda where a rank overflows
-        slow = np.where(ranges.tau <= bound, 0.0, np.inf)
+        band = ranges.band(bound)
+        slow = np.where(band.tau <= bound, 0.0, np.inf)
         weight = [1.0] * p
 
-        def cost(s: int, rows: slice) -> np.ndarray:
-            held = ranges.held(inflight[s], rows) + slow[rows]
+        def cost(s: int) -> np.ndarray:
+            held = band.held(inflight[s]) + slow
             return weight[s % p] * np.where(held <= relaxed[s], held, np.inf)
 
         for _ in range(_REPAIR_ROUNDS):
-            cut = _cut_dp(num, ranges.size, cost, minimax=False)
+            cut, _ = band.cut(num, cost, minimax=False)
             if cut is None:
                 return None
             use = _rank_memory(cut, inflight, act, state, p)
@@ -703,10 +670,11 @@ def _gb(num_bytes: float) -> str:
 def _least_memory_cut(ranges: _Ranges, inflight: tuple[int, ...], extra: list[float],
                       bound: float = math.inf) -> list[tuple[int, int]] | None:
     """The cut least in max over stages of (what stage s holds + extra[s]), every tau <= bound."""
-    slow = np.where(ranges.tau <= bound, 0.0, np.inf)
-    return _cut_dp(len(inflight), ranges.size,
-                   lambda s, rows: ranges.held(inflight[s], rows) + (slow[rows] + extra[s]),
-                   minimax=True)
+    band = ranges.band(bound)
+    slow = np.where(band.tau <= bound, 0.0, np.inf)
+    cut, _ = band.cut(len(inflight), lambda s: band.held(inflight[s]) + (slow + extra[s]),
+                      minimax=True)
+    return cut
 
 
 def _infeasible(ranges: _Ranges, inflight: tuple[int, ...], p: int, v: int, budget: float,

@@ -455,21 +455,44 @@ def test_vectorised_descent_equals_the_per_move_loop(monkeypatch):
     assert reached >= 20
 
 
+def _cut_on_full_matrices(num, size, cost_of, minimax):
+    """The DP of the module docstring over whole (L+1)^2 cost matrices, row by row: stage s
+    starts at some s <= i <= L - (num - s); ties go to the smallest start."""
+    best = np.full(size, np.inf)
+    best[0] = 0.0
+    choice = []
+    for s in range(num):
+        rows = slice(s, size - num + s)
+        cand = best[rows, None]
+        cost = cost_of(s, rows)
+        cand = np.maximum(cand, cost) if minimax else cand + cost
+        start = cand.argmin(axis=0)
+        best = cand[start, np.arange(size)]
+        choice.append(start + s)
+    if not math.isfinite(best[-1]):
+        return None
+    cut, end = [], size - 1
+    for start in reversed(choice):
+        cut.append((int(start[end]), end))
+        end = int(start[end])
+    return cut[::-1]
+
+
 def _solve_on_full_matrices(ranges, inflight, budgets):
-    """Steps 1 and 2 of the module docstring with `_cut_dp` over the whole (L+1)^2 matrices."""
+    """Steps 1 and 2 of the module docstring over the whole (L+1)^2 matrices."""
     def allowed(matrix, s, rows):
-        held = ranges.held(inflight[s], rows)
+        held = ranges.state[rows] + inflight[s] * ranges.act[rows]
         return np.where(held <= budgets[s], matrix[rows], np.inf)
 
     num = len(inflight)
-    fastest = inter_op._cut_dp(num, ranges.size, lambda s, rows: allowed(ranges.tau, s, rows),
-                               minimax=True)
+    fastest = _cut_on_full_matrices(num, ranges.size,
+                                    lambda s, rows: allowed(ranges.tau, s, rows), minimax=True)
     if fastest is None:
         return None
     bound = max(ranges.tau[i, j] for i, j in fastest)
     square = np.where(ranges.tau <= bound, ranges.tau * ranges.tau, np.inf)
-    return inter_op._cut_dp(num, ranges.size, lambda s, rows: allowed(square, s, rows),
-                            minimax=False)
+    return _cut_on_full_matrices(num, ranges.size, lambda s, rows: allowed(square, s, rows),
+                                 minimax=False)
 
 
 @settings(max_examples=300, deadline=None)
