@@ -270,7 +270,7 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     b = _bounds(costs, cluster, table, global_batch_size=global_batch_size, dtype=dtype,
                 options=options, cache=cache)
     errors = list(b.errors)
-    order = _VisitOrder(b.step, tuple(col[b.rows] for col in table.tie_order()))
+    order = _VisitOrder(b.step, table.tie_order(), b.rows)
     done: dict[int, Estimate | ValueError] = {}
     visit = functools.partial(_visit, costs, cluster, table, b.rows, b.step, b.work, order, done,
                               global_batch_size=global_batch_size, dtype=dtype,
@@ -342,10 +342,14 @@ class _VisitOrder:
     """Positions of the search's rows in the order (step bound, tie key), sorted a prefix at a
     time: a search stops after a few dozen of tens of thousands. A prefix holds every row whose
     bound is at most its last bound, sorted as one lexsort of all rows would (ties on every
-    key keep row order), so the prefixes join into that order."""
+    key keep row order), so the prefixes join into that order. The tie columns are the whole
+    table's, read at `rows` (position i is table row rows[i]) only for the rows a prefix
+    takes."""
 
-    def __init__(self, step: np.ndarray, ties: tuple[np.ndarray, ...]) -> None:
+    def __init__(self, step: np.ndarray, ties: tuple[np.ndarray, ...],
+                 rows: np.ndarray | None = None) -> None:
         self.step, self.ties = step, ties  # tie columns most significant first
+        self.rows = np.arange(len(step)) if rows is None else rows
         self.sorted = np.zeros(0, dtype=np.int64)
         self.rest = np.arange(len(step))  # rows not yet in `sorted`, ascending
 
@@ -364,7 +368,8 @@ class _VisitOrder:
                 inside = self.step[rest] <= kth
                 take, self.rest = rest[inside], rest[~inside]
             # lexsort's last key is the primary one
-            keys = tuple(col[take] for col in reversed(self.ties)) + (self.step[take],)
+            at = self.rows[take]
+            keys = tuple(col[at] for col in reversed(self.ties)) + (self.step[take],)
             self.sorted = np.concatenate((self.sorted, take[np.lexsort(keys)]))
         return self.sorted
 

@@ -297,9 +297,12 @@ def test_the_visit_order_sorted_a_prefix_at_a_time_is_one_lexsort(seed):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 5000))
     step = rng.integers(0, 40, n).astype(float) / 4
-    ties = tuple(rng.integers(0, 3, n) for _ in range(3))
+    # tie columns of a larger table, of which the search kept `rows`
+    rows = np.sort(rng.choice(2 * n, n, replace=False))
+    table_ties = tuple(rng.integers(0, 3, 2 * n) for _ in range(3))
+    ties = tuple(col[rows] for col in table_ties)
     expected = np.lexsort(tuple(reversed(ties)) + (step,))
-    order = outer._VisitOrder(step, ties)
+    order = outer._VisitOrder(step, table_ties, rows)
     for want in sorted(rng.integers(1, n + 2, 4)) + [n]:
         got = order.upto(int(want))
         assert len(got) >= min(want, n)
