@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import copy
 import enum
-import functools
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -44,49 +43,74 @@ _SKIP = object()
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__)
 
 
-@functools.lru_cache(maxsize=4096)
+_CONFIG_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+
 def _config_keys(keys: tuple[str, ...]) -> tuple[str, ...]:
     """The configuration attributes among a module's instance attributes, sorted: public
     ones other than the training flag and layer numbers (``layer_idx``). Modules of one class
     share their attribute names, so this runs once per class, not once per layer."""
-    return tuple(sorted(k for k in keys if k[0] != "_" and k not in _MODULE_INTERNALS
-                        and k not in {"layer_id", "layer_number"} and "idx" not in k
-                        and "index" not in k))
+    found = _CONFIG_KEYS.get(keys)
+    if found is None:
+        found = _CONFIG_KEYS[keys] = tuple(sorted(
+            k for k in keys if k[0] != "_" and k not in _MODULE_INTERNALS
+            and k not in {"layer_id", "layer_number"} and "idx" not in k and "index" not in k))
+    return found
 
 
 def signature(module: nn.Module) -> tuple:
     """A hashable structural signature; equal signatures mean interchangeable blocks.
 
-    One entry per submodule in depth-first order (depth, key, class, plain config attributes,
-    own parameters and buffers with shape, dtype and ``requires_grad``). Written as a tight
-    recursion because it runs once per layer and must stay cheap next to tracing one block.
+    Per submodule, in depth-first order: depth, key, class, the names of its config
+    attributes (those `_config_value` does not skip), their values, its parameters as (name, shape, dtype, ``requires_grad``) runs and its
+    buffers as (name, shape, dtype) runs, each list closed by None. One flat tuple rather than
+    a tuple per submodule, because it runs once per layer of the user's model and must stay
+    cheap next to tracing one block. It reads back in one way only (the names say how many
+    values follow, and no name is None), so equal tuples mean equal modules.
     """
-    entries: list[tuple] = []
-    append = entries.append
+    out: list = []
+    add = out.append
     plain = _PLAIN
 
     def visit(depth: int, key: str, m: nn.Module) -> None:
         d = m.__dict__
-        config = []
-        for k in _config_keys(tuple(d)):
+        config = _config_keys(tuple(d))
+        add(depth)
+        add(key)
+        add(type(m))
+        at = len(out)
+        add(config)
+        for k in config:
             v = d[k]
             if type(v) not in plain:
                 v = _config_value(v)
-                if v is _SKIP:
+                if v is _SKIP:  # rare: name the attributes kept instead
+                    out[at] = tuple(k for k in config if _config_value(d[k]) is not _SKIP)
                     continue
-            config.append((k, v))
-        params, bufs = d["_parameters"], d["_buffers"]
-        append((depth, key, type(m), tuple(config),
-                tuple([(k, p.shape, p.dtype, p.requires_grad) for k, p in params.items()
-                       if p is not None]) if params else (),
-                tuple([(k, b.shape, b.dtype) for k, b in bufs.items() if b is not None])
-                if bufs else ()))
+            add(v)
+        params = d["_parameters"]
+        if params:
+            for k, p in params.items():
+                if p is not None:
+                    add(k)
+                    add(p.shape)
+                    add(p.dtype)
+                    add(p.requires_grad)
+        add(None)
+        bufs = d["_buffers"]
+        if bufs:
+            for k, b in bufs.items():
+                if b is not None:
+                    add(k)
+                    add(b.shape)
+                    add(b.dtype)
+        add(None)
         for k, child in d["_modules"].items():
             if child is not None:
                 visit(depth + 1, k, child)
 
     visit(0, "", module)
-    return tuple(entries)
+    return tuple(out)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,10 @@ memory, parameter counts, real-vs-meta identity, repeated blocks, MoE, errors.""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
+import random
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ from autopar import models
 from autopar.errors import TraceError
 from autopar.ir import OpKind
 from autopar.models import AttentionImpl
-from autopar.trace import trace
+from autopar.trace import blocks, trace
 
 aten = torch.ops.aten
 TINY_GPT = dict(n_layers=2, dim=64, n_heads=4, vocab_size=128, max_seq_len=64)
@@ -239,6 +242,69 @@ def test_blocks_group_by_structure_and_config_not_layer_number():
     groups = {b.representative: b.layer_fqns for b in graph.blocks}
     assert groups == {"layers.0": ("layers.0", "layers.2", "layers.4"),
                       "layers.1": ("layers.1", "layers.3")}
+
+
+class _Mode(enum.Enum):
+    A = 1
+    B = 2
+
+
+@dataclasses.dataclass
+class _Cfg:
+    width: int
+
+
+def _random_module(rng: random.Random, depth: int = 0) -> nn.Module:
+    """A small random module tree drawn from few choices, so that many draws coincide."""
+    m = nn.Module()
+    for name in ("hidden", "mode", "cfg", "stride", "layer_idx", "table"):
+        if rng.random() < 0.5:
+            setattr(m, name, {"hidden": lambda: rng.choice([4, 8]),
+                              "mode": lambda: rng.choice(list(_Mode)),
+                              "cfg": lambda: _Cfg(rng.choice([1, 2])),
+                              "stride": lambda: rng.choice([(1, 1), (2, 1)]),
+                              "layer_idx": lambda: rng.randrange(100),  # ignored
+                              "table": lambda: [rng.random()]}[name]())  # not configuration
+    for name in ("weight", "bias"):
+        if rng.random() < 0.5:
+            m.register_parameter(name, None if rng.random() < 0.2 else nn.Parameter(
+                torch.empty(rng.choice([(2,), (2, 3)]), dtype=rng.choice(
+                    [torch.float32, torch.bfloat16])), requires_grad=rng.random() < 0.8))
+    if rng.random() < 0.3:
+        m.register_buffer("scale", torch.empty(rng.choice([1, 2])))
+    if depth < 2:
+        for key in rng.sample(["a", "b", "c"], rng.randrange(3)):
+            m.add_module(key, _random_module(rng, depth + 1))
+    return m
+
+
+def _nested_signature(m: nn.Module, depth: int = 0, key: str = "") -> tuple:
+    """The same structure written another way (the oracle): one tuple per submodule."""
+    skip = {"training", "layer_idx"}
+    config = []
+    for k in sorted(v for v in vars(m) if not v.startswith("_") and v not in skip):
+        v = vars(m)[k]
+        if isinstance(v, enum.Enum) or dataclasses.is_dataclass(v):
+            v = repr(v)
+        elif not isinstance(v, (int, float, str, bool, tuple, type(None))):
+            continue
+        config.append((k, v))
+    params = tuple((k, tuple(p.shape), p.dtype, p.requires_grad)
+                   for k, p in m._parameters.items() if p is not None)
+    bufs = tuple((k, tuple(b.shape), b.dtype) for k, b in m._buffers.items())
+    here = ((depth, key, type(m), tuple(config), params, bufs),)
+    return here + sum((_nested_signature(c, depth + 1, k) for k, c in m._modules.items()), ())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_block_signatures_are_equal_exactly_when_modules_are_alike(seed):
+    rng = random.Random(seed)
+    modules = [_random_module(rng) for _ in range(300)]
+    flat = [blocks.signature(m) for m in modules]
+    nested = [_nested_signature(m) for m in modules]
+    pairs = [(i, j) for i in range(len(modules)) for j in range(i)]
+    assert [flat[i] == flat[j] for i, j in pairs] == [nested[i] == nested[j] for i, j in pairs]
+    assert sum(nested[i] == nested[j] for i, j in pairs) > 0  # the draws do coincide
 
 
 def test_shape_changing_blocks_are_traced_in_full():
