@@ -95,7 +95,8 @@ def _tp_placements(model, graph, cluster: Cluster, cfg, dtype: str, seq_len, exa
                          dtype=dtype)
     tp_map = dict(megatron)
     report: dict[str, Any] = {}
-    cache: dict = {}
+    # blocks alike in structure (an encoder's and a decoder's stack) solve once
+    cache: dict | None = {} if len(mb_graph.blocks) > 1 else None
     for block in mb_graph.blocks:
         sol = solve_block(mb_graph, block.node_names, tp=cfg.tp, cluster=cluster, dtype=dtype,
                           cache=cache)

@@ -101,6 +101,7 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
     sizes: list[int] = []
     inner: list[dict[str, np.ndarray]] = []
     grids = _Grids()
+    blocks: dict[tuple[int, int, bool, bool], dict[str, np.ndarray] | None] = {}
     tps = [t for t in divisors(world) if t <= gpus_per_node and (heads is None or heads % t == 0)]
     for tp in _allowed("tp", tps, constraints):
         cps = [c for c in divisors(world // tp) if c <= max_cp
@@ -115,11 +116,15 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
                     continue
                 eps = [e for e in divisors(dp * cp)
                        if num_experts and num_experts % e == 0] or [1]
+                # tp and cp shape a block only through whether SP and ZeRO apply
+                key = (dp, pp, tp > 1 and bool(seq_len), dp * cp > 1)
+                if key not in blocks:
+                    blocks[key] = _block(gbs, constraints, grids, dp=dp, pp=pp,
+                                         with_sp=key[2], with_zero=key[3],
+                                         body_layers=body_layers, math_attention=math_attention,
+                                         max_mbs=max_micro_batch_size, max_v=max_virtual_stages)
                 for ep in _allowed("ep", eps, constraints):
-                    block = _block(gbs, constraints, grids, tp=tp, cp=cp, pp=pp, dp=dp,
-                                   body_layers=body_layers, math_attention=math_attention,
-                                   sequence=bool(seq_len), max_mbs=max_micro_batch_size,
-                                   max_v=max_virtual_stages)
+                    block = blocks[key]
                     if block is not None:
                         degrees.append((dp, tp, pp, cp, ep))
                         sizes.append(len(block["zero_stage"]))
@@ -157,17 +162,16 @@ class _Grids:
         return self._arrays[values]
 
 
-def _block(gbs: int, constraints: dict[str, Any], grids: _Grids, *, tp: int, cp: int, pp: int,
-           dp: int, body_layers: int, math_attention: bool, sequence: bool, max_mbs: int,
-           max_v: int) -> dict[str, np.ndarray] | None:
+def _block(gbs: int, constraints: dict[str, Any], grids: _Grids, *, dp: int, pp: int,
+           with_sp: bool, with_zero: bool, body_layers: int, math_attention: bool,
+           max_mbs: int, max_v: int) -> dict[str, np.ndarray] | None:
     """The ZeRO, micro-batch, schedule, virtual-stage, SP and recompute columns of the rows
     of one (tp, cp, pp, dp, ep): the product micro-batch x recompute x SP x schedule x ZeRO
     in that nesting (C order), less interleaved rows whose micro-batch count is not a
-    multiple of pp."""
-    zeros = _allowed("zero_stage", [0, 1, 2, 3] if dp * cp > 1 else [0], constraints)
-    # sequence parallelism splits a token dimension: models without one (CNNs) get none
-    sps = _allowed("sequence_parallel", [False, True] if tp > 1 and sequence else [False],
-                   constraints)
+    multiple of pp. SP is searched `with_sp` (tp > 1 and the model has a sequence: CNNs have
+    no token dimension to split), ZeRO `with_zero` (dp * cp > 1)."""
+    zeros = _allowed("zero_stage", [0, 1, 2, 3] if with_zero else [0], constraints)
+    sps = _allowed("sequence_parallel", [False, True] if with_sp else [False], constraints)
     # with a fused kernel selective recompute equals none
     recomputes = _allowed("recompute", ["none", "selective", "full"] if math_attention
                           else ["none", "full"], constraints)

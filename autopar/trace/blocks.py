@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import copy
 import enum
+import functools
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -29,11 +30,14 @@ _PLAIN = frozenset({int, float, str, bool, type(None)})
 
 
 def _config_value(val):
-    if type(val) in _PLAIN:
+    kind = type(val)
+    if kind in _PLAIN:
         return val
-    if type(val) is tuple and all(type(x) in _PLAIN for x in val):  # e.g. conv stride
+    if kind is tuple:  # e.g. conv stride
+        return val if _PLAIN.issuperset(map(type, val)) else _SKIP
+    if isinstance(val, enum.Enum):
         return val
-    if isinstance(val, enum.Enum) or hasattr(type(val), "__dataclass_fields__"):
+    if hasattr(kind, "__dataclass_fields__"):
         return repr(val)
     return _SKIP
 
@@ -126,7 +130,11 @@ class Stack:
         return f"{self.fqn}.{key}" if self.fqn else key
 
     def layer_index(self, key: str) -> int:
-        return self.first_layer_index + self.keys.index(key)
+        return self.first_layer_index + self._positions[key]
+
+    @functools.cached_property
+    def _positions(self) -> dict[str, int]:
+        return {key: k for k, key in enumerate(self.keys)}
 
 
 def _stack_of(fqn: str, container: nn.Module, first_index: int) -> Stack | None:
