@@ -264,11 +264,25 @@ def key_groups(table: ConfigTable, rows: np.ndarray, names: tuple[str, ...]
     """Group `rows` (non-empty) by the columns `names`: the position in `rows` of the first
     row of each distinct key (keys in ascending order), and each row's key number."""
     code = np.zeros(len(rows), dtype=np.int64)  # the columns as one mixed-radix integer
+    span = 1
     for name in names:
         col = table.columns[name][rows]
-        code = code * (int(col.max()) + 1) + col
-    _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
-    return first, np.asarray(inverse).reshape(-1)
+        radix = int(col.max()) + 1
+        code = code * radix + col
+        span *= radix
+    if span > 8 * len(rows) + 4096:  # sparse codes: sort them
+        _, first, inverse = np.unique(code, return_index=True, return_inverse=True)
+        return first, np.asarray(inverse).reshape(-1)
+    # dense codes: number the ones present by a table over all codes (no sort)
+    present = np.zeros(span, dtype=bool)
+    present[code] = True
+    keys = np.flatnonzero(present)
+    number = np.empty(span, dtype=np.int64)
+    number[keys] = np.arange(len(keys))
+    inverse = number[code]
+    first = np.full(len(keys), len(rows), dtype=np.int64)
+    np.minimum.at(first, inverse, np.arange(len(rows)))
+    return first, inverse
 
 
 def first_rank_memory(table: ConfigTable, rows: np.ndarray, *, units: dict[int, tuple],

@@ -24,7 +24,7 @@ from autopar.estimate.core import EvalCache, step_lower_bound, zero3_traffic_flo
 from autopar.estimate.memory import activation_bytes
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.mixtral import Mixtral, MixtralConfig
-from autopar.search import outer
+from autopar.search import outer, space
 from autopar.search.outer import SearchSettings, enumerate_configs
 from autopar.search.space import first_rank_memory, states_lower_bounds
 from costmodels.memory import COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES, state_bytes_per_param
@@ -308,3 +308,20 @@ def test_the_visit_order_sorted_a_prefix_at_a_time_is_one_lexsort(seed):
         assert len(got) >= min(want, n)
         np.testing.assert_array_equal(got, expected[:len(got)])
     assert len(order.upto(n)) == n
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_key_groups_number_keys_as_a_sort_would(seed):
+    # dense codes (a table over all codes) and sparse ones (a sort), rows a random subset
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 3000))
+    high = [3, 40, 5000][seed % 3]
+    columns = {name: rng.integers(0, high, n) for name in ("a", "b", "c")}
+    rows = np.sort(rng.choice(n, int(rng.integers(1, n + 1)), replace=False))
+    names = ("a", "b", "c")[:1 + seed % 3]
+    first, inverse = space.key_groups(space.ConfigTable(columns), rows, names)
+    keys = np.stack([columns[name][rows] for name in names], axis=1)
+    distinct, expected_first, expected_inverse = np.unique(
+        keys, axis=0, return_index=True, return_inverse=True)
+    np.testing.assert_array_equal(first, expected_first)
+    np.testing.assert_array_equal(inverse, expected_inverse.reshape(-1))
