@@ -395,6 +395,7 @@ def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.nda
     best_times: list[float] = []  # the k fastest fitting closed-form times, ascending
     unfit = 0
     zero3 = table.columns["zero_stage"][rows] == 3
+    floor_columns = [table.columns[name] for name in ("tp", "cp", "dp", "pp", "micro_batch_size")]
     floors: dict[tuple, float] = {}
     deferred: list[tuple[float, int, int]] = []  # (raised bound, place in order, row)
     unfit_flags = np.zeros(len(rows), dtype=bool)
@@ -425,16 +426,19 @@ def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.nda
             unfit += 1
             continue
         if j not in done:
-            cfg = table.config(int(rows[j]))
-            if zero3[j] and not raised:
-                key = (cfg.tp, cfg.cp, cfg.dp, cfg.pp)
+            row = int(rows[j])
+            if zero3[j] and not raised:  # read the columns: most of these go back in line
+                tp, cp, dp, pp, mbs = (int(c[row]) for c in floor_columns)
+                key = (tp, cp, dp, pp)
                 if key not in floors:
-                    floors[key] = zero3_traffic_floor(costs, cache, cfg, dtype, options)
-                m = global_batch_size // (cfg.dp * cfg.micro_batch_size)
+                    floors[key] = zero3_traffic_floor(costs, cache, table.config(row), dtype,
+                                                      options)
+                m = global_batch_size // (dp * mbs)
                 gap = m * (floors[key] - work[j]) * (1 - BOUND_MARGIN)
                 if gap > 0:
                     heapq.heappush(deferred, (bound + gap, i, j))
                     continue
+            cfg = table.config(row)
             try:
                 done[j] = evaluate(costs, cluster, cfg, global_batch_size=global_batch_size,
                                    dtype=dtype, options=options, cache=cache, exact=False)
