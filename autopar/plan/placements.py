@@ -96,4 +96,4 @@ def param_placements(graph: Graph, cfg: ParallelConfig, tp_map: dict[str, str]
                 axes["ep"] = "S(0)" if expert else "R"
             for name in names:
                 result[name] = dict(axes)
-    return dict(sorted(result.items()))
+    return {name: result[name] for name in sorted(result)}

@@ -318,10 +318,10 @@ def first_rank_memory(table: ConfigTable, rows: np.ndarray, *, units: dict[int, 
     kept_u = np.empty((len(a_first), n_units))
     working_u = np.empty((len(a_first), n_units))
     memo = {} if memo is None else memo
-    for k, i in enumerate(a_first):
-        key = tuple(int(c[name][i]) for name in names)
+    keys = np.stack([c[name][a_first] for name in names], axis=1).tolist()
+    for k, key in enumerate(map(tuple, keys)):
         if key not in memo:
-            cfg = table.config(int(rows[i]))
+            cfg = table.config(int(rows[a_first[k]]))
             acts = [activations_of(u, cfg, flash) for u in units[cfg.micro_batch_size]]
             memo[key] = ([a for a, _ in acts], [w for _, w in acts])
         kept_u[k], working_u[k] = memo[key]
