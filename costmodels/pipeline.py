@@ -380,59 +380,58 @@ def simulate_pipeline(*, schedule: PipelineSchedule | str, num_stages: int,
 def _timeline(kind: PipelineSchedule, p: int, m: int, v: int, orders: list[list[int]],
               starts: list[list[float]], dur: list[list[float]],
               sizes: list[float] | None = None) -> PipelineTimeline:
-    """Per-rank numbers of a simulated run, as array arithmetic over each rank's ops.
+    """Per-rank numbers of a simulated run, as array arithmetic over a [rank, op] table (every
+    rank runs the same number of ops: each of its stages' for every micro-batch).
 
-    Sums run in op order (`np.cumsum` accumulates left to right, as a Python loop would), so
-    busy times and in-flight bytes do not depend on how they are computed."""
+    Sums run along each rank's ops in op order (`np.cumsum` accumulates left to right, as a
+    Python loop would), so busy times and in-flight bytes do not depend on how they are
+    computed."""
     sm = p * v * m
     table = np.array(dur, dtype=np.float64)  # [kind, stage]
-    size_of = None if sizes is None else np.array(sizes, dtype=np.float64)
-    runs: list[tuple[np.ndarray, ...]] = []
-    busy: list[float] = []
-    peak: list[int] = []
-    peak_bytes: list[float] = []
-    step = 0.0
-    for order, begin in zip(orders, starts):
-        codes = np.array(order, dtype=np.int64)
-        kinds, keys = np.divmod(codes, sm)
-        stages = keys // m
-        lengths = table[kinds, stages]
-        start_s = np.array(begin, dtype=np.float64)
-        end_s = start_s + lengths
-        end = float(end_s[-1])
-        if end > step:  # ops of a rank run in order, so its last op ends last
-            step = end
-        busy.append(float(np.cumsum(lengths)[-1]))
-        held = np.cumsum(np.where(kinds == _F, 1, np.where(kinds == _B, -1, 0)))
-        peak.append(max(0, int(held.max())))
-        runs.append((kinds, stages, keys % m, start_s, end_s))
-        if size_of is not None:
-            peak_bytes.append(_peak_bytes(kinds, keys // m, keys, start_s, end_s, size_of, sm))
+    kinds, keys = np.divmod(np.array(orders, dtype=np.int64), sm)
+    stages = keys // m
+    lengths = table[kinds, stages]
+    start_s = np.array(starts, dtype=np.float64)
+    end_s = start_s + lengths
+    step = max(0.0, float(end_s[:, -1].max()))  # ops of a rank run in order: its last ends last
+    busy = np.cumsum(lengths, axis=1)[:, -1].tolist()
+    held = np.cumsum(np.where(kinds == _F, 1, np.where(kinds == _B, -1, 0)), axis=1)
+    peak = np.maximum(held.max(axis=1), 0).tolist()
+    peak_bytes = () if sizes is None else tuple(
+        _peak_bytes(kinds, stages, keys, start_s, end_s, np.array(sizes, dtype=np.float64), sm))
     idle = tuple(step - b for b in busy)
     mean_busy = sum(busy) / p
     fraction = (step - mean_busy) / step if step > 0 else 0.0
     logger.debug("%s p=%d m=%d v=%d: step %.6g s, bubble %.3f", kind.value, p, m, v, step,
                  fraction)
+    runs = tuple((kinds[r], stages[r], keys[r] % m, start_s[r], end_s[r]) for r in range(p))
     return PipelineTimeline(schedule=kind, num_stages=p, num_microbatches=m, virtual_stages=v,
                             step_time_s=step, busy_s=tuple(busy), idle_s=idle,
                             bubble_fraction=fraction, peak_inflight_microbatches=tuple(peak),
-                            peak_inflight_bytes=tuple(peak_bytes), runs=tuple(runs))
+                            peak_inflight_bytes=peak_bytes, runs=runs)
 
 
 def _peak_bytes(kinds: np.ndarray, stages: np.ndarray, keys: np.ndarray, start_s: np.ndarray,
-                end_s: np.ndarray, sizes: np.ndarray, sm: int) -> float:
-    """Peak activation bytes of one rank: a (stage, micro-batch) holds sizes[stage] from its
-    F's start to the end of its last B or W. Events sort by (time, release before acquire,
-    size) and are summed in that order (the order fixes the floating-point sum)."""
+                end_s: np.ndarray, sizes: np.ndarray, sm: int) -> list[float]:
+    """Peak activation bytes of each rank (rows of the [rank, op] arrays): a (stage,
+    micro-batch) holds sizes[stage] from its F's start to the end of its last B or W. A rank's
+    events sort by (time, release before acquire, size) and are summed in that order (the
+    order fixes the floating-point sum); the rank is the first sort key, so each row sorts
+    and sums on its own."""
+    p = len(kinds)
     forward = kinds == _F
-    last_use = np.zeros(sm)
+    last_use = np.zeros(sm)  # a key's stage lives on one rank: one table serves all ranks
     np.maximum.at(last_use, keys[~forward], end_s[~forward])
-    size = sizes[stages[forward]]
-    times = np.concatenate([start_s[forward], last_use[keys[forward]]])
-    flags = np.concatenate([np.ones(len(size), dtype=np.int64), np.zeros(len(size), np.int64)])
-    deltas = np.concatenate([size, -size])
-    live = np.cumsum(deltas[np.lexsort((deltas, flags, times))])
-    return max(0.0, float(live.max())) if len(live) else 0.0
+    size = sizes[stages[forward]].reshape(p, -1)  # every rank runs as many F's
+    times = np.concatenate([start_s[forward].reshape(p, -1),
+                            last_use[keys[forward]].reshape(p, -1)], axis=1)
+    flags = np.concatenate([np.ones_like(size, dtype=np.int64),
+                            np.zeros_like(size, dtype=np.int64)], axis=1)
+    deltas = np.concatenate([size, -size], axis=1)
+    rank = np.repeat(np.arange(p), deltas.shape[1])
+    order = np.lexsort((deltas.ravel(), flags.ravel(), times.ravel(), rank))
+    live = np.cumsum(deltas.ravel()[order].reshape(p, -1), axis=1)
+    return live.max(axis=1, initial=0.0).tolist()
 
 
 # -- closed forms for uniform stages ----------------------------------------------------------
