@@ -346,10 +346,9 @@ class _VisitOrder:
     table's, read at `rows` (position i is table row rows[i]) only for the rows a prefix
     takes."""
 
-    def __init__(self, step: np.ndarray, ties: tuple[np.ndarray, ...],
-                 rows: np.ndarray | None = None) -> None:
-        self.step, self.ties = step, ties  # tie columns most significant first
-        self.rows = np.arange(len(step)) if rows is None else rows
+    def __init__(self, step: np.ndarray, ties: tuple[np.ndarray, ...], rows: np.ndarray
+                 ) -> None:
+        self.step, self.ties, self.rows = step, ties, rows  # ties most significant first
         self.sorted = np.zeros(0, dtype=np.int64)
         self.rest = np.arange(len(step))  # rows not yet in `sorted`, ascending
 

@@ -123,12 +123,13 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
                                          with_sp=key[2], with_zero=key[3],
                                          body_layers=body_layers, math_attention=math_attention,
                                          max_mbs=max_micro_batch_size, max_v=max_virtual_stages)
+                block = blocks[key]
+                if block is None:
+                    continue
                 for ep in _allowed("ep", eps, constraints):
-                    block = blocks[key]
-                    if block is not None:
-                        degrees.append((dp, tp, pp, cp, ep))
-                        sizes.append(len(block["zero_stage"]))
-                        inner.append(block)
+                    degrees.append((dp, tp, pp, cp, ep))
+                    sizes.append(len(block["zero_stage"]))
+                    inner.append(block)
     if not inner:
         return ConfigTable({name: np.zeros(0, dtype=np.int64) for name in COLUMNS})
     per_block = np.array(degrees, dtype=np.int64)
