@@ -66,11 +66,12 @@ def signature(module: nn.Module) -> tuple:
     """A hashable structural signature; equal signatures mean interchangeable blocks.
 
     Per submodule, in depth-first order: depth, key, class, the names of its config
-    attributes (those `_config_value` does not skip), their values, its parameters as (name, shape, dtype, ``requires_grad``) runs and its
-    buffers as (name, shape, dtype) runs, each list closed by None. One flat tuple rather than
-    a tuple per submodule, because it runs once per layer of the user's model and must stay
-    cheap next to tracing one block. It reads back in one way only (the names say how many
-    values follow, and no name is None), so equal tuples mean equal modules.
+    attributes (those `_config_value` does not skip), their values, its parameters as (name,
+    shape, dtype, ``requires_grad``) runs and its buffers as (name, shape, dtype) runs, each
+    list closed by None. One flat tuple rather than a tuple per submodule, because it runs
+    once per layer of the user's model and must stay cheap next to tracing one block. It
+    reads back in one way only (the names say how many values follow, and no name is None),
+    so equal tuples mean equal modules.
     """
     out: list = []
     add = out.append
