@@ -51,7 +51,6 @@ class Layout:
     rank_work: np.ndarray  # forward + backward seconds per micro-batch
     rank_kept: np.ndarray  # activation bytes per micro-batch, all chunks of the rank
     rank_counts: np.ndarray  # [rank, unit] layers
-    rank_chunks_n: np.ndarray
     rank_working: np.ndarray
     rank_dense: np.ndarray  # parameters per rank on one GPU
     rank_expert: np.ndarray
@@ -115,10 +114,9 @@ class Structure:
     rank_counts: np.ndarray  # [rank, unit] layers
     cuts: np.ndarray  # int64 [chunk, (start, end)]: half-open ranges over `fqns`
     fqns: tuple[str, ...]  # every layer in model order
-    # derived once per split: which units a chunk / rank holds, chunks per rank
+    # derived once per split: which units a chunk / rank holds
     in_chunk: np.ndarray
     in_rank: np.ndarray
-    rank_chunks_n: np.ndarray
 
     @functools.cached_property
     def stage_layers(self) -> tuple[tuple[str, ...], ...]:
@@ -160,8 +158,7 @@ def structure(units: tuple[Unit, ...], pp: int, v: int,
     counts = counts.astype(np.float64)
     rank_counts = counts.reshape(v, pp, len(units)).sum(axis=0)  # chunk c on rank c mod pp
     return Structure(counts=counts, rank_counts=rank_counts, cuts=cuts, fqns=fqns,
-                     in_chunk=counts > 0, in_rank=rank_counts > 0,
-                     rank_chunks_n=np.full(pp, float(v)))
+                     in_chunk=counts > 0, in_rank=rank_counts > 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,7 +206,6 @@ def layout(vec: UnitVectors, cfg: ParallelConfig, st: Structure) -> Layout:
         rank_work=st.rank_counts @ vec.work,
         rank_kept=st.rank_counts @ vec.kept,
         rank_counts=st.rank_counts,
-        rank_chunks_n=st.rank_chunks_n,
         rank_working=np.where(st.in_rank, vec.working, 0.0).max(axis=1),
         rank_dense=st.rank_counts @ vec.dense / cfg.tp,
         rank_expert=st.rank_counts @ vec.expert / (cfg.tp * cfg.ep),
@@ -308,7 +304,7 @@ def analytic_inflight(cfg: ParallelConfig, m: int, lay: Layout) -> np.ndarray:
     if cfg.pp_schedule == "interleaved-1f1b" and v > 1:
         held = np.full(p, m * v, dtype=float) if m == p else \
             np.minimum(2 * (p - 1 - ranks) + (v - 1) * p + 1, m * v)
-        return held * lay.rank_kept / lay.rank_chunks_n
+        return held * lay.rank_kept / v  # v chunks per rank
     return np.minimum(p - ranks, m) * lay.rank_kept
 
 

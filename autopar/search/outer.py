@@ -158,9 +158,10 @@ def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: 
             busiest[k], total[k] = rank_work_extremes(split, work)
             longest[k] = rank_work_extremes(split, tail)[0]
     at = (s_index, inverse)
-    failed = np.isnan(busiest[at])
-    return step_lower_bounds(table, rows, busiest[at], total[at], longest[at],
-                             global_batch_size=global_batch_size), failed, busiest[at]
+    row_busiest = busiest[at]
+    return step_lower_bounds(table, rows, row_busiest, total[at], longest[at],
+                             global_batch_size=global_batch_size), np.isnan(row_busiest), \
+        row_busiest
 
 
 def _row(est: Estimate, exact: bool) -> dict[str, Any]:
