@@ -212,34 +212,45 @@ def _block(gbs: int, constraints: dict[str, Any], grids: _Grids, *, dp: int, pp:
 def _int_over(numerator: int, denominator: np.ndarray) -> np.ndarray:
     """numerator / denominator per element, rounded as Python's int / int (exactly once)."""
     if abs(numerator) <= 2 ** 53 and int(np.abs(denominator).max(initial=0)) <= 2 ** 53:
-        return float(numerator) / denominator.astype(np.float64)
+        out = denominator.astype(np.float64)
+        return np.divide(float(numerator), out, out=out)
     return np.array([numerator / int(d) for d in denominator], dtype=np.float64)
 
 
 def _state_bytes(dtype: str, zero: np.ndarray, shards: np.ndarray) -> np.ndarray:
     """`state_bytes_per_param` per row: weights + grads + optimizer states, each divided by
     the shards from the ZeRO stage that shards it on (the same three terms, summed left to
-    right)."""
-    weights, grads, optim = state_bytes_split(dtype, 0, 1)
-    w = np.where(zero >= 3, weights / shards, weights)
-    g = np.where(zero >= 2, grads / shards, grads)
-    o = np.where(zero >= 1, optim / shards, optim)
-    return w + g + o
+    right). Two arrays of the table's length, reused in place: at tens of thousands of rows
+    each new one costs page faults, more than its arithmetic."""
+    terms = state_bytes_split(dtype, 0, 1)
+    out, term = np.empty(len(zero)), np.empty(len(zero))
+    for k, (bytes_, into) in enumerate(zip(terms, (out, term, term))):
+        np.divide(bytes_, shards, out=into)  # stage 3 shards weights, 2 grads, 1 optimizer
+        np.copyto(into, bytes_, where=zero < 3 - k)
+        if k:
+            out += term
+    return out
 
 
 def states_lower_bounds(table: ConfigTable, *, dense_params: int, expert_params: int,
                         dtype: str) -> np.ndarray:
     """Per row: the bytes no placement can avoid, model states of an even share of the
-    parameters plus the fixed buffers (the search's `_states_lower_bound`)."""
+    parameters plus the fixed buffers (the search's `_states_lower_bound`). A model without
+    experts skips their term (adding 0.0 changes no sum)."""
     c = table.columns
     if not len(table):
         return np.zeros(0)
-    dense = _int_over(dense_params, c["tp"] * c["pp"])
-    expert = _int_over(expert_params, c["tp"] * c["pp"] * c["ep"])
+    model = c["tp"] * c["pp"]
     shards = c["dp"] * c["cp"]
-    return (dense * _state_bytes(dtype, c["zero_stage"], shards)
-            + expert * _state_bytes(dtype, c["zero_stage"], np.maximum(1, shards // c["ep"]))
-            + COMM_BUFFER_BYTES + CUDA_CONTEXT_BYTES)
+    out = _int_over(dense_params, model)
+    out *= _state_bytes(dtype, c["zero_stage"], shards)
+    if expert_params:
+        expert = _int_over(expert_params, model * c["ep"])
+        expert *= _state_bytes(dtype, c["zero_stage"], np.maximum(1, shards // c["ep"]))
+        out += expert
+    out += COMM_BUFFER_BYTES
+    out += CUDA_CONTEXT_BYTES
+    return out
 
 
 def step_lower_bounds(table: ConfigTable, rows: np.ndarray, busiest: np.ndarray,
@@ -250,14 +261,22 @@ def step_lower_bounds(table: ConfigTable, rows: np.ndarray, busiest: np.ndarray,
     the largest rank's forward + backward less weight-grad (`tail`): (m + (p-1)/v)·busiest
     interleaved, m·busiest for p = 1, m·busiest + (p-1)·max(tail, 0) for ZB-H1, else total +
     (m-1)·busiest."""
-    c = {name: table.columns[name][rows]
-         for name in ("pp", "pp_schedule", "dp", "micro_batch_size", "virtual_stages")}
-    pp, sched = c["pp"], c["pp_schedule"]
-    m = global_batch_size // (c["dp"] * c["micro_batch_size"])
-    out = total + (m - 1) * busiest
-    out = np.where(sched == _ZERO_BUBBLE, m * busiest + (pp - 1) * np.maximum(tail, 0.0), out)
-    out = np.where(pp == 1, m * busiest, out)
-    return np.where(sched == _INTERLEAVED, (m + (pp - 1) / c["virtual_stages"]) * busiest, out)
+    col = table.columns
+    pp, sched = col["pp"][rows], col["pp_schedule"][rows]
+    m = col["dp"][rows] * col["micro_batch_size"][rows]
+    np.floor_divide(global_batch_size, m, out=m)
+    # each schedule's form on its rows alone, interleaved over p = 1 over ZB-H1 over the rest
+    # (fewer temporaries of the table's length: at tens of thousands of rows each new one
+    # costs page faults, more than its arithmetic)
+    out = (m - 1) * busiest
+    out += total
+    at = np.flatnonzero(sched == _ZERO_BUBBLE)
+    out[at] = m[at] * busiest[at] + (pp[at] - 1) * np.maximum(tail[at], 0.0)
+    at = np.flatnonzero(pp == 1)
+    out[at] = m[at] * busiest[at]
+    at = np.flatnonzero(sched == _INTERLEAVED)
+    out[at] = (m[at] + (pp[at] - 1) / col["virtual_stages"][rows[at]]) * busiest[at]
+    return out
 
 
 def key_groups(table: ConfigTable, rows: np.ndarray, names: tuple[str, ...]
