@@ -264,6 +264,7 @@ class _Band:
             sums[name] = np.where(inside, prefix[ends] - prefix[self.starts], np.inf)
         self.tau, self.act, self.state = sums["tau"], sums["act"], sums["state"]
         self._held: dict[int, np.ndarray] = {}
+        self._most: dict[int, float] = {}
 
     def held(self, inflight: int) -> np.ndarray:
         """Bytes each stage holds with `inflight` micro-batches in flight (computed once per
@@ -274,9 +275,17 @@ class _Band:
 
     def allowed(self, matrix: np.ndarray, inflight: int, budget: float) -> np.ndarray:
         """`matrix` where the stage fits `budget` with `inflight` micro-batches, inf elsewhere."""
-        if budget == math.inf:
+        if budget >= self.most_held(inflight):
             return matrix
         return np.where(self.held(inflight) <= budget, matrix, np.inf)
+
+    def most_held(self, inflight: int) -> float:
+        """The most bytes a stage of the band holds with `inflight` micro-batches in flight
+        (once per count): a budget at least that rules nothing out."""
+        if inflight not in self._most:
+            held = self.held(inflight)
+            self._most[inflight] = float(held[np.isfinite(held)].max(initial=-math.inf))
+        return self._most[inflight]
 
     def cut(self, num: int, cost_of: Callable[[int], np.ndarray], minimax: bool
             ) -> tuple[list[tuple[int, int]] | None, float]:
@@ -447,7 +456,9 @@ def _search(ranges: _Ranges, inflight: tuple[int, ...], act: np.ndarray, state: 
         if cut is None:
             raise _infeasible(ranges, inflight, p, v, budget, [budget] * num)
         return cut, True, "dp"
-    least = [float(np.min(state + n * act)) for n in inflight]  # one layer's worth per chunk
+    # one layer's worth per chunk (once per distinct in-flight count)
+    least_of = {n: float(np.min(state + n * act)) for n in set(inflight)}
+    least = [least_of[n] for n in inflight]
     relaxed = []
     for s in range(num):
         others = sum(least[o] for o in range(s % p, num, p) if o != s)
@@ -711,13 +722,16 @@ def _result(kind: PipelineSchedule, p: int, m: int, v: int, cut: list[tuple[int,
             inflight: tuple[int, ...], fwd: np.ndarray, bwd: np.ndarray,
             wgrad: np.ndarray | None, act: np.ndarray, state: np.ndarray, hop: float,
             budget: float, exact: bool, method: str) -> StagePartition:
+    fwd, bwd = fwd.tolist(), bwd.tolist()  # fsum reads a list faster than an array
     stage_f = tuple(math.fsum(fwd[i:j]) for i, j in cut)
     stage_b = tuple(math.fsum(bwd[i:j]) for i, j in cut)
     times = tuple(f + b + 2.0 * hop for f, b in zip(stage_f, stage_b))
     bottleneck = max(times)
     predicted = math.fsum(times) / v + (m * v - 1) * bottleneck
-    stage_w = None if wgrad is None else tuple(min(math.fsum(wgrad[i:j]), b)
-                                               for (i, j), b in zip(cut, stage_b))
+    stage_w = None
+    if wgrad is not None:
+        wgrad = wgrad.tolist()
+        stage_w = tuple(min(math.fsum(wgrad[i:j]), b) for (i, j), b in zip(cut, stage_b))
     logger.debug("%s p=%d v=%d m=%d: %s layers/stage, bottleneck %.6g s, predicted %.6g s "
                  "(%s)", kind.value, p, v, m, [j - i for i, j in cut], bottleneck, predicted,
                  method)
