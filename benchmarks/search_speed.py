@@ -2,7 +2,8 @@
 depth. Prints a table: case, GPUs, configs considered, median and least wall seconds over
 repeats, the median CPU seconds of the process (less disturbed by other load on the machine)
 and of the outer search alone (`plan.search["seconds"]`, wall), the chosen plan; then the
-128-layer / 32-layer ratios (same width, same cluster). Goals (issue 5): Llama-3-70B on 1,024
+128-layer / 32-layer ratios (same width, same cluster). The cases run in rounds, each once per
+round, so that the two depths are timed side by side. Goals (issue 5): Llama-3-70B on 1,024
 H100 <= 10 s, Llama-3-405B on 16,384 H100 <= 60 s, ratio <= 1.2.
 
 The two depths need not pick the same plan, and work that follows from the plan is in the
@@ -66,18 +67,24 @@ def main() -> None:
     settings = autopar.SearchSettings(progress=False)
     print(f"{'case':<24} {'GPUs':>6} {'configs':>8} {'median s':>9} {'min s':>7} {'cpu s':>6} "
           f"{'search s':>8}  plan")
-    medians: dict[tuple, tuple[float, float, float]] = {}
-    for name, layers, nodes, gbs, seq in CASES:
-        cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=nodes)
-        times, cpu, search, plan = [], [], [], None
-        for _ in range(args.repeats):
+    clusters = [autopar.Cluster.from_profile("dgx-h100", num_nodes=nodes)
+                for _, _, nodes, _, _ in CASES]
+    # rounds: every case once per round, so that the depths are measured side by side and a
+    # drift of the machine's speed during the run weighs on both alike
+    runs: list[list[tuple[float, float, float]]] = [[] for _ in CASES]
+    plans: list = [None] * len(CASES)
+    for _ in range(args.repeats):
+        for k, (name, layers, _, gbs, seq) in enumerate(CASES):
             model = _llama(name, layers)
             start, start_cpu = time.perf_counter(), time.process_time()
-            plan = autopar.compile(model, cluster, global_batch_size=gbs, seq_len=seq,
+            plan = autopar.compile(model, clusters[k], global_batch_size=gbs, seq_len=seq,
                                    settings=settings)
-            times.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - start_cpu)
-            search.append(plan.search["seconds"])
+            runs[k].append((time.perf_counter() - start, time.process_time() - start_cpu,
+                            plan.search["seconds"]))
+            plans[k] = plan
+    medians: dict[tuple, tuple[float, ...]] = {}
+    for (name, layers, _, _, _), cluster, plan, got in zip(CASES, clusters, plans, runs):
+        times, cpu, search = zip(*got)
         label = name + (f" ({layers} layers)" if layers else "")
         med = tuple(statistics.median(x) for x in (times, cpu, search))
         medians[(name, layers)] = med
