@@ -15,6 +15,9 @@ the median of several CUDA-event-timed repetitions after warm-up, on random data
   (flash, cuDNN, memory-efficient) and an unfused bf16 attention (scores materialized), causal
   and not, head dims 64 and 128.
 - ``alignment``: GEMMs over GPT-2's unaligned 50,257-token vocabulary and the padded 50,304.
+- ``optimizer``: the passes of a mixed-precision optimizer step (AdamW fused, foreach and
+  for-loop; master-to-model weight copy; gradient norm and clip scaling; gradient cast) over
+  1-8 Llama-3-8B layers' parameters, giving the bandwidth each achieves.
 - ``loss``: bytes per logit the eager cross-entropy (fp32 upcast) allocates, forward and backward.
 - ``memory``: a device copy, LayerNorm, GELU and an add over activation-sized tensors
   (forward and backward), giving achieved HBM bandwidth.
@@ -156,6 +159,56 @@ def measure_loss_memory() -> list[dict]:
             rows.append({"tokens": tokens, "vocab": vocab, "fwd_peak_per_logit": fwd_peak / n,
                          "kept_per_logit": kept / n, "bwd_peak_per_logit": bwd_peak / n})
             del logits, labels, loss
+    return rows
+
+
+# One Llama-3-8B layer's parameters (4096 wide, SwiGLU 14336, two norms): 218 M in 9 tensors.
+_OPT_LAYER = ((4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096),
+              (14336, 4096), (4096, 14336), (4096,), (4096,))
+# Bytes each pass must move per parameter at least (fp32 master, m, v and gradient)
+OPT_PASS_BYTES = {"adamw_fused": 28, "adamw_foreach": 28, "adamw_forloop": 28,
+                  "master_to_model": 6, "grad_norm": 4, "clip_scale": 8, "grad_cast": 6,
+                  "copy_fp32": 8}
+
+
+def measure_optimizer(quick: bool) -> list[dict]:
+    """The optimizer-step passes of mixed-precision training over the parameters of 1, 4 and 8
+    Llama-3-8B layers: an AdamW step (fused, foreach and for-loop) over fp32 weights, gradients
+    and states; the copy of the fp32 master weights into the bf16 model weights; the global
+    gradient norm of clipping and its scaling; the cast of bf16 gradients to fp32; and a plain
+    fp32 copy of the same size for reference. Each row: median ms and the bytes moved at least
+    (`OPT_PASS_BYTES` per parameter)."""
+    rows = []
+    for layers in ((1, 4) if quick else (1, 4, 8)):
+        torch.cuda.empty_cache()
+        shapes = [s for _ in range(layers) for s in _OPT_LAYER]
+        params = [torch.randn(s, device="cuda") for s in shapes]
+        grads = [torch.randn_like(p) * 1e-3 for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g
+        numel = sum(p.numel() for p in params)
+        model = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
+        low_grads = [g.to(torch.bfloat16) for g in grads]
+        spare = [torch.empty_like(p) for p in params]
+        cases = {
+            "master_to_model": lambda: torch._foreach_copy_(model, params),
+            "grad_cast": lambda: torch._foreach_copy_(spare, low_grads),
+            "copy_fp32": lambda: torch._foreach_copy_(spare, grads),
+            "grad_norm": lambda: torch.linalg.vector_norm(
+                torch.stack(torch._foreach_norm(grads))),
+            "clip_scale": lambda: torch._foreach_mul_(grads, 1.0),
+        }
+        for impl in ("fused", "foreach", "forloop"):
+            flags = {"fused": {"fused": True}, "foreach": {"foreach": True},
+                     "forloop": {"foreach": False}}[impl]
+            opt = torch.optim.AdamW(params, lr=1e-6, **flags)
+            cases[f"adamw_{impl}"] = opt.step
+        for name, fn in cases.items():
+            ms = _time_ms(fn, target_ms=60.0)
+            moved = OPT_PASS_BYTES[name] * numel
+            rows.append({"pass": name, "params": numel, "tensors": len(params), "ms": ms,
+                         "bytes": moved, "gb_per_s": moved / ms / 1e6})
+        del params, grads, model, low_grads, spare, cases, opt
     return rows
 
 
@@ -376,7 +429,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sections", default="env,memory,alignment,loss,attention,gemm,steps")
+    ap.add_argument("--sections", default="env,memory,alignment,loss,optimizer,attention,gemm,steps")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--precision", default="bf16,autocast,compiled",
                     help="training precisions of the steps section, comma-separated: bf16, "
@@ -397,6 +450,7 @@ def main(argv=None) -> int:
     sections = args.sections.split(",")
     for name, fn in (("memory", measure_memory_ops), ("alignment", measure_alignment),
                      ("loss", measure_loss_memory),
+                     ("optimizer", lambda: measure_optimizer(args.quick)),
                      ("attention", lambda: measure_attention(args.quick)),
                      ("gemm", lambda: measure_gemms(args.quick))):
         if name in sections:
@@ -425,6 +479,9 @@ def main(argv=None) -> int:
         best = max(r["tflops"] for r in gemm)
         print(f"gemm: {len(gemm)} timings, best {best:.0f} TFLOP/s, median "
               f"{statistics.median(r['tflops'] for r in gemm):.0f}")
+    for r in result.get("optimizer", []):
+        print(f"optimizer {r['pass']:16s} {r['params'] / 1e9:5.2f} B params {r['ms']:8.2f} ms "
+              f"{r['gb_per_s']:6.0f} GB/s")
     for r in result.get("attention", []):
         if "error" not in r:
             work = r["flops_fwd"] * (0.5 if r["causal"] else 1.0)

@@ -9,10 +9,12 @@ prints measured / predicted per kind and for the whole step, and the peak bytes.
 
 The steps ran for seconds at boost clocks; `SUSTAINED_COMPUTE_FRACTION` (hours-long runs at the
 power limit, fitted on published runs) is divided out of the predicted compute here. The
-harness's fp32 master-gradient casts (6 bytes per parameter, a copy kernel) are taken out of
-the measured memory-bound time: the estimate's optimizer (30 B per parameter) covers them. The
-eager steps' loss is F.cross_entropy on fp32-upcast logits, the compiled steps' the fused
-kernel torch.compile makes of it.
+harness's optimizer is fused AdamW and the master-to-model weight copy without gradient
+clipping, so its predicted time leaves out the clipping norm. Its fp32 master-gradient casts
+(6 bytes per parameter, a copy kernel that training software avoids by accumulating gradients
+in fp32) are taken out of the measured memory-bound time and added to the predicted step at
+the profile's bandwidth. The eager steps' loss is F.cross_entropy on fp32-upcast logits, the
+compiled steps' the fused kernel torch.compile makes of it.
 
 Run: python benchmarks/gpu_check.py [--file PATH] [--profile dgx-h100] [--precision compiled]
 """
@@ -35,7 +37,8 @@ from autopar.estimate import EstimateOptions  # noqa: E402
 from autopar.estimate.core import ModelCosts  # noqa: E402
 from autopar.estimate.timing import op_times  # noqa: E402
 from autopar.models import GPTConfig, build  # noqa: E402
-from costmodels.compute import MEMORY_OP_TRAFFIC_FACTOR, optimizer_time_s, sustained_fraction  # noqa: E402
+from costmodels.compute import (MEMORY_OP_TRAFFIC_FACTOR, memory_time_s, optimizer_time_s,  # noqa: E402
+                                sustained_fraction)
 
 DEFAULT_FILE = ROOT / "tests" / "data" / "h100_measurements.json"
 HARNESS_CAST_BYTES_PER_PARAM = 6.0  # bf16 gradient read, fp32 master gradient written
@@ -79,18 +82,18 @@ def check_step(step: dict, cluster: autopar.Cluster, *, attention_kernel: str = 
             pred[op.kind] += unit.count * (rerun * fwd + bwd) / scale
             if op.logits:
                 pred["loss"] += unit.count * (fwd + bwd)
-    pred["optimizer"] = optimizer_time_s(device, step["params"])
+    pred["optimizer"] = optimizer_time_s(device, step["params"], "bf16", grad_clip=False)
     est = autopar.estimate(graph, cluster, cfg, global_batch_size=mb, seq_len=seq, dtype="bf16",
                            options=EstimateOptions(attention_kernel=attention_kernel,
                                                    kernels=kernels, loss_kernel=loss_kernel))
-    compute = est.breakdown.get("compute", 0.0) + est.breakdown.get("recompute", 0.0)
-    pred["step"] = est.step_time_s - compute + pred["gemm"] + pred["attention"] + pred["memory"]
+    cast = memory_time_s(device, step["params"] * HARNESS_CAST_BYTES_PER_PARAM)
+    replaced = sum(est.breakdown.get(term, 0.0) for term in ("compute", "recompute", "optimizer"))
+    pred["step"] = (est.step_time_s - replaced + pred["gemm"] + pred["attention"] + pred["memory"]
+                    + pred["optimizer"] + cast)
     pred["peak_bytes"] = est.tensor_memory_bytes
     k = step["kernel_s_by_kind"]
-    cast = step["params"] * HARNESS_CAST_BYTES_PER_PARAM / (
-        device.memory_bandwidth_bytes_per_s * device.memory_efficiency)
     meas = {"gemm": k.get("gemm", 0.0), "attention": k.get("attention", 0.0),
-            "memory": k.get("other", 0.0) - cast, "optimizer": k.get("optimizer", 0.0) + cast,
+            "memory": k.get("other", 0.0) - cast, "optimizer": k.get("optimizer", 0.0),
             "step": step["step_s"], "peak_bytes": float(step["peak_allocated_bytes"])}
     return StepCheck(step_id=step["id"], measured=meas, predicted=pred)
 

@@ -16,6 +16,8 @@
 - Everything else (norms, elementwise, softmax, embedding lookups) is bound by memory
   bandwidth, at `MEMORY_OP_TRAFFIC_FACTOR` times its minimum traffic (what eager PyTorch moves);
   a cross-entropy loss at the bytes per logit its software's kernels move (`loss_traffic_bytes`).
+- The optimizer step moves `OPTIMIZER_PASS_BYTES` per parameter (AdamW, the clipping norm, the
+  master-to-model weight copy) at `OPTIMIZER_BANDWIDTH_FRACTION` of the memory bandwidth.
 The constants are named here with their sources; the published-runs benchmark checks them.
 No torch import.
 """
@@ -27,7 +29,8 @@ from costmodels.hardware import DeviceSpec
 __all__ = [
     "GEMM_HALF_EFFICIENCY_FLOPS", "FUSED_ATTENTION_PEAK_FRACTION", "ATTENTION_KERNELS",
     "MATH_ATTENTION_SCORE_PASSES", "MATH_ATTENTION_DROPOUT_PASSES",
-    "KERNEL_GAP_S", "OPTIMIZER_BYTES_PER_PARAM", "SUSTAINED_COMPUTE_FRACTION", "sustained_fraction",
+    "KERNEL_GAP_S", "OPTIMIZER_PASS_BYTES", "OPTIMIZER_BANDWIDTH_FRACTION",
+    "optimizer_bytes_per_param", "SUSTAINED_COMPUTE_FRACTION", "sustained_fraction",
     "op_overhead_s", "peak_flops", "gemm_time_s", "memory_time_s", "attention_time_s", "optimizer_time_s",
     "fused_attention_fraction", "ATTENTION_SEQ_HALF", "MEMORY_OP_TRAFFIC_FACTOR", "KERNEL_STYLES",
     "UNALIGNED_GEMM_FRACTION", "unaligned_gemm_slowdown", "activation_memory_time_s",
@@ -122,7 +125,11 @@ KERNEL_STYLES = tuple(MEMORY_OP_TRAFFIC_FACTOR)
 # fraction of the aligned GEMM's throughput. Measured on an H100 SXM (tests/data/
 # h100_measurements.json, "alignment", 2026-11-22): bf16, 2k-8k tokens x 1k-4k hidden x 50,257
 # against 50,304 columns, median of 6 shapes; forward 0.13 (0.128-0.148), input and weight
-# gradients 0.20 (0.177-0.228). GPU architectures only (CPU BLAS has no such cliff).
+# gradients 0.20 (0.177-0.228). Tensor-core dtypes on GPUs only: CPU BLAS has no such cliff,
+# and fp32 GEMMs (CUDA cores, TF32 off) showed none: a generated script training GPT-2 medium
+# (vocabulary 50,257) in fp32 on an H100 (2026-11-23, 8 x 1,024 tokens) stepped in 445 ms,
+# under the 508 ms the model predicts at boost clocks with the head priced as aligned (747 ms
+# with this penalty).
 UNALIGNED_GEMM_FRACTION = {"fwd": 0.13, "bwd": 0.20}
 
 # Passes of the b·a·s² score matrix through memory in an unfused attention, by software,
@@ -178,9 +185,22 @@ def sustained_fraction(arch: str) -> float:
 # Nsight guidance ("launch overhead of a few microseconds").
 KERNEL_GAP_S = 2e-6
 
-# Mixed-precision Adam step per parameter: read fp32 master, m, v and the gradient (16 B),
-# write master, m, v (12 B) and the low-precision weight copy (2 B).
-OPTIMIZER_BYTES_PER_PARAM = 30.0
+# The optimizer step's passes over each parameter (fp32 master weights, gradients and Adam
+# moments), as Megatron-LM, torchtitan and llm-foundry run them by default:
+# - "adam": the AdamW update reads master, gradient, m and v (16 B), writes master, m, v (12 B);
+# - "grad_norm": gradient clipping's global norm reads every gradient once. Its scaling pass
+#   (8 B more) is not counted: Megatron-LM runs it only when the norm exceeds the threshold
+#   (PyTorch's clip_grad_norm_, torchtitan's, runs it every step);
+# - "master_copy": with 16- or 8-bit weights, the master weights are copied into the model's
+#   (4 B read, 2 B written); fp32 training updates the model's weights in place.
+OPTIMIZER_PASS_BYTES = {"adam": 28.0, "grad_norm": 4.0, "master_copy": 6.0}
+# Bandwidth those multi-tensor passes reach, as a fraction of the profile's (memory bandwidth x
+# memory efficiency). Measured on an H100 (tests/data/h100_measurements.json, "optimizer",
+# 2026-11-23): fused AdamW, the master copy and the gradient norm over the parameters of 1, 4
+# and 8 Llama-3-8B layers (0.2-1.7 B) reach 2.26-2.63 TB/s, median 2.52 = 0.89 of 3.35 x 0.84
+# TB/s; PyTorch's foreach and for-loop AdamW reach 0.9-1.0 TB/s (more passes). GPU
+# architectures only: CPU profiles' bandwidths are their own measurements.
+OPTIMIZER_BANDWIDTH_FRACTION = 0.89
 
 
 def peak_flops(device: DeviceSpec, dtype: str) -> float:
@@ -237,9 +257,9 @@ def gemm_time_s(device: DeviceSpec, dtype: str, flops: float, num_bytes: float) 
     return max(flops / rate, memory_time_s(device, num_bytes))
 
 
-def unaligned_gemm_slowdown(device: DeviceSpec, *, backward: bool) -> float:
+def unaligned_gemm_slowdown(device: DeviceSpec, dtype: str, *, backward: bool) -> float:
     """How many times longer a GEMM over unaligned rows takes than an aligned one."""
-    if device.arch == "cpu":
+    if device.arch == "cpu" or dtype == "fp32":
         return 1.0
     return 1.0 / UNALIGNED_GEMM_FRACTION["bwd" if backward else "fwd"]
 
@@ -286,5 +306,18 @@ def attention_time_s(device: DeviceSpec, dtype: str, *, flops: float, io_bytes: 
     return gemm_time_s(device, dtype, flops, io_bytes) + memory_time_s(device, passes * score_bytes)
 
 
-def optimizer_time_s(device: DeviceSpec, num_params: float) -> float:
-    return memory_time_s(device, num_params * OPTIMIZER_BYTES_PER_PARAM)
+def optimizer_bytes_per_param(dtype: str, *, grad_clip: bool = True) -> float:
+    """Bytes the optimizer step moves per parameter (`OPTIMIZER_PASS_BYTES`) when training
+    in `dtype`, with or without gradient clipping's norm."""
+    passes = OPTIMIZER_PASS_BYTES
+    return (passes["adam"] + (passes["grad_norm"] if grad_clip else 0.0)
+            + (0.0 if dtype == "fp32" else passes["master_copy"]))
+
+
+def optimizer_time_s(device: DeviceSpec, num_params: float, dtype: str, *,
+                     grad_clip: bool = True) -> float:
+    """One optimizer step over `num_params` parameters: its passes' bytes at the bandwidth
+    multi-tensor kernels reach (`OPTIMIZER_BANDWIDTH_FRACTION` on GPUs)."""
+    fraction = 1.0 if device.arch == "cpu" else OPTIMIZER_BANDWIDTH_FRACTION
+    moved = num_params * optimizer_bytes_per_param(dtype, grad_clip=grad_clip)
+    return memory_time_s(device, moved) / fraction

@@ -314,7 +314,7 @@ def _data_parallel(cluster: Cluster, cache: EvalCache, prep: "_Prepared",
         shards = config.dp * config.cp
         master = (prep.dense + prep.expert) / (shards if config.zero_stage >= 1 else 1)
         prep.data_parallel[dkey] = (dp_exposed, dp_total,
-                                    optimizer_time_s(cluster.hardware.device, master))
+                                    optimizer_time_s(cluster.hardware.device, master, dtype))
     return prep.data_parallel[dkey]
 
 

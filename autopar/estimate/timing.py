@@ -89,8 +89,8 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         fwd = gemm_time_s(device, dtype, op.flops_fwd / scale, op.bytes_fwd / scale)
         bwd = gemm_time_s(device, dtype, op.flops_bwd / scale, 2 * op.bytes_fwd / scale)
         if not op.aligned and kernels == "eager":  # fused-kernel software pads the sizes
-            fwd *= unaligned_gemm_slowdown(device, backward=False)
-            bwd *= unaligned_gemm_slowdown(device, backward=True)
+            fwd *= unaligned_gemm_slowdown(device, dtype, backward=False)
+            bwd *= unaligned_gemm_slowdown(device, dtype, backward=True)
         return fwd, bwd, bwd / 2 if op.flops_bwd >= 2 * op.flops_fwd else 0.0
     if op.kind == "attention":
         scale = tp * cp

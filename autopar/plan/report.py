@@ -516,9 +516,12 @@ def _constants(hardware, dtype: str, options: dict[str, Any]) -> list[tuple[str,
         rows.append(("device.op_overhead_us", fmt_seconds(device.op_overhead_s), "profile"))
     else:
         rows.append(("KERNEL_GAP_S", fmt_seconds(_compute.KERNEL_GAP_S), "assumed"))
-    rows += [("OPTIMIZER_BYTES_PER_PARAM", f"{_compute.OPTIMIZER_BYTES_PER_PARAM:g}",
-              "derived (Adam memory traffic)"),
-             ("CUDA_CONTEXT_BYTES", _fmt_bytes(_memory.CUDA_CONTEXT_BYTES), "assumed"),
+    rows.append(("optimizer bytes per parameter", f"{_compute.optimizer_bytes_per_param(dtype):g}",
+                 "derived (AdamW, norm, copy)"))
+    if arch != "cpu":
+        rows.append(("OPTIMIZER_BANDWIDTH_FRACTION", f"{_compute.OPTIMIZER_BANDWIDTH_FRACTION:g}",
+                     "measured (H100)"))
+    rows += [("CUDA_CONTEXT_BYTES", _fmt_bytes(_memory.CUDA_CONTEXT_BYTES), "assumed"),
              ("COMM_BUFFER_BYTES", _fmt_bytes(_memory.COMM_BUFFER_BYTES), "assumed (DDP + NCCL)"),
              ("ALLOCATOR_RESERVE_FRACTION", f"{_memory.ALLOCATOR_RESERVE_FRACTION:g}", "assumed")]
     if arch in _nccl.NVLS_ALGBW_EFFICIENCY:
