@@ -215,6 +215,12 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     from torch.distributed.device_mesh import init_device_mesh
 
     device = torch.device(device)
+    meta = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if meta:
+        raise ValueError(f"the model is on the meta device ({meta[0]} and {len(meta) - 1} more "
+                         f"tensors have no data), so there are no weights to train: build it "
+                         f"with weights (e.g. autopar.models.build(..., device='cpu')), or call "
+                         f"model.to_empty(device='cpu') and initialise it first")
     cfg = plan.config
     if cfg.cp > 1:
         check_context_parallel(plan)

@@ -179,6 +179,17 @@ def test_context_parallel_plan_is_checked_before_any_collective():
         apply_plan(tiny_models.tiny_llama(), bad)
 
 
+def test_a_model_without_weights_is_refused_before_any_collective():
+    """A factory that returns a meta-device model (autopar.models.build's default) gets an
+    error naming the fix, not PyTorch's "Cannot copy out of meta tensor" from deep inside."""
+    plan = _plan(tiny_models.tiny_llama, 2, dp=2)
+    with torch.device("meta"):
+        model = tiny_models.tiny_llama()
+    with pytest.raises(ValueError, match=r"meta device \(.* more tensors have no data\).*"
+                                         r"device='cpu'"):
+        apply_plan(model, plan)
+
+
 def test_world_size_check():
     plan = _plan(tiny_models.tiny_llama, 2, dp=2)
     check_world_size(plan, 2)
