@@ -47,6 +47,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from costmodels.compute import OPTIMIZER_PASS_BYTES  # noqa: E402
+
 HIDDEN = (1024, 2048, 2304, 3072, 4096, 5120, 6144, 8192, 12288)
 TOKENS = (2048, 4096, 8192, 16384)
 TP = (1, 2, 4, 8)
@@ -165,10 +167,14 @@ def measure_loss_memory() -> list[dict]:
 # One Llama-3-8B layer's parameters (4096 wide, SwiGLU 14336, two norms): 218 M in 9 tensors.
 _OPT_LAYER = ((4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096),
               (14336, 4096), (4096, 14336), (4096,), (4096,))
-# Bytes each pass must move per parameter at least (fp32 master, m, v and gradient)
-OPT_PASS_BYTES = {"adamw_fused": 28, "adamw_foreach": 28, "adamw_forloop": 28,
-                  "master_to_model": 6, "grad_norm": 4, "clip_scale": 8, "grad_cast": 6,
-                  "copy_fp32": 8}
+# Bytes each pass must move per parameter at least (fp32 master, m, v and gradient): the cost
+# model's for the passes it counts, and the clip's scaling, the gradient cast and a copy
+OPT_PASS_BYTES = {"adamw_fused": OPTIMIZER_PASS_BYTES["adam"],
+                  "adamw_foreach": OPTIMIZER_PASS_BYTES["adam"],
+                  "adamw_forloop": OPTIMIZER_PASS_BYTES["adam"],
+                  "master_to_model": OPTIMIZER_PASS_BYTES["master_copy"],
+                  "grad_norm": OPTIMIZER_PASS_BYTES["grad_norm"],
+                  "clip_scale": 8, "grad_cast": 6, "copy_fp32": 8}
 
 
 def measure_optimizer(quick: bool) -> list[dict]:
