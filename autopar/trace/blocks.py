@@ -5,7 +5,9 @@ if it is one) some of whose children are structurally identical: same classes, p
 and buffer shapes and dtypes, and plain configuration attributes (ints, floats, strings,
 bools; attributes that hold a layer number, like ``layer_idx``, are ignored). Children with
 equal signatures form one group; only the first child of each group is traced and the group
-becomes one ``ir.Block`` with a count.
+becomes one ``ir.Block`` with a count. A container whose children all pass a column-wise
+comparison (`_columns_alike`, the usual deep stack of identical layers) is one group without
+a signature per child.
 
 ``shrink`` builds the traced model without touching the user's: the root, the modules on the
 way to each stack and the stacks themselves are shallow copies whose child tables keep only
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-__all__ = ["Stack", "find_stacks", "shrink", "signature"]
+__all__ = ["Stack", "all_alike", "find_stacks", "shrink", "signature"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 _PLAIN = frozenset({int, float, str, bool, type(None)})
@@ -138,10 +140,68 @@ class Stack:
         return {key: k for k, key in enumerate(self.keys)}
 
 
+def _same(column: list) -> bool:
+    return column.count(column[0]) == len(column)
+
+
+def _columns_alike(modules: list[nn.Module]) -> bool:
+    """True only if every module has the first one's `signature`; False if not or if unsure.
+
+    Compares one attribute at a time across all the modules (a column per class, config
+    value, parameter or buffer field and child key, recursing into the children key by key)
+    instead of building a signature per module: a column is a list comprehension and one
+    ``list.count``, so a deep stack of identical layers costs a fraction of its signatures.
+    It asks for more than `signature` does -- the same instance attribute names in the same
+    order, no None child -- so modules it is unsure of are grouped by `signature`."""
+    if not _same([type(m) for m in modules]):
+        return False
+    try:
+        dicts = [m.__dict__ for m in modules]
+    except AttributeError:  # a None child
+        return False
+    names = [tuple(d) for d in dicts]
+    if not _same(names):
+        return False
+    for k in _config_keys(names[0]):
+        values = [d[k] for d in dicts]
+        if not _PLAIN.issuperset(map(type, values)):
+            values = [_config_value(v) for v in values]
+        if not _same(values):
+            return False
+    for table in ("_parameters", "_buffers"):
+        tables = [d[table] for d in dicts]
+        if not _same([tuple(t) for t in tables]):
+            return False
+        for k in tables[0]:
+            tensors = [t[k] for t in tables]
+            try:
+                shapes = [t.shape for t in tensors]
+            except AttributeError:  # None entries, which `signature` leaves out
+                if all(t is None for t in tensors):
+                    continue
+                return False
+            if not (_same(shapes) and _same([t.dtype for t in tensors])):
+                return False
+            if table == "_parameters" and not _same([t.requires_grad for t in tensors]):
+                return False
+    children = [d["_modules"] for d in dicts]
+    if not _same([tuple(c) for c in children]):
+        return False
+    return all(_columns_alike([c[k] for c in children]) for k in children[0])
+
+
+def all_alike(modules: list[nn.Module]) -> bool:
+    """Whether all of `modules` (at least one) share one `signature`."""
+    return _columns_alike(modules) or len({signature(m) for m in modules}) == 1
+
+
 def _stack_of(fqn: str, container: nn.Module, first_index: int) -> Stack | None:
     children = container._modules
     if len(children) < 2:
         return None
+    if _columns_alike(list(children.values())):
+        return Stack(fqn=fqn, keys=tuple(children), groups=(tuple(children),),
+                     first_layer_index=first_index)
     by_sig: dict[tuple, list[str]] = collections.OrderedDict()
     for key, child in children.items():
         if child is None:

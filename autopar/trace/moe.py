@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
 from autopar.ir import OpKind
-from autopar.trace.blocks import signature
+from autopar.trace.blocks import all_alike
 
 __all__ = ["find_moe", "is_data_dependent", "leaf_forward"]
 
@@ -49,7 +49,7 @@ def is_data_dependent(error: BaseException) -> bool:
 def _expert_list(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
     for name, child in module.named_children():
         if isinstance(child, nn.ModuleList) and len(child) >= 2:
-            if len({signature(m) for m in child}) == 1:
+            if all_alike(list(child)):
                 return name, child
     return None
 

@@ -4,6 +4,7 @@ memory, parameter counts, real-vs-meta identity, repeated blocks, MoE, errors.""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import logging
@@ -305,6 +306,82 @@ def test_block_signatures_are_equal_exactly_when_modules_are_alike(seed):
     pairs = [(i, j) for i in range(len(modules)) for j in range(i)]
     assert [flat[i] == flat[j] for i, j in pairs] == [nested[i] == nested[j] for i, j in pairs]
     assert sum(nested[i] == nested[j] for i, j in pairs) > 0  # the draws do coincide
+
+
+class _Other(nn.Module):
+    pass
+
+
+def _mutate(rng: random.Random, m: nn.Module) -> None:
+    """Change one field `signature` reads, in place (the class, a config value, a
+    parameter's shape, dtype or requires_grad or its absence, a buffer's shape)."""
+    params = [k for k, p in m._parameters.items() if p is not None]
+    change = rng.choice(["class", "config", "buffer"] + ["param"] * bool(params))
+    if change == "class":
+        m.__class__ = _Other
+    elif change == "config":
+        m.hidden = 12 if getattr(m, "hidden", None) != 12 else 4
+    elif change == "buffer":
+        m.register_buffer("scale", torch.empty(3))
+    else:
+        k = rng.choice(params)
+        p = m._parameters[k]
+        how = rng.choice(["shape", "dtype", "grad", "none"])
+        if how == "grad":
+            p.requires_grad_(not p.requires_grad)
+        elif how == "none":
+            m._parameters[k] = None
+        else:
+            shape, dtype = ((5,), p.dtype) if how == "shape" else (p.shape, torch.float16)
+            m._parameters[k] = nn.Parameter(torch.empty(shape, dtype=dtype),
+                                            requires_grad=p.requires_grad)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_column_check_of_a_stack_agrees_with_the_signatures(seed):
+    # `_columns_alike` may be unsure (False) but never wrong when it says True; `all_alike`
+    # answers exactly. Lists are drawn half from a module's family (copies differing in their
+    # layer numbers, and copies with one field changed) or from independent draws that
+    # coincide, so every answer occurs.
+    rng = random.Random(seed)
+    modules = [_random_module(rng) for _ in range(300)]
+    pools = []
+    for m in modules[:60]:  # each with twins and with mutants that differ in one field
+        family = [m]
+        for k in range(4):
+            twin = copy.deepcopy(m)
+            for sub in twin.modules():
+                if hasattr(sub, "layer_idx"):
+                    sub.layer_idx = rng.randrange(100)
+            if k >= 2:
+                _mutate(rng, rng.choice(list(twin.modules())))
+            family.append(twin)
+        pools.append(family)
+    alike: dict[tuple, list[nn.Module]] = {}  # and independent draws that coincide
+    for m in modules:
+        alike.setdefault(blocks.signature(m), []).append(m)
+    pools += [group for group in alike.values() if len(group) > 1]
+    answers = []
+    for _ in range(300):
+        pool = rng.choice(pools) if rng.random() < 0.5 else modules
+        picked = rng.sample(pool, min(len(pool), rng.randrange(2, 5)))
+        same = len({blocks.signature(m) for m in picked}) == 1
+        sure = blocks._columns_alike(picked)
+        assert not sure or same
+        assert blocks.all_alike(picked) == same
+        answers.append((sure, same))
+    assert {(True, True), (False, True), (False, False)} <= set(answers)
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "gpt2", "mixtral-8x7b", "vit-b-16"])
+def test_zoo_stacks_pass_the_column_check(name):
+    # the fast path is the one deep models take (bias-free linears hold None parameters)
+    model = models.build(name, n_layers=3) if name != "vit-b-16" else models.build(name)
+    stacks = blocks.find_stacks(model)
+    assert stacks
+    for stack in stacks:
+        container = model.get_submodule(stack.fqn)
+        assert blocks._columns_alike(list(container.children()))
 
 
 def test_shape_changing_blocks_are_traced_in_full():
