@@ -373,7 +373,8 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
         units_by_divisor = {d: to_units(_node_compute_s(node, device, dtype, d))
                             for d in {st.work_divisor for st in sts}}
         saved = node.saved_bytes
-        mem = [saved * share for share in _activation_shares(node, sts, axis_size)]
+        mem = [saved * share for share in _activation_shares(node, sts, axis_size)] if saved \
+            else [0.0] * len(sts)  # most nodes of a block keep nothing of their own
         m_units = [0] * len(sts)
         for s, st in enumerate(sts):
             if not uses and not st.fwd_collectives and not st.bwd_collectives:
