@@ -20,8 +20,9 @@ of the depth ratio is the repeated-block detection over 4x the layers (~0.002-0.
 the layers compared column by column, ~25 us a layer on a freshly built model, half of it the
 first touch of its objects), the parameter placements of every layer in the plan (~0.0004 s
 more) and the 33 % larger space (more pipeline degrees and virtual-stage splits, ~0.003 s
-more over the bounds and the visit). The search column separates the outer search. On a shared machine the wall times
-swing; the CPU column is the steadier one.
+more over the bounds and the visit). The search column separates the outer search. On a
+shared machine the wall times swing; the CPU column is the steadier one, and the per-round
+ratios (the two depths back to back) show the spread.
 
 Run: python benchmarks/search_speed.py [--repeats N]
 """
@@ -52,11 +53,13 @@ def _llama(name: str, layers: int | None = None):
         return Llama(cfg)
 
 
+_SHALLOW = ("llama3-70b", 32, 128, 1024, 8192)
+_DEEP = ("llama3-70b", 128, 128, 1024, 8192)
 CASES = [
     ("llama3-70b", None, 128, 1024, 8192),
     ("llama3-405b", None, 2048, 2048, 8192),
-    ("llama3-70b", 32, 128, 1024, 8192),
-    ("llama3-70b", 128, 128, 1024, 8192),
+    _SHALLOW,
+    _DEEP,
 ]
 
 
@@ -96,6 +99,13 @@ def main() -> None:
     wall, cpu, search = (d / s for d, s in zip(deep, shallow))
     print(f"\n128 layers / 32 layers (1,024 GPUs): {wall:.2f}x  (goal <= 1.2); "
           f"CPU time {cpu:.2f}x, outer search {search:.2f}x")
+    # the two depths run back to back in each round: their ratio per round, less moved by
+    # the machine's speed drifting between rounds than the ratio of medians
+    paired = sorted(d[0] / s[0] for d, s in zip(runs[CASES.index(_DEEP)],
+                                                 runs[CASES.index(_SHALLOW)]))
+    q1, q3 = (paired[round(f * (len(paired) - 1))] for f in (0.25, 0.75))
+    print(f"per round: median {statistics.median(paired):.2f}x, quartiles {q1:.2f}-{q3:.2f}x "
+          f"over {len(paired)} rounds")
 
 
 if __name__ == "__main__":
