@@ -40,7 +40,7 @@ from autopar.estimate.layout import (Layout, Structure, UnitVectors, analytic_in
                                      rank_work_extremes, simulated_lower_bound, structure,
                                      unit_vectors)
 from autopar.estimate.memory import activation_bytes, stage_memory
-from autopar.estimate.timing import RankGroups, UnitTimes, rank_groups, unit_times
+from autopar.estimate.timing import RankGroups, UnitTimes, slowest_groups, unit_times
 from autopar.estimate.units import Unit, units_from_graph
 from autopar.ir import Graph, OpKind
 from costmodels.collectives import (ZERO3_PERSISTENCE_THRESHOLD, ZERO3_SYNC_GATHER_BYTES_PER_S,
@@ -343,7 +343,7 @@ class _Prepared:
 def _rank_groups(cache: EvalCache, config: ParallelConfig) -> RankGroups:
     key = (config.tp, config.cp, config.dp, config.ep, config.pp > 1)
     if key not in cache.groups:
-        cache.groups[key] = rank_groups(config)
+        cache.groups[key] = slowest_groups(config, cache.cluster)
     return cache.groups[key]
 
 
@@ -356,7 +356,8 @@ def _times_key(config: ParallelConfig, dtype: str, options: EstimateOptions) -> 
 def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype: str,
                 options: EstimateOptions) -> dict[str, UnitTimes]:
     """Per-unit times of `config` (they depend on micro-batch, tp, cp, ep, SP and recompute
-    only: ep groups are the first ep replicas, multiples of tp, whatever dp is), memoised."""
+    only: `slowest_groups` picks the tp, cp and ep groups by those degrees and the node, not
+    by dp or pp), memoised."""
     key = _times_key(config, dtype, options)
     times = cache.times.get(key)
     if times is None:
@@ -458,8 +459,8 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
     lay = layout(cache.vectors[tkey], config, split)
     groups = _rank_groups(cache, config)
     act = max(u.act_bytes for u in units) / config.cp / config.tp
-    p2p = (cache.collective_time("send_recv", act, (0, groups.pp_next))
-           if groups.pp_next is not None else 0.0)
+    p2p = (cache.collective_time("send_recv", act, groups.pp_hop)
+           if groups.pp_hop is not None else 0.0)
     heavy = int(np.argmax(lay.rank_dense + lay.rank_expert))  # the first, as max() took
     units_here = [_GatherUnit(unit=u, layers=float(n), dense=u.dense_params / config.tp,
                               expert=u.expert_params / (config.tp * config.ep))

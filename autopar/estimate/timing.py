@@ -4,7 +4,8 @@ Sharding follows Megatron-LM for transformer-shaped units (the search's ILP may 
 layouts later): GEMMs and attention are split over tp (column->row pairs, heads) and cp
 (tokens); vocabulary GEMMs and lookups are vocab-parallel over tp; memory-bound ops are split
 over cp, and over tp only with sequence parallelism. Communication goes through
-`Cluster.collective_time` on the rank groups of the mesh, so the topology decides its cost:
+`Cluster.collective_time` on the rank groups of the mesh, each axis's slowest
+(`slowest_groups`: a step waits for its slowest rank), so the topology decides its cost:
 
 - TP: per synchronisation point an all-reduce of the hidden state (all-gather +
   reduce-scatter with SP), forward and backward; exposed, or hidden behind the unit's GEMMs
@@ -18,16 +19,19 @@ Recompute: "full" re-runs the unit's forward (compute and TP communication) in b
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate.units import OpCost, Unit
+from costmodels.collectives import estimate_on_layout
 from costmodels.compute import (activation_memory_time_s, attention_time_s, gemm_time_s,
                                 loss_time_s, op_overhead_s, unaligned_gemm_slowdown)
 
 __all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitTimes", "op_times", "rank_groups",
-           "unit_times"]
+           "slowest_groups", "unit_times"]
 
 # A memory-bound op's backward reads the output gradient and the saved input and writes the
 # input gradient: about twice the forward's traffic (read input, write output).
@@ -36,13 +40,14 @@ BACKWARD_MEMORY_RATIO = 2.0
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankGroups:
-    """Global ranks of the groups that rank 0 belongs to (mesh order pp, dp, cp, tp)."""
+    """Global ranks of one group per mesh axis (mesh order pp, dp, cp, tp): rank 0's
+    (`rank_groups`), or each axis's slowest (`slowest_groups`)."""
 
     tp: tuple[int, ...]
-    cp: tuple[int, ...]
+    cp: tuple[int, ...]  # a ring, in ring order
     ep: tuple[int, ...]
     dp: tuple[int, ...]  # data-parallel replicas of the same parameters: dp x cp ranks
-    pp_next: int | None  # the rank holding the next pipeline stage
+    pp_hop: tuple[int, int] | None  # a rank and the one holding its next pipeline stage
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,11 +75,88 @@ class UnitTimes:
 
 
 def rank_groups(cfg: ParallelConfig) -> RankGroups:
+    """The groups rank 0 belongs to."""
     tp, cp, dp = cfg.tp, cfg.cp, cfg.dp
     replicas = tuple(d * cp * tp + c * tp for d in range(dp) for c in range(cp))
     return RankGroups(tp=tuple(range(tp)), cp=tuple(c * tp for c in range(cp)),
                       ep=replicas[:cfg.ep], dp=replicas,
-                      pp_next=dp * cp * tp if cfg.pp > 1 else None)
+                      pp_hop=(0, dp * cp * tp) if cfg.pp > 1 else None)
+
+
+# the collective that ranks an axis's groups by layout, and its size: a group spread over
+# more nodes, or with fewer ranks on one of them, is slower at any size
+_PROBES = {"tp": ("all_reduce", 2.0**26), "cp": ("send_recv", 2.0**26),
+           "ep": ("all_to_all", 2.0**26), "dp": ("all_reduce", 2.0**30),
+           "pp": ("send_recv", 2.0**26)}
+
+
+def _aligned(size: int, gpus_per_node: int) -> bool:
+    return gpus_per_node % size == 0 or size % gpus_per_node == 0
+
+
+def slowest_groups(cfg: ParallelConfig, cluster: Cluster) -> RankGroups:
+    """One group per axis that no rank's group of that axis is slower than: a step runs at
+    its slowest rank's pace.
+
+    An axis's groups lie alike on the nodes -- each within a node, or over whole nodes with
+    the same number of ranks on each -- when the block of ranks they tile (tp; tp x cp for
+    cp; tp x ep for ep; the stage, tp x cp x dp, for dp) divides the node or is a multiple of
+    it; every rank's next pipeline stage is on another node when a stage holds a node's
+    ranks or more (on the same one when the world is one node). Such an axis takes rank 0's
+    group (`rank_groups`). Otherwise (tp = 3 or 6 on 8-GPU nodes, say: some tensor-parallel
+    groups straddle two nodes) every group of the axis within one period of the pattern (the
+    block and the node's least common multiple, at most the world) is laid out and the
+    slowest by its `_PROBES` collective taken, the first of equals; a cp ring is listed from
+    its slowest hop. Which leaf switches a group spans is as it comes within that period.
+    The choice for tp, cp and ep depends on their degrees and the node, not on dp or pp."""
+    first = rank_groups(cfg)
+    g, world = cluster.gpus_per_node, cluster.world_size
+    tp, cp, dp, ep = cfg.tp, cfg.cp, cfg.dp, cfg.ep
+    stage = tp * cp * dp
+    times: dict[tuple[str, object], float] = {}  # per (axis, layout): groups share a few
+
+    def time_of(axis: str, group: tuple[int, ...]) -> float:
+        layout = cluster.group_layout(group)
+        t = times.get((axis, layout))
+        if t is None:
+            kind, nbytes = _PROBES[axis]
+            t = times[axis, layout] = estimate_on_layout(cluster.hardware, kind, nbytes,
+                                                         layout).time_s
+        return t
+
+    def slowest(axis: str, groups) -> tuple[int, ...]:
+        best, worst = None, -1.0
+        for group in groups:
+            t = time_of(axis, group)
+            if t > worst:
+                best, worst = group, t
+        return best
+
+    def strided(block: int, size: int):  # groups of `size` ranks tp apart, one per offset
+        period = math.lcm(block, g)  # divides the world: the block divides the stage
+        return (tuple(s + j * tp + t for j in range(size))
+                for s in range(0, period, block) for t in range(tp))
+
+    def ring(group: tuple[int, ...]) -> tuple[int, ...]:
+        hops = [time_of("cp", (a, b)) for a, b in zip(group, group[1:] + group[:1])]
+        k = hops.index(max(hops))
+        return group[k:] + group[:k]
+
+    out = {}
+    if not _aligned(tp, g):
+        out["tp"] = slowest("tp", (tuple(range(b, b + tp))
+                                   for b in range(0, math.lcm(tp, g), tp)))
+    if cp > 1 and not _aligned(tp * cp, g):
+        rings = [ring(group) for group in strided(tp * cp, cp)]
+        out["cp"] = max(rings, key=lambda r: time_of("cp", r[:2]))  # the first of the slowest
+    if ep > 1 and not _aligned(tp * ep, g):
+        out["ep"] = slowest("ep", strided(tp * ep, ep))
+    if dp * cp > 1 and not _aligned(stage, g):
+        out["dp"] = slowest("dp", strided(stage, dp * cp))
+    if cfg.pp > 1 and stage < g < world:  # some next stages share a node, some do not
+        out["pp_hop"] = slowest("pp", ((r, r + stage)
+                                       for r in range(min(math.lcm(stage, g), world - stage))))
+    return dataclasses.replace(first, **out) if out else first
 
 
 def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,

@@ -2,8 +2,10 @@
 
 Every config with dp·tp·pp·cp = world size is considered, with ep dividing dp·cp (and the
 expert count), ZeRO 0-3, sequence parallelism on/off, recompute none/selective/full,
-micro-batch sizes, pipeline schedules and virtual stages. Tensor parallelism stays inside a
-node (the mesh order is pp, dp, cp, tp with tp innermost; rank r lives on node r // g).
+micro-batch sizes, pipeline schedules and virtual stages. Tensor parallelism is at most a
+node (the mesh order is pp, dp, cp, tp with tp innermost; rank r lives on node r // g); a tp
+that does not divide the node leaves some groups straddling two, and the estimate costs
+every axis on its slowest group (`autopar.estimate.timing.slowest_groups`).
 
 Cost: the model is traced once; the space is a table of integer columns
 (`autopar.search.space`) and the lower bounds below are column arithmetic (the states and

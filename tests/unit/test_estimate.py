@@ -217,6 +217,83 @@ def test_cp_ring_is_timed_by_its_slowest_link():
     assert two_nodes > one_node
 
 
+def _every_ranks_groups(cfg: ParallelConfig, world: int) -> dict[str, set[tuple[int, ...]]]:
+    """The oracle: each rank's groups from its mesh coordinates, rank = ((p dp + d) cp + c) tp
+    + t; dp lists the dp x cp replicas (d, c) in order, ep takes blocks of ep of them."""
+    tp, cp, dp, ep = cfg.tp, cfg.cp, cfg.dp, cfg.ep
+    stage = tp * cp * dp
+    out: dict[str, set] = {"tp": set(), "cp": set(), "dp": set(), "ep": set(), "pp": set()}
+    for r in range(world):
+        p, rest = divmod(r, stage)
+        d, rest = divmod(rest, cp * tp)
+        c, t = divmod(rest, tp)
+        base = p * stage
+        out["tp"].add(tuple(base + (d * cp + c) * tp + u for u in range(tp)))
+        out["cp"].add(tuple(base + (d * cp + k) * tp + t for k in range(cp)))
+        replicas = [base + j * tp + t for j in range(dp * cp)]
+        out["dp"].add(tuple(replicas))
+        block = (d * cp + c) // ep
+        out["ep"].add(tuple(replicas[block * ep:(block + 1) * ep]))
+        if r + stage < world:
+            out["pp"].add((r, r + stage))
+    return out
+
+
+@pytest.mark.parametrize("gpus,nodes,degrees", [
+    (8, 3, dict(tp=3, dp=8)), (8, 3, dict(tp=6, dp=4)), (6, 2, dict(tp=4, dp=3)),
+    (8, 3, dict(tp=2, cp=3, dp=4)), (8, 3, dict(tp=2, dp=12, ep=3)),
+    (8, 2, dict(pp=4, dp=4)), (8, 3, dict(pp=8, dp=3)), (8, 3, dict(tp=3, pp=2, dp=4)),
+    (8, 2, dict(tp=4, dp=4)), (8, 4, dict(tp=2, cp=2, dp=2, pp=4)), (8, 2, dict(tp=2, cp=8)),
+])
+def test_estimate_costs_each_axis_on_its_slowest_group(gpus, nodes, degrees):
+    # a step runs at its slowest rank's pace: where some groups of an axis straddle nodes
+    # (tp = 3 on 8-GPU nodes), the estimate's group is as slow as the slowest of any rank's
+    from autopar.estimate.timing import _PROBES, rank_groups, slowest_groups
+
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=nodes, gpus_per_node=gpus)
+    cfg = ParallelConfig(**degrees)
+    chosen = slowest_groups(cfg, cluster)
+    every = _every_ranks_groups(cfg, cluster.world_size)
+
+    def time(axis, group):
+        kind, nbytes = _PROBES[axis]
+        return cluster.collective_time(kind, nbytes, group)
+
+    def ring_hops(ring):
+        return [time("cp", (a, b)) for a, b in zip(ring, ring[1:] + ring[:1])]
+
+    for axis, group in (("tp", chosen.tp), ("dp", chosen.dp), ("ep", chosen.ep)):
+        if len(group) > 1:
+            assert group in every[axis]
+            assert time(axis, group) == max(time(axis, g) for g in every[axis])
+    if cfg.cp > 1:  # a ring, whose first or wrap-around hop (what the estimate times) is
+        # its slowest and as slow as any ring's
+        hops = ring_hops(chosen.cp)
+        assert sorted(chosen.cp) in [sorted(g) for g in every["cp"]]
+        slowest = max(max(ring_hops(g)) for g in every["cp"])
+        assert max(hops[0], hops[-1]) == max(hops) == slowest
+    if cfg.pp > 1:
+        assert chosen.pp_hop in every["pp"]
+        assert time("pp", chosen.pp_hop) == max(time("pp", g) for g in every["pp"])
+    # where every group of each axis lies alike on the nodes, rank 0's stand for all
+    alike = all(len({cluster.group_layout(g) for g in every[a]}) == 1 for a in every)
+    assert (chosen == rank_groups(cfg)) or not alike
+
+
+def test_tensor_parallel_groups_straddling_nodes_pay_for_it():
+    # tp=4 on 6-GPU nodes: ranks 4-7 span two nodes, so every step waits for their
+    # all-reduces; on one 12-GPU node the same config's groups all stay inside
+    _, straddling = run(nodes=2, gpus=6, dp=3, tp=4, micro_batch_size=2, gbs=12)
+    cluster, inside = run(nodes=1, gpus=12, dp=3, tp=4, micro_batch_size=2, gbs=12)
+    act = 2 * SEQ * DIM * 2
+    points = 2 * LAYERS + 2
+    two_nodes = autopar.Cluster.from_profile("dgx-h100", num_nodes=2, gpus_per_node=6)
+    expected = straddling.num_microbatches * 2 * points * two_nodes.collective_time(
+        "all_reduce", act, (4, 5, 6, 7))
+    assert straddling.breakdown["tp_comm"] == pytest.approx(expected)
+    assert straddling.breakdown["tp_comm"] > 2 * inside.breakdown["tp_comm"]
+
+
 @pytest.mark.parametrize("schedule,pp,v", [("gpipe", 4, 1), ("1f1b", 4, 1),
                                            ("interleaved-1f1b", 2, 2), ("zero-bubble", 4, 1)])
 def test_closed_form_ranking_tracks_the_simulated_schedule(schedule, pp, v):
