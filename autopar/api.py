@@ -11,6 +11,7 @@ import torch.nn as nn
 from autopar.cluster import Cluster
 from autopar.estimate.core import (BOUND_MARGIN, EstimateOptions, EvalCache, ModelCosts,
                                    evaluate, exact_step_lower_bound, layer_costs)
+from autopar.estimate.timing import slowest_groups
 from autopar.errors import StageMemoryError
 from autopar.search.inter_op import partition_stages
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES
@@ -97,9 +98,10 @@ def _tp_placements(model, graph, cluster: Cluster, cfg, dtype: str, seq_len, exa
     report: dict[str, Any] = {}
     # blocks alike in structure (an encoder's and a decoder's stack) solve once
     cache: dict | None = {} if len(mb_graph.blocks) > 1 else None
+    ranks = slowest_groups(cfg, cluster).tp  # the tp group the estimate costs
     for block in mb_graph.blocks:
         sol = solve_block(mb_graph, block.node_names, tp=cfg.tp, cluster=cluster, dtype=dtype,
-                          cache=cache)
+                          ranks=ranks, cache=cache)
         placements = dict(sol.param_placements)
         same = all(megatron.get(f, "R") == p for f, p in sorted(placements.items()))
         report[block.representative] = {

@@ -119,6 +119,24 @@ def test_load_refuses_other_versions_and_corrupted_files(tmp_path, mutate, match
         autopar.load_plan(tmp_path / "trunc.json")
 
 
+def test_the_intra_op_ilp_costs_the_tp_group_the_estimate_costs():
+    # tp=4 on 6-GPU nodes: ranks 4-7 span two nodes; the block's ILP pays their collectives
+    # (and so, at this width, keeps the block replicated where inside a node it would split)
+    from autopar.search.intra_op import solve_block
+
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=2, gpus_per_node=6)
+    model = small_gpt()
+    plan = autopar.compile(model, cluster, global_batch_size=12, seq_len=1024,
+                           constraints={"tp": 4, "pp": 1, "cp": 1, "micro_batch_size": 1})
+    (block,) = plan.intra_op.values()
+    graph = autopar.trace(model, global_batch_size=1, seq_len=1024, dtype="bf16")
+    names = graph.blocks[0].node_names
+    straddling, inside = (solve_block(graph, names, tp=4, cluster=cluster, dtype="bf16",
+                                      ranks=ranks) for ranks in ((4, 5, 6, 7), (0, 1, 2, 3)))
+    assert (block["compute_s"], block["comm_s"]) == (straddling.compute_s, straddling.comm_s)
+    assert straddling.objective_s != inside.objective_s
+
+
 def test_llama_blocks_get_the_ilps_layout_which_is_megatrons():
     from autopar.models.llama import Llama, LlamaConfig
 
