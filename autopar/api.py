@@ -101,11 +101,11 @@ def _tp_placements(model, graph, cluster: Cluster, cfg, dtype: str, seq_len, exa
     ranks = slowest_groups(cfg, cluster).tp  # the tp group the estimate costs
     for block in mb_graph.blocks:
         sol = solve_block(mb_graph, block.node_names, tp=cfg.tp, cluster=cluster, dtype=dtype,
-                          ranks=ranks, cache=cache)
+                          ranks=ranks, sequence_shards=cfg.cp, cache=cache)
         placements = dict(sol.param_placements)
         same = all(megatron.get(f, "R") == p for f, p in sorted(placements.items()))
         report[block.representative] = {
-            "tp": cfg.tp, "optimal": sol.optimal, "compute_s": sol.compute_s,
+            "tp": cfg.tp, "cp": cfg.cp, "optimal": sol.optimal, "compute_s": sol.compute_s,
             "comm_s": sol.comm_s, "forward_collectives": [list(c) for c in sol.forward_collectives],
             "backward_collectives": [list(c) for c in sol.backward_collectives],
             "matches_estimate_layout": same,

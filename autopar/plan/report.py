@@ -384,7 +384,9 @@ def _placements(plan: Plan) -> Section:
     after = []
     for block, info in sorted(plan.intra_op.items()):
         same = info.get("matches_estimate_layout")
-        after.append(f"intra-op ILP for {block} at tp={info.get('tp')}: "
+        cp = info.get("cp", 1)
+        share = f", cp={cp} (one rank's share of the sequence)" if cp > 1 else ""
+        after.append(f"intra-op ILP for {block} at tp={info.get('tp')}{share}: "
                      f"{'optimal' if info.get('optimal') else 'not proven optimal'}, comm "
                      f"{fmt_seconds(info.get('comm_s', 0.0))} per layer; "
                      + ("same layout as the Megatron layout the estimate costs" if same else

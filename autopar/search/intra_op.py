@@ -62,8 +62,9 @@ infeasible; with a memory budget CP-SAT solves it directly. ``method`` pins one 
 Scope: the tensor-parallel axis only. Rules are per axis and :func:`autopar.sharding.expand_nd`
 forms N-D strategies; a second (sequence) axis would add its own x variables per N-D strategy
 and the same families. Costs are per micro-batch, forward plus backward, for one copy of the
-block; a replicated parameter's gradient all-reduce is charged per micro-batch (conservative
-under gradient accumulation). Determinism: one worker, a fixed seed, a deterministic tie-break;
+block on one rank (under context parallelism, its share of the sequence: ``sequence_shards``);
+a replicated parameter's gradient all-reduce is charged per micro-batch (conservative under
+gradient accumulation). Determinism: one worker, a fixed seed, a deterministic tie-break;
 when the time limit is hit the best plan so far is returned with a warning.
 """
 
@@ -347,15 +348,19 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
                 memory_budget_bytes: float | None = None, time_limit_s: float = 10.0,
                 num_workers: int = 1, ranks: Sequence[int] | None = None,
                 bytes_per_param: float = 16.0, boundary: str = "periodic",
-                cache: MutableMapping | None = None, method: str = "auto") -> BlockSharding:
+                sequence_shards: int = 1, cache: MutableMapping | None = None,
+                method: str = "auto") -> BlockSharding:
     """Choose a tensor-parallel sharding for every node of a block (see the module docstring).
 
     ``ranks`` is the tp group (default ``range(tp)``); ``bytes_per_param`` the training state
     per parameter (16: bf16 weight and gradient, fp32 master, Adam m and v -- Rajbhandari et
     al. 2020, ZeRO §3); ``boundary`` "periodic" lets the hidden state between blocks be
-    sharded, "replicated" pins it to R. ``cache`` is a caller-owned dict keyed by (block
-    signature, tp, micro-batch shape, ...); a hit returns the stored result (whose node names
-    are those of the block first solved). ``method`` picks the solver (:func:`solve_problem`).
+    sharded, "replicated" pins it to R. ``sequence_shards`` is the context-parallel degree:
+    the block's activations are costed at one rank's share of the sequence
+    (:func:`~autopar.sharding.problem.build_problem`). ``cache`` is a caller-owned dict keyed
+    by (block signature, tp, micro-batch shape, ...); a hit returns the stored result (whose
+    node names are those of the block first solved). ``method`` picks the solver
+    (:func:`solve_problem`).
     """
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
@@ -371,12 +376,13 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     if cache is not None:
         key = (_signature(graph, names), tp, (graph.batch_size, graph.seq_len), dtype,
                memory_budget_bytes, cluster.fingerprint(), tuple(ranks or range(tp)),
-               bytes_per_param, boundary, method)
+               bytes_per_param, boundary, sequence_shards, method)
         if key in cache:
             return cache[key]
     start = time.perf_counter()
     problem = build_problem(graph, names, axis_size=tp, cluster=cluster, dtype=dtype,
-                            ranks=ranks, bytes_per_param=bytes_per_param, boundary=boundary)
+                            ranks=ranks, bytes_per_param=bytes_per_param, boundary=boundary,
+                            sequence_shards=sequence_shards)
     choice, optimal = solve_problem(problem, memory_budget_bytes=memory_budget_bytes,
                                     time_limit_s=time_limit_s, num_workers=num_workers,
                                     method=method)

@@ -177,6 +177,17 @@ def _requires_grad(graph: Graph) -> dict[str, bool]:
     return req
 
 
+def _from_tokens(graph: Graph) -> dict[str, bool]:
+    """Whether each node's outputs derive from the model's inputs (activations, which context
+    parallelism splits along the sequence) rather than from parameters, buffers and constants
+    alone."""
+    derived: dict[str, bool] = {}
+    for node in graph.nodes:
+        derived[node.name] = any(src.startswith("input:") or derived.get(src, False)
+                                 for src in node.input_sources)
+    return derived
+
+
 def _is_float(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat", "complex"))
 
@@ -251,8 +262,16 @@ def _source_map(by_name: Mapping[str, Node], names: set[str]
 
 def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cluster,
                   dtype: str, ranks: Sequence[int] | None = None, bytes_per_param: float = 16.0,
-                  boundary: str = "periodic") -> BlockProblem:
-    """Tables of the sharding problem of ``node_names`` on one axis of ``axis_size`` ranks."""
+                  boundary: str = "periodic", sequence_shards: int = 1) -> BlockProblem:
+    """Tables of the sharding problem of ``node_names`` on one axis of ``axis_size`` ranks.
+
+    ``sequence_shards`` (the context-parallel degree) splits every activation along the
+    sequence on top: what derives from the model's inputs -- node work, kept activations,
+    tensors between nodes -- is costed at 1/sequence_shards, attention included (ring
+    attention's share of a rank); parameters, their gradients' all-reduce and an op's own
+    collectives (batch-norm statistics) are not."""
+    if not isinstance(sequence_shards, int) or sequence_shards < 1:
+        raise ValueError(f"sequence_shards must be an integer >= 1, got {sequence_shards!r}")
     names = [n for n in node_names]
     in_set = set(names)
     device = cluster.hardware.device
@@ -270,6 +289,8 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
 
     by_name = {n.name: n for n in graph.nodes}
     req = _requires_grad(graph)
+    tokens = _from_tokens(graph)
+    shards = sequence_shards
     sources = _source_map(by_name, in_set)
     consumed_outside = {src for n in graph.nodes if n.name not in in_set
                         for src in n.input_sources if src in in_set}
@@ -279,6 +300,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
     strategies: dict[str, tuple[Strategy, ...]] = {}
     consumers: dict[tuple[str, int], list[tuple[str, int]]] = {}
     meta: dict[tuple[str, int], tuple[TensorSpec, bool]] = {}  # the last reader's view
+    origin: dict[tuple[str, int], str] = {}  # the graph node that makes each tensor
     external: dict[str, set[int]] = {}
     hidden_in = None
     shared: dict[tuple, tuple[Strategy, ...]] = {}  # nodes the rules cannot tell apart
@@ -304,6 +326,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
                 grad = grad and req.get(src, False)
             consumers.setdefault(key, []).append((name, i))
             meta[key] = (spec, grad)
+            origin[key] = src
 
     pseudo: dict[str, tuple[Strategy, ...]] = {}
     periodic = hidden_in is not None and out_node is not None
@@ -320,6 +343,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
             spec = by_name[out_node].outputs[0]
             consumers.setdefault((out_node, 0), []).append((BLOCK_OUTPUT, 0))
             meta.setdefault((out_node, 0), (spec, req.get(out_node, False)))
+            origin[out_node, 0] = out_node
     for name in names:  # other tensors leaving the set are taken replicated outside
         if name in consumed_outside and not (periodic and name == out_node):
             sink = f"<consumer:{name}>"
@@ -328,6 +352,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
             spec = by_name[name].outputs[0]
             consumers.setdefault((name, 0), []).append((sink, 0))
             meta.setdefault((name, 0), (spec, req.get(name, False) and _is_float(spec.dtype)))
+            origin[name, 0] = name
     for ext, outs in sorted(external.items()):
         width = max(outs) + 1
         pseudo[ext] = (Strategy(name="R", inputs=(), outputs=(REPLICATE,) * width,
@@ -353,7 +378,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
         if not node.params:
             key = (id(sts), node.kind, node.flops_fwd, node.flops_bwd, node.bytes_read,
                    node.bytes_written, node.attention, node.saved_bytes, node.inputs,
-                   node.outputs)
+                   node.outputs, tokens[name])
             if key in alike:
                 compute[name], comm[name], memory[name] = alike[key]
                 continue
@@ -370,9 +395,10 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
             charged.add(spec.fqn)
             uses.append((use, spec.requires_grad))
             params.append(use)
-        units_by_divisor = {d: to_units(_node_compute_s(node, device, dtype, d))
+        split = shards if tokens[name] else 1
+        units_by_divisor = {d: to_units(_node_compute_s(node, device, dtype, d * split))
                             for d in {st.work_divisor for st in sts}}
-        saved = node.saved_bytes
+        saved = node.saved_bytes / split
         mem = [saved * share for share in _activation_shares(node, sts, axis_size)] if saved \
             else [0.0] * len(sts)  # most nodes of a block keep nothing of their own
         m_units = [0] * len(sts)
@@ -395,7 +421,8 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
             alike[key] = compute[name], comm[name], memory[name]
 
     tensors = tuple(
-        TensorUse(producer=key[0], output=key[1], nbytes=float(meta[key][0].num_bytes),
+        TensorUse(producer=key[0], output=key[1],
+                  nbytes=meta[key][0].num_bytes / (shards if tokens[origin[key]] else 1),
                   requires_grad=meta[key][1], consumers=tuple(consumers[key]))
         for key in sorted(consumers, key=lambda k: (position[k[0]], k[1])))
     return BlockProblem(axis_size=axis_size, nodes=nodes, strategies=strategies,

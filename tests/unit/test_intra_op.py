@@ -289,6 +289,26 @@ def test_gpt_mlp_is_column_then_row(cluster):
     assert r.output_placements[gelu] == ("S(2)",)  # the 4h activation never materialises
 
 
+def test_context_parallel_costs_one_ranks_share_of_the_sequence(cluster):
+    # cp=2 at 2,048 tokens: every tensor between the block's nodes and every kept activation
+    # is that of 1,024 tokens (a trace at half the sequence is the oracle); attention's work
+    # is half the full sequence's, more than the half-length trace's quarter (ring attention
+    # covers the whole sequence)
+    model = build(preset("gpt3-1.3b", n_layers=2))
+    full, half = (autopar.trace(model, global_batch_size=1, seq_len=s, dtype="bf16")
+                  for s in (2048, 1024))
+    kw = dict(tp=4, cluster=cluster, dtype="bf16")
+    shared = solve_block(full, full.blocks[0].node_names, sequence_shards=2, **kw)
+    short = solve_block(half, half.blocks[0].node_names, **kw)
+    whole = solve_block(full, full.blocks[0].node_names, **kw)
+    assert shared.node_strategies == short.node_strategies
+    assert (shared.forward_collectives, shared.backward_collectives) == \
+        (short.forward_collectives, short.backward_collectives)
+    assert shared.comm_s == short.comm_s < whole.comm_s
+    assert shared.memory_bytes == pytest.approx(short.memory_bytes)
+    assert short.compute_s < shared.compute_s < whole.compute_s
+
+
 def test_tp1_is_replicated_without_communication(llama, cluster):
     g, names = llama
     r = solve_block(g, names, tp=1, cluster=cluster, dtype="bf16")
