@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate.units import OpCost, Unit
-from costmodels.collectives import estimate_on_layout
+from costmodels.collectives import estimate_on_layout, group_layout
 from costmodels.compute import (activation_memory_time_s, attention_time_s, gemm_time_s,
                                 loss_time_s, op_overhead_s, unaligned_gemm_slowdown)
 
@@ -114,9 +114,14 @@ def slowest_groups(cfg: ParallelConfig, cluster: Cluster) -> RankGroups:
     tp, cp, dp, ep = cfg.tp, cfg.cp, cfg.dp, cfg.ep
     stage = tp * cp * dp
     times: dict[tuple[str, object], float] = {}  # per (axis, layout): groups share a few
+    layouts: dict[tuple[int, ...], object] = {}  # per the nodes a group's ranks are on
+    per_leaf = cluster.hardware.network.nodes_per_leaf
 
     def time_of(axis: str, group: tuple[int, ...]) -> float:
-        layout = cluster.group_layout(group)
+        nodes = tuple(r // g for r in group)  # the groups built below are valid rank sets
+        layout = layouts.get(nodes)
+        if layout is None:
+            layout = layouts[nodes] = group_layout(group, g, per_leaf)
         t = times.get((axis, layout))
         if t is None:
             kind, nbytes = _PROBES[axis]
@@ -137,8 +142,18 @@ def slowest_groups(cfg: ParallelConfig, cluster: Cluster) -> RankGroups:
         return (tuple(s + j * tp + t for j in range(size))
                 for s in range(0, period, block) for t in range(tp))
 
+    hop_times: dict[tuple[bool, bool], float] = {}
+
+    def hop(a: int, b: int) -> float:  # a pair's layout: one node or two, one leaf or two
+        na, nb = a // g, b // g
+        key = (na == nb, na // per_leaf == nb // per_leaf)
+        t = hop_times.get(key)
+        if t is None:
+            t = hop_times[key] = time_of("cp", (a, b))
+        return t
+
     def ring(group: tuple[int, ...]) -> tuple[int, ...]:
-        hops = [time_of("cp", (a, b)) for a, b in zip(group, group[1:] + group[:1])]
+        hops = [hop(a, b) for a, b in zip(group, group[1:] + group[:1])]
         k = hops.index(max(hops))
         return group[k:] + group[:k]
 
@@ -148,7 +163,7 @@ def slowest_groups(cfg: ParallelConfig, cluster: Cluster) -> RankGroups:
                                    for b in range(0, math.lcm(tp, g), tp)))
     if cp > 1 and not _aligned(tp * cp, g):
         rings = [ring(group) for group in strided(tp * cp, cp)]
-        out["cp"] = max(rings, key=lambda r: time_of("cp", r[:2]))  # the first of the slowest
+        out["cp"] = max(rings, key=lambda r: hop(*r[:2]))  # the first of the slowest
     if ep > 1 and not _aligned(tp * ep, g):
         out["ep"] = slowest("ep", strided(tp * ep, ep))
     if dp * cp > 1 and not _aligned(stage, g):
