@@ -242,6 +242,7 @@ def _every_ranks_groups(cfg: ParallelConfig, world: int) -> dict[str, set[tuple[
 @pytest.mark.parametrize("gpus,nodes,degrees", [
     (8, 3, dict(tp=3, dp=8)), (8, 3, dict(tp=6, dp=4)), (6, 2, dict(tp=4, dp=3)),
     (8, 3, dict(tp=2, cp=3, dp=4)), (8, 3, dict(tp=2, dp=12, ep=3)),
+    (8, 3, dict(cp=2, dp=12, ep=3)), (8, 6, dict(tp=2, cp=2, dp=3, ep=6, pp=4)),
     (8, 2, dict(pp=4, dp=4)), (8, 3, dict(pp=8, dp=3)), (8, 3, dict(tp=3, pp=2, dp=4)),
     (8, 2, dict(tp=4, dp=4)), (8, 4, dict(tp=2, cp=2, dp=2, pp=4)), (8, 2, dict(tp=2, cp=8)),
 ])
