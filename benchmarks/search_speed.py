@@ -65,7 +65,7 @@ CASES = [
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=11)  # rounds: the ratio swings
     args = parser.parse_args()
     settings = autopar.SearchSettings(progress=False)
     print(f"{'case':<24} {'GPUs':>6} {'configs':>8} {'median s':>9} {'min s':>7} {'cpu s':>6} "
