@@ -285,7 +285,7 @@ def test_tensor_parallel_groups_straddling_nodes_pay_for_it():
     # tp=4 on 6-GPU nodes: ranks 4-7 span two nodes, so every step waits for their
     # all-reduces; on one 12-GPU node the same config's groups all stay inside
     _, straddling = run(nodes=2, gpus=6, dp=3, tp=4, micro_batch_size=2, gbs=12)
-    cluster, inside = run(nodes=1, gpus=12, dp=3, tp=4, micro_batch_size=2, gbs=12)
+    _, inside = run(nodes=1, gpus=12, dp=3, tp=4, micro_batch_size=2, gbs=12)
     act = 2 * SEQ * DIM * 2
     points = 2 * LAYERS + 2
     two_nodes = autopar.Cluster.from_profile("dgx-h100", num_nodes=2, gpus_per_node=6)
