@@ -85,24 +85,23 @@ def main() -> None:
             runs[k].append((time.perf_counter() - start, time.process_time() - start_cpu,
                             plan.search["seconds"]))
             plans[k] = plan
-    medians: dict[tuple, tuple[float, ...]] = {}
+    medians: list[tuple[float, ...]] = []
     for (name, layers, _, _, _), cluster, plan, got in zip(CASES, clusters, plans, runs):
         times, cpu, search = zip(*got)
         label = name + (f" ({layers} layers)" if layers else "")
         med = tuple(statistics.median(x) for x in (times, cpu, search))
-        medians[(name, layers)] = med
+        medians.append(med)
         print(f"{label:<24} {cluster.world_size:>6} {plan.search['num_considered']:>8} "
               f"{med[0]:>9.2f} {min(times):>7.2f} {med[1]:>6.2f} {med[2]:>8.2f}  "
               f"{plan.config.short()} ({plan.estimate.step_time_s:.2f} s/step, "
               f"MFU {100 * plan.estimate.mfu:.1f}%)")
-    deep, shallow = medians[("llama3-70b", 128)], medians[("llama3-70b", 32)]
-    wall, cpu, search = (d / s for d, s in zip(deep, shallow))
+    deep, shallow = (CASES.index(case) for case in (_DEEP, _SHALLOW))
+    wall, cpu, search = (d / s for d, s in zip(medians[deep], medians[shallow]))
     print(f"\n128 layers / 32 layers (1,024 GPUs): {wall:.2f}x  (goal <= 1.2); "
           f"CPU time {cpu:.2f}x, outer search {search:.2f}x")
     # the two depths run back to back in each round: their ratio per round, less moved by
     # the machine's speed drifting between rounds than the ratio of medians
-    paired = sorted(d[0] / s[0] for d, s in zip(runs[CASES.index(_DEEP)],
-                                                 runs[CASES.index(_SHALLOW)]))
+    paired = sorted(d[0] / s[0] for d, s in zip(runs[deep], runs[shallow]))
     q1, q3 = (paired[round(f * (len(paired) - 1))] for f in (0.25, 0.75))
     print(f"per round: median {statistics.median(paired):.2f}x, quartiles {q1:.2f}-{q3:.2f}x "
           f"over {len(paired)} rounds")

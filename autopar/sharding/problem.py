@@ -290,6 +290,9 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
     by_name = {n.name: n for n in graph.nodes}
     req = _requires_grad(graph)
     tokens = _from_tokens(graph)
+
+    def shards_of(made_by: str) -> int:  # how many ways cp splits what this node makes
+        return sequence_shards if tokens[made_by] else 1
     sources = _source_map(by_name, in_set)
     consumed_outside = {src for n in graph.nodes if n.name not in in_set
                         for src in n.input_sources if src in in_set}
@@ -394,7 +397,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
             charged.add(spec.fqn)
             uses.append((use, spec.requires_grad))
             params.append(use)
-        split = sequence_shards if tokens[name] else 1
+        split = shards_of(name)
         units_by_divisor = {d: to_units(_node_compute_s(node, device, dtype, d * split))
                             for d in {st.work_divisor for st in sts}}
         saved = node.saved_bytes / split
@@ -419,10 +422,9 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
         if key is not None:
             alike[key] = compute[name], comm[name], memory[name]
 
-    shards = {True: sequence_shards, False: 1}  # of a tensor, by whether tokens make it
     tensors = tuple(
         TensorUse(producer=key[0], output=key[1],
-                  nbytes=meta[key][0].num_bytes / shards[tokens[origin[key]]],
+                  nbytes=meta[key][0].num_bytes / shards_of(origin[key]),
                   requires_grad=meta[key][1], consumers=tuple(consumers[key]))
         for key in sorted(consumers, key=lambda k: (position[k[0]], k[1])))
     return BlockProblem(axis_size=axis_size, nodes=nodes, strategies=strategies,
