@@ -39,6 +39,7 @@ import bisect
 import functools
 import heapq
 import logging
+import math
 import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator
@@ -46,6 +47,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import pandas as pd
 
+from costmodels.compute import peak_flops
 from autopar.cluster import Cluster
 from autopar.config import PP_SCHEDULES, ParallelConfig
 from autopar.errors import NoPlanFitsError
@@ -130,6 +132,62 @@ def enumerate_configs(costs: ModelCosts, cluster: Cluster, *, global_batch_size:
     search itself works on the columns (`autopar.search.space.config_table`)."""
     return _table(costs, cluster, global_batch_size=global_batch_size, constraints=constraints,
                   options=options, settings=settings).configs()
+
+
+def _why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
+               constraints: dict[str, Any], options: EstimateOptions,
+               settings: SearchSettings) -> str:
+    """Why the space under `constraints` is empty: each pinned value that no config holds even
+    without the pins (with the values configs do hold), a pinned dp·tp·pp·cp that cannot
+    factor the GPUs, or else that the pins are possible one by one but not together; then
+    the enumeration's rules for the pinned fields and for dp and pp."""
+    free = _table(costs, cluster, global_batch_size=global_batch_size, constraints={},
+                  options=options, settings=settings)
+    if not len(free):
+        return (f": no (dp, tp, pp, cp) factoring of {cluster.world_size} GPUs has a dp that "
+                f"divides the global batch of {global_batch_size}")
+    rules = {
+        "dp": f"dp = GPUs / (tp·pp·cp) and divides the global batch ({global_batch_size})",
+        "tp": f"tp divides the GPUs and stays within a node ({cluster.gpus_per_node} GPUs)"
+              + (f" and divides the attention heads ({costs.num_heads})" if costs.num_heads
+                 else ""),
+        "pp": f"pp divides GPUs / (tp·cp) and is at most the layers ({costs.num_layers})",
+        "cp": f"cp needs attention and a sequence ({costs.seq_len}) divisible by 2·cp, and is "
+              f"at most max_cp ({settings.max_cp})",
+        "ep": f"ep divides dp·cp and the experts ({costs.num_experts or 'none'})",
+        "zero_stage": "ZeRO needs dp·cp > 1",
+        "micro_batch_size": f"the micro-batch size divides the global batch / dp and is at "
+                            f"most "
+                            f"max_micro_batch_size ({settings.max_micro_batch_size})",
+        "pp_schedule": "pp > 1 for any schedule but the default 1f1b; interleaving needs "
+                       "the body layers to split evenly into pp·v chunks and the "
+                       "micro-batches of a step to be a multiple of pp",
+        "virtual_stages": f"v > 1 only with interleaved-1f1b, the body layers split evenly "
+                          f"into pp·v chunks, at most max_virtual_stages "
+                          f"({settings.max_virtual_stages})",
+        "sequence_parallel": "sequence parallelism needs tp > 1 and a sequence",
+        "recompute": "selective recompute needs attention that keeps its scores (a math "
+                     "kernel)",
+    }
+    out = []
+    for name, want in sorted(constraints.items()):
+        have = sorted({getattr(free.config(int(i)), name)
+                       for i in key_groups(free, np.arange(len(free)), (name,))[0]})
+        if want not in have:
+            out.append(f"no config has {name}={want!r} (without the pins: "
+                       f"{', '.join(map(repr, have))})")
+    mesh = {k: v for k, v in constraints.items() if k in ("dp", "tp", "pp", "cp")}
+    if not out and mesh and (math.prod(mesh.values()) != cluster.world_size if len(mesh) == 4
+                             else cluster.world_size % math.prod(mesh.values())):
+        out.append(f"dp·tp·pp·cp must equal the {cluster.world_size} GPUs, and "
+                   f"{'·'.join(f'{k}={v}' for k, v in sorted(mesh.items()))} "
+                   f"{'does not' if len(mesh) == 4 else 'does not divide them'}")
+    if not out:
+        return (f": each pin is possible on its own but not together with the others; "
+                f"relax one of {', '.join(sorted(constraints))}")
+    # the rules of the pinned fields, and those of dp and pp that every factoring meets
+    named = dict.fromkeys([*sorted(constraints), "dp", "pp"])
+    return ": " + "; ".join(out) + ". Rules: " + "; ".join(rules[k] for k in named) + "."
 
 
 def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.ndarray,
@@ -264,6 +322,9 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     if unknown:
         raise ValueError(f"unknown constraint(s) {unknown}; constraints pin ParallelConfig "
                          f"fields: {', '.join(CONFIG_FIELDS)}")
+    # a precision the device cannot compute in rules out every config alike: say so at once
+    # rather than as the first of tens of thousands of rejections
+    peak_flops(cluster.hardware.device, dtype)
     start = time.perf_counter()
     cache = EvalCache(cluster)
     usable = cluster.hardware.device.memory_bytes
@@ -288,6 +349,9 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     progress.close()
     if not len(table) or (not fast and errors and not pruned):
         detail = f" (first rejection: {errors[0]})" if errors else ""
+        if not len(table):
+            detail = _why_empty(costs, cluster, global_batch_size=global_batch_size,
+                                constraints=constraints, options=options, settings=settings)
         raise ValueError(f"no configuration satisfies the constraints {constraints} on "
                          f"{cluster.world_size} GPUs{detail}")
     fitting = sorted((e for e in fast if e.fits), key=_rank_key)

@@ -51,9 +51,24 @@ def test_constraints_are_honoured_and_unknown_ones_refused():
     with pytest.raises(ValueError, match=r"unknown constraint\(s\) \['tensor_parallel'\]"):
         autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024,
                         constraints={"tensor_parallel": 2})
-    with pytest.raises(ValueError, match="no configuration satisfies the constraints"):
+    with pytest.raises(ValueError, match=r"no configuration satisfies the constraints "
+                       r"\{'tp': 3\} on 8 GPUs: no config has tp=3 \(without the pins: 1, 2, "
+                       r"4, 8\)\. Rules: tp divides the GPUs .*attention heads \(16\)"):
         autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024,
                         constraints={"tp": 3})
+
+
+@pytest.mark.parametrize("pins, match", [
+    ({"tp": 2, "pp": 8, "dp": 2}, r"dp·tp·pp·cp must equal the 8 GPUs, and dp=2·pp=8·tp=2 "
+                                  r"does not divide them"),
+    ({"micro_batch_size": 64}, r"no config has micro_batch_size=64 \(without the pins: 1, 2, "
+                               r"4, 8, 16, 32\)\. Rules: .*max_micro_batch_size \(32\)"),
+    ({"tp": 8, "zero_stage": 1}, r"each pin is possible on its own but not together with the "
+                                 r"others; relax one of tp, zero_stage"),
+])
+def test_an_empty_space_says_which_pin_rules_everything_out(pins, match):
+    with pytest.raises(ValueError, match=match):
+        autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024, constraints=pins)
 
 
 def test_same_input_gives_a_byte_identical_plan(tmp_path):
@@ -208,3 +223,9 @@ def test_load_refuses_a_plan_for_another_model_or_cluster(tmp_path):
                                n_heads=16))
     with pytest.raises(ValueError, match="made for another model.*re-plan"):
         autopar.load_plan(path, model=bigger)
+
+
+def test_a_precision_the_device_lacks_is_refused_before_the_search():
+    a100 = autopar.Cluster.from_profile("dgx-a100-80g", num_nodes=1)
+    with pytest.raises(ValueError, match=r"A100.* has no fp8 compute \(profile lists .*bf16"):
+        autopar.compile(small_gpt(), a100, global_batch_size=64, seq_len=1024, dtype="fp8")
