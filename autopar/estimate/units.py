@@ -34,7 +34,11 @@ class OpCost:
     flops_fwd: float
     flops_bwd: float
     bytes_fwd: float
-    param_bytes: float = 0.0  # the part of bytes_fwd that reads parameters (batch-independent)
+    param_bytes: float = 0.0  # the part of bytes_fwd that reads parameters
+    # the part of bytes_fwd that does not grow with the batch: parameter, buffer and constant
+    # reads and tensors made from those alone (a rotary table), read or written
+    fixed_bytes: float = 0.0
+    batch_free: bool = False  # every input is made without the model's inputs: no FLOP scales
     expert: bool = False
     causal: bool = False
     score_bytes: float = 0.0  # attention: the b·a·s_q·s_kv score matrix in the compute dtype
@@ -80,12 +84,14 @@ class Unit:
             and not self.name.startswith("glue")
 
     def scaled(self, factor: float) -> "Unit":
-        """The unit for `factor` times the traced batch: work and activations scale,
-        parameters and their reads do not."""
+        """The unit for `factor` times the traced batch: work and activations scale;
+        parameters, buffers and what is made of them alone (an op's `fixed_bytes`, a
+        `batch_free` op's FLOPs) do not."""
         if factor == 1:
             return self
-        ops = tuple(replace(op, flops_fwd=op.flops_fwd * factor, flops_bwd=op.flops_bwd * factor,
-                            bytes_fwd=op.param_bytes + (op.bytes_fwd - op.param_bytes) * factor,
+        ops = tuple(op if op.batch_free else
+                    replace(op, flops_fwd=op.flops_fwd * factor, flops_bwd=op.flops_bwd * factor,
+                            bytes_fwd=op.fixed_bytes + (op.bytes_fwd - op.fixed_bytes) * factor,
                             score_bytes=op.score_bytes * factor, logits=op.logits * factor)
                     for op in self.ops)
         return replace(self, ops=ops, saved_bytes=self.saved_bytes * factor,
@@ -154,9 +160,20 @@ def _vocab_sized(node: Node, vocab_dims: set[int]) -> bool:
     return any(p.shape and p.shape[0] in vocab_dims for p in node.params)
 
 
+def _fixed_bytes(node: Node, derived: dict[str, bool]) -> int:
+    """What of a node's traffic does not grow with the batch: all of it for a node made
+    without the model's inputs, else its reads of parameters, buffers, constants and of
+    nodes made of those alone."""
+    if not derived[node.name]:
+        return node.bytes_read + node.bytes_written
+    return sum(t.num_bytes for t, src in zip(node.inputs, node.input_sources)
+               if not (src.startswith("input:") or derived.get(src, False)))
+
+
 def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: set[int],
-               counted: set[str]) -> Unit:
-    """`counted` holds the parameters earlier units already own (tied weights count once)."""
+               counted: set[str], derived: dict[str, bool]) -> Unit:
+    """`counted` holds the parameters earlier units already own (tied weights count once);
+    `derived` says which nodes derive from the model's inputs (`Graph.from_inputs`)."""
     ops: list[OpCost] = []
     dense = expert = 0
     in_moe = False
@@ -184,11 +201,12 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         tail_kernels += node.name in tail
         io = node.bytes_read + node.bytes_written
         weights = sum(p.num_bytes for p in node.params)
+        fixed = dict(fixed_bytes=_fixed_bytes(node, derived), batch_free=not derived[node.name])
         if node.kind in _GEMM_KINDS:
             ops.append(OpCost(kind="gemm", flops_fwd=node.flops_fwd, flops_bwd=node.flops_bwd,
                               bytes_fwd=io, param_bytes=weights, expert=in_moe,
                               vocab=_vocab_sized(node, vocab_dims), aligned=_aligned(node),
-                              tail=node.name in tail))
+                              tail=node.name in tail, **fixed))
         elif node.kind is OpKind.ATTENTION and node.attention is not None:
             a = node.attention
             score = a.batch * a.num_heads * a.seq_q * a.seq_kv * node.inputs[0].num_bytes \
@@ -196,7 +214,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
             ops.append(OpCost(kind="attention", flops_fwd=node.flops_fwd,
                               flops_bwd=node.flops_bwd, bytes_fwd=io, causal=a.causal,
                               score_bytes=score, seq_kv=a.seq_kv, dropout=a.dropout_p > 0,
-                              tail=node.name in tail))
+                              tail=node.name in tail, **fixed))
             kv += sum(t.num_bytes for t in node.inputs[1:3])
             # Korthikanti et al. 2022: softmax output (2 B/elt), plus the dropout mask (1 B)
             # and output (2 B) when attention dropout is on: 2·a·s²·b or 5·a·s²·b
@@ -209,7 +227,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
                               and _vocab_sized(node, vocab_dims), tail=node.name in tail,
                               logits=node.inputs[0].numel if loss else 0.0,
                               logit_bytes=node.inputs[0].num_bytes // max(1, node.inputs[0].numel)
-                              if loss else 0))
+                              if loss else 0, **fixed))
             saved_memory += node.saved_bytes
         if node.kind is OpKind.NORM:
             tp_points += 1
@@ -245,5 +263,5 @@ def units_from_graph(graph: Graph) -> tuple[Unit, ...]:
     """The graph's units in execution order (blocks stand for all their copies)."""
     vocab_dims = vocab_sizes(graph)
     counted: set[str] = set()
-    return tuple(_make_unit(name, nodes, fqns, vocab_dims, counted)
+    return tuple(_make_unit(name, nodes, fqns, vocab_dims, counted, graph.from_inputs)
                  for name, nodes, fqns in _segments(graph))

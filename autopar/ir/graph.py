@@ -205,6 +205,17 @@ class Graph:
                 mult[name] = block.count
         return mult
 
+    @cached_property
+    def from_inputs(self) -> dict[str, bool]:
+        """Whether each node's outputs derive from the model's inputs -- activations, which
+        grow with the batch and split along the sequence -- rather than from parameters,
+        buffers and constants alone (a rotary table, a mask built from a buffer). Read only."""
+        derived: dict[str, bool] = {}
+        for node in self.nodes:
+            derived[node.name] = any(src.startswith("input:") or derived.get(src, False)
+                                     for src in node.input_sources)
+        return derived
+
     def multiplicity(self, node: Node | str) -> int:
         """How many copies of a node the full model runs (its block's count, else 1)."""
         return self._multiplicity[node if isinstance(node, str) else node.name]

@@ -177,17 +177,6 @@ def _requires_grad(graph: Graph) -> dict[str, bool]:
     return req
 
 
-def _from_tokens(graph: Graph) -> dict[str, bool]:
-    """Whether each node's outputs derive from the model's inputs (activations, which context
-    parallelism splits along the sequence) rather than from parameters, buffers and constants
-    alone."""
-    derived: dict[str, bool] = {}
-    for node in graph.nodes:
-        derived[node.name] = any(src.startswith("input:") or derived.get(src, False)
-                                 for src in node.input_sources)
-    return derived
-
-
 def _is_float(dtype: str) -> bool:
     return dtype.startswith(("float", "bfloat", "complex"))
 
@@ -289,7 +278,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
 
     by_name = {n.name: n for n in graph.nodes}
     req = _requires_grad(graph)
-    tokens = _from_tokens(graph)
+    tokens = graph.from_inputs
 
     def shards_of(made_by: str) -> int:  # how many ways cp splits what this node makes
         return sequence_shards if tokens[made_by] else 1

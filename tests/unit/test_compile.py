@@ -229,3 +229,20 @@ def test_a_precision_the_device_lacks_is_refused_before_the_search():
     a100 = autopar.Cluster.from_profile("dgx-a100-80g", num_nodes=1)
     with pytest.raises(ValueError, match=r"A100.* has no fp8 compute \(profile lists .*bf16"):
         autopar.compile(small_gpt(), a100, global_batch_size=64, seq_len=1024, dtype="fp8")
+
+
+def test_the_plan_predicts_what_estimate_predicts_for_its_config():
+    """compile costs micro-batches as a scaled batch-1 trace, `estimate` traces the config's
+    micro-batch: the two agree (a Llama reads its rotary tables, which do not grow with the
+    batch, in every layer)."""
+    from autopar.models.llama import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=8192, dim=1024, n_layers=8, n_heads=16,
+                                  n_kv_heads=4, ffn_dim=4096, max_seq_len=1024))
+    plan = autopar.compile(model, H100, global_batch_size=64, seq_len=1024,
+                           constraints={"micro_batch_size": 4, "tp": 2})
+    assert plan.search["stage_cut"] == "even (Megatron)"
+    est = autopar.estimate(model, H100, plan.config, global_batch_size=64, seq_len=1024)
+    assert est.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-12)
+    assert est.peak_memory_bytes == pytest.approx(plan.estimate.peak_memory_bytes, rel=1e-12)

@@ -7,6 +7,7 @@ the data-parallel gradient all-reduce of every local parameter, the ZeRO paper's
 makespan of uniform stages.
 """
 
+import dataclasses
 import functools
 
 import pytest
@@ -515,3 +516,48 @@ def test_megatron_placement_refuses_more_chunks_than_block_layers():
 
     with pytest.raises(ValueError, match="11 pipeline stages for 10 layers"):
         megatron_boundaries((_unit("pre", 1), _unit("a", 10), _unit("post", 1)), 11)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+def test_units_scaled_to_a_micro_batch_equal_the_units_traced_at_it(family):
+    """The search costs a micro-batch of b as the batch-1 trace scaled by b; what does not
+    grow with the batch -- parameter reads, and Llama's rotary tables made from a buffer and
+    read by every layer -- must not be scaled. Oracle: the trace at b itself. Two residues no
+    rule can tell from a batch at b = 1: the loss's scalar output, and GPT's position ids
+    (made by an arange, kept by the embedding for its backward: saved bytes of a unit are not
+    split by origin)."""
+    from autopar.estimate.core import ModelCosts, evaluate
+    from autopar.models.llama import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=VOCAB, dim=DIM, n_layers=LAYERS, n_heads=HEADS,
+                                  n_kv_heads=2, ffn_dim=4 * DIM, max_seq_len=SEQ)) \
+            if family == "llama" else GPT(GPTConfig(vocab_size=VOCAB, max_seq_len=SEQ, dim=DIM,
+                                                    n_layers=LAYERS, n_heads=HEADS))
+    one, four = (ModelCosts.from_graph(autopar.trace(model, global_batch_size=b, seq_len=SEQ,
+                                                     dtype="bf16")) for b in (1, 4))
+    scaled = one.units_for(4)
+    assert len(scaled) == len(four.units)
+    for got, want in zip(scaled, four.units):
+        if family == "gpt" and got.name == "pre":  # the int64 position ids, 3 x too many
+            extra = 3 * SEQ * 8
+            assert (got.saved_bytes - want.saved_bytes, got.saved_bytes_memory_ops
+                    - want.saved_bytes_memory_ops) == (extra, extra)
+            got = dataclasses.replace(got, saved_bytes=want.saved_bytes,
+                                      saved_bytes_recompute=want.saved_bytes_recompute,
+                                      saved_bytes_memory_ops=want.saved_bytes_memory_ops)
+        assert dataclasses.replace(got, ops=()) == dataclasses.replace(want, ops=())
+        assert len(got.ops) == len(want.ops)
+        for a, b in zip(got.ops, want.ops):
+            if a.logits:  # the mean loss: one element written at any batch
+                assert a.bytes_fwd - b.bytes_fwd == 3 * a.logit_bytes
+                a = dataclasses.replace(a, bytes_fwd=b.bytes_fwd)
+            assert a == b
+    if family == "llama":
+        cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=1)
+        cfg = ParallelConfig(dp=2, tp=2, pp=2, micro_batch_size=4, pp_schedule="1f1b")
+        for exact in (False, True):
+            got, want = (evaluate(c, cluster, cfg, global_batch_size=32, exact=exact)
+                         for c in (one, four))
+            assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-12)
+            assert got.peak_memory_bytes == pytest.approx(want.peak_memory_bytes, rel=1e-12)
