@@ -144,21 +144,23 @@ def _why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
     free = _table(costs, cluster, global_batch_size=global_batch_size, constraints={},
                   options=options, settings=settings)
     if not len(free):
-        return (f": no (dp, tp, pp, cp) factoring of {cluster.world_size} GPUs has a dp that "
-                f"divides the global batch of {global_batch_size}")
+        return (f": no dp·tp·pp·cp factoring of the {cluster.world_size} GPUs has a dp that "
+                f"divides the global batch ({global_batch_size}) with tp within a node, pp at "
+                f"most the layers ({costs.num_layers}) and cp at most max_cp "
+                f"({settings.max_cp}); use fewer GPUs or a larger global batch")
     rules = {
         "dp": f"dp = GPUs / (tp·pp·cp) and divides the global batch ({global_batch_size})",
         "tp": f"tp divides the GPUs and stays within a node ({cluster.gpus_per_node} GPUs)"
               + (f" and divides the attention heads ({costs.num_heads})" if costs.num_heads
                  else ""),
         "pp": f"pp divides GPUs / (tp·cp) and is at most the layers ({costs.num_layers})",
-        "cp": f"cp needs attention and a sequence ({costs.seq_len}) divisible by 2·cp, and is "
-              f"at most max_cp ({settings.max_cp})",
+        "cp": (f"cp needs attention and a sequence ({costs.seq_len}) divisible by 2·cp, and "
+               f"is at most max_cp ({settings.max_cp})" if costs.seq_len else
+               "cp needs a sequence to split, which this model's inputs do not have"),
         "ep": f"ep divides dp·cp and the experts ({costs.num_experts or 'none'})",
         "zero_stage": "ZeRO needs dp·cp > 1",
         "micro_batch_size": f"the micro-batch size divides the global batch / dp and is at "
-                            f"most "
-                            f"max_micro_batch_size ({settings.max_micro_batch_size})",
+                            f"most max_micro_batch_size ({settings.max_micro_batch_size})",
         "pp_schedule": "pp > 1 for any schedule but the default 1f1b; interleaving needs "
                        "the body layers to split evenly into pp·v chunks and the "
                        "micro-batches of a step to be a multiple of pp",

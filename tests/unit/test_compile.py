@@ -246,3 +246,12 @@ def test_the_plan_predicts_what_estimate_predicts_for_its_config():
     est = autopar.estimate(model, H100, plan.config, global_batch_size=64, seq_len=1024)
     assert est.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-12)
     assert est.peak_memory_bytes == pytest.approx(plan.estimate.peak_memory_bytes, rel=1e-12)
+
+
+def test_a_space_empty_without_pins_says_what_to_change():
+    big = autopar.Cluster.from_profile("dgx-h100", num_nodes=128)
+    with pytest.raises(ValueError, match=r"no dp·tp·pp·cp factoring of the 1024 GPUs has a dp "
+                                         r"that divides the global batch \(3\).*max_cp \(1\); "
+                                         r"use fewer GPUs or a larger global batch"):
+        autopar.compile(small_gpt(), big, global_batch_size=3, seq_len=1024,
+                        settings=autopar.SearchSettings(max_cp=1, progress=False))
