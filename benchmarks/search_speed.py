@@ -12,13 +12,13 @@ problem of its block (~0.004 s by variable elimination, the same at any depth), 
 stage DP's check of its 4 x 8 stages over 130 layers (~0.0010 s: a banded DP up to Megatron's
 bottleneck shows no cut beats that placement, so neither the split-budget search nor a
 simulation of the cut runs) and the simulation of the one candidate that a bound on the
-simulated step cannot rule out (~0.0013 s); the 32-layer winner (tp=1, pp=1) needs none of it.
+simulated step cannot rule out (~0.0012 s); the 32-layer winner (tp=1, pp=1) needs none of it.
 The outer search visits configs in order of a step bound from each pipeline rank's work (the
 busiest rank, and the zero-bubble tail), a ZeRO-3 config's bound raised by its gathers' floor
 when its turn comes, evaluating 20 (32 layers) and 18 (128 layers) of 35-47 thousand; the rest
 of the depth ratio is the repeated-block detection over 4x the layers (~0.002-0.003 s more:
-the layers compared column by column, ~25 us a layer on a freshly built model, half of it the
-first touch of its objects), the parameter placements of every layer in the plan (~0.0004 s
+the layers compared column by column, ~23 us a layer on a freshly built model, ~19 us on a
+second pass over it), the parameter placements of every layer in the plan (~0.0004 s
 more) and the 33 % larger space (more pipeline degrees and virtual-stage splits, ~0.003 s
 more over the bounds and the visit). The search column separates the outer search. On a
 shared machine the wall times swing; the CPU column is the steadier one, and the per-round
