@@ -522,10 +522,10 @@ def test_megatron_placement_refuses_more_chunks_than_block_layers():
 def test_units_scaled_to_a_micro_batch_equal_the_units_traced_at_it(family):
     """The search costs a micro-batch of b as the batch-1 trace scaled by b; what does not
     grow with the batch -- parameter reads, and Llama's rotary tables made from a buffer and
-    read by every layer -- must not be scaled. Oracle: the trace at b itself. Two residues no
-    rule can tell from a batch at b = 1: the loss's scalar output, and GPT's position ids
-    (made by an arange, kept by the embedding for its backward: saved bytes of a unit are not
-    split by origin)."""
+    read by every layer -- must not be scaled. Oracle: the trace at b itself. Two residues:
+    the loss's scalar output, which no rule can tell from a batch at b = 1, and GPT's position
+    ids (an arange the embedding keeps for its backward), since a unit's saved bytes are not
+    split by origin."""
     from autopar.estimate.core import ModelCosts, evaluate
     from autopar.models.llama import Llama, LlamaConfig
 
