@@ -93,8 +93,12 @@ def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int
     if num_heads is not None and num_heads % cfg.tp:
         raise ValueError(f"tp={cfg.tp} must divide the {num_heads} attention heads; allowed tp: "
                          f"{[d for d in divisors(num_heads) if world_size % d == 0]}")
-    if num_kv_heads is not None and cfg.tp > num_kv_heads and cfg.tp % num_kv_heads:
-        raise ValueError(f"tp={cfg.tp} must divide or be a multiple of the {num_kv_heads} KV heads")
+    if num_kv_heads is not None and num_kv_heads % cfg.tp:
+        # K and V are column-parallel by head, as Megatron-LM (num_query_groups) and torchtitan
+        # shard them: a rank cannot hold part of a head
+        raise ValueError(f"tp={cfg.tp} must divide the {num_kv_heads} key/value heads (K and V "
+                         f"are split by head); allowed tp: "
+                         f"{[d for d in divisors(num_kv_heads) if world_size % d == 0]}")
     if (cfg.dp * cfg.cp) % cfg.ep:
         raise ValueError(f"ep={cfg.ep} must divide dp*cp = {cfg.dp * cfg.cp}; allowed ep: "
                          f"{divisors(cfg.dp * cfg.cp)}")

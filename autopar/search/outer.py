@@ -115,7 +115,8 @@ def _table(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
     return config_table(
         world=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
         num_layers=costs.num_layers, body_layers=max(u.count for u in costs.units),
-        num_heads=costs.num_heads, seq_len=costs.seq_len, num_experts=costs.num_experts,
+        num_heads=costs.num_heads, num_kv_heads=costs.num_kv_heads, seq_len=costs.seq_len,
+        num_experts=costs.num_experts,
         global_batch_size=global_batch_size, constraints=constraints,
         # selective recompute has something to drop: score tensors the model itself keeps
         # (unfused attention in its code) or that an unfused kernel would keep
@@ -151,8 +152,8 @@ def _why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
     rules = {
         "dp": f"dp = GPUs / (tp·pp·cp) and divides the global batch ({global_batch_size})",
         "tp": f"tp divides the GPUs and stays within a node ({cluster.gpus_per_node} GPUs)"
-              + (f" and divides the attention heads ({costs.num_heads})" if costs.num_heads
-                 else ""),
+              + (f" and divides the attention heads ({costs.num_heads}) and key/value heads "
+                 f"({costs.num_kv_heads})" if costs.num_heads else ""),
         "pp": f"pp divides GPUs / (tp·cp) and is at most the layers ({costs.num_layers})",
         "cp": (f"cp needs attention and a sequence ({costs.seq_len}) divisible by 2·cp, and "
                f"is at most max_cp ({settings.max_cp})" if costs.seq_len else

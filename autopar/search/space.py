@@ -85,13 +85,14 @@ def _allowed(name: str, values: list, constraints: dict[str, Any]) -> list:
 
 
 def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers: int,
-                 num_heads: int | None, seq_len: int | None, num_experts: int | None,
-                 global_batch_size: int, constraints: dict[str, Any], math_attention: bool,
-                 max_micro_batch_size: int, max_virtual_stages: int, max_cp: int
-                 ) -> ConfigTable:
+                 num_heads: int | None, num_kv_heads: int | None, seq_len: int | None,
+                 num_experts: int | None, global_batch_size: int, constraints: dict[str, Any],
+                 math_attention: bool, max_micro_batch_size: int, max_virtual_stages: int,
+                 max_cp: int) -> ConfigTable:
     """Every candidate config (validity is checked by `evaluate`), in the order: tp, cp, pp,
     ep ascending; then micro-batch size, recompute, SP, schedule (gpipe, 1f1b, zero-bubble,
-    interleaved by virtual stages), ZeRO stage. tp stays within a node and divides the heads;
+    interleaved by virtual stages), ZeRO stage. tp stays within a node and divides the heads
+    and the key/value heads;
     sequence parallelism needs a sequence (``seq_len``);
     cp needs a sequence divisible by 2·cp; pp is at most the layer count; interleaving needs
     the body layers to split evenly into pp·v chunks and the micro-batches to be a multiple
@@ -102,7 +103,8 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
     inner: list[dict[str, np.ndarray]] = []
     grids = _Grids()
     blocks: dict[tuple[int, int, bool, bool], dict[str, np.ndarray] | None] = {}
-    tps = [t for t in divisors(world) if t <= gpus_per_node and (heads is None or heads % t == 0)]
+    tps = [t for t in divisors(world) if t <= gpus_per_node and (heads is None or heads % t == 0)
+           and (num_kv_heads is None or num_kv_heads % t == 0)]
     for tp in _allowed("tp", tps, constraints):
         cps = [c for c in divisors(world // tp) if c <= max_cp
                and (c == 1 or (heads is not None and seq_len and seq_len % (2 * c) == 0))]

@@ -255,3 +255,23 @@ def test_a_space_empty_without_pins_says_what_to_change():
                                          r"use fewer GPUs or a larger global batch"):
         autopar.compile(small_gpt(), big, global_batch_size=3, seq_len=1024,
                         settings=autopar.SearchSettings(max_cp=1, progress=False))
+
+
+def test_tp_divides_the_key_value_heads_as_the_runtime_and_megatron_shard_them():
+    """K and V are column-parallel by head (Megatron-LM's num_query_groups, torchtitan): a tp
+    that only the query heads allow is neither searched nor estimated (the generated script
+    would stop on it)."""
+    from autopar.models.llama import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=8192, dim=1024, n_layers=4, n_heads=16,
+                                  n_kv_heads=2, ffn_dim=4096, max_seq_len=1024))
+    plan = autopar.compile(model, H100, global_batch_size=8, seq_len=1024)
+    assert set(plan.candidates["tp"]) <= {1, 2}
+    with pytest.raises(ValueError, match=r"no config has tp=4 \(without the pins: 1, 2\).*"
+                                         r"attention heads \(16\) and key/value heads \(2\)"):
+        autopar.compile(model, H100, global_batch_size=8, seq_len=1024, constraints={"tp": 4})
+    with pytest.raises(ValueError, match=r"tp=4 must divide the 2 key/value heads .*allowed "
+                                         r"tp: \[1, 2\]"):
+        autopar.estimate(model, H100, autopar.ParallelConfig(dp=2, tp=4),
+                         global_batch_size=8, seq_len=1024)

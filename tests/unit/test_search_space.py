@@ -55,10 +55,12 @@ def _oracle_configs(costs, cluster, *, global_batch_size, constraints, options, 
         return [v for v in values if v == constraints[name]] if name in constraints else values
 
     world, g, heads = cluster.world_size, cluster.gpus_per_node, costs.num_heads
+    kv_heads = costs.num_kv_heads
     body = max(u.count for u in costs.units)
     gbs = global_batch_size
     for tp in allowed("tp", [t for t in divisors(world)
-                             if t <= g and (heads is None or heads % t == 0)]):
+                             if t <= g and (heads is None or heads % t == 0)
+                             and (kv_heads is None or kv_heads % t == 0)]):
         cps = [c for c in divisors(world // tp) if c <= settings.max_cp
                and (c == 1 or (heads is not None and costs.seq_len
                                and costs.seq_len % (2 * c) == 0))]
