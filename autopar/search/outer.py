@@ -160,8 +160,9 @@ def _why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
                "cp needs a sequence to split, which this model's inputs do not have"),
         "ep": f"ep divides dp·cp and the experts ({costs.num_experts or 'none'})",
         "zero_stage": "ZeRO needs dp·cp > 1",
-        "micro_batch_size": f"the micro-batch size divides the global batch / dp and is at "
-                            f"most max_micro_batch_size ({settings.max_micro_batch_size})",
+        "micro_batch_size": f"the micro-batch size divides the global batch / dp, leaves a "
+                            f"micro-batch per pipeline rank and is at most "
+                            f"max_micro_batch_size ({settings.max_micro_batch_size})",
         "pp_schedule": "pp > 1 for any schedule but the default 1f1b; interleaving needs "
                        "the body layers to split evenly into pp·v chunks and the "
                        "micro-batches of a step to be a multiple of pp",

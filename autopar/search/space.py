@@ -94,9 +94,9 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
     interleaved by virtual stages), ZeRO stage. tp stays within a node and divides the heads
     and the key/value heads;
     sequence parallelism needs a sequence (``seq_len``);
-    cp needs a sequence divisible by 2·cp; pp is at most the layer count; interleaving needs
-    the body layers to split evenly into pp·v chunks and the micro-batches to be a multiple
-    of pp."""
+    cp needs a sequence divisible by 2·cp; pp is at most the layer count and the micro-batches
+    per step at least pp; interleaving needs the body layers to split evenly into pp·v chunks
+    and the micro-batches to be a multiple of pp."""
     gbs, heads = global_batch_size, num_heads
     degrees: list[tuple[int, int, int, int, int]] = []  # (dp, tp, pp, cp, ep) of each block
     sizes: list[int] = []
@@ -170,16 +170,17 @@ def _block(gbs: int, constraints: dict[str, Any], grids: _Grids, *, dp: int, pp:
            max_mbs: int, max_v: int) -> dict[str, np.ndarray] | None:
     """The ZeRO, micro-batch, schedule, virtual-stage, SP and recompute columns of the rows
     of one (tp, cp, pp, dp, ep): the product micro-batch x recompute x SP x schedule x ZeRO
-    in that nesting (C order), less interleaved rows whose micro-batch count is not a
-    multiple of pp. SP is searched `with_sp` (tp > 1 and the model has a sequence: CNNs have
+    in that nesting (C order), micro-batch sizes that leave at least pp micro-batches, less
+    interleaved rows whose micro-batch count is not a multiple of pp. SP is searched `with_sp` (tp > 1 and the model has a sequence: CNNs have
     no token dimension to split), ZeRO `with_zero` (dp * cp > 1)."""
     zeros = _allowed("zero_stage", [0, 1, 2, 3] if with_zero else [0], constraints)
     sps = _allowed("sequence_parallel", [False, True] if with_sp else [False], constraints)
     # with a fused kernel selective recompute equals none
     recomputes = _allowed("recompute", ["none", "selective", "full"] if math_attention
                           else ["none", "full"], constraints)
-    mbss = _allowed("micro_batch_size",
-                    [b for b in divisors(gbs // dp) if b <= max_mbs], constraints)
+    # a pipeline needs a micro-batch per rank at least (`check_config`)
+    mbss = _allowed("micro_batch_size", [b for b in divisors(gbs // dp)
+                                         if b <= max_mbs and gbs // (dp * b) >= pp], constraints)
     if pp == 1:
         schedules = [("1f1b", 1)]
     else:

@@ -116,7 +116,7 @@ def test_pipeline_bubble_shrinks_like_p_minus_1_over_m(schedule):
     # uniform-ish stages: the bubble share of the step falls as (p-1)/(m+p-1) with more
     # micro-batches; bubble and step come from the simulated schedule
     shares = []
-    for gbs in (4, 16, 64):
+    for gbs in (8, 32, 128):  # m = 4, 16, 64: at least a micro-batch per pipeline rank
         _, est = run(dp=2, pp=4, gbs=gbs, pp_schedule=schedule)
         shares.append(est.breakdown["bubble"] / est.step_time_s)
         m, p = est.num_microbatches, 4
@@ -130,6 +130,8 @@ def test_pipeline_bubble_shrinks_like_p_minus_1_over_m(schedule):
     (dict(dp=1, tp=8, ep=2), "ep=2 must divide dp\\*cp = 1"),
     (dict(dp=8, ep=2), "needs a model with experts"),
     (dict(dp=1, pp=8), "8 pipeline stages for 4 layers|pp\\*virtual_stages = 8 stages"),
+    (dict(dp=2, pp=4, micro_batch_size=4), r"pp=4 needs at least 4 micro-batches per step, one "
+                                           r"per pipeline rank; .* = 16 / \(2\*4\) = 2: lower"),
 ])
 def test_bad_configs_say_what_is_wrong_and_what_would_work(cfg, match):
     with pytest.raises(ValueError, match=match):

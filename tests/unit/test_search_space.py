@@ -86,7 +86,8 @@ def _oracle_configs(costs, cluster, *, global_batch_size, constraints, options, 
                             [("interleaved-1f1b", v) for v in vs]
                     for mbs in allowed("micro_batch_size",
                                        [b for b in divisors(gbs // dp)
-                                        if b <= settings.max_micro_batch_size]):
+                                        if b <= settings.max_micro_batch_size
+                                        and gbs // (dp * b) >= pp]):
                         m = gbs // (dp * mbs)
                         for rc in allowed("recompute", rcs):
                             for sp in allowed("sequence_parallel", sps):
