@@ -15,11 +15,11 @@ simulation of the cut runs) and the simulation of the one candidate that a bound
 simulated step cannot rule out (~0.0012 s); the 32-layer winner (tp=1, pp=1) needs none of it.
 The outer search visits configs in order of a step bound from each pipeline rank's work (the
 busiest rank, and the zero-bubble tail), a ZeRO-3 config's bound raised by its gathers' floor
-when its turn comes, evaluating 20 (32 layers) and 18 (128 layers) of 35-47 thousand; the rest
+when its turn comes, evaluating 20 (32 layers) and 18 (128 layers) of 30-39 thousand; the rest
 of the depth ratio is the repeated-block detection over 4x the layers (~0.002-0.003 s more:
 the layers compared column by column, ~23 us a layer on a freshly built model, ~19 us on a
 second pass over it), the parameter placements of every layer in the plan (~0.0004 s
-more) and the 33 % larger space (more pipeline degrees and virtual-stage splits, ~0.003 s
+more) and the 31 % larger space (more pipeline degrees and virtual-stage splits, ~0.003 s
 more over the bounds and the visit). The search column separates the outer search. On a
 shared machine the wall times swing; the CPU column is the steadier one, and the per-round
 ratios (the two depths back to back) show the spread.
