@@ -123,7 +123,7 @@ def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int
         raise ValueError(f"pp*virtual_stages = {stages} stages for {num_layers} layers: every "
                          f"stage needs at least one layer")
     if cfg.pp > 1 and num_microbatches < cfg.pp:
-        # torch.distributed.pipelining's 1F1B refuses it, and the runtime refuses it for every
+        # PyTorch's pipelining 1F1B schedule refuses it, and the runtime refuses it for every
         # schedule (a step with idle pipeline ranks is never worth running)
         raise ValueError(f"pp={cfg.pp} needs at least {cfg.pp} micro-batches per step, one per "
                          f"pipeline rank; global_batch_size / (dp*micro_batch_size) = "
