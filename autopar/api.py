@@ -51,9 +51,11 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
     else:
         graph = trace(model, example_inputs=example_inputs, dtype=dtype)
     costs = ModelCosts.from_graph(graph)
+    cache = EvalCache(cluster)  # the search's memo tables, reused by the stage re-cut
     result = search(costs, cluster, global_batch_size=global_batch_size, dtype=dtype,
-                    constraints=constraints, options=options, settings=settings)
-    best = _rebalance_stages(costs, cluster, result.best, global_batch_size, dtype, options)
+                    constraints=constraints, options=options, settings=settings, cache=cache)
+    best = _rebalance_stages(costs, cluster, result.best, global_batch_size, dtype, options,
+                             cache)
     cfg = best.config
     tp_map, intra_op = _tp_placements(model, graph, cluster, cfg, dtype, seq_len, example_inputs)
     sizes = {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp}
@@ -122,7 +124,7 @@ def _tp_placements(model, graph, cluster: Cluster, cfg, dtype: str, seq_len, exa
 
 
 def _rebalance_stages(costs: ModelCosts, cluster: Cluster, best, global_batch_size: int,
-                      dtype: str, options: EstimateOptions):
+                      dtype: str, options: EstimateOptions, cache: EvalCache):
     """Re-cut the winner's pipeline stages with the inter-op DP (non-uniform where layers
     differ), the winner's Megatron placement as its incumbent; keep the cut only if the
     simulated schedule is faster and it still fits. A cut
@@ -131,7 +133,7 @@ def _rebalance_stages(costs: ModelCosts, cluster: Cluster, best, global_batch_si
     cfg = best.config
     if cfg.pp == 1:
         return best
-    per_layer = layer_costs(costs, cluster, cfg, dtype=dtype, options=options)
+    per_layer = layer_costs(costs, cluster, cfg, dtype=dtype, options=options, cache=cache)
     fixed = COMM_BUFFER_BYTES + CUDA_CONTEXT_BYTES
     budget = cluster.hardware.device.memory_bytes / (1 + ALLOCATOR_RESERVE_FRACTION) - fixed
     ends = list(itertools.accumulate(len(layers) for layers in best.stage_layers))
@@ -150,7 +152,6 @@ def _rebalance_stages(costs: ModelCosts, cluster: Cluster, best, global_batch_si
     boundaries = tuple(cut.boundaries)
     if boundaries == megatron:
         return best
-    cache = EvalCache(cluster)
     bound = exact_step_lower_bound(costs, cluster, cfg, global_batch_size=global_batch_size,
                                    dtype=dtype, options=options, cache=cache,
                                    stage_boundaries=boundaries)

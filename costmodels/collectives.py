@@ -27,7 +27,9 @@ No torch import here.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
+import operator
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Iterable, Sequence
@@ -96,7 +98,7 @@ def bus_factor(kind: Collective, n: int) -> float:
 
 
 def group_layout(ranks: Sequence[int], gpus_per_node: int, nodes_per_leaf: int) -> GroupLayout:
-    counts = collections.Counter([r // gpus_per_node for r in ranks])
+    counts = collections.Counter(map(operator.floordiv, ranks, itertools.repeat(gpus_per_node)))
     leaves = {node // nodes_per_leaf for node in counts}
     return GroupLayout(num_ranks=len(ranks), num_nodes=len(counts),
                        min_ranks_per_node=min(counts.values()),
@@ -118,6 +120,8 @@ def check_ranks(hw: HardwareProfile, ranks: Sequence[int], world_size: int) -> N
     """Raise unless `ranks` are distinct global ranks of a world of `world_size`."""
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"ranks must be distinct, got {list(ranks)}")
+    if ranks and set(map(type, ranks)) <= {int} and 0 <= min(ranks) and max(ranks) < world_size:
+        return  # the common case, without a test per rank
     bad = [r for r in ranks if not (isinstance(r, int) and 0 <= r < world_size)]
     if bad:
         raise ValueError(f"ranks {bad} are outside the cluster's 0..{world_size - 1} "

@@ -500,14 +500,14 @@ def step_lower_bound(costs: ModelCosts, cluster: Cluster, config: ParallelConfig
     split = split_structure(costs, cache, config.pp, config.virtual_stages)
     if isinstance(split, str):
         raise ValueError(split)
-    busiest, total = (float(x[0]) for x in rank_work_extremes(split, work[None]))
+    busiest, total = (float(x[0, 0]) for x in rank_work_extremes([split], work[None]))
     m, p = global_batch_size // (config.dp * config.micro_batch_size), config.pp
     if config.pp_schedule == "interleaved-1f1b":
         return (m + (p - 1) / config.virtual_stages) * busiest
     if p == 1:
         return m * busiest
     if config.pp_schedule == "zero-bubble":
-        longest = float(rank_work_extremes(split, tail[None])[0][0])
+        longest = float(rank_work_extremes([split], tail[None])[0][0, 0])
         return m * busiest + (p - 1) * max(longest, 0.0)
     return total + (m - 1) * busiest
 

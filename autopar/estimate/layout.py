@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -216,20 +217,25 @@ def layout(vec: UnitVectors, cfg: ParallelConfig, st: Structure) -> Layout:
         fwd_s=tuple(fwd.tolist()), bwd_s=tuple(bwd.tolist()), wgrad_s=tuple(wgrad.tolist()))
 
 
-def rank_work_extremes(split: Structure, work: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Busiest rank's and all ranks' work per micro-batch, for K sets of per-unit work at once:
-    `work` is [K, unit] seconds. Sums run unit by unit, then rank by rank, so a set's numbers
-    do not depend on the others beside it (the search's columns equal the one-config bound to
-    the bit); ranks holding the same layers are summed once. The total is summed over units
-    of the layer counts, which are integers and so exact."""
-    kinds = split.distinct_rank_counts
-    per_rank = np.zeros((kinds.shape[0], work.shape[0]))
-    total = np.zeros(work.shape[0])
-    layers = split.unit_layers
-    for u in range(kinds.shape[1]):
-        per_rank += kinds[:, u, None] * work[None, :, u]
-        total += layers[u] * work[:, u]
-    return per_rank.max(axis=0), total
+def rank_work_extremes(splits: Sequence[Structure], work: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Busiest rank's and all ranks' work per micro-batch, [split, K] each, for S splits and K
+    sets of per-unit work at once: `work` is [K, unit] seconds. Sums run unit by unit, then
+    rank by rank, so a set's numbers do not depend on the others beside it (the search's
+    columns equal the one-config bound to the bit); ranks holding the same layers are summed
+    once, the distinct ranks of all splits in one array. The total is summed over units of
+    the layer counts, which are integers and so exact."""
+    kinds = [split.distinct_rank_counts for split in splits]
+    starts = np.cumsum([0] + [len(k) for k in kinds[:-1]])
+    rows = np.concatenate(kinds)  # [rank kind of some split, unit]
+    layers = np.stack([split.unit_layers for split in splits])  # [split, unit]
+    per_rank = np.zeros((rows.shape[0], work.shape[0]))
+    total = np.zeros((len(splits), work.shape[0]))
+    for u in range(rows.shape[1]):
+        column = work[None, :, u]
+        per_rank += rows[:, u, None] * column
+        total += layers[:, u, None] * column
+    return np.maximum.reduceat(per_rank, starts, axis=0), total
 
 
 def pipeline_bound(cfg: ParallelConfig, m: int, lay: Layout, p2p: float

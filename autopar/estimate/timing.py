@@ -77,7 +77,7 @@ class UnitTimes:
 def rank_groups(cfg: ParallelConfig) -> RankGroups:
     """The groups rank 0 belongs to."""
     tp, cp, dp = cfg.tp, cfg.cp, cfg.dp
-    replicas = tuple(d * cp * tp + c * tp for d in range(dp) for c in range(cp))
+    replicas = tuple(range(0, dp * cp * tp, tp))  # d·cp·tp + c·tp over (d, c) in mesh order
     return RankGroups(tp=tuple(range(tp)), cp=tuple(c * tp for c in range(cp)),
                       ep=replicas[:cfg.ep], dp=replicas,
                       pp_hop=(0, dp * cp * tp) if cfg.pp > 1 else None)

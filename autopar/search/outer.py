@@ -216,11 +216,11 @@ def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: 
     s_first, s_index = key_groups(table, rows, ("pp", "virtual_stages"))
     busiest, total, longest = (np.full((len(s_first), len(first)), np.nan) for _ in range(3))
     pp, v = table.columns["pp"][rows], table.columns["virtual_stages"][rows]
-    for k, i in enumerate(s_first):
-        split = _split(costs, cache, int(pp[i]), int(v[i]))
-        if split is not None:
-            busiest[k], total[k] = rank_work_extremes(split, work)
-            longest[k] = rank_work_extremes(split, tail)[0]
+    splits = {k: _split(costs, cache, int(pp[i]), int(v[i])) for k, i in enumerate(s_first)}
+    made = [k for k, split in splits.items() if split is not None]
+    if made:  # every split at once
+        busiest[made], total[made] = rank_work_extremes([splits[k] for k in made], work)
+        longest[made] = rank_work_extremes([splits[k] for k in made], tail)[0]
     at = (s_index, inverse)
     row_busiest = busiest[at]
     return step_lower_bounds(table, rows, row_busiest, total[at], longest[at],
@@ -320,7 +320,12 @@ def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_b
 def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype: str,
            constraints: dict[str, Any] | None = None,
            options: EstimateOptions = EstimateOptions(),
-           settings: SearchSettings = SearchSettings()) -> SearchResult:
+           settings: SearchSettings = SearchSettings(),
+           cache: EvalCache | None = None) -> SearchResult:
+    """The fastest fitting config of the space (see the module docstring). `cache`, an
+    `EvalCache` of this model and cluster that the caller keeps, lets the work that follows
+    the search (re-cutting the winner's stages, its layer costs) reuse the search's unit
+    times and collective times."""
     constraints = dict(constraints or {})
     unknown = sorted(set(constraints) - set(CONFIG_FIELDS))
     if unknown:
@@ -330,7 +335,7 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     # rather than as the first of tens of thousands of rejections
     peak_flops(cluster.hardware.device, dtype)
     start = time.perf_counter()
-    cache = EvalCache(cluster)
+    cache = EvalCache(cluster) if cache is None else cache
     usable = cluster.hardware.device.memory_bytes
     table = _table(costs, cluster, global_batch_size=global_batch_size,
                    constraints=constraints, options=options, settings=settings)
