@@ -38,7 +38,7 @@ from costmodels import nccl_constants as K
 from costmodels.hardware import Fabric, HardwareProfile, Protocol
 
 __all__ = ["Collective", "GroupLayout", "CollectiveEstimate", "group_layout", "check_ranks",
-           "estimate_collective", "estimate_on_layout", "collective_candidates",
+           "estimate_collective", "estimate_on_layout", "collective_candidates", "LayoutTimer",
            "collective_time", "bus_factor",
            "ZERO3_SYNC_GATHER_BYTES_PER_S", "ZERO3_PERSISTENCE_THRESHOLD"]
 
@@ -199,7 +199,9 @@ def _protocols(hw: HardwareProfile, layout: GroupLayout) -> list[Protocol]:
 
 
 def _ring(hw: HardwareProfile, kind: Collective, layout: GroupLayout, busbw: float,
-          nbytes: float) -> Iterable[tuple[str, Protocol, float, float, str]]:
+          large: bool) -> Iterable[tuple[str, Protocol, float, float, str]]:
+    """`large`: at least 64 bytes per rank (`_large`), where a multi-node Simple all_reduce
+    pays NCCL's extra ring latency."""
     n, nodes = layout.num_ranks, layout.num_nodes
     if kind is Collective.ALL_REDUCE:
         steps, inter_steps = 2 * (n - 1), 2 * (nodes - 1)
@@ -220,7 +222,7 @@ def _ring(hw: HardwareProfile, kind: Collective, layout: GroupLayout, busbw: flo
         lat = (base + (steps - inter_steps) * intra_hop
                + inter_steps * _hop(hw, proto, True, inter_alg))
         if (kind is Collective.ALL_REDUCE and nodes > 1 and proto is Protocol.SIMPLE
-                and nbytes / n >= 64 and not gloo):
+                and large and not gloo):
             lat *= K.RING_SIMPLE_MULTINODE_LATENCY_FACTOR
         if proto is Protocol.LL:
             bw = min(K.ll_max_busbw(hw.device.arch, nodes), K.LL_BANDWIDTH_FRACTION * busbw)
@@ -304,33 +306,83 @@ def _direct(hw: HardwareProfile, kind: Collective, layout: GroupLayout, fabric: 
         yield "p2p" if kind is Collective.SEND_RECV else "direct", proto, lat, pbw, tier
 
 
-def collective_candidates(hw: HardwareProfile, kind: Collective, nbytes: float,
-                          layout: GroupLayout) -> list[CollectiveEstimate]:
-    """Every (algorithm, protocol) the model considers for this collective, with its time."""
-    n = layout.num_ranks
+def _large(nbytes: float, layout: GroupLayout) -> bool:
+    return nbytes / layout.num_ranks >= 64
+
+
+def _options(hw: HardwareProfile, kind: Collective, layout: GroupLayout, large: bool
+             ) -> list[tuple[str, Protocol, float, float, str]]:
+    """(algorithm, protocol, latency without the call overhead, bandwidth before the ramp,
+    tier) of every candidate, in tie order; all that does not depend on the size but
+    `large`."""
     fabric = _fabric_busbw(hw, layout.max_ranks_per_node)
     network = _network_busbw(hw, layout)
     busbw = min(fabric, network)
     if kind in (Collective.ALL_TO_ALL, Collective.SEND_RECV):
-        options = list(_direct(hw, kind, layout, fabric))
-    else:
-        options = list(_ring(hw, kind, layout, busbw, nbytes))
-        if kind is Collective.ALL_REDUCE and hw.library != "gloo":
-            if layout.num_nodes > 1:
-                options += _tree(hw, layout, busbw)
-            if hw.node.in_switch_reduction and hw.node.fabric is Fabric.NVSWITCH:
-                options += _nvls(hw, layout, fabric, network)
-    factor = bus_factor(kind, n)
-    out = []
-    for algorithm, proto, lat, bw, tier in options:
-        eff_bw = bw * _ramp(hw, nbytes, proto, tier, layout.num_nodes)
-        lat += hw.call_overhead_s
-        time_s = lat + (nbytes * factor / eff_bw if nbytes > 0 else 0.0)
-        achieved = nbytes * factor / time_s if time_s > 0 else 0.0
-        out.append(CollectiveEstimate(kind=kind, algorithm=algorithm, protocol=proto,
-                                      nbytes=nbytes, time_s=time_s, latency_s=lat,
-                                      busbw_bytes_per_s=achieved))
-    return out
+        return list(_direct(hw, kind, layout, fabric))
+    options = list(_ring(hw, kind, layout, busbw, large))
+    if kind is Collective.ALL_REDUCE and hw.library != "gloo":
+        if layout.num_nodes > 1:
+            options += _tree(hw, layout, busbw)
+        if hw.node.in_switch_reduction and hw.node.fabric is Fabric.NVSWITCH:
+            options += _nvls(hw, layout, fabric, network)
+    return options
+
+
+def _timed(hw: HardwareProfile, option: tuple[str, Protocol, float, float, str],
+           nbytes: float, factor: float, num_nodes: int) -> tuple[float, float]:
+    """(latency, seconds) of one candidate at `nbytes`."""
+    _, proto, lat, bw, tier = option
+    eff_bw = bw * _ramp(hw, nbytes, proto, tier, num_nodes)
+    lat += hw.call_overhead_s
+    return lat, lat + (nbytes * factor / eff_bw if nbytes > 0 else 0.0)
+
+
+def _estimate(kind: Collective, option: tuple[str, Protocol, float, float, str], nbytes: float,
+              factor: float, lat: float, time_s: float) -> CollectiveEstimate:
+    achieved = nbytes * factor / time_s if time_s > 0 else 0.0
+    return CollectiveEstimate(kind=kind, algorithm=option[0], protocol=option[1], nbytes=nbytes,
+                              time_s=time_s, latency_s=lat, busbw_bytes_per_s=achieved)
+
+
+def collective_candidates(hw: HardwareProfile, kind: Collective, nbytes: float,
+                          layout: GroupLayout) -> list[CollectiveEstimate]:
+    """Every (algorithm, protocol) the model considers for this collective, with its time."""
+    factor = bus_factor(kind, layout.num_ranks)
+    return [_estimate(kind, option, nbytes, factor,
+                      *_timed(hw, option, nbytes, factor, layout.num_nodes))
+            for option in _options(hw, kind, layout, _large(nbytes, layout))]
+
+
+class LayoutTimer:
+    """`estimate_on_layout(hw, kind, nbytes, layout).time_s` for one laid-out group, the same
+    numbers, with each kind's candidates (everything but the size's ramp) worked out once:
+    for callers that time many sizes on few groups (the intra-op ILP, the search's memo)."""
+
+    def __init__(self, hw: HardwareProfile, layout: GroupLayout) -> None:
+        self.hw, self.layout = hw, layout
+        self._options: dict[tuple[Collective, bool], tuple[list, float]] = {}
+
+    def time_s(self, kind: str | Collective, nbytes: float) -> float:
+        kind = _check_request(kind, nbytes)
+        layout = self.layout
+        if layout.num_ranks <= 1 or nbytes == 0:
+            return 0.0
+        key = (kind, _large(nbytes, layout))
+        found = self._options.get(key)
+        if found is None:
+            if kind is Collective.SEND_RECV and layout.num_ranks != 2:
+                raise ValueError(f"send_recv takes the two ranks [src, dst], got "
+                                 f"{layout.num_ranks} ranks")
+            found = self._options[key] = (_options(self.hw, kind, layout, key[1]),
+                                          bus_factor(kind, layout.num_ranks))
+        options, factor = found
+        best = math.inf
+        for option in options:  # the first of equals, as min() in estimate_on_layout
+            t = _timed(self.hw, option, nbytes, factor, layout.num_nodes)[1]
+            if t < best:
+                best = t
+        return best
 
 
 def estimate_collective(hw: HardwareProfile, kind: str | Collective, nbytes: float,
@@ -359,15 +411,18 @@ def estimate_on_layout(hw: HardwareProfile, kind: str | Collective, nbytes: floa
     if layout.num_ranks <= 1 or nbytes == 0:
         return CollectiveEstimate(kind=kind_enum, algorithm="none", protocol=Protocol.SIMPLE,
                                   nbytes=nbytes, time_s=0.0, latency_s=0.0, busbw_bytes_per_s=0.0)
-    options = collective_candidates(hw, kind_enum, nbytes, layout)
+    options = _options(hw, kind_enum, layout, _large(nbytes, layout))
     if algorithm is not None:
-        named = [c for c in options if c.algorithm == algorithm]
+        named = [o for o in options if o[0] == algorithm]
         if not named:
-            have = sorted({c.algorithm for c in options})
+            have = sorted({o[0] for o in options})
             raise ValueError(f"algorithm {algorithm!r} is not available for {kind_enum.value} on "
                              f"this group; available: {', '.join(have)}")
         options = named
-    return min(options, key=lambda c: c.time_s)
+    factor = bus_factor(kind_enum, layout.num_ranks)
+    timed = [_timed(hw, o, nbytes, factor, layout.num_nodes) for o in options]
+    k = min(range(len(options)), key=lambda i: timed[i][1])  # the first of equals
+    return _estimate(kind_enum, options[k], nbytes, factor, *timed[k])
 
 
 def collective_time(hw: HardwareProfile, kind: str | Collective, nbytes: float,

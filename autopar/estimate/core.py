@@ -44,7 +44,7 @@ from autopar.estimate.timing import RankGroups, UnitTimes, slowest_groups, unit_
 from autopar.estimate.units import Unit, units_from_graph
 from autopar.ir import Graph, OpKind
 from costmodels.collectives import (ZERO3_PERSISTENCE_THRESHOLD, ZERO3_SYNC_GATHER_BYTES_PER_S,
-                                   GroupLayout, estimate_on_layout)
+                                   LayoutTimer)
 from costmodels.compute import optimizer_time_s
 from costmodels.memory import DTYPE_BYTES, state_bytes_per_param
 from costmodels.pipeline import PipelineTimeline, simulate_pipeline
@@ -178,7 +178,7 @@ class EvalCache:
         self.vectors: dict[tuple, UnitVectors] = {}
         self.groups: dict[tuple, RankGroups] = {}
         self._comm: dict[tuple, float] = {}
-        self._layouts: dict[tuple, GroupLayout] = {}
+        self._timers: dict[tuple, LayoutTimer] = {}
 
     def collective_time(self, kind: str, nbytes: float, ranks) -> float:
         """`Cluster.collective_time`, memoised; each group is checked and laid out once."""
@@ -186,10 +186,11 @@ class EvalCache:
         key = (kind, nbytes, group)
         t = self._comm.get(key)
         if t is None:
-            layout = self._layouts.get(group)
-            if layout is None:
-                layout = self._layouts[group] = self.cluster.group_layout(group)
-            t = self._comm[key] = estimate_on_layout(self.hardware, kind, nbytes, layout).time_s
+            timer = self._timers.get(group)
+            if timer is None:
+                timer = self._timers[group] = LayoutTimer(self.hardware,
+                                                          self.cluster.group_layout(group))
+            t = self._comm[key] = timer.time_s(kind, nbytes)
         return t
 
 

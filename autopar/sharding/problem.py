@@ -47,7 +47,7 @@ from autopar.sharding.rules import signature as rule_signature
 from autopar.sharding.rules import strategies as rule_strategies
 from autopar.sharding.strategy import Collective, Strategy
 from costmodels.compute import activation_memory_time_s, attention_time_s, gemm_time_s
-from costmodels.collectives import estimate_on_layout
+from costmodels.collectives import LayoutTimer
 
 __all__ = ["BLOCK_INPUT", "BLOCK_OUTPUT", "BlockProblem", "ParamUse", "TensorUse",
            "build_problem", "to_units"]
@@ -265,15 +265,14 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
     in_set = set(names)
     device = cluster.hardware.device
     group = tuple(ranks) if ranks is not None else tuple(range(axis_size))
-    layout = cluster.group_layout(group)  # checked once; every collective runs on it
+    timer = LayoutTimer(cluster.hardware, cluster.group_layout(group))  # checked once
     grad_bytes = dtype_num_bytes({"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16",
                                   "fp32": "float32"}.get(dtype, "float32"))
     times: dict[Collective, int] = {}
 
     def collective_units(c: Collective) -> int:
         if c not in times:
-            times[c] = max(1, to_units(estimate_on_layout(cluster.hardware, c[0], c[1],
-                                                          layout).time_s))
+            times[c] = max(1, to_units(timer.time_s(c[0], c[1])))
         return times[c]
 
     by_name = {n.name: n for n in graph.nodes}

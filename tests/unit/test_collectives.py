@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 import hwprofiles
 from autopar import Cluster
-from costmodels.collectives import Collective, GroupLayout, collective_candidates
+from costmodels.collectives import (Collective, GroupLayout, LayoutTimer, collective_candidates,
+                                   estimate_on_layout)
 from costmodels.hardware import HardwareProfile, Protocol
 
 ALPHA_INTRA_US, ALPHA_INTER_US, GB_PER_S = 5.0, 20.0, 10.0
@@ -133,6 +134,37 @@ def _time_of(group, kind):
     ranks = ranks[:2] if kind == "send_recv" else ranks
     c = Cluster.from_profile(profile, num_nodes=nodes)
     return lambda nbytes: c.collective_time(kind, nbytes, ranks)
+
+
+@settings(max_examples=200, deadline=None)
+@given(groups(), kinds, st.lists(sizes, min_size=1, max_size=4), st.integers(0, 64))
+def test_layout_timer_gives_the_estimates_times_exactly(group, kind, nbytes, small):
+    """Oracle: the fastest of `collective_candidates` (the first of equals) and
+    `estimate_on_layout`, to the bit, for sizes in either order on one timer (each kind's
+    candidates are worked out on first use), including sizes around the 64 bytes per rank where
+    a multi-node Simple ring all_reduce pays more latency, and an empty buffer."""
+    profile, nodes, ranks = group
+    ranks = ranks[:2] if kind == "send_recv" else ranks
+    cluster = Cluster.from_profile(profile, num_nodes=nodes)
+    layout = cluster.group_layout(ranks)
+    timer = LayoutTimer(cluster.hardware, layout)
+    for n in nbytes + [float(small * len(ranks)), 64.0 * len(ranks) - 1, 0.0]:
+        fastest = min(collective_candidates(cluster.hardware, Collective(kind), n, layout),
+                      key=lambda c: c.time_s).time_s if n else 0.0
+        assert timer.time_s(kind, n) == fastest
+        assert timer.time_s(kind, n) == estimate_on_layout(cluster.hardware, kind, n,
+                                                            layout).time_s
+
+
+def test_layout_timer_refuses_what_the_estimate_refuses():
+    cluster = Cluster.from_profile("dgx-h100", num_nodes=2)
+    timer = LayoutTimer(cluster.hardware, cluster.group_layout([0, 1, 8]))
+    with pytest.raises(ValueError, match="send_recv takes the two ranks"):
+        timer.time_s("send_recv", 2**20)
+    with pytest.raises(ValueError, match="unknown collective"):
+        timer.time_s("all_reduce_scatter", 2**20)
+    with pytest.raises(ValueError, match="finite number"):
+        timer.time_s("all_reduce", math.nan)
 
 
 @settings(max_examples=150, deadline=None)
