@@ -57,7 +57,8 @@ BOUND_MARGIN = 1e-9
 
 __all__ = ["Estimate", "EstimateOptions", "EvalCache", "ModelCosts", "estimate",
            "estimate_graph", "evaluate", "exact_step_lower_bound", "layer_costs", "BOUND_MARGIN",
-           "split_structure", "step_lower_bound", "unit_work", "zero3_traffic_floor"]
+           "split_structure", "step_lower_bound", "unit_work", "DataParallelFloor",
+           "data_parallel_floor"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -613,28 +614,83 @@ def _dp_bytes(dtype: str, options: EstimateOptions) -> tuple[int, int]:
     return param_b, grad_b
 
 
-def zero3_traffic_floor(costs: ModelCosts, cache: EvalCache, config: ParallelConfig,
-                        dtype: str, options: EstimateOptions) -> float:
-    """Per micro-batch, a bound below 2·G + S of `_dp_comm`'s prefetched ZeRO-3 on the rank
-    with the most parameters (G its per-unit gathers, S its reduce-scatters); 0 where that
-    form does not apply (ZeRO < 3, synchronous gathers, expert weights, one replica).
+@dataclass(frozen=True)
+class DataParallelFloor:
+    """Lower bounds on the two terms `evaluate` adds to the pipeline's time: the exposed
+    data-parallel traffic (`_dp_comm`) and the optimizer step. `traffic` is T below: the
+    traffic of the rank with the most parameters; `hidden` whether compute may hide it;
+    `per_micro_batch` whether it recurs every micro-batch (ZeRO-3) or once a step."""
 
-    Since max(0, G - f) + max(0, G + S - b) >= 2·G + S - (f + b), the exposed ZeRO-3 time of a
-    micro-batch is at least this floor less the rank's forward + backward work, which the
-    search bounds from above by its busiest rank's. The floor costs one gather and one
-    reduce-scatter of the average rank's parameters: every candidate collective time is
-    affine in the bytes with a non-negative intercept (`costmodels.collectives`), so the
-    fastest is concave and subadditive -- the units' collectives take at least one
-    collective of their bytes together -- and increasing, and the heaviest rank holds at
-    least the average."""
-    if config.zero_stage != 3 or options.zero3_gather != "prefetch" \
-            or config.dp * config.cp == 1 or any(u.expert_params for u in costs.units):
-        return 0.0
-    dense = sum(u.dense_params * u.count for u in costs.units) / (config.tp * config.pp)
+    traffic: float
+    hidden: bool
+    per_micro_batch: bool
+    optimizer: float
+
+    def exposed_and_optimizer(self, work: float, m: int) -> float:
+        """A bound below exposed traffic + optimizer, given `work`, an upper bound on the
+        heaviest rank's forward + backward seconds of one micro-batch, and m micro-batches."""
+        exposed = max(0.0, self.traffic - work) if self.hidden else self.traffic
+        return (m * exposed if self.per_micro_batch else exposed) + self.optimizer
+
+
+def data_parallel_floor(costs: ModelCosts, cache: EvalCache, config: ParallelConfig,
+                        dtype: str, options: EstimateOptions) -> DataParallelFloor:
+    """What a config pays beyond its pipeline at least (`DataParallelFloor`), from its split's
+    parameters per rank, without building its layout.
+
+    `_dp_comm` costs the rank with the most parameters, h: d_h dense and e_h expert
+    parameters on one GPU. Of the ranks' (d_r, e_r), h has the largest d + e = M, so d_h >=
+    max(min_r d_r, M - max_r e_r) and e_h >= max(min_r e_r, M - max_r d_r) (d_h = M without
+    experts). Every candidate collective time is affine in the bytes with a non-negative
+    intercept (`costmodels.collectives`), so the fastest is increasing, concave and so
+    subadditive: the collectives of those bounds are at most h's, and one collective of a
+    rank's bytes is at most its per-unit ones. Hence T, per group (dense over the dp group,
+    experts over theirs):
+
+    - ZeRO 0: one all-reduce of the gradients a step; ZeRO 1-2: a reduce-scatter and an
+      all-gather a step. Overlapped (`overlap_dp_comm`), max(0, R - b) + max(0, G - f) >=
+      R + G - (f + b): the exposed time is at least T less a micro-batch's work; not
+      overlapped it is T.
+    - ZeRO-3 with prefetched gathers: 2·G + S a micro-batch, and max(0, G - f) + max(0, G + S
+      - b) >= 2·G + S - (f + b) likewise, m times. Synchronous gathers: T = 0 (not bounded).
+
+    The optimizer step runs over M / (dp·cp) parameters under ZeRO >= 1, M otherwise: exactly
+    the estimate's."""
+    device = cache.hardware.device
+    split = split_structure(costs, cache, config.pp, config.virtual_stages)
+    if isinstance(split, str):
+        raise ValueError(split)
+    dense = split.rank_counts @ np.array([u.dense_params for u in costs.units], float) \
+        / config.tp
+    expert = split.rank_counts @ np.array([u.expert_params for u in costs.units], float) \
+        / (config.tp * config.ep)
+    most = float((dense + expert).max())
+    d = max(float(dense.min()), most - float(expert.max()), 0.0)
+    e = max(float(expert.min()), most - float(dense.max()), 0.0)
+    shards = config.dp * config.cp
+    optimizer = optimizer_time_s(device, most / (shards if config.zero_stage >= 1 else 1), dtype)
+    groups = _rank_groups(cache, config)
+    zero3 = config.zero_stage == 3
+    if len(groups.dp) == 1 or (zero3 and options.zero3_gather != "prefetch"):
+        return DataParallelFloor(traffic=0.0, hidden=True, per_micro_batch=zero3,
+                                 optimizer=optimizer)
     param_b, grad_b = _dp_bytes(dtype, options)
-    dp = _rank_groups(cache, config).dp
-    return 2 * cache.collective_time("all_gather", dense * param_b, dp) \
-        + cache.collective_time("reduce_scatter", dense * grad_b, dp)
+    expert_group = groups.dp[::config.ep] if config.ep > 1 else groups.dp
+
+    def both(kind: str, nbytes_per_param: float) -> float:
+        t = cache.collective_time(kind, d * nbytes_per_param, groups.dp)
+        if e and len(expert_group) > 1:
+            t += cache.collective_time(kind, e * nbytes_per_param, expert_group)
+        return t
+
+    if zero3:
+        traffic = 2 * both("all_gather", param_b) + both("reduce_scatter", grad_b)
+    elif config.zero_stage == 0:
+        traffic = both("all_reduce", grad_b)
+    else:
+        traffic = both("reduce_scatter", grad_b) + both("all_gather", param_b)
+    return DataParallelFloor(traffic=traffic, hidden=zero3 or options.overlap_dp_comm,
+                             per_micro_batch=zero3, optimizer=optimizer)
 
 
 def _breakdown(step: float, sums: dict[str, float], m: int) -> dict[str, float]:

@@ -15,7 +15,9 @@ a config becomes a `ParallelConfig` only when it is evaluated. Per-unit times ar
 times per (kind, bytes, group), so an evaluation costs a few sums. Each config is first
 checked against a memory lower bound (model states alone); the rest are visited in order of a
 step-time lower bound (`step_lower_bound`: the schedule's closed form on the work of each
-pipeline rank alone, no communication outside it) and ranked with the closed-form pipeline
+pipeline rank alone, no communication outside it; when a config's turn comes its bound is
+raised by what its data-parallel traffic and optimizer step cost at least,
+`data_parallel_floor`, and it goes back in line) and ranked with the closed-form pipeline
 estimate, stopping once the bound exceeds the `top_k_exact`-th best fitting time -- no config
 skipped then could have entered the top k, so the result is the same as evaluating all. A
 visited config whose first pipeline rank alone exceeds memory (`space.first_rank_memory`) is
@@ -51,10 +53,10 @@ from costmodels.compute import peak_flops
 from autopar.cluster import Cluster
 from autopar.config import PP_SCHEDULES, ParallelConfig
 from autopar.errors import NoPlanFitsError
-from autopar.estimate.core import (BOUND_MARGIN, Estimate, EstimateOptions, EvalCache,
-                                   ModelCosts, evaluate, exact_step_lower_bound,
-                                   split_structure, step_lower_bound, unit_work,
-                                   zero3_traffic_floor)
+from autopar.estimate.core import (BOUND_MARGIN, DataParallelFloor, Estimate,
+                                   EstimateOptions, EvalCache, ModelCosts, data_parallel_floor,
+                                   evaluate, exact_step_lower_bound, split_structure,
+                                   step_lower_bound, unit_work)
 from autopar.estimate.layout import Structure, rank_work_extremes
 from autopar.estimate.memory import activation_bytes
 from autopar.search.space import (TIME_KEY_COLUMNS, ConfigTable, config_table,
@@ -459,19 +461,20 @@ def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.nda
     fitting time; configs `cannot_fit` flags (asked for the next configs in order, in growing
     batches, as the visit reaches them) are passed over without an evaluation (they cannot
     fit, so they never change the fitting times the stop depends on: the stop comes at the
-    same config either way). A ZeRO-3 config's bound is raised, when its turn comes, by
-    its gathers' floor (`zero3_traffic_floor` less `work`, the busiest rank's forward +
-    backward, per micro-batch) and the config goes back in line at the raised bound (lazy
-    A*-style): the visit stays in bound order, so the stop stays exact. Returns (estimates in
+    same config either way). A config's bound is raised, when its turn comes, by what its
+    data-parallel traffic and optimizer step cost at least (`data_parallel_floor`, the
+    traffic less `work`, the busiest rank's forward + backward of a micro-batch, where compute
+    may hide it) and the config goes back in line at the raised bound (lazy A*-style): the
+    visit stays in bound order, so the stop stays exact. Returns (estimates in
     visit order, errors, configs left after the stop, configs passed over as unable to fit).
     `done` memoises evaluations across calls."""
     fast: list[Estimate] = []
     errors: list[str] = []
     best_times: list[float] = []  # the k fastest fitting closed-form times, ascending
     unfit = 0
-    zero3 = table.columns["zero_stage"][rows] == 3
-    floor_columns = [table.columns[name] for name in ("tp", "cp", "dp", "pp", "micro_batch_size")]
-    floors: dict[tuple, float] = {}
+    floor_columns = [table.columns[name] for name in ("micro_batch_size", "dp", "tp", "cp", "pp",
+                                                      "virtual_stages", "ep", "zero_stage")]
+    floors: dict[tuple, DataParallelFloor | None] = {}  # by all but the micro-batch size
     deferred: list[tuple[float, int, int]] = []  # (raised bound, place in order, row)
     unfit_flags = np.zeros(len(rows), dtype=bool)
     known, batch = 0, 256  # cannot_fit asked for order[:known]
@@ -502,17 +505,22 @@ def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.nda
             continue
         if j not in done:
             row = int(rows[j])
-            if zero3[j] and not raised:  # read the columns: most of these go back in line
-                tp, cp, dp, pp, mbs = (int(c[row]) for c in floor_columns)
-                key = (tp, cp, dp, pp)
+            if not raised:  # read the columns: configs whose floor is high go back in line
+                mbs, *key = (int(c[row]) for c in floor_columns)
+                key = tuple(key)
                 if key not in floors:
-                    floors[key] = zero3_traffic_floor(costs, cache, table.config(row), dtype,
-                                                      options)
-                m = global_batch_size // (dp * mbs)
-                gap = m * (floors[key] - work[j]) * (1 - BOUND_MARGIN)
-                if gap > 0:
-                    heapq.heappush(deferred, (bound + gap, i, j))
-                    continue
+                    try:
+                        floors[key] = data_parallel_floor(costs, cache, table.config(row),
+                                                          dtype, options)
+                    except ValueError:  # the evaluation says why
+                        floors[key] = None
+                floor = floors[key]
+                if floor is not None:
+                    m = global_batch_size // (key[0] * mbs)
+                    gap = floor.exposed_and_optimizer(float(work[j]), m) * (1 - BOUND_MARGIN)
+                    if gap > 0:
+                        heapq.heappush(deferred, (bound + gap, i, j))
+                        continue
             cfg = table.config(row)
             try:
                 done[j] = evaluate(costs, cluster, cfg, global_batch_size=global_batch_size,
