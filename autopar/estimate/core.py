@@ -654,19 +654,25 @@ def data_parallel_floor(costs: ModelCosts, cache: EvalCache, config: ParallelCon
     - ZeRO-3 with prefetched gathers: 2·G + S a micro-batch, and max(0, G - f) + max(0, G + S
       - b) >= 2·G + S - (f + b) likewise, m times. Synchronous gathers: T = 0 (not bounded).
 
-    The optimizer step runs over M / (dp·cp) parameters under ZeRO >= 1, M otherwise: exactly
-    the estimate's."""
+    The optimizer step runs over M / (dp·cp) parameters under ZeRO >= 1, M otherwise: the
+    estimate's own with experts. A model without experts takes the average rank's parameters
+    for M and d_h instead (no larger: the heaviest rank holds at least the average), which
+    needs no split, so the floor is the same for every virtual-stage count of a pp."""
     device = cache.hardware.device
-    split = split_structure(costs, cache, config.pp, config.virtual_stages)
-    if isinstance(split, str):
-        raise ValueError(split)
-    dense = split.rank_counts @ np.array([u.dense_params for u in costs.units], float) \
-        / config.tp
-    expert = split.rank_counts @ np.array([u.expert_params for u in costs.units], float) \
-        / (config.tp * config.ep)
-    most = float((dense + expert).max())
-    d = max(float(dense.min()), most - float(expert.max()), 0.0)
-    e = max(float(expert.min()), most - float(dense.max()), 0.0)
+    if any(u.expert_params for u in costs.units):
+        split = split_structure(costs, cache, config.pp, config.virtual_stages)
+        if isinstance(split, str):
+            raise ValueError(split)
+        dense = split.rank_counts @ np.array([u.dense_params for u in costs.units], float) \
+            / config.tp
+        expert = split.rank_counts @ np.array([u.expert_params for u in costs.units], float) \
+            / (config.tp * config.ep)
+        most = float((dense + expert).max())
+        d = max(float(dense.min()), most - float(expert.max()), 0.0)
+        e = max(float(expert.min()), most - float(dense.max()), 0.0)
+    else:  # the heaviest rank holds at least the average: one floor for every virtual split
+        e = 0.0
+        d = most = sum(u.dense_params * u.count for u in costs.units) / (config.tp * config.pp)
     shards = config.dp * config.cp
     optimizer = optimizer_time_s(device, most / (shards if config.zero_stage >= 1 else 1), dtype)
     groups = _rank_groups(cache, config)

@@ -472,9 +472,11 @@ def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.nda
     errors: list[str] = []
     best_times: list[float] = []  # the k fastest fitting closed-form times, ascending
     unfit = 0
-    floor_columns = [table.columns[name] for name in ("micro_batch_size", "dp", "tp", "cp", "pp",
-                                                      "virtual_stages", "ep", "zero_stage")]
-    floors: dict[tuple, DataParallelFloor | None] = {}  # by all but the micro-batch size
+    # what a floor depends on besides the micro-batch size (the split only with experts)
+    by = ("dp", "tp", "cp", "pp", "ep", "zero_stage") + \
+        (("virtual_stages",) if any(u.expert_params for u in costs.units) else ())
+    floor_columns = [table.columns[name] for name in ("micro_batch_size",) + by]
+    floors: dict[tuple, DataParallelFloor | None] = {}
     deferred: list[tuple[float, int, int]] = []  # (raised bound, place in order, row)
     unfit_flags = np.zeros(len(rows), dtype=bool)
     known, batch = 0, 256  # cannot_fit asked for order[:known]

@@ -186,7 +186,7 @@ def test_bounds_stay_below_the_closed_form_estimate(kind, nodes, constraints, op
         structure_of=functools.partial(outer._split, costs, cache),
         activations_of=activation_bytes, dtype="bf16", global_batch_size=64,
         flash=options.attention_kernel != "math", zero3_cap=options.zero3_max_live_params)
-    checked = lifted = 0
+    checked = lifted = exact = 0
     for i in range(0, len(table), max(1, len(table) // 300)):
         try:
             est = evaluate(costs, cluster, table.config(i), global_batch_size=64,
@@ -199,19 +199,24 @@ def test_bounds_stay_below_the_closed_form_estimate(kind, nodes, constraints, op
         floor = data_parallel_floor(costs, cache, est.config, "bf16", options)
         raised = step[i] + floor.exposed_and_optimizer(work[i], est.num_microbatches)
         assert raised * (1 - 1e-9) <= est.step_time_s
-        assert floor.optimizer == est.breakdown["optimizer"]  # the estimate's, exactly
-        # the traffic is at most the estimate's, and is it where one collective a step runs on
-        # the heaviest rank's dense parameters (ZeRO 0-2 without experts)
+        # the optimizer and traffic floors are at most the estimate's, and are them where the
+        # bound's parameters are the heaviest rank's: with experts (the optimizer) and on one
+        # pipeline rank (the traffic too, where one collective a step runs: ZeRO 0-2)
+        assert floor.optimizer <= est.breakdown["optimizer"] * (1 + 1e-12)
         total = est.breakdown["dp_comm_total"]
         per_step = floor.traffic * (est.num_microbatches if floor.per_micro_batch else 1)
         assert per_step <= total * (1 + 1e-12)
-        if kind == "gpt" and est.config.zero_stage < 3:
-            assert per_step == total
+        if kind == "moe" or est.config.pp == 1:
+            assert floor.optimizer == pytest.approx(est.breakdown["optimizer"], rel=1e-12)
+        if kind == "gpt" and est.config.pp == 1 and est.config.zero_stage < 3:
+            assert per_step == pytest.approx(total, rel=1e-12)
+            exact += 1
         lifted += raised > step[i]
         assert first[i] <= est.peak_memory_bytes * (1 + 1e-12)
         if est.config.pp == 1:  # one rank: the bound is the closed-form peak itself
             assert first[i] == pytest.approx(est.peak_memory_bytes, rel=1e-12)
     assert checked > 20 and lifted > checked // 2
+    assert exact or kind == "moe" or constraints  # unpinned GPT spaces have pp=1 ZeRO 0-2 rows
 
 
 def _small_gpt():
