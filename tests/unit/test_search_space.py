@@ -199,9 +199,9 @@ def test_bounds_stay_below_the_closed_form_estimate(kind, nodes, constraints, op
         floor = data_parallel_floor(costs, cache, est.config, "bf16", options)
         raised = step[i] + floor.exposed_and_optimizer(work[i], est.num_microbatches)
         assert raised * (1 - 1e-9) <= est.step_time_s
-        # the optimizer and traffic floors are at most the estimate's, and are them where the
-        # bound's parameters are the heaviest rank's: with experts (the optimizer) and on one
-        # pipeline rank (the traffic too, where one collective a step runs: ZeRO 0-2)
+        # the optimizer and traffic floors are at most the estimate's, and equal to them where
+        # the floor's parameters are the heaviest rank's: with experts (the optimizer) and on
+        # one pipeline rank (the traffic too, where one collective a step runs: ZeRO 0-2)
         assert floor.optimizer <= est.breakdown["optimizer"] * (1 + 1e-12)
         total = est.breakdown["dp_comm_total"]
         per_step = floor.traffic * (est.num_microbatches if floor.per_micro_batch else 1)
