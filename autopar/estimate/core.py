@@ -675,28 +675,19 @@ def data_parallel_floor(costs: ModelCosts, cache: EvalCache, config: ParallelCon
         d = most = sum(u.dense_params * u.count for u in costs.units) / (config.tp * config.pp)
     shards = config.dp * config.cp
     optimizer = optimizer_time_s(device, most / (shards if config.zero_stage >= 1 else 1), dtype)
-    groups = _rank_groups(cache, config)
     zero3 = config.zero_stage == 3
-    if len(groups.dp) == 1 or (zero3 and options.zero3_gather != "prefetch"):
-        return DataParallelFloor(traffic=0.0, hidden=True, per_micro_batch=zero3,
-                                 optimizer=optimizer)
-    param_b, grad_b = _dp_bytes(dtype, options)
-    expert_group = groups.dp[::config.ep] if config.ep > 1 else groups.dp
-
-    def both(kind: str, nbytes_per_param: float) -> float:
-        t = cache.collective_time(kind, d * nbytes_per_param, groups.dp)
-        if e and len(expert_group) > 1:
-            t += cache.collective_time(kind, e * nbytes_per_param, expert_group)
-        return t
-
-    if zero3:
-        traffic = 2 * both("all_gather", param_b) + both("reduce_scatter", grad_b)
-    elif config.zero_stage == 0:
-        traffic = both("all_reduce", grad_b)
-    else:
-        traffic = both("reduce_scatter", grad_b) + both("all_gather", param_b)
+    traffic = 0.0
+    if not zero3 or options.zero3_gather == "prefetch":
+        # `_dp_comm`'s total traffic for a rank holding (d, e), as one ZeRO-3 unit and one
+        # micro-batch (its total does not depend on the compute sums)
+        whole = [_GatherUnit(unit=costs.units[0], layers=1.0, dense=d, expert=e)]
+        traffic = _dp_comm(cache, config, _rank_groups(cache, config), d, e, _NO_COMPUTE, 1,
+                           dtype, options, whole)[1]
     return DataParallelFloor(traffic=traffic, hidden=zero3 or options.overlap_dp_comm,
                              per_micro_batch=zero3, optimizer=optimizer)
+
+
+_NO_COMPUTE = {"compute_fwd": 0.0, "compute_bwd": 0.0, "recompute": 0.0}
 
 
 def _breakdown(step: float, sums: dict[str, float], m: int) -> dict[str, float]:

@@ -221,8 +221,9 @@ def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: 
     splits = {k: _split(costs, cache, int(pp[i]), int(v[i])) for k, i in enumerate(s_first)}
     made = [k for k, split in splits.items() if split is not None]
     if made:  # every split at once
-        busiest[made], total[made] = rank_work_extremes([splits[k] for k in made], work)
-        longest[made] = rank_work_extremes([splits[k] for k in made], tail)[0]
+        made_splits = [splits[k] for k in made]
+        busiest[made], total[made] = rank_work_extremes(made_splits, work)
+        longest[made] = rank_work_extremes(made_splits, tail)[0]
     at = (s_index, inverse)
     row_busiest = busiest[at]
     return step_lower_bounds(table, rows, row_busiest, total[at], longest[at],
