@@ -55,7 +55,6 @@ No torch import here.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import math
 import numbers
@@ -284,16 +283,14 @@ def _run(orders: list[list[int]], num_vstages: int, m: int, dur: list[list[float
         record = starts[rank].append
         t = free[rank]
         ops = plans[rank]
-        woken = parked[rank]
-        if woken is not None:  # the end it waited on is known now: run it first
-            parked[rank] = None
-            ops = itertools.chain((woken,), ops)
-        for op in ops:
+        op = parked[rank]  # the end it waited on is known now: run it first
+        if op is None:
+            op = next(ops, None)
+        while op is not None:
             d, g, length, o = op
             e = ends[d]
             if e < 0.0:
                 waiter[d] = rank
-                parked[rank] = op
                 break
             e += g
             if e > t:
@@ -304,6 +301,8 @@ def _run(orders: list[list[int]], num_vstages: int, m: int, dur: list[list[float
             w = waiter[o]
             if w >= 0:
                 ready.append(w)
+            op = next(ops, None)
+        parked[rank] = op
         free[rank] = t
     stuck = [r for r in range(num_ranks) if len(starts[r]) < len(orders[r])]
     if stuck:

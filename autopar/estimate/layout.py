@@ -14,6 +14,7 @@ inputs), so any change to how a sum is formed changes plans at the last bit.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -141,7 +142,7 @@ def structure(units: tuple[Unit, ...], pp: int, v: int,
               boundaries: Boundaries | None = None) -> Structure:
     """Layers per unit on each of the pp x v chunks; the same for every micro-batch size
     (scaling a unit changes its costs, not its layers), so callers key it by the split only."""
-    fqns = tuple(f for u in units for f in u.layer_fqns)
+    fqns = tuple(itertools.chain.from_iterable(u.layer_fqns for u in units))
     if boundaries is None:
         cuts = megatron_boundaries(units, pp * v)
     else:
