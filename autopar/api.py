@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from typing import Any
 
 import torch.nn as nn
@@ -43,6 +44,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) \
             or global_batch_size < 1:
         raise ValueError(f"global_batch_size must be an integer >= 1, got {global_batch_size!r}")
+    clock = _PhaseClock()
     if example_inputs is None:
         if seq_len is None:
             raise ValueError("token models need seq_len (and global_batch_size); other models "
@@ -50,21 +52,27 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
         graph = trace(model, global_batch_size=1, seq_len=seq_len, dtype=dtype)
     else:
         graph = trace(model, example_inputs=example_inputs, dtype=dtype)
+    clock.lap("trace")
     costs = ModelCosts.from_graph(graph)
     cache = EvalCache(cluster)  # the search's memo tables, reused by the stage re-cut
     result = search(costs, cluster, global_batch_size=global_batch_size, dtype=dtype,
                     constraints=constraints, options=options, settings=settings, cache=cache)
+    clock.lap("search")
     best = _rebalance_stages(costs, cluster, result.best, global_batch_size, dtype, options,
                              cache)
+    clock.lap("stage_dp")
     cfg = best.config
     tp_map, intra_op = _tp_placements(model, graph, cluster, cfg, dtype, seq_len, example_inputs)
+    clock.lap("intra_op")
+    placements, fingerprint = param_placements(graph, cfg, tp_map), graph.fingerprint()
+    clock.lap("plan")
     sizes = {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp}
     return Plan(
         config=cfg, estimate=best, stages=[list(s) for s in best.stage_layers],
-        placements=param_placements(graph, cfg, tp_map), intra_op=intra_op,
+        placements=placements, intra_op=intra_op,
         mesh={"axes": list(MESH_AXES), "sizes": [sizes[a] for a in MESH_AXES],
               "ep_within": "dp*cp", "ep": cfg.ep},
-        model={"class": graph.model_class, "fingerprint": graph.fingerprint(),
+        model={"class": graph.model_class, "fingerprint": fingerprint,
                "num_params": graph.num_params, "num_layers": costs.num_layers},
         cluster={"profile": cluster.name, "num_nodes": cluster.num_nodes,
                  "world_size": cluster.world_size, "fingerprint": cluster.fingerprint()},
@@ -77,7 +85,25 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
                 "num_pruned_by_bound": result.num_pruned_by_bound,
                 "num_simulated": result.num_simulated,
                 "seconds": result.seconds,
+                "phase_seconds": clock.laps,
                 "stage_cut": "inter-op DP" if best is not result.best else "even (Megatron)"})
+
+
+class _PhaseClock:
+    """Wall seconds of each phase of one compile, in order (`Plan.search["phase_seconds"]`):
+    trace; search (the model's unit costs and the outer search); stage_dp (the inter-op
+    DP's re-cut of the winner's pipeline stages); intra_op (the ILP of each unique block at
+    the winner's tp); plan (the parameter placements of every layer and the model's
+    fingerprint)."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.laps[phase] = now - self._last
+        self._last = now
 
 
 def _tp_placements(model, graph, cluster: Cluster, cfg, dtype: str, seq_len, example_inputs

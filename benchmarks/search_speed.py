@@ -78,6 +78,7 @@ def main() -> None:
     # rounds: every case once per round, so that the depths are measured side by side and a
     # drift of the machine's speed during the run weighs on both alike
     runs: list[list[tuple[float, float, float]]] = [[] for _ in CASES]
+    phases: list[list[dict[str, float]]] = [[] for _ in CASES]  # plan.search["phase_seconds"]
     plans: list = [None] * len(CASES)
     for _ in range(args.repeats):
         for k, (name, layers, _, gbs, seq) in enumerate(CASES):
@@ -87,6 +88,7 @@ def main() -> None:
                                    settings=settings)
             runs[k].append((time.perf_counter() - start, time.process_time() - start_cpu,
                             plan.search["seconds"]))
+            phases[k].append(plan.search["phase_seconds"])
             plans[k] = plan
     medians: list[tuple[float, ...]] = []
     for (name, layers, _, _, _), cluster, plan, got in zip(CASES, clusters, plans, runs):
@@ -108,6 +110,11 @@ def main() -> None:
     q1, q3 = (paired[round(f * (len(paired) - 1))] for f in (0.25, 0.75))
     print(f"per round: median {statistics.median(paired):.2f}x, quartiles {q1:.2f}-{q3:.2f}x "
           f"over {len(paired)} rounds")
+    # where the deeper model's time goes: each phase of compile, median over the rounds
+    print(f"\n{'phase (ms, median)':<20} {'32 layers':>10} {'128 layers':>11} {'difference':>11}")
+    for phase in phases[deep][0]:
+        a, b = (1e3 * statistics.median(p[phase] for p in phases[k]) for k in (shallow, deep))
+        print(f"{phase:<20} {a:>10.1f} {b:>11.1f} {b - a:>+11.1f}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Megatron's distributed optimizer and FSDP are used for.)
 """
 
 import json
+import time
 
 import pytest
 import torch
@@ -275,3 +276,14 @@ def test_tp_divides_the_key_value_heads_as_the_runtime_and_megatron_shard_them()
                                          r"tp: \[1, 2\]"):
         autopar.estimate(model, H100, autopar.ParallelConfig(dp=2, tp=4),
                          global_batch_size=8, seq_len=1024)
+
+
+def test_compile_reports_the_wall_time_of_each_phase():
+    start = time.perf_counter()
+    plan = autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024)
+    wall = time.perf_counter() - start
+    phases = plan.search["phase_seconds"]
+    assert list(phases) == ["trace", "search", "stage_dp", "intra_op", "plan"]
+    assert min(phases.values()) >= 0 and sum(phases.values()) <= wall
+    assert phases["search"] >= plan.search["seconds"]  # the outer search runs inside it
+    assert "phase_seconds" not in plan.to_json()  # timings stay out of the saved plan
