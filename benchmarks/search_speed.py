@@ -7,25 +7,22 @@ round, so that the two depths are timed side by side. Goals (issue 5): Llama-3-7
 H100 <= 10 s, Llama-3-405B on 16,384 H100 <= 60 s, ratio <= 1.2.
 
 The two depths need not pick the same plan, and work that follows from the plan is in the
-compile time: the 128-layer model's winner (tp=4, pp=4, interleaved x8) needs the intra-op
-problem of its block (~0.011 s: build 0.0044, variable elimination 0.0055, result 0.0006; the
-same at any depth), the inter-op stage DP's check of its 4 x 8 stages over 130 layers (~0.002
-s: a banded DP up to Megatron's bottleneck shows no cut beats that placement, so neither the
-split-budget search nor a simulation of the cut runs) and the simulation of the one candidate
-that a bound on the simulated step cannot rule out (~0.003 s); the 32-layer winner (tp=1, pp=1)
-needs none of it. The outer search visits configs in order of a step bound from each pipeline
-rank's work (the busiest rank, and the zero-bubble tail), a config's bound raised by its
-data-parallel traffic and optimizer floor when its turn comes, evaluating 20 (32 layers) and 16
-(128 layers) of 30-39 thousand; the rest of the depth ratio is the repeated-block detection
-over 4x the layers (~0.004 s more: the layers compared column by column, ~41 us a layer on a
-freshly built model, ~38 us on a second pass over it), the parameter placements of every layer
-in the plan (~0.0008 s more) and the 31 % larger space (more pipeline degrees and virtual-stage
-splits, ~0.009 s more over the table, the bounds and the visit). Those figures are wrapper
-timings of one run of 15 rounds on the host of 2026-11-25, which ran the whole benchmark about
-2.7x slower than the host of the earlier figures (Llama-3-70B on 1,024 GPUs: 0.19 s on it
-against 0.07 s). The search column separates the outer search. On a shared machine the wall
-times swing; the CPU column is the steadier one, and the per-round ratios (the two depths back
-to back) show the spread.
+compile time. A last table gives the median wall time of each phase of compile
+(`plan.search["phase_seconds"]`: trace, search, stage_dp, intra_op, plan) for the two depths. On
+the host of 2026-11-25 (two runs of 21 rounds) the 128-layer compile took ~0.030 s more: its
+winner (tp=4, pp=4, interleaved x8) needs the intra-op problem of its block (intra_op, ~0.009 s,
+the same at any depth), the inter-op stage DP's check of its 4 x 8 stages over 130 layers
+(stage_dp, ~0.002 s) and, within the search (+0.010-0.011 s), the simulation of the one
+candidate that a bound on the simulated step cannot rule out (~0.003 s); the 32-layer winner
+(tp=1, pp=1) needs none of it. The rest of the search's growth is the 31 % larger space (more
+pipeline degrees and virtual-stage splits); the outer search visits configs in order of a step
+bound from each pipeline rank's work, a config's bound raised by its data-parallel traffic and
+optimizer floor when its turn comes, evaluating 20 (32 layers) and 16 (128 layers) of 30-39
+thousand. The trace's +0.005-0.007 s is mostly the repeated-block check over 4x the layers of a
+freshly built model (~0.004 s more: the layers compared column by column), and the plan phase's
++0.001 s the parameter placements of every layer. The search column separates the outer search.
+On a shared machine the wall times swing; the CPU column is the steadier one, and the per-round
+ratios (the two depths back to back) show the spread.
 
 Run: python benchmarks/search_speed.py [--repeats N]
 """
