@@ -283,7 +283,7 @@ def _run(orders: list[list[int]], num_vstages: int, m: int, dur: list[list[float
         record = starts[rank].append
         t = free[rank]
         ops = plans[rank]
-        op = parked[rank]  # the end it waited on is known now: run it first
+        op = parked[rank]  # a parked op runs first: the end it waited on is known now
         if op is None:
             op = next(ops, None)
         while op is not None:
