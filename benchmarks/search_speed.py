@@ -8,8 +8,10 @@ H100 <= 10 s, Llama-3-405B on 16,384 H100 <= 60 s, ratio <= 1.2.
 
 The two depths need not pick the same plan, and work that follows from the plan is in the
 compile time. A last table gives the median wall time of each phase of compile
-(`plan.search["phase_seconds"]`: trace, search, stage_dp, intra_op, plan) for the two depths. On
-the host of 2026-11-25 (two runs of 21 rounds) the 128-layer compile took ~0.030 s more: its
+(`plan.search["phase_seconds"]`: trace, search, stage_dp, intra_op, plan) for the two depths.
+The garbage of building each model is collected before its compile is timed (a full collection
+it brings due costs ~0.1 s with a 128-layer model alive and landed in the trace of some rounds).
+On the host of 2026-11-25 (two runs of 21 rounds) the 128-layer compile took ~0.025 s more: its
 winner (tp=4, pp=4, interleaved x8) needs the intra-op problem of its block (intra_op, ~0.009 s,
 the same at any depth), the inter-op stage DP's check of its 4 x 8 stages over 130 layers
 (stage_dp, ~0.002 s) and, within the search (+0.010-0.011 s), the simulation of the one
@@ -18,11 +20,11 @@ candidate that a bound on the simulated step cannot rule out (~0.003 s); the 32-
 pipeline degrees and virtual-stage splits); the outer search visits configs in order of a step
 bound from each pipeline rank's work, a config's bound raised by its data-parallel traffic and
 optimizer floor when its turn comes, evaluating 20 (32 layers) and 16 (128 layers) of 30-39
-thousand. The trace's +0.005-0.007 s is mostly the repeated-block check over 4x the layers of a
-freshly built model (~0.004 s more: the layers compared column by column), and the plan phase's
-+0.001 s the parameter placements of every layer. The search column separates the outer search.
-On a shared machine the wall times swing; the CPU column is the steadier one, and the per-round
-ratios (the two depths back to back) show the spread.
+thousand. The trace's +0.003 s is the repeated-block check over 4x the layers (the layers
+compared column by column), and the plan phase's +0.001-0.002 s every layer's parameter
+placements and fingerprint entries. The search column separates the outer search. On a shared
+machine the wall times swing; the CPU column is the steadier one, and the per-round ratios (the
+two depths back to back) show the spread.
 
 Run: python benchmarks/search_speed.py [--repeats N]
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -80,6 +83,10 @@ def main() -> None:
     for _ in range(args.repeats):
         for k, (name, layers, _, gbs, seq) in enumerate(CASES):
             model = _llama(name, layers)
+            # the garbage of building the model is collected before the clock starts: in some
+            # rounds a full collection it brings due (~0.1 s with a 128-layer model alive)
+            # would otherwise land inside the compile; collections of compile's own garbage stay
+            gc.collect()
             start, start_cpu = time.perf_counter(), time.process_time()
             plan = autopar.compile(model, clusters[k], global_batch_size=gbs, seq_len=seq,
                                    settings=settings)
