@@ -131,8 +131,11 @@ def _plan(console: Console, args: argparse.Namespace) -> None:
     plan = autopar.compile(model, cluster, global_batch_size=args.global_batch,
                            seq_len=args.seq_len, dtype=args.dtype,
                            constraints=_parse_pins(args.pin))
+    phases = plan.search["phase_seconds"]
     console.print(f"autopar plan: {args.model} on {cluster.describe()} "
-                  f"({plan.search['num_considered']:,} configs in {plan.search['seconds']:.1f} s)",
+                  f"({plan.search['num_considered']:,} configs; compiled in "
+                  f"{sum(phases.values()):.2f} s: "
+                  + ", ".join(f"{name} {t:.2f}" for name, t in phases.items()) + ")",
                   markup=False, highlight=False)
     sys.stdout.write(plan.report() + "\n")
     if args.output:
