@@ -112,7 +112,11 @@ def _tp_placements(model, graph, cluster: Cluster, cfg, dtype: str, seq_len, exa
     at the plan's tp and micro-batch.  Where its layout is Megatron's (the layout the outer
     search and the estimate cost), the plan takes it; where it differs, the plan keeps
     Megatron's layout so that its predicted time and memory are those of what it runs, and
-    records the ILP's preferred placements per block (``ilp_placements``) as advice."""
+    records the ILP's preferred placements per block (``ilp_placements``) as advice, with
+    the ILP's best execution of Megatron's layout beside it (``megatron_objective_s``,
+    ``megatron_memory_bytes`` against ``ilp_memory_bytes``: the ILP runs without a memory
+    bound, so a faster layout that holds more memory is a trade, not a free win, and is
+    logged at info level only)."""
     megatron = megatron_tp_placements(graph)
     if cfg.tp == 1:
         return megatron, {}
@@ -140,8 +144,28 @@ def _tp_placements(model, graph, cluster: Cluster, cfg, dtype: str, seq_len, exa
         }
         if same:
             tp_map.update(placements)
+            continue
+        entry = report[block.representative]
+        entry["ilp_placements"] = dict(sorted(placements.items()))
+        try:  # the ILP's best execution of Megatron's layout: what it gives up for its own
+            kept = solve_block(mb_graph, block.node_names, tp=cfg.tp, cluster=cluster,
+                               dtype=dtype, ranks=ranks, sequence_shards=cfg.cp, cache=cache,
+                               pinned_params=megatron)
+        except ValueError:  # a node cannot place its parameters as Megatron's layout says
+            kept = None
+        if kept is not None:
+            entry.update(ilp_memory_bytes=sol.memory_bytes,
+                         megatron_objective_s=kept.objective_s,
+                         megatron_memory_bytes=kept.memory_bytes)
+        if kept is not None and sol.memory_bytes > kept.memory_bytes:
+            # e.g. replicated weights with the batch split: the data parallelism the outer
+            # search already weighs against memory on its dp axis
+            log.info("the intra-op ILP's layout for %s at tp=%d is %.3g ms faster per layer "
+                     "than Megatron's but holds %.3g GB more per rank; the plan keeps "
+                     "Megatron's", block.representative, cfg.tp,
+                     1e3 * (kept.objective_s - sol.objective_s),
+                     (sol.memory_bytes - kept.memory_bytes) / 1e9)
         else:
-            report[block.representative]["ilp_placements"] = dict(sorted(placements.items()))
             log.warning("the intra-op ILP prefers another tensor-parallel layout than "
                         "Megatron's for %s at tp=%d; the plan keeps Megatron's, which its "
                         "estimate costs (the ILP's is in plan.intra_op[...]['ilp_placements'])",

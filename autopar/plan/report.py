@@ -390,11 +390,23 @@ def _placements(plan: Plan) -> Section:
                      f"{'optimal' if info.get('optimal') else 'not proven optimal'}, comm "
                      f"{fmt_seconds(info.get('comm_s', 0.0))} per layer; "
                      + ("same layout as the Megatron layout the estimate costs" if same else
-                        "prefers another layout than Megatron's; the plan keeps Megatron's, "
-                        "which the estimate costs (the ILP's: intra_op 'ilp_placements')"))
+                        _ilp_advice(info)))
     return Section(title="Placements per module kind", lines=lines, tables=(
         Table(columns=("module", "instances", "tensors", *axis_names), rows=tuple(rows),
               right=frozenset({1, 2})),), after=tuple(after))
+
+
+def _ilp_advice(info: dict[str, Any]) -> str:
+    """What a block's ILP layout, other than Megatron's, would trade (`_tp_placements`)."""
+    kept = "the plan keeps Megatron's, which the estimate costs (the ILP's: intra_op " \
+        "'ilp_placements')"
+    if "megatron_memory_bytes" not in info:
+        return "prefers another layout than Megatron's; " + kept
+    faster = info["megatron_objective_s"] - info.get("compute_s", 0.0) - info.get("comm_s", 0.0)
+    more = info["ilp_memory_bytes"] - info["megatron_memory_bytes"]
+    trade = (f"{fmt_seconds(faster)} faster per layer than Megatron's"
+             + (f" but holds {fmt_bytes_gb(more)} GB more per rank" if more > 0 else ""))
+    return f"prefers another layout ({trade}); " + kept
 
 
 def _config_fields(row: pd.Series) -> dict[str, Any]:

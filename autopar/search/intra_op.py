@@ -83,7 +83,7 @@ from autopar.ir import Graph
 from autopar.search.elimination import solve_by_elimination
 from autopar.sharding.placement import reshard_collective
 from autopar.sharding.problem import (BLOCK_INPUT, BLOCK_OUTPUT, UNITS_PER_S, BlockProblem,
-                                      build_problem, internal_collectives)
+                                      build_problem, internal_collectives, pin_params)
 
 __all__ = ["BlockSharding", "solve_block", "solve_problem", "FAMILIES", "METHODS"]
 
@@ -349,7 +349,8 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
                 num_workers: int = 1, ranks: Sequence[int] | None = None,
                 bytes_per_param: float = 16.0, boundary: str = "periodic",
                 sequence_shards: int = 1, cache: MutableMapping | None = None,
-                method: str = "auto") -> BlockSharding:
+                method: str = "auto", pinned_params: Mapping[str, str] | None = None
+                ) -> BlockSharding:
     """Choose a tensor-parallel sharding for every node of a block (see the module docstring).
 
     ``ranks`` is the tp group (default ``range(tp)``); ``bytes_per_param`` the training state
@@ -360,7 +361,10 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     (:func:`~autopar.sharding.problem.build_problem`). ``cache`` is a caller-owned dict keyed
     by (block signature, tp, micro-batch shape, ...); a hit returns the stored result (whose
     node names are those of the block first solved). ``method`` picks the solver
-    (:func:`solve_problem`).
+    (:func:`solve_problem`). ``pinned_params`` ({param FQN: placement}; an unlisted parameter
+    replicated) fixes the parameter layout, and the ILP chooses the rest: the best execution
+    of that layout (:func:`~autopar.sharding.problem.pin_params`; ValueError if a node cannot
+    place its parameters so).
     """
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
@@ -376,13 +380,16 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     if cache is not None:
         key = (_signature(graph, names), tp, (graph.batch_size, graph.seq_len), dtype,
                memory_budget_bytes, cluster.fingerprint(), tuple(ranks or range(tp)),
-               bytes_per_param, boundary, sequence_shards, method)
+               bytes_per_param, boundary, sequence_shards, method,
+               tuple(sorted(pinned_params.items())) if pinned_params is not None else None)
         if key in cache:
             return cache[key]
     start = time.perf_counter()
     problem = build_problem(graph, names, axis_size=tp, cluster=cluster, dtype=dtype,
                             ranks=ranks, bytes_per_param=bytes_per_param, boundary=boundary,
                             sequence_shards=sequence_shards)
+    if pinned_params is not None:
+        problem = pin_params(problem, pinned_params)
     choice, optimal = solve_problem(problem, memory_budget_bytes=memory_budget_bytes,
                                     time_limit_s=time_limit_s, num_workers=num_workers,
                                     method=method)

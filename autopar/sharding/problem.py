@@ -35,6 +35,7 @@ sharded fraction of its inputs and outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -50,7 +51,7 @@ from costmodels.compute import activation_memory_time_s, attention_time_s, gemm_
 from costmodels.collectives import LayoutTimer
 
 __all__ = ["BLOCK_INPUT", "BLOCK_OUTPUT", "BlockProblem", "ParamUse", "TensorUse",
-           "build_problem", "to_units"]
+           "build_problem", "pin_params", "to_units"]
 
 BLOCK_INPUT = "<block-input>"
 BLOCK_OUTPUT = "<block-output>"
@@ -419,6 +420,32 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
                         compute_units=compute, comm_units=comm, memory_bytes=memory,
                         tensors=tensors, params=tuple(params), periodic=periodic,
                         grad_bytes_per_elem=grad_bytes, collective_units=collective_units)
+
+
+def pin_params(problem: BlockProblem, placements: Mapping[str, str]) -> BlockProblem:
+    """The problem with each node's strategies cut to those that place its parameters as
+    ``placements`` says (a parameter it does not list stays replicated): the best execution
+    of a given parameter layout, e.g. Megatron's. Raises ValueError naming a node that has no
+    such strategy."""
+    uses: dict[str, list[ParamUse]] = {}
+    for use in problem.params:
+        uses.setdefault(use.node, []).append(use)
+    keep: dict[str, list[int]] = {}
+    for v in problem.nodes:
+        keep[v] = [s for s in range(len(problem.strategies[v]))
+                   if all(problem.param_placement(u, s) == placements.get(u.fqn, REPLICATE)
+                          for u in uses.get(v, ()))]
+        if not keep[v]:
+            wanted = {u.fqn: placements.get(u.fqn, REPLICATE) for u in uses[v]}
+            raise ValueError(f"no strategy of {v} places its parameters as {wanted}")
+
+    def cut(table: Mapping[str, tuple]) -> dict[str, tuple]:
+        return {v: tuple(table[v][s] for s in keep[v]) for v in problem.nodes}
+
+    return dataclasses.replace(problem, strategies=cut(problem.strategies),
+                               compute_units=cut(problem.compute_units),
+                               comm_units=cut(problem.comm_units),
+                               memory_bytes=cut(problem.memory_bytes))
 
 
 def internal_collectives(problem: BlockProblem, graph: Graph, name: str, s: int

@@ -287,3 +287,20 @@ def test_compile_reports_the_wall_time_of_each_phase():
     assert min(phases.values()) >= 0 and sum(phases.values()) <= wall
     assert phases["search"] >= plan.search["seconds"]  # the outer search runs inside it
     assert "phase_seconds" not in plan.to_json()  # timings stay out of the saved plan
+
+
+def test_an_ilp_layout_that_holds_more_memory_is_reported_as_a_trade(caplog):
+    # the ILP runs without a memory bound: on this GPT block at tp=4 its optimum keeps more
+    # than Megatron's layout per rank, so it is advice with its price, not a warning
+    with caplog.at_level("INFO", logger="autopar.api"):
+        plan = autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024,
+                               constraints={"tp": 4, "micro_batch_size": 4})
+    (block,) = plan.intra_op.values()
+    assert not block["matches_estimate_layout"]
+    assert block["ilp_memory_bytes"] > block["megatron_memory_bytes"]
+    # the ILP's own layout is its optimum: no faster than it, the best execution of Megatron's
+    assert block["megatron_objective_s"] >= block["compute_s"] + block["comm_s"]
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert any("holds" in r.getMessage() and "more per rank" in r.getMessage()
+               for r in caplog.records)
+    assert "more per rank" in plan.report()

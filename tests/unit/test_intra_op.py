@@ -16,7 +16,7 @@ from autopar.models.registry import build, preset
 from autopar.search.elimination import solve_by_elimination
 from autopar.search.intra_op import solve_block, solve_problem
 from autopar.sharding import expand_nd, reshard_collective, strategies
-from autopar.sharding.problem import build_problem
+from autopar.sharding.problem import build_problem, pin_params
 from autopar.sharding.views import view_dim_map
 
 DT = "bfloat16"
@@ -99,6 +99,51 @@ def test_ilp_matches_brute_force(make, tp, method, cluster):
     choice, optimal = solve_problem(problem, method=method)
     assert optimal
     assert problem.evaluate(choice) == _brute_force(problem)
+
+
+def _brute_force_pinned(problem, pins):
+    """The least objective over the assignments that place every parameter as `pins` says
+    (an unlisted one replicated)."""
+    best = None
+    names = problem.nodes
+    for combo in itertools.product(*(range(len(problem.strategies[v])) for v in names)):
+        choice = dict(zip(names, combo))
+        if any(problem.param_placement(u, choice[u.node]) != pins.get(u.fqn, "R")
+               for u in problem.params):
+            continue
+        cost = problem.evaluate(choice)
+        if cost is not None:
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("make", [_chain, _diamond])
+def test_pinned_parameters_match_brute_force(make, seed, cluster):
+    """Pinning the parameter layout leaves the ILP the best execution of that layout: the
+    brute-force optimum over the assignments that place the parameters so."""
+    rng = random.Random(seed)
+    g = make()
+    problem = build_problem(g, [n.name for n in g.nodes], axis_size=2, cluster=cluster,
+                            dtype="bf16")
+    pins = {u.fqn: rng.choice(["R", "S(0)", "S(1)"]) for u in problem.params}
+    pinned = pin_params(problem, pins)
+    for method in ("elimination", "cp-sat"):
+        choice, optimal = solve_problem(pinned, method=method)
+        assert optimal
+        assert {u.fqn: pinned.param_placement(u, choice[u.node]) for u in pinned.params} \
+            == {u.fqn: pins[u.fqn] for u in problem.params}
+        assert pinned.evaluate(choice) == _brute_force_pinned(problem, pins)
+    assert _brute_force_pinned(problem, pins) >= _brute_force(problem)
+
+
+def test_a_parameter_placement_no_strategy_gives_is_refused(cluster):
+    g = _chain()
+    problem = build_problem(g, [n.name for n in g.nodes], axis_size=2, cluster=cluster,
+                            dtype="bf16")
+    with pytest.raises(ValueError, match=r"no strategy of up places its parameters as "
+                                         r"\{'up.weight': 'S\(2\)'\}"):
+        pin_params(problem, {"up.weight": "S(2)"})
 
 
 def _tie_broken(problem, choice):
