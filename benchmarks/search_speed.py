@@ -11,10 +11,10 @@ compile time. A last table gives the median wall time of each phase of compile
 (`plan.search["phase_seconds"]`: trace, search, stage_dp, intra_op, plan) for the two depths.
 The garbage of building each model is collected before its compile is timed (a full collection
 it brings due costs ~0.1 s with a 128-layer model alive and landed in the trace of some rounds).
-On the host of 2026-11-25 (two runs of 21 rounds) the 128-layer compile took ~0.025 s more: its
-winner (tp=4, pp=4, interleaved x8) needs the intra-op problem of its block (intra_op, ~0.009 s,
-the same at any depth), the inter-op stage DP's check of its 4 x 8 stages over 130 layers
-(stage_dp, ~0.002 s) and, within the search (+0.010-0.011 s), the simulation of the one
+On the host of 2026-11-25 (three runs of 21 rounds) the 128-layer compile took ~0.025 s more:
+its winner (tp=4, pp=4, interleaved x8) needs the intra-op problem of its block (intra_op,
+~0.009 s, the same at any depth), the inter-op stage DP's check of its 4 x 8 stages over 130
+layers (stage_dp, ~0.002 s) and, within the search (+0.010-0.011 s), the simulation of the one
 candidate that a bound on the simulated step cannot rule out (~0.003 s); the 32-layer winner
 (tp=1, pp=1) needs none of it. The rest of the search's growth is the 31 % larger space (more
 pipeline degrees and virtual-stage splits); the outer search visits configs in order of a step
