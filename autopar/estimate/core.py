@@ -313,11 +313,16 @@ def _data_parallel(cluster: Cluster, cache: EvalCache, prep: "_Prepared",
     if dkey not in prep.data_parallel:
         dp_exposed, dp_total = _dp_comm(cache, config, prep.groups, prep.dense, prep.expert,
                                         prep.heavy_sums, m, dtype, options, prep.units_here)
-        shards = config.dp * config.cp
-        master = (prep.dense + prep.expert) / (shards if config.zero_stage >= 1 else 1)
-        prep.data_parallel[dkey] = (dp_exposed, dp_total,
-                                    optimizer_time_s(cluster.hardware.device, master, dtype))
+        prep.data_parallel[dkey] = (dp_exposed, dp_total, _optimizer_s(
+            cluster.hardware.device, prep.dense + prep.expert, config, dtype))
     return prep.data_parallel[dkey]
+
+
+def _optimizer_s(device, params: float, config: ParallelConfig, dtype: str) -> float:
+    """The optimizer step of a rank holding `params` parameters: over its dp*cp shard of
+    them under ZeRO >= 1, over all of them otherwise."""
+    shards = config.dp * config.cp if config.zero_stage >= 1 else 1
+    return optimizer_time_s(device, params / shards, dtype)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -658,7 +663,6 @@ def data_parallel_floor(costs: ModelCosts, cache: EvalCache, config: ParallelCon
     estimate's own with experts. A model without experts takes the average rank's parameters
     for M and d_h instead (no larger: the heaviest rank holds at least the average), which
     needs no split, so the floor is the same for every virtual-stage count of a pp."""
-    device = cache.hardware.device
     if any(u.expert_params for u in costs.units):
         split = split_structure(costs, cache, config.pp, config.virtual_stages)
         if isinstance(split, str):
@@ -673,8 +677,7 @@ def data_parallel_floor(costs: ModelCosts, cache: EvalCache, config: ParallelCon
     else:  # the heaviest rank holds at least the average: one floor for every virtual split
         e = 0.0
         d = most = sum(u.dense_params * u.count for u in costs.units) / (config.tp * config.pp)
-    shards = config.dp * config.cp
-    optimizer = optimizer_time_s(device, most / (shards if config.zero_stage >= 1 else 1), dtype)
+    optimizer = _optimizer_s(cache.hardware.device, most, config, dtype)
     zero3 = config.zero_stage == 3
     traffic = 0.0
     if not zero3 or options.zero3_gather == "prefetch":
