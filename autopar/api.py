@@ -17,7 +17,6 @@ from autopar.errors import StageMemoryError
 from autopar.search.inter_op import partition_stages
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES
 from autopar.plan import Plan, megatron_tp_placements, param_placements
-from autopar.plan.placements import MESH_AXES
 from autopar.search.intra_op import solve_block
 from autopar.search.outer import SearchSettings, search
 
@@ -70,7 +69,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
     return Plan(
         config=cfg, estimate=best, stages=[list(s) for s in best.stage_layers],
         placements=placements, intra_op=intra_op,
-        mesh={"axes": list(MESH_AXES), "sizes": [sizes[a] for a in MESH_AXES],
+        mesh={"axes": list(cfg.mesh_order), "sizes": [sizes[a] for a in cfg.mesh_order],
               "ep_within": "dp*cp", "ep": cfg.ep},
         model={"class": graph.model_class, "fingerprint": fingerprint,
                "num_params": graph.num_params, "num_layers": costs.num_layers},

@@ -2,20 +2,28 @@
 
 A config fixes the degrees (dp·tp·pp·cp = world size; ep divides dp·cp and takes no extra
 ranks), the ZeRO stage, the micro-batch size, the pipeline schedule and its virtual stages,
-Megatron sequence parallelism on the tp axis, and the activation-recompute policy.
+Megatron sequence parallelism on the tp axis, the activation-recompute policy, and the mesh
+order: how the (pp, dp, cp, tp) mesh lies on the global ranks. Outer axis first, as
+`torch.distributed.device_mesh.init_device_mesh` takes them; the last axis is innermost (its
+groups are consecutive ranks, on one node as far as they fit), and global rank r lives on
+node r // gpus_per_node. The default, pp, dp, cp, tp, is Megatron-LM's and torchtitan's
+layout.
 `check_config` says what is wrong and which values would work.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-__all__ = ["ParallelConfig", "check_config", "divisors", "PP_SCHEDULES", "RECOMPUTE_POLICIES"]
+__all__ = ["ParallelConfig", "check_config", "divisors", "DEFAULT_MESH_ORDER", "PP_SCHEDULES",
+           "RECOMPUTE_POLICIES"]
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE_POLICIES = ("none", "selective", "full")
+DEFAULT_MESH_ORDER = ("pp", "dp", "cp", "tp")  # outer first; tp innermost
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -31,8 +39,19 @@ class ParallelConfig:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     recompute: Literal["none", "selective", "full"] = "none"
+    mesh_order: tuple[str, ...] = DEFAULT_MESH_ORDER  # outer first; also "dp,pp,cp,tp"
 
     def __post_init__(self) -> None:
+        order = self.mesh_order
+        if isinstance(order, str):
+            order = tuple(part.strip() for part in re.split(r"[,\s]+", order.strip()) if part)
+        elif isinstance(order, (list, tuple)):
+            order = tuple(order)
+        if not isinstance(order, tuple) or sorted(map(str, order)) != sorted(DEFAULT_MESH_ORDER):
+            raise ValueError(f"ParallelConfig.mesh_order must name each of the mesh axes "
+                             f"{', '.join(DEFAULT_MESH_ORDER)} once, outer first (e.g. "
+                             f"{','.join(DEFAULT_MESH_ORDER)}, tp innermost), got {self.mesh_order!r}")
+        object.__setattr__(self, "mesh_order", order)
         for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "virtual_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -60,7 +79,8 @@ class ParallelConfig:
         return asdict(self)
 
     def short(self) -> str:
-        """A compact label, e.g. 'dp8 tp8 pp16 z1 mb1 1f1b sp rc=selective'."""
+        """A compact label, e.g. 'dp8 tp8 pp16 z1 mb1 1f1b sp rc=selective' (and
+        'mesh=dp,pp,cp,tp' when the mesh order is not the default)."""
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
@@ -70,6 +90,8 @@ class ParallelConfig:
                                              else ""))
         parts += ["sp"] if self.sequence_parallel else []
         parts.append(f"rc={self.recompute}")
+        if self.mesh_order != DEFAULT_MESH_ORDER:
+            parts.append("mesh=" + ",".join(self.mesh_order))
         return " ".join(parts)
 
 
@@ -102,6 +124,17 @@ def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int
     if (cfg.dp * cfg.cp) % cfg.ep:
         raise ValueError(f"ep={cfg.ep} must divide dp*cp = {cfg.dp * cfg.cp}; allowed ep: "
                          f"{divisors(cfg.dp * cfg.cp)}")
+    if cfg.ep > 1 and cfg.dp > 1 and cfg.cp > 1:
+        # ep groups are runs of ep replicas, the (dp, cp) ranks flattened outer first; with an
+        # axis between dp and cp, a run that crosses the inner axis is no strided slice
+        i, j = sorted((cfg.mesh_order.index("dp"), cfg.mesh_order.index("cp")))
+        between = [a for a in cfg.mesh_order[i + 1:j] if getattr(cfg, a) > 1]
+        inner, n = cfg.mesh_order[j], getattr(cfg, cfg.mesh_order[j])
+        if between and n % cfg.ep and cfg.ep % n:
+            raise ValueError(f"ep={cfg.ep} groups would cross {inner}={n} in mesh_order "
+                             f"{','.join(cfg.mesh_order)}, where {','.join(between)} lies "
+                             f"between dp and cp (no DeviceMesh slice holds them): use an ep "
+                             f"that divides {n} or is a multiple of it, or put dp next to cp")
     if num_experts is not None and cfg.ep > 1 and num_experts % cfg.ep:
         raise ValueError(f"ep={cfg.ep} must divide the {num_experts} experts; allowed ep: "
                          f"{[d for d in divisors(num_experts) if (cfg.dp * cfg.cp) % d == 0]}")

@@ -34,7 +34,7 @@ import numpy as np
 import torch.nn as nn
 
 from autopar.cluster import Cluster
-from autopar.config import ParallelConfig, check_config
+from autopar.config import DEFAULT_MESH_ORDER, ParallelConfig, check_config
 from autopar.estimate.layout import (Layout, Structure, UnitVectors, analytic_inflight,
                                      fast_peak_memory, layout, pipeline_bound,
                                      rank_work_extremes, simulated_lower_bound, structure,
@@ -347,8 +347,16 @@ class _Prepared:
     timelines: dict = field(default_factory=dict)
 
 
+def _order_key(config: ParallelConfig) -> tuple:
+    """What else the rank groups depend on in a mesh order other than the default: there
+    the tp, cp and ep groups' strides can hold dp and pp too."""
+    if config.mesh_order == DEFAULT_MESH_ORDER:
+        return ()
+    return config.mesh_order, config.dp, config.pp
+
+
 def _rank_groups(cache: EvalCache, config: ParallelConfig) -> RankGroups:
-    key = (config.tp, config.cp, config.dp, config.ep, config.pp > 1)
+    key = (config.tp, config.cp, config.dp, config.ep, config.pp > 1) + _order_key(config)
     if key not in cache.groups:
         cache.groups[key] = slowest_groups(config, cache.cluster)
     return cache.groups[key]
@@ -357,14 +365,15 @@ def _rank_groups(cache: EvalCache, config: ParallelConfig) -> RankGroups:
 def _times_key(config: ParallelConfig, dtype: str, options: EstimateOptions) -> tuple:
     return (config.micro_batch_size, config.tp, config.cp, config.ep, config.sequence_parallel,
             config.recompute, options.attention_kernel, options.overlap_tp_comm,
-            options.kernels, options.loss_kernel, options.recompute_early_stop, dtype)
+            options.kernels, options.loss_kernel, options.recompute_early_stop,
+            dtype) + _order_key(config)
 
 
 def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype: str,
                 options: EstimateOptions) -> dict[str, UnitTimes]:
     """Per-unit times of `config` (they depend on micro-batch, tp, cp, ep, SP and recompute
     only: `slowest_groups` picks the tp, cp and ep groups by those degrees and the node, not
-    by dp or pp), memoised."""
+    by dp or pp -- but for the mesh order, `_order_key`), memoised."""
     key = _times_key(config, dtype, options)
     times = cache.times.get(key)
     if times is None:

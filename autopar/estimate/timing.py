@@ -23,15 +23,17 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from autopar.cluster import Cluster
-from autopar.config import ParallelConfig
+from autopar.config import DEFAULT_MESH_ORDER, ParallelConfig
 from autopar.estimate.units import OpCost, Unit
-from costmodels.collectives import estimate_on_layout, group_layout
+from costmodels.collectives import GroupLayout, estimate_on_layout, group_layout
 from costmodels.compute import (activation_memory_time_s, attention_time_s, gemm_time_s,
                                 loss_time_s, op_overhead_s, unaligned_gemm_slowdown)
 
-__all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitTimes", "op_times", "rank_groups",
-           "slowest_groups", "unit_times"]
+__all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitTimes", "axis_strides", "mesh_groups",
+           "op_times", "rank_groups", "replica_axes", "slowest_groups", "unit_times"]
 
 # A memory-bound op's backward reads the output gradient and the saved input and writes the
 # input gradient: about twice the forward's traffic (read input, write output).
@@ -40,13 +42,14 @@ BACKWARD_MEMORY_RATIO = 2.0
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankGroups:
-    """Global ranks of one group per mesh axis (mesh order pp, dp, cp, tp): rank 0's
-    (`rank_groups`), or each axis's slowest (`slowest_groups`)."""
+    """Global ranks of one group per mesh axis (laid out in the config's `mesh_order`): rank
+    0's (`rank_groups`), or each axis's slowest (`slowest_groups`)."""
 
     tp: tuple[int, ...]
     cp: tuple[int, ...]  # a ring, in ring order
-    ep: tuple[int, ...]
-    dp: tuple[int, ...]  # data-parallel replicas of the same parameters: dp x cp ranks
+    ep: tuple[int, ...]  # ep consecutive replicas of `dp`'s order
+    dp: tuple[int, ...]  # data-parallel replicas of the same parameters: dp x cp ranks, the
+    # outer of the two in the mesh order major (`replica_axes`)
     pp_hop: tuple[int, int] | None  # a rank and the one holding its next pipeline stage
 
 
@@ -74,13 +77,55 @@ class UnitTimes:
         return self.compute_bwd + self.recompute + self.tp_bwd + self.cp_bwd + self.ep_bwd
 
 
+def _sizes(cfg: ParallelConfig) -> dict[str, int]:
+    return {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp}
+
+
+def axis_strides(cfg: ParallelConfig) -> dict[str, int]:
+    """The rank distance between neighbours along each mesh axis: the product of the sizes of
+    the axes inside it in `cfg.mesh_order` (the innermost axis has stride 1)."""
+    sizes, out, stride = _sizes(cfg), {}, 1
+    for axis in reversed(cfg.mesh_order):
+        out[axis] = stride
+        stride *= sizes[axis]
+    return out
+
+
+def replica_axes(cfg: ParallelConfig) -> tuple[str, str]:
+    """dp and cp, the outer first: the order the data-parallel replicas (ranks holding the
+    same parameters) are flattened in, and the expert-parallel groups taken from them."""
+    return ("dp", "cp") if cfg.mesh_order.index("dp") < cfg.mesh_order.index("cp") \
+        else ("cp", "dp")
+
+
 def rank_groups(cfg: ParallelConfig) -> RankGroups:
     """The groups rank 0 belongs to."""
-    tp, cp, dp = cfg.tp, cfg.cp, cfg.dp
-    replicas = tuple(range(0, dp * cp * tp, tp))  # d·cp·tp + c·tp over (d, c) in mesh order
-    return RankGroups(tp=tuple(range(tp)), cp=tuple(c * tp for c in range(cp)),
+    s = axis_strides(cfg)
+    # the data-parallel replicas, the outer of dp and cp major, as the runtime flattens its
+    # (dp, cp) mesh; evenly spaced when the inner one is alone or the outer one is next to it
+    (outer, n_outer), (inner, n_inner) = ((a, getattr(cfg, a)) for a in replica_axes(cfg))
+    if n_inner == 1 or s[outer] == s[inner] * n_inner:
+        step = s[inner] if n_inner > 1 else s[outer]
+        replicas = tuple(range(0, cfg.dp * cfg.cp * step, step))
+    else:
+        replicas = tuple((np.arange(n_outer)[:, None] * s[outer]
+                          + np.arange(n_inner) * s[inner]).ravel().tolist())
+    return RankGroups(tp=tuple(t * s["tp"] for t in range(cfg.tp)),
+                      cp=tuple(c * s["cp"] for c in range(cfg.cp)),
                       ep=replicas[:cfg.ep], dp=replicas,
-                      pp_hop=(0, dp * cp * tp) if cfg.pp > 1 else None)
+                      pp_hop=(0, s["pp"]) if cfg.pp > 1 else None)
+
+
+def mesh_groups(cfg: ParallelConfig, axes: tuple[str, ...]) -> np.ndarray:
+    """Every group of `axes` -- the ranks that differ only along those axes -- as the rows of
+    an int array, each row over `axes` flattened in the order given (the first major; given
+    in mesh order, as ``DeviceMesh[axes]._flatten()`` lists them); rows in rank order of the
+    other axes."""
+    sizes = _sizes(cfg)
+    ranks = np.arange(cfg.world_size).reshape([sizes[a] for a in cfg.mesh_order])
+    dims = [cfg.mesh_order.index(a) for a in axes]
+    moved = np.moveaxis(ranks, dims, list(range(ranks.ndim - len(dims), ranks.ndim)))
+    return moved.reshape(-1, math.prod(sizes[a] for a in axes))
 
 
 # the collective that ranks an axis's groups by layout, and its size: a group spread over
@@ -108,7 +153,12 @@ def slowest_groups(cfg: ParallelConfig, cluster: Cluster) -> RankGroups:
     block and the node's least common multiple, at most the world) is laid out and the
     slowest by its `_PROBES` collective taken, the first of equals; a cp ring is listed from
     its slowest hop. Which leaf switches a group spans is as it comes within that period.
-    The choice for tp, cp and ep depends on their degrees and the node, not on dp or pp."""
+    The choice for tp, cp and ep depends on their degrees and the node, not on dp or pp.
+
+    In another mesh order than the default (pp, dp, cp, tp) every group of each axis is laid
+    out (`mesh_groups`) and the slowest taken likewise (`_slowest_groups_any_order`)."""
+    if cfg.mesh_order != DEFAULT_MESH_ORDER:
+        return _slowest_groups_any_order(cfg, cluster)
     first = rank_groups(cfg)
     g, world = cluster.gpus_per_node, cluster.world_size
     tp, cp, dp, ep = cfg.tp, cfg.cp, cfg.dp, cfg.ep
@@ -172,6 +222,82 @@ def slowest_groups(cfg: ParallelConfig, cluster: Cluster) -> RankGroups:
         out["pp_hop"] = slowest("pp", ((r, r + stage)
                                        for r in range(min(math.lcm(stage, g), world - stage))))
     return dataclasses.replace(first, **out) if out else first
+
+
+def _layouts(groups: np.ndarray, gpus_per_node: int, nodes_per_leaf: int) -> np.ndarray:
+    """`group_layout` of each row of `groups` as the int columns (ranks, nodes, least and most
+    ranks on one node, leaves), all rows at once."""
+    count, n = groups.shape
+    nodes = np.sort(groups // gpus_per_node, axis=1)
+    starts = np.ones((count, n), dtype=bool)  # where a row's run of one node begins
+    starts[:, 1:] = nodes[:, 1:] != nodes[:, :-1]
+    first = np.flatnonzero(starts.ravel())  # every row starts a run, so no run spans rows
+    runs = np.diff(np.append(first, count * n))
+    row_first = np.searchsorted(first, np.arange(count) * n)
+    leaves = nodes // nodes_per_leaf
+    return np.stack((np.full(count, n), starts.sum(axis=1),
+                     np.minimum.reduceat(runs, row_first), np.maximum.reduceat(runs, row_first),
+                     1 + (leaves[:, 1:] != leaves[:, :-1]).sum(axis=1)), axis=1)
+
+
+def _slowest_groups_any_order(cfg: ParallelConfig, cluster: Cluster) -> RankGroups:
+    """`slowest_groups` for any mesh order: of every group of each axis (`mesh_groups`), the
+    first whose nodes make its `_PROBES` collective slowest; for cp the ring whose slowest hop
+    (same node, same leaf, or neither) is slowest, listed from that hop; for pp the slowest
+    hop between neighbouring stages. The groups are told apart by the nodes they are on
+    (`group_layout`, all at once in numpy: `_layouts`)."""
+    g, per_leaf = cluster.gpus_per_node, cluster.hardware.network.nodes_per_leaf
+    first = rank_groups(cfg)
+    times: dict[tuple[str, object], float] = {}
+
+    def time_of(axis: str, layout) -> float:
+        if (axis, layout) not in times:
+            kind, nbytes = _PROBES[axis]
+            times[axis, layout] = estimate_on_layout(cluster.hardware, kind, nbytes,
+                                                     layout).time_s
+        return times[axis, layout]
+
+    def slowest(axis: str, groups: np.ndarray) -> tuple[int, ...]:
+        layouts = _layouts(groups, g, per_leaf)
+        key = layouts[:, 1]
+        for column, top in zip(layouts.T[2:], (groups.shape[1] + 1, groups.shape[1] + 1,
+                                               cluster.num_nodes + 1)):
+            key = key * top + column
+        best, worst = None, -1.0
+        for i in np.sort(np.unique(key, return_index=True)[1]):  # one group per layout
+            n_ranks, n_nodes, low, high, leaves = map(int, layouts[i])
+            t = time_of(axis, GroupLayout(num_ranks=n_ranks, num_nodes=n_nodes,
+                                          min_ranks_per_node=low, max_ranks_per_node=high,
+                                          num_leaves=leaves))
+            if t > worst:
+                best, worst = tuple(groups[i].tolist()), t
+        return best
+
+    out = {}
+    if cfg.tp > 1:
+        out["tp"] = slowest("tp", mesh_groups(cfg, ("tp",)))
+    if cfg.cp > 1:
+        rings = mesh_groups(cfg, ("cp",))
+        here, there = rings // g, np.roll(rings, -1, axis=1) // g  # each hop's two nodes
+        kinds = (here == there) * 2 + (here // per_leaf == there // per_leaf)
+        pair = {0: (0, g * per_leaf), 1: (0, g), 3: (0, 1)}  # a hop of each kind
+        hop_times = np.zeros(4)
+        for kind in np.unique(kinds).tolist():  # the kinds there are (a one-node world
+            hop_times[kind] = time_of("cp", group_layout(pair[kind], g, per_leaf))  # has no 0)
+        per_hop = hop_times[kinds]
+        ring = int(np.argmax(per_hop.max(axis=1)))  # the first of the slowest
+        k = int(np.argmax(per_hop[ring]))
+        out["cp"] = tuple(np.roll(rings[ring], -k).tolist())
+    replicas = mesh_groups(cfg, replica_axes(cfg))
+    if cfg.dp * cfg.cp > 1:
+        out["dp"] = slowest("dp", replicas)
+    if cfg.ep > 1:
+        out["ep"] = slowest("ep", replicas.reshape(-1, cfg.ep))
+    if cfg.pp > 1:
+        stages = mesh_groups(cfg, ("pp",))
+        out["pp_hop"] = slowest("pp", np.stack((stages[:, :-1].ravel(), stages[:, 1:].ravel()),
+                                               axis=1))
+    return dataclasses.replace(first, **out)
 
 
 def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,

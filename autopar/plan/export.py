@@ -23,7 +23,9 @@ Option names, with the files they were read from (names and semantics only):
   optim_grads_params), --use-torch-fsdp2, --micro-batch-size, --global-batch-size,
   --seq-length, --bf16, --fp16, --fp8-format, --grad-reduce-in-bf16, --recompute-granularity,
   --recompute-method, --recompute-num-layers, --overlap-grad-reduce, --overlap-param-gather,
-  --tp-comm-overlap, --attention-backend (values from ``megatron/core/transformer/enums.py``
+  --tp-comm-overlap, --use-tp-pp-dp-mapping (``megatron/training/initialize.py``: ranks in the
+  order tp-cp-ep-dp-pp, inner first, or tp-pp-dp with the flag, which takes neither cp nor
+  ep), --attention-backend (values from ``megatron/core/transformer/enums.py``
   AttnBackend). The layout grammar (E embedding, t decoder layer, L loss, ``|`` between
   stages, ``x*n`` repeats) is from ``megatron/core/transformer/pipeline_parallel_layer_layout.py``.
   Megatron-LM itself has no zero-bubble schedule (sail-sg/zero-bubble-pipeline-parallelism is a
@@ -61,6 +63,8 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from autopar.config import DEFAULT_MESH_ORDER
 
 __all__ = ["EXPORT_FORMATS", "ExportResult", "export_plan"]
 
@@ -156,6 +160,22 @@ def _shape(plan: Any) -> _Shape:
 # ---------------------------------------------------------------------------------- Megatron
 
 
+def _same_layout(cfg: Any, order: tuple[str, ...]) -> bool:
+    """Whether `order` puts the ranks where `cfg.mesh_order` does: the same order of the axes
+    with more than one rank (an axis of size 1 sits anywhere)."""
+    def used(o: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(a for a in o if getattr(cfg, a) > 1)
+    return used(tuple(cfg.mesh_order)) == used(order)
+
+
+def _order_note(cfg: Any, theirs: str) -> str:
+    return (f"mesh order {','.join(cfg.mesh_order)} (outer first): {theirs}, so its groups "
+            f"land on other GPUs than planned and the plan's communication times do not hold "
+            f"there; run the plan with autopar's runtime (autopar codegen), or re-plan with "
+            f"constraints={{'mesh_order': {DEFAULT_MESH_ORDER}}} (--pin "
+            f"mesh_order={','.join(DEFAULT_MESH_ORDER)})")
+
+
 def _megatron(plan: Any) -> tuple[str, list[str]]:
     cfg, shape = plan.config, _shape(plan)
     opts, notes = shape.options, []
@@ -182,6 +202,13 @@ def _megatron(plan: Any) -> tuple[str, list[str]]:
     elif cfg.recompute == "selective":
         flags.append(["--recompute-granularity", "selective"])
     flags += _megatron_options(cfg, shape, opts, notes)
+    if not _same_layout(cfg, DEFAULT_MESH_ORDER):
+        if cfg.cp == 1 and cfg.ep == 1 and _same_layout(cfg, ("dp", "pp", "cp", "tp")):
+            flags.append(["--use-tp-pp-dp-mapping"])  # its other order, inner first
+        else:
+            notes.append(_order_note(cfg, "Megatron-LM lays the ranks out tp-cp-ep-dp-pp, inner "
+                                          "first (tp-pp-dp with --use-tp-pp-dp-mapping, which "
+                                          "takes neither cp nor ep)"))
     notes.insert(0, f"data parallelism is not a flag: Megatron-LM derives dp = world size / "
                     f"(tp*pp*cp) = {shape.world_size} / ({cfg.tp}*{cfg.pp}*{cfg.cp}) = {cfg.dp}, "
                     f"so launch on {shape.world_size} GPUs")
@@ -318,6 +345,9 @@ def _torchtitan(plan: Any) -> tuple[str, list[str]]:
     if shape.dtype == "fp8":
         sections["model"] = {"converters": ["float8"]}
     notes += _torchtitan_notes(cfg, shape, opts)
+    if not _same_layout(cfg, DEFAULT_MESH_ORDER):
+        notes.append(_order_note(cfg, "torchtitan builds its mesh as pp, dp_replicate, dp_shard, "
+                                      "cp, tp, outer first"))
     return _toml(sections, comments), notes
 
 
@@ -409,6 +439,9 @@ def _deepspeed(plan: Any) -> tuple[str, list[str]]:
                                               "number_checkpoints": max(shape.layers_per_stage)}
     notes += _deepspeed_model_notes(cfg, shape)
     notes += _deepspeed_pipeline_notes(cfg, shape)
+    if not _same_layout(cfg, DEFAULT_MESH_ORDER):
+        notes.append(_order_note(cfg, "DeepSpeed lays the ranks out as pipe, data, model, outer "
+                                      "first"))
     return json.dumps(config, indent=2) + "\n", notes
 
 

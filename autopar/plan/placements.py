@@ -20,9 +20,8 @@ from autopar.config import ParallelConfig
 from autopar.estimate.units import vocab_sizes
 from autopar.ir import Graph, OpKind
 
-__all__ = ["megatron_tp_placements", "param_placements", "MESH_AXES"]
+__all__ = ["megatron_tp_placements", "param_placements"]
 
-MESH_AXES = ("pp", "dp", "cp", "tp")
 _EXPERT = re.compile(r"\.experts\.\d+\.")  # one expert of an experts list
 
 

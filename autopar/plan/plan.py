@@ -172,5 +172,9 @@ def load_plan(path: str | Path, *, model: Any = None, cluster: Any = None) -> Pl
     except (KeyError, TypeError) as exc:
         raise ValueError(f"plan {path} is corrupted (missing or bad field {exc}); re-plan with "
                          f"autopar.compile") from None
+    if list(plan.mesh.get("axes", ())) != list(cfg.mesh_order):
+        raise ValueError(f"plan {path} is corrupted: its mesh axes {plan.mesh.get('axes')} are "
+                         f"not its config's mesh_order {list(cfg.mesh_order)}; re-plan with "
+                         f"autopar.compile")
     check_plan(plan, model=model, cluster=cluster)
     return plan

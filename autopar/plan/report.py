@@ -220,7 +220,8 @@ def _overview(plan: Plan, device_model: str | None) -> Section:
 
 def _configuration(plan: Plan) -> Section:
     cfg, est = plan.config, plan.estimate
-    rows = [(name, _fmt_value(value)) for name, value in cfg.to_dict().items()]
+    rows = [(name, _fmt_value(value)) for name, value in cfg.to_dict().items()
+            if name != "mesh_order"]  # the mesh row below lists the axes in that order
     rows.append(("micro-batches per step", str(est.num_microbatches)))
     mesh = plan.mesh
     rows.append(("mesh", " x ".join(f"{a}={s}" for a, s in zip(mesh["axes"], mesh["sizes"]))
@@ -413,9 +414,10 @@ def _config_fields(row: pd.Series) -> dict[str, Any]:
     from autopar.config import ParallelConfig
 
     out = {}
-    for name in ParallelConfig.__dataclass_fields__:
-        value = row[name]
-        out[name] = value.item() if hasattr(value, "item") else value
+    for name, field in ParallelConfig.__dataclass_fields__.items():
+        value = row[name] if name in row else field.default  # plans saved before the field
+        out[name] = value.item() if hasattr(value, "item") else \
+            tuple(value) if isinstance(value, list) else value  # a JSON list: the mesh order
     return out
 
 

@@ -318,4 +318,5 @@ def data_parallel_mesh(mesh: Any) -> Any:
     names = mesh.mesh_dim_names
     if "cp" not in names or mesh["cp"].size() == 1:
         return mesh["dp"]
-    return mesh["dp", "cp"]._flatten("dp_cp")
+    # sliced in mesh order (DeviceMesh refuses another), so the outer of the two is major
+    return mesh[tuple(a for a in names if a in ("dp", "cp"))]._flatten("dp_cp")

@@ -59,7 +59,7 @@ from autopar.estimate.core import (BOUND_MARGIN, DataParallelFloor, Estimate,
                                    step_lower_bound, unit_work)
 from autopar.estimate.layout import Structure, rank_work_extremes
 from autopar.estimate.memory import activation_bytes
-from autopar.search.space import (TIME_KEY_COLUMNS, ConfigTable, config_table,
+from autopar.search.space import (ConfigTable, config_table,
                                   first_rank_memory, key_groups, states_lower_bounds,
                                   step_lower_bounds)
 
@@ -174,9 +174,12 @@ def _why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
         "sequence_parallel": "sequence parallelism needs tp > 1 and a sequence",
         "recompute": "selective recompute needs attention that keeps its scores (a math "
                      "kernel)",
+        "mesh_order": "the mesh order names pp, dp, cp and tp once each, outer first",
     }
     out = []
     for name, want in sorted(constraints.items()):
+        if name == "mesh_order":  # any config runs in any order
+            continue
         have = sorted({getattr(free.config(int(i)), name)
                        for i in key_groups(free, np.arange(len(free)), (name,))[0]})
         if want not in have:
@@ -206,7 +209,7 @@ def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: 
     once per (pipeline split, that key)."""
     if not len(rows):
         return np.zeros(0), np.zeros(0, dtype=bool), np.zeros(0)
-    first, inverse = key_groups(table, rows, TIME_KEY_COLUMNS)
+    first, inverse = key_groups(table, rows, table.time_key_columns)
     work = np.full((len(first), len(costs.units)), np.nan)
     tail = work.copy()
     for k in np.argsort(first, kind="stable"):
@@ -334,6 +337,9 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     if unknown:
         raise ValueError(f"unknown constraint(s) {unknown}; constraints pin ParallelConfig "
                          f"fields: {', '.join(CONFIG_FIELDS)}")
+    if "mesh_order" in constraints:  # checked and normalised (a list, "dp,pp,cp,tp") once
+        constraints["mesh_order"] = ParallelConfig(
+            mesh_order=constraints["mesh_order"]).mesh_order
     # a precision the device cannot compute in rules out every config alike: say so at once
     # rather than as the first of tens of thousands of rejections
     peak_flops(cluster.hardware.device, dtype)

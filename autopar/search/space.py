@@ -32,7 +32,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from autopar.config import PP_SCHEDULES, RECOMPUTE_POLICIES, ParallelConfig, divisors
+from autopar.config import (DEFAULT_MESH_ORDER, PP_SCHEDULES, RECOMPUTE_POLICIES, ParallelConfig,
+                            divisors)
 from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
                                CUDA_CONTEXT_BYTES, state_bytes_split)
 
@@ -53,6 +54,15 @@ class ConfigTable:
     RECOMPUTE_POLICIES, sequence_parallel as 0/1), rows in enumeration order."""
 
     columns: dict[str, np.ndarray]
+    mesh_order: tuple[str, ...] = DEFAULT_MESH_ORDER  # every row's (a pinned one, or the default)
+
+    @property
+    def time_key_columns(self) -> tuple[str, ...]:
+        """The columns per-unit times depend on: `TIME_KEY_COLUMNS`, and dp and pp in a mesh
+        order where they can set the stride of the tp, cp or ep groups."""
+        if self.mesh_order == DEFAULT_MESH_ORDER:
+            return TIME_KEY_COLUMNS
+        return TIME_KEY_COLUMNS + ("dp", "pp")
 
     def __len__(self) -> int:
         return len(self.columns["dp"])
@@ -62,7 +72,7 @@ class ConfigTable:
         row["pp_schedule"] = PP_SCHEDULES[row["pp_schedule"]]
         row["recompute"] = RECOMPUTE_POLICIES[row["recompute"]]
         row["sequence_parallel"] = bool(row["sequence_parallel"])
-        return ParallelConfig(**row)
+        return ParallelConfig(**row, mesh_order=self.mesh_order)
 
     def configs(self) -> Iterator[ParallelConfig]:
         return (self.config(i) for i in range(len(self)))
@@ -132,14 +142,16 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
                     degrees.append((dp, tp, pp, cp, ep))
                     sizes.append(len(block["zero_stage"]))
                     inner.append(block)
+    order = (ParallelConfig(mesh_order=constraints["mesh_order"]).mesh_order
+             if "mesh_order" in constraints else DEFAULT_MESH_ORDER)
     if not inner:
-        return ConfigTable({name: np.zeros(0, dtype=np.int64) for name in COLUMNS})
+        return ConfigTable({name: np.zeros(0, dtype=np.int64) for name in COLUMNS}, order)
     per_block = np.array(degrees, dtype=np.int64)
     columns = {name: np.repeat(per_block[:, k], sizes)
                for k, name in enumerate(("dp", "tp", "pp", "cp", "ep"))}
     for name in _INNER_COLUMNS:
         columns[name] = np.concatenate([b[name] for b in inner])
-    return ConfigTable({name: columns[name] for name in COLUMNS})
+    return ConfigTable({name: columns[name] for name in COLUMNS}, order)
 
 
 _INNER_COLUMNS = ("zero_stage", "micro_batch_size", "pp_schedule", "virtual_stages",

@@ -159,6 +159,9 @@ CONFIGS = [
     ("cp2", 2, "tiny_llama", {"cp": 2}),
     ("dp2_cp2_zero3", 4, "tiny_llama", {"dp": 2, "cp": 2, "zero_stage": 3}),
     ("cp2_tp2_sp", 4, "tiny_llama_wide", {"cp": 2, "tp": 2, "sequence_parallel": True}),
+    # cp outside dp: the gradients average over a (dp, cp) mesh sliced out of order
+    ("dp2_cp2_cp_outer", 4, "tiny_llama", {"dp": 2, "cp": 2, "zero_stage": 2,
+                                           "mesh_order": ("cp", "pp", "dp", "tp")}),
 ]
 
 

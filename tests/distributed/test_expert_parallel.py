@@ -320,6 +320,9 @@ PARITY = [
     ("ep2_dp4_zero3", 4, {"dp": 4, "ep": 2, "zero_stage": 3}),
     ("ep2_tp2_dp2", 4, {"dp": 2, "ep": 2, "tp": 2, "zero_stage": 0,
                         "sequence_parallel": False}),
+    # cp outside dp: the expert groups come from a (dp, cp) mesh sliced out of order
+    ("ep2_cp2_dp2_cp_outer", 4, {"dp": 2, "ep": 2, "cp": 2, "zero_stage": 0,
+                                 "mesh_order": ("cp", "tp", "pp", "dp")}),
 ]
 
 

@@ -54,6 +54,10 @@ CONFIGS = [
     ("zero3_tp_pp_8", 8, "tiny_llama_wide", {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 3,
                                              "pp_schedule": "1f1b", "micro_batch_size": 2,
                                              "sequence_parallel": False}),
+    # another mesh order: dp innermost, the tp groups 2 ranks apart
+    ("order_dp_inner", 4, "tiny_llama_wide", {"dp": 2, "tp": 2, "zero_stage": 3,
+                                              "sequence_parallel": True,
+                                              "mesh_order": ("pp", "tp", "cp", "dp")}),
 ]
 
 

@@ -1,0 +1,258 @@
+"""The mesh order (`ParallelConfig.mesh_order`): how the (pp, dp, cp, tp) mesh lies on the
+global ranks. Rank groups against a brute-force mesh built from coordinates, the slowest group
+of each axis against every group laid out one by one, the default order's fast path against
+the general one, and the order carried through the estimate, compile, plans and exports."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+
+import autopar
+from autopar.config import DEFAULT_MESH_ORDER, ParallelConfig, divisors
+from autopar.estimate.timing import (_PROBES, _slowest_groups_any_order, mesh_groups,
+                                     rank_groups, replica_axes, slowest_groups)
+from autopar.plan.export import export_plan
+
+AXES = ("pp", "dp", "cp", "tp")
+
+
+def _coordinates(cfg: ParallelConfig):
+    """{rank: {axis: coordinate}} of a mesh laid out in cfg.mesh_order, outer first, built
+    by counting through the coordinates (no strides)."""
+    sizes = [getattr(cfg, a) for a in cfg.mesh_order]
+    return {rank: dict(zip(cfg.mesh_order, coords))
+            for rank, coords in enumerate(itertools.product(*(range(n) for n in sizes)))}
+
+
+def _groups(cfg: ParallelConfig, axes: tuple[str, ...]) -> list[tuple[int, ...]]:
+    """Every group of `axes` (ranks equal off `axes`), listed over `axes` first-major; the
+    groups in rank order (the other axes counted in mesh order)."""
+    coords = _coordinates(cfg)
+    rank_of = {tuple(c[a] for a in AXES): r for r, c in coords.items()}
+    fixed = [a for a in cfg.mesh_order if a not in axes]
+    out = []
+    for rest in itertools.product(*(range(getattr(cfg, a)) for a in fixed)):
+        group = []
+        for inner in itertools.product(*(range(getattr(cfg, a)) for a in axes)):
+            at = dict(zip(fixed, rest)) | dict(zip(axes, inner))
+            group.append(rank_of[tuple(at[a] for a in AXES)])
+        out.append(tuple(group))
+    return out
+
+
+SHAPES = [(2, 3, 2, 2), (1, 4, 2, 3), (3, 1, 1, 2), (2, 2, 3, 1), (2, 2, 2, 2)]  # pp, dp, cp, tp
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(AXES)))
+def test_rank_groups_and_mesh_groups_match_a_mesh_counted_out(order):
+    for pp, dp, cp, tp in SHAPES:
+        for ep in divisors(dp * cp):
+            cfg = ParallelConfig(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, mesh_order=order)
+            first = rank_groups(cfg)
+            replicas = _groups(cfg, replica_axes(cfg))
+            assert first.tp == _groups(cfg, ("tp",))[0]
+            assert first.cp == _groups(cfg, ("cp",))[0]
+            assert first.dp == replicas[0]
+            assert first.ep == replicas[0][:ep]
+            assert first.pp_hop == (_groups(cfg, ("pp",))[0][:2] if pp > 1 else None)
+            for axes in (("tp",), ("cp",), ("pp",), replica_axes(cfg)):
+                assert [tuple(g) for g in mesh_groups(cfg, axes).tolist()] == _groups(cfg, axes)
+
+
+def test_the_replicas_are_flattened_outer_axis_first():
+    assert replica_axes(ParallelConfig()) == ("dp", "cp")
+    assert replica_axes(ParallelConfig(mesh_order=("cp", "pp", "dp", "tp"))) == ("cp", "dp")
+
+
+def _probe(cluster, axis: str, group) -> float:
+    kind, nbytes = _PROBES[axis]
+    return cluster.collective_time(kind, nbytes, tuple(group))
+
+
+def _hop(cluster, ring) -> float:
+    """What the estimate pays for a cp ring: its first hop or its wrap-around, the slower."""
+    return max(_probe(cluster, "cp", ring[:2]), _probe(cluster, "cp", (ring[-1], ring[0])))
+
+
+def _all_configs(world: int, gpus_per_node: int, order=DEFAULT_MESH_ORDER):
+    for tp in [t for t in divisors(world) if t <= gpus_per_node]:
+        for cp in divisors(world // tp):
+            for pp in divisors(world // (tp * cp)):
+                dp = world // (tp * cp * pp)
+                for ep in divisors(dp * cp)[:3]:
+                    yield ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mesh_order=order)
+
+
+@pytest.mark.parametrize("profile,nodes", [("dgx-h100", 4), ("dgx-h100", 64),
+                                           ("dgx-a100-40g", 3)])
+def test_any_order_path_costs_the_default_order_as_the_fast_path(profile, nodes):
+    """In the default order `slowest_groups` takes rank 0's group where the groups lie alike
+    and searches one period of the pattern otherwise; the general path lays out every group.
+    Each axis's chosen group must cost the same either way."""
+    cluster = autopar.Cluster.from_profile(profile, num_nodes=nodes)
+    checked = 0
+    for cfg in _all_configs(cluster.world_size, cluster.gpus_per_node):
+        fast, general = slowest_groups(cfg, cluster), _slowest_groups_any_order(cfg, cluster)
+        for axis in ("tp", "dp", "ep"):
+            assert _probe(cluster, axis, getattr(fast, axis)) == pytest.approx(
+                _probe(cluster, axis, getattr(general, axis)), rel=1e-12), (cfg, axis)
+        if cfg.cp > 1:
+            assert _hop(cluster, fast.cp) == pytest.approx(_hop(cluster, general.cp), rel=1e-12)
+        if cfg.pp > 1:
+            assert _probe(cluster, "pp", fast.pp_hop) == pytest.approx(
+                _probe(cluster, "pp", general.pp_hop), rel=1e-12)
+        checked += 1
+    assert checked > 100
+
+
+@pytest.mark.parametrize("order,profile,nodes,per_leaf", [
+    (("tp", "pp", "dp", "cp"), "dgx-a100-40g", 3, None),  # 24 GPUs, 8 a node
+    (("pp", "cp", "dp", "tp"), "dgx-h100", 6, 2),  # 48 GPUs over 3 leaf switches
+    (("dp", "tp", "pp", "cp"), "dgx-h100", 6, 2),
+    (("cp", "tp", "dp", "pp"), "dgx-a100-40g", 3, None)])
+def test_slowest_groups_in_any_order_are_the_slowest_of_all_groups(order, profile, nodes,
+                                                                    per_leaf):
+    """Brute force: every group of each axis (counted out from coordinates) costed on its own;
+    the chosen group is one of the slowest, and its first rank is the first such group's."""
+    overrides = {"nodes_per_leaf": per_leaf} if per_leaf else {}
+    cl = autopar.Cluster.from_profile(profile, num_nodes=nodes, **overrides)
+    for cfg in _all_configs(cl.world_size, cl.world_size, order):
+        got = slowest_groups(cfg, cl)
+        for axis, axes in (("tp", ("tp",)), ("dp", replica_axes(cfg))):
+            groups = _groups(cfg, axes)
+            worst = max(_probe(cl, axis, g) for g in groups)
+            assert _probe(cl, axis, getattr(got, axis)) == worst, (cfg, axis)
+            assert getattr(got, axis) == next(g for g in groups
+                                              if _probe(cl, axis, g) == worst)
+        if cfg.ep > 1:
+            groups = [g[k:k + cfg.ep] for g in _groups(cfg, replica_axes(cfg))
+                      for k in range(0, len(g), cfg.ep)]
+            assert _probe(cl, "ep", got.ep) == max(_probe(cl, "ep", g) for g in groups)
+        if cfg.cp > 1:
+            rings = _groups(cfg, ("cp",))
+            assert set(got.cp) in [set(r) for r in rings]
+            slowest_hop = max(_probe(cl, "cp", (r[k], r[(k + 1) % len(r)]))
+                              for r in rings for k in range(len(r)))
+            assert _hop(cl, got.cp) == slowest_hop
+        if cfg.pp > 1:
+            hops = [(s[k], s[k + 1]) for s in _groups(cfg, ("pp",))
+                    for k in range(cfg.pp - 1)]
+            assert _probe(cl, "pp", got.pp_hop) == max(_probe(cl, "pp", h) for h in hops)
+
+
+def test_mesh_order_is_checked_and_read_from_text():
+    assert ParallelConfig().mesh_order == DEFAULT_MESH_ORDER
+    assert ParallelConfig(mesh_order="dp,pp,cp,tp").mesh_order == ("dp", "pp", "cp", "tp")
+    assert ParallelConfig(mesh_order=["tp", "cp", "dp", "pp"]).mesh_order == \
+        ("tp", "cp", "dp", "pp")
+    for bad in (("pp", "dp", "tp"), ("pp", "dp", "cp", "cp"), "pp,dp,cp,ep", 3):
+        with pytest.raises(ValueError, match="mesh_order must name each of the mesh axes"):
+            ParallelConfig(mesh_order=bad)
+    assert "mesh=" not in ParallelConfig(tp=2).short()
+    assert ParallelConfig(tp=2, mesh_order="dp,pp,cp,tp").short().endswith("mesh=dp,pp,cp,tp")
+
+
+def test_the_estimate_costs_each_axis_on_the_nodes_the_order_puts_it():
+    """2 nodes of 8: tp=4 and cp=4 cannot both stay in a node. tp innermost puts the cp ring
+    across the nodes; cp innermost puts the tp all-reduces across them instead, which the
+    estimate charges as more tp communication and less exposed ring time."""
+    import torch
+    from autopar.models.llama import Llama
+    from autopar.models.registry import preset
+
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=2)
+    with torch.device("meta"):
+        model = Llama(preset("llama3-8b"))
+    tp_inner = ParallelConfig(tp=4, cp=4, micro_batch_size=1)
+    cp_inner = ParallelConfig(tp=4, cp=4, micro_batch_size=1, mesh_order=("pp", "dp", "tp", "cp"))
+    a = autopar.estimate(model, cluster, tp_inner, global_batch_size=16, seq_len=8192)
+    b = autopar.estimate(model, cluster, cp_inner, global_batch_size=16, seq_len=8192)
+    assert b.breakdown["tp_comm"] > 2 * a.breakdown["tp_comm"]
+    assert b.breakdown["cp_comm"] <= a.breakdown["cp_comm"]
+    assert a.step_time_s < b.step_time_s  # tp's all-reduces are on the critical path
+    # orders that put the ranks in the same places cost the same (size-1 axes anywhere)
+    same = autopar.estimate(model, cluster, ParallelConfig(tp=4, cp=4, mesh_order="dp,cp,pp,tp"),
+                            global_batch_size=16, seq_len=8192)
+    assert same.step_time_s == a.step_time_s
+
+
+def test_compile_honours_a_pinned_mesh_order_through_the_saved_plan(tmp_path):
+    import torch
+    from autopar.models.llama import Llama
+    from autopar.models.registry import preset
+    from autopar.plan.plan import load_plan
+
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=2)
+    with torch.device("meta"):
+        model = Llama(preset("llama3-8b"))
+    order = ("pp", "tp", "cp", "dp")
+    plan = autopar.compile(model, cluster, global_batch_size=64, seq_len=4096,
+                           constraints={"mesh_order": ",".join(order), "tp": 2, "pp": 1},
+                           settings=autopar.SearchSettings(progress=False))
+    assert plan.config.mesh_order == order
+    assert plan.mesh["axes"] == list(order)
+    assert plan.mesh["sizes"] == [getattr(plan.config, a) for a in order]
+    again = autopar.estimate(model, cluster, plan.config, global_batch_size=64, seq_len=4096)
+    assert again.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-9)
+    path = plan.save(tmp_path / "plan.json")
+    loaded = load_plan(path)
+    assert loaded.config == plan.config and "mesh=pp,tp,cp,dp" in loaded.report()
+    data = json.loads(path.read_text())
+    data["mesh"]["axes"] = list(DEFAULT_MESH_ORDER)  # hand-edited: no longer the config's
+    bad = tmp_path / "edited.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="mesh axes .* are not its config's mesh_order"):
+        load_plan(bad)
+
+
+class _Plan:
+    """What the exporters read, for a config."""
+
+    def __init__(self, plan, cfg):
+        self.__dict__.update(plan.__dict__)
+        self.config = cfg
+
+
+@pytest.fixture(scope="module")
+def small_plan():
+    import torch
+    from autopar.models.llama import Llama
+    from autopar.models.registry import preset
+
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=2)
+    with torch.device("meta"):
+        model = Llama(preset("llama3-8b"))
+    return autopar.compile(model, cluster, global_batch_size=64, seq_len=4096,
+                           constraints={"tp": 2, "pp": 2, "cp": 1, "ep": 1},
+                           settings=autopar.SearchSettings(progress=False))
+
+
+def test_exports_carry_or_flag_the_mesh_order(small_plan):
+    import dataclasses
+
+    cfg = small_plan.config  # tp2 pp2, dp4
+
+    def export(order, fmt):
+        return export_plan(_Plan(small_plan, dataclasses.replace(cfg, mesh_order=order)), fmt)
+
+    default = export(DEFAULT_MESH_ORDER, "megatron")
+    assert "--use-tp-pp-dp-mapping" not in default.text
+    assert not any("mesh order" in n for n in default.notes)
+    # Megatron's other order, tp-pp-dp inner first; the size-1 cp may sit anywhere
+    for order in (("dp", "pp", "cp", "tp"), ("cp", "dp", "pp", "tp")):
+        out = export(order, "megatron")
+        assert "--use-tp-pp-dp-mapping" in out.text
+        assert not any("mesh order" in n for n in out.notes)
+    other = export(("pp", "tp", "cp", "dp"), "megatron")
+    assert "--use-tp-pp-dp-mapping" not in other.text
+    assert any("mesh order pp,tp,cp,dp" in n and "--pin mesh_order=pp,dp,cp,tp" in n
+               for n in other.notes)
+    for fmt in ("torchtitan", "deepspeed"):
+        assert not any("mesh order" in n for n in export(("cp", "pp", "dp", "tp"), fmt).notes)
+        assert any("mesh order dp,pp,cp,tp" in n
+                   for n in export(("dp", "pp", "cp", "tp"), fmt).notes)
+    assert math.prod(getattr(cfg, a) for a in AXES) == 16
