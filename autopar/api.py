@@ -18,7 +18,7 @@ from autopar.search.inter_op import partition_stages
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES
 from autopar.plan import Plan, megatron_tp_placements, param_placements
 from autopar.search.intra_op import solve_block
-from autopar.search.outer import SearchSettings, search
+from autopar.search.outer import SearchSettings, check_constraints, search
 
 __all__ = ["compile"]
 
@@ -34,9 +34,13 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
 
     Token models take `global_batch_size` (sequences) and `seq_len`; other models take
     `example_inputs` for one micro-batch. `constraints` pins any ParallelConfig field, e.g.
-    {"tp": 2, "pp": 2}. Raises NoPlanFitsError when nothing fits, saying by how much.
+    {"tp": 2, "pp": 2} or {"mesh_order": "dp,pp,cp,tp"}; `settings.mesh_orders` searches
+    other mesh orders than the default. Raises NoPlanFitsError when nothing fits, saying by
+    how much.
     """
     from autopar.trace import trace
+
+    constraints = check_constraints(constraints)  # as the plan records them
 
     if not isinstance(cluster, Cluster):
         raise ValueError(f"cluster must be an autopar.Cluster, got {type(cluster).__name__}")
@@ -76,7 +80,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
         cluster={"profile": cluster.name, "num_nodes": cluster.num_nodes,
                  "world_size": cluster.world_size, "fingerprint": cluster.fingerprint()},
         training={"global_batch_size": global_batch_size, "seq_len": graph.seq_len,
-                  "dtype": dtype, "constraints": dict(sorted((constraints or {}).items())),
+                  "dtype": dtype, "constraints": dict(sorted(constraints.items())),
                   "options": {k: getattr(options, k) for k in options.__dataclass_fields__}},
         candidates=result.candidates,
         search={"num_considered": result.num_considered,

@@ -130,7 +130,8 @@ def _plan(console: Console, args: argparse.Namespace) -> None:
     cluster = _cluster(args)
     plan = autopar.compile(model, cluster, global_batch_size=args.global_batch,
                            seq_len=args.seq_len, dtype=args.dtype,
-                           constraints=_parse_pins(args.pin))
+                           constraints=_parse_pins(args.pin),
+                           settings=autopar.SearchSettings(mesh_orders=args.mesh_orders))
     phases = plan.search["phase_seconds"]
     console.print(f"autopar plan: {args.model} on {cluster.describe()} "
                   f"({plan.search['num_considered']:,} configs; compiled in "
@@ -188,7 +189,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--seq-len", type=int, required=True)
     plan.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp8", "fp32"))
     plan.add_argument("--pin", action="append", metavar="FIELD=VALUE",
-                      help="pin a ParallelConfig field, e.g. --pin tp=8")
+                      help="pin a ParallelConfig field, e.g. --pin tp=8 or --pin "
+                           "mesh_order=dp,pp,cp,tp")
+    plan.add_argument("--mesh-orders", default="default", choices=("default", "all"),
+                      help="search the default mesh order (pp, dp, cp, tp; tp innermost) or "
+                           "every order of the four axes (several times the search time)")
     plan.add_argument("-o", "--output", help="write the plan JSON here")
     plan.add_argument("--plots", metavar="DIR", help="write timeline/memory/candidates/"
                       "breakdown PNGs here")

@@ -50,7 +50,8 @@ class ParallelConfig:
         if not isinstance(order, tuple) or sorted(map(str, order)) != sorted(DEFAULT_MESH_ORDER):
             raise ValueError(f"ParallelConfig.mesh_order must name each of the mesh axes "
                              f"{', '.join(DEFAULT_MESH_ORDER)} once, outer first (e.g. "
-                             f"{','.join(DEFAULT_MESH_ORDER)}, tp innermost), got {self.mesh_order!r}")
+                             f"{','.join(DEFAULT_MESH_ORDER)}, tp innermost), got "
+                             f"{self.mesh_order!r}")
         object.__setattr__(self, "mesh_order", order)
         for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "virtual_stages"):
             value = getattr(self, name)

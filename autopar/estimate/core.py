@@ -178,6 +178,8 @@ class EvalCache:
         self.structures: dict[tuple, Structure | str] = {}
         self.vectors: dict[tuple, UnitVectors] = {}
         self.groups: dict[tuple, RankGroups] = {}
+        self.group_memo: dict = {}  # `slowest_groups` in other mesh orders, per axis stride
+        self.order_keys: dict[tuple, tuple] = {}  # `_order_key`, per (tp, cp, ep) groups
         self._comm: dict[tuple, float] = {}
         self._timers: dict[tuple, LayoutTimer] = {}
 
@@ -347,34 +349,48 @@ class _Prepared:
     timelines: dict = field(default_factory=dict)
 
 
-def _order_key(config: ParallelConfig) -> tuple:
-    """What else the rank groups depend on in a mesh order other than the default: there
-    the tp, cp and ep groups' strides can hold dp and pp too."""
-    if config.mesh_order == DEFAULT_MESH_ORDER:
-        return ()
-    return config.mesh_order, config.dp, config.pp
-
-
 def _rank_groups(cache: EvalCache, config: ParallelConfig) -> RankGroups:
-    key = (config.tp, config.cp, config.dp, config.ep, config.pp > 1) + _order_key(config)
+    key = (config.tp, config.cp, config.dp, config.ep, config.pp > 1)
+    if config.mesh_order != DEFAULT_MESH_ORDER:  # strides there can hold dp and pp too
+        key += (config.mesh_order, config.dp, config.pp)
     if key not in cache.groups:
-        cache.groups[key] = slowest_groups(config, cache.cluster)
+        cache.groups[key] = slowest_groups(config, cache.cluster, cache.group_memo)
     return cache.groups[key]
 
 
-def _times_key(config: ParallelConfig, dtype: str, options: EstimateOptions) -> tuple:
+def _order_key(cache: EvalCache, config: ParallelConfig) -> tuple:
+    """What per-unit times depend on besides `_times_key`'s degrees in a mesh order other
+    than the default (where the tp, cp and ep groups follow from those degrees alone): the
+    layouts of the tp group, of the cp ring's two costed hops and of the ep group."""
+    if config.mesh_order == DEFAULT_MESH_ORDER:
+        return ()
+    groups = _rank_groups(cache, config)
+    key = (groups.tp, groups.cp, groups.ep)
+    found = cache.order_keys.get(key)
+    if found is None:
+        layout = cache.cluster.group_layout
+        ring = groups.cp
+        found = cache.order_keys[key] = (
+            "layouts", layout(groups.tp),
+            (layout(ring[:2]), layout((ring[-1], ring[0]))) if len(ring) > 1 else (),
+            layout(groups.ep))
+    return found
+
+
+def _times_key(cache: EvalCache, config: ParallelConfig, dtype: str,
+               options: EstimateOptions) -> tuple:
     return (config.micro_batch_size, config.tp, config.cp, config.ep, config.sequence_parallel,
             config.recompute, options.attention_kernel, options.overlap_tp_comm,
             options.kernels, options.loss_kernel, options.recompute_early_stop,
-            dtype) + _order_key(config)
+            dtype) + _order_key(cache, config)
 
 
 def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype: str,
                 options: EstimateOptions) -> dict[str, UnitTimes]:
     """Per-unit times of `config` (they depend on micro-batch, tp, cp, ep, SP and recompute
     only: `slowest_groups` picks the tp, cp and ep groups by those degrees and the node, not
-    by dp or pp -- but for the mesh order, `_order_key`), memoised."""
-    key = _times_key(config, dtype, options)
+    by dp or pp; in other mesh orders the layouts of those groups, `_order_key`), memoised."""
+    key = _times_key(cache, config, dtype, options)
     times = cache.times.get(key)
     if times is None:
         mbs = config.micro_batch_size
@@ -459,7 +475,8 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
               options: EstimateOptions,
               boundaries: tuple[tuple[int, int], ...] | None) -> _Prepared:
     times = _unit_times(costs, cache, config, dtype, options)
-    lkey = _times_key(config, dtype, options) + (config.pp, config.virtual_stages, boundaries)
+    lkey = _times_key(cache, config, dtype, options) + (config.pp, config.virtual_stages,
+                                                        boundaries)
     prep = cache.layouts.get(lkey)
     if prep is not None:
         return prep
@@ -467,7 +484,7 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
     split = split_structure(costs, cache, config.pp, config.virtual_stages, boundaries)
     if isinstance(split, str):
         raise ValueError(split)
-    tkey = _times_key(config, dtype, options)
+    tkey = _times_key(cache, config, dtype, options)
     if tkey not in cache.vectors:
         cache.vectors[tkey] = unit_vectors(units, times, config,
                                            options.attention_kernel != "math",

@@ -139,7 +139,8 @@ def _aligned(size: int, gpus_per_node: int) -> bool:
     return gpus_per_node % size == 0 or size % gpus_per_node == 0
 
 
-def slowest_groups(cfg: ParallelConfig, cluster: Cluster) -> RankGroups:
+def slowest_groups(cfg: ParallelConfig, cluster: Cluster, memo: dict | None = None
+                   ) -> RankGroups:
     """One group per axis that no rank's group of that axis is slower than: a step runs at
     its slowest rank's pace.
 
@@ -156,9 +157,10 @@ def slowest_groups(cfg: ParallelConfig, cluster: Cluster) -> RankGroups:
     The choice for tp, cp and ep depends on their degrees and the node, not on dp or pp.
 
     In another mesh order than the default (pp, dp, cp, tp) every group of each axis is laid
-    out (`mesh_groups`) and the slowest taken likewise (`_slowest_groups_any_order`)."""
+    out and the slowest taken likewise (`_slowest_groups_any_order`; `memo`, a dict kept
+    for one cluster, holds its answers per axis stride and size)."""
     if cfg.mesh_order != DEFAULT_MESH_ORDER:
-        return _slowest_groups_any_order(cfg, cluster)
+        return _slowest_groups_any_order(cfg, cluster, memo)
     first = rank_groups(cfg)
     g, world = cluster.gpus_per_node, cluster.world_size
     tp, cp, dp, ep = cfg.tp, cfg.cp, cfg.dp, cfg.ep
@@ -240,22 +242,38 @@ def _layouts(groups: np.ndarray, gpus_per_node: int, nodes_per_leaf: int) -> np.
                      1 + (leaves[:, 1:] != leaves[:, :-1]).sum(axis=1)), axis=1)
 
 
-def _slowest_groups_any_order(cfg: ParallelConfig, cluster: Cluster) -> RankGroups:
+def _strided(world: int, dims: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """The groups of ranks spaced as `dims`, a (stride, size) per axis (the first major within
+    a group): one row per group, in rank order of its first rank -- `mesh_groups` from the
+    strides alone."""
+    ranks = np.arange(world)
+    first = np.ones(world, dtype=bool)
+    offsets = np.zeros(1, dtype=np.int64)
+    for stride, size in dims:
+        first &= (ranks // stride) % size == 0
+        offsets = (offsets[:, None] + np.arange(size) * stride).ravel()
+    return ranks[first][:, None] + offsets
+
+
+def _slowest_groups_any_order(cfg: ParallelConfig, cluster: Cluster,
+                              memo: dict | None = None) -> RankGroups:
     """`slowest_groups` for any mesh order: of every group of each axis (`mesh_groups`), the
     first whose nodes make its `_PROBES` collective slowest; for cp the ring whose slowest hop
     (same node, same leaf, or neither) is slowest, listed from that hop; for pp the slowest
     hop between neighbouring stages. The groups are told apart by the nodes they are on
-    (`group_layout`, all at once in numpy: `_layouts`)."""
+    (`group_layout`, all at once in numpy: `_layouts`). An axis's groups follow from its
+    stride and size alone (`_strided`), so `memo` (a dict of one cluster) keeps each axis's
+    answer per (stride, size) across configs and orders."""
     g, per_leaf = cluster.gpus_per_node, cluster.hardware.network.nodes_per_leaf
-    first = rank_groups(cfg)
-    times: dict[tuple[str, object], float] = {}
+    world, strides = cfg.world_size, axis_strides(cfg)
+    memo = {} if memo is None else memo
 
-    def time_of(axis: str, layout) -> float:
-        if (axis, layout) not in times:
+    def time_of(axis: str, layout: GroupLayout) -> float:
+        if (axis, layout) not in memo:
             kind, nbytes = _PROBES[axis]
-            times[axis, layout] = estimate_on_layout(cluster.hardware, kind, nbytes,
-                                                     layout).time_s
-        return times[axis, layout]
+            memo[axis, layout] = estimate_on_layout(cluster.hardware, kind, nbytes,
+                                                    layout).time_s
+        return memo[axis, layout]
 
     def slowest(axis: str, groups: np.ndarray) -> tuple[int, ...]:
         layouts = _layouts(groups, g, per_leaf)
@@ -273,11 +291,8 @@ def _slowest_groups_any_order(cfg: ParallelConfig, cluster: Cluster) -> RankGrou
                 best, worst = tuple(groups[i].tolist()), t
         return best
 
-    out = {}
-    if cfg.tp > 1:
-        out["tp"] = slowest("tp", mesh_groups(cfg, ("tp",)))
-    if cfg.cp > 1:
-        rings = mesh_groups(cfg, ("cp",))
+    def ring(stride: int, size: int) -> tuple[int, ...]:
+        rings = _strided(world, ((stride, size),))
         here, there = rings // g, np.roll(rings, -1, axis=1) // g  # each hop's two nodes
         kinds = (here == there) * 2 + (here // per_leaf == there // per_leaf)
         pair = {0: (0, g * per_leaf), 1: (0, g), 3: (0, 1)}  # a hop of each kind
@@ -285,19 +300,34 @@ def _slowest_groups_any_order(cfg: ParallelConfig, cluster: Cluster) -> RankGrou
         for kind in np.unique(kinds).tolist():  # the kinds there are (a one-node world
             hop_times[kind] = time_of("cp", group_layout(pair[kind], g, per_leaf))  # has no 0)
         per_hop = hop_times[kinds]
-        ring = int(np.argmax(per_hop.max(axis=1)))  # the first of the slowest
-        k = int(np.argmax(per_hop[ring]))
-        out["cp"] = tuple(np.roll(rings[ring], -k).tolist())
-    replicas = mesh_groups(cfg, replica_axes(cfg))
+        k = int(np.argmax(per_hop.max(axis=1)))  # the first of the slowest rings
+        return tuple(np.roll(rings[k], -int(np.argmax(per_hop[k]))).tolist())
+
+    def hops(stride: int, size: int) -> np.ndarray:  # each rank and its next stage's
+        stages = _strided(world, ((stride, size),))
+        return np.stack((stages[:, :-1].ravel(), stages[:, 1:].ravel()), axis=1)
+
+    def answer(key: tuple, make) -> tuple[int, ...]:
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
+
+    replicas = tuple((strides[a], getattr(cfg, a)) for a in replica_axes(cfg))
+    out = {}
+    if cfg.tp > 1:
+        out["tp"] = answer(("tp", strides["tp"], cfg.tp), lambda: slowest(
+            "tp", _strided(world, ((strides["tp"], cfg.tp),))))
+    if cfg.cp > 1:
+        out["cp"] = answer(("cp", strides["cp"], cfg.cp), lambda: ring(strides["cp"], cfg.cp))
     if cfg.dp * cfg.cp > 1:
-        out["dp"] = slowest("dp", replicas)
+        out["dp"] = answer(("dp", replicas), lambda: slowest("dp", _strided(world, replicas)))
     if cfg.ep > 1:
-        out["ep"] = slowest("ep", replicas.reshape(-1, cfg.ep))
+        out["ep"] = answer(("ep", replicas, cfg.ep), lambda: slowest(
+            "ep", _strided(world, replicas).reshape(-1, cfg.ep)))
     if cfg.pp > 1:
-        stages = mesh_groups(cfg, ("pp",))
-        out["pp_hop"] = slowest("pp", np.stack((stages[:, :-1].ravel(), stages[:, 1:].ravel()),
-                                               axis=1))
-    return dataclasses.replace(first, **out)
+        out["pp_hop"] = answer(("pp", strides["pp"], cfg.pp), lambda: slowest(
+            "pp", hops(strides["pp"], cfg.pp)))
+    return dataclasses.replace(rank_groups(cfg), **out)
 
 
 def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,

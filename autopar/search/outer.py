@@ -3,9 +3,14 @@
 Every config with dp·tp·pp·cp = world size is considered, with ep dividing dp·cp (and the
 expert count), ZeRO 0-3, sequence parallelism on/off, recompute none/selective/full,
 micro-batch sizes, pipeline schedules and virtual stages. Tensor parallelism is at most a
-node (the mesh order is pp, dp, cp, tp with tp innermost; rank r lives on node r // g); a tp
-that does not divide the node leaves some groups straddling two, and the estimate costs
-every axis on its slowest group (`autopar.estimate.timing.slowest_groups`).
+node; a tp that does not divide the node leaves some groups straddling two, and the estimate
+costs every axis on its slowest group (`autopar.estimate.timing.slowest_groups`). The mesh
+order (`ParallelConfig.mesh_order`: how the pp, dp, cp, tp mesh lies on the ranks, rank r on
+node r // g) is pp, dp, cp, tp (tp innermost) unless pinned or `SearchSettings.mesh_orders`
+asks for more: then the search runs once per order on the configs whose ranks no earlier
+order places alike (two orders place a config alike when they list its axes of more than one
+rank in the same order), each of those searches exact, and the fastest result wins (equal
+times: the earlier order, the default first).
 
 Cost: the model is traced once; the space is a table of integer columns
 (`autopar.search.space`) and the lower bounds below are column arithmetic (the states and
@@ -40,10 +45,11 @@ from __future__ import annotations
 import bisect
 import functools
 import heapq
+import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -51,7 +57,7 @@ import pandas as pd
 
 from costmodels.compute import peak_flops
 from autopar.cluster import Cluster
-from autopar.config import PP_SCHEDULES, ParallelConfig
+from autopar.config import DEFAULT_MESH_ORDER, PP_SCHEDULES, ParallelConfig
 from autopar.errors import NoPlanFitsError
 from autopar.estimate.core import (BOUND_MARGIN, DataParallelFloor, Estimate,
                                    EstimateOptions, EvalCache, ModelCosts, data_parallel_floor,
@@ -88,6 +94,11 @@ class SearchSettings:
     # visited, fitting or not, to show the near misses. A saved plan keeps fitting rows
     # only, so it does not depend on the skip.
     list_unfit_below: int = 16
+    # The mesh orders searched (`mesh_orders`): "default" (pp, dp, cp, tp: tp innermost, as
+    # Megatron-LM and torchtitan lay ranks out), "all" (the 24 orders of pp, dp, cp, tp) or a
+    # list of orders. Each config is searched once per distinct placement of its ranks (the
+    # order of its axes of more than one rank), so "all" costs a few searches, not 24 alike.
+    mesh_orders: Any = "default"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -332,22 +343,105 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     `EvalCache` of this model and cluster that the caller keeps, lets the work that follows
     the search (re-cutting the winner's stages, its layer costs) reuse the search's unit
     times and collective times."""
-    constraints = dict(constraints or {})
-    unknown = sorted(set(constraints) - set(CONFIG_FIELDS))
-    if unknown:
-        raise ValueError(f"unknown constraint(s) {unknown}; constraints pin ParallelConfig "
-                         f"fields: {', '.join(CONFIG_FIELDS)}")
-    if "mesh_order" in constraints:  # checked and normalised (a list, "dp,pp,cp,tp") once
-        constraints["mesh_order"] = ParallelConfig(
-            mesh_order=constraints["mesh_order"]).mesh_order
+    constraints = check_constraints(constraints)
     # a precision the device cannot compute in rules out every config alike: say so at once
     # rather than as the first of tens of thousands of rejections
     peak_flops(cluster.hardware.device, dtype)
     start = time.perf_counter()
     cache = EvalCache(cluster) if cache is None else cache
+    orders = ([constraints["mesh_order"]] if "mesh_order" in constraints
+              else mesh_orders(settings.mesh_orders))
+    results = []
+    for k, order in enumerate(orders):
+        table = _table(costs, cluster, global_batch_size=global_batch_size,
+                       constraints=constraints | {"mesh_order": order}, options=options,
+                       settings=settings)
+        if k:  # each config once per placement of its ranks: in the first order giving it
+            table = _new_layouts(table, orders[:k])
+            if not len(table):
+                continue
+        try:
+            results.append(_search_table(costs, cluster, table, global_batch_size=global_batch_size,
+                                         dtype=dtype, constraints=constraints, options=options,
+                                         settings=settings, cache=cache))
+        except (NoPlanFitsError, ValueError):
+            if not k:  # the first order's space is every config: its error is the search's
+                raise
+            # a later order's configs are some of those: none of them fits or runs
+    result = results[0] if len(results) == 1 else _merge(results, orders)
+    return replace(result, seconds=time.perf_counter() - start)
+
+
+def check_constraints(constraints: dict[str, Any] | None) -> dict[str, Any]:
+    """A copy of `constraints`, its fields checked and a pinned mesh order as a tuple (given
+    as a list or as "dp,pp,cp,tp")."""
+    constraints = dict(constraints or {})
+    unknown = sorted(set(constraints) - set(CONFIG_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown constraint(s) {unknown}; constraints pin ParallelConfig "
+                         f"fields: {', '.join(CONFIG_FIELDS)}")
+    if "mesh_order" in constraints:
+        constraints["mesh_order"] = ParallelConfig(
+            mesh_order=constraints["mesh_order"]).mesh_order
+    return constraints
+
+
+def mesh_orders(value: Any) -> list[tuple[str, ...]]:
+    """`SearchSettings.mesh_orders` as a list of orders, the default first when it is among
+    them: "default", "all" (the 24 orders of pp, dp, cp, tp) or a sequence of orders."""
+    if value == "default":
+        return [DEFAULT_MESH_ORDER]
+    if value == "all":
+        return [DEFAULT_MESH_ORDER] + [o for o in itertools.permutations(DEFAULT_MESH_ORDER)
+                                       if o != DEFAULT_MESH_ORDER]
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"SearchSettings.mesh_orders must be 'default', 'all' or a non-empty "
+                         f"list of mesh orders (e.g. [('pp', 'dp', 'cp', 'tp'), 'dp,pp,cp,tp'])"
+                         f", got {value!r}")
+    orders = list(dict.fromkeys(ParallelConfig(mesh_order=o).mesh_order for o in value))
+    return sorted(orders, key=lambda o: o != DEFAULT_MESH_ORDER)
+
+
+def _new_layouts(table: ConfigTable, earlier: list[tuple[str, ...]]) -> ConfigTable:
+    """The rows of `table` whose ranks no order of `earlier` lays out alike: two orders put a
+    config's ranks in the same places when they list its axes of more than one rank in the
+    same order."""
+    columns = table.columns
+    mask = sum(((columns[a] > 1) << k for k, a in enumerate(DEFAULT_MESH_ORDER)),
+               np.zeros(len(table), dtype=np.int64))
+    new = np.array([all(_used(table.mesh_order, m) != _used(o, m) for o in earlier)
+                    for m in range(16)])
+    keep = new[mask]
+    return ConfigTable({name: col[keep] for name, col in columns.items()}, table.mesh_order)
+
+
+def _used(order: tuple[str, ...], mask: int) -> tuple[str, ...]:
+    return tuple(a for a in order if mask >> DEFAULT_MESH_ORDER.index(a) & 1)
+
+
+def _merge(results: list[SearchResult], orders: list[tuple[str, ...]]) -> SearchResult:
+    """One result of the searches in several mesh orders: the fastest best (equal times to
+    the earlier order in `orders`, the default first), all candidates, the counts summed."""
+    position = {o: k for k, o in enumerate(orders)}
+    best = min((r.best for r in results),
+               key=lambda e: (not e.fits, _rank_key(e), position[e.config.mesh_order]))
+    candidates = pd.concat([r.candidates for r in results], ignore_index=True).sort_values(
+        ["fits", "step_time_s"], ascending=[False, True], kind="mergesort").reset_index(drop=True)
+    return SearchResult(best=best, candidates=candidates,
+                        num_considered=sum(r.num_considered for r in results),
+                        num_pruned_by_memory=sum(r.num_pruned_by_memory for r in results),
+                        num_pruned_by_bound=sum(r.num_pruned_by_bound for r in results),
+                        num_simulated=sum(r.num_simulated for r in results),
+                        seconds=sum(r.seconds for r in results))  # `search` sets the total
+
+
+def _search_table(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *,
+                  global_batch_size: int, dtype: str, constraints: dict[str, Any],
+                  options: EstimateOptions, settings: SearchSettings,
+                  cache: EvalCache) -> SearchResult:
+    """`search` over the configs of `table` (all in one mesh order)."""
+    start = time.perf_counter()
     usable = cluster.hardware.device.memory_bytes
-    table = _table(costs, cluster, global_batch_size=global_batch_size,
-                   constraints=constraints, options=options, settings=settings)
     progress = _Progress(settings.progress)
     b = _bounds(costs, cluster, table, global_batch_size=global_batch_size, dtype=dtype,
                 options=options, cache=cache)
@@ -390,8 +484,9 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     candidates = pd.DataFrame(records).sort_values(
         ["fits", "step_time_s"], ascending=[False, True], kind="mergesort").reset_index(drop=True)
     seconds = time.perf_counter() - start
-    log.info("searched %d configs (%d pruned by memory, %d by the step-time bound) in %.2f s",
-             len(table), pruned_total, skipped, seconds)
+    log.info("searched %d configs in mesh order %s (%d pruned by memory, %d by the step-time "
+             "bound) in %.2f s", len(table), ",".join(table.mesh_order), pruned_total, skipped,
+             seconds)
     return SearchResult(best=best, candidates=candidates, num_considered=len(table),
                         num_pruned_by_memory=pruned_total, num_pruned_by_bound=skipped,
                         num_simulated=len(exact), seconds=seconds)

@@ -84,3 +84,13 @@ def test_model_factory_resolves_from_the_working_directory(tmp_path):
     assert proc.returncode == 0, proc.stderr
     plan = json.loads((tmp_path / "p.json").read_text())
     assert plan["cluster"]["world_size"] == 4 and plan["config"]["tp"] == 2
+
+
+def test_plan_takes_a_mesh_order_pin_over_the_orders_searched(tmp_path):
+    path = tmp_path / "plan.json"
+    autopar("plan", "--model", "cli_models:tiny_gpt", "--cluster", "dgx-h100", "--global-batch",
+            "32", "--seq-len", "512", "--pin", "tp=2", "--pin", "mesh_order=pp,tp,cp,dp",
+            "--mesh-orders", "all", "-o", str(path))
+    data = json.loads(path.read_text())
+    assert data["config"]["mesh_order"] == data["mesh"]["axes"] == ["pp", "tp", "cp", "dp"]
+    assert data["training"]["constraints"]["mesh_order"] == ["pp", "tp", "cp", "dp"]

@@ -256,3 +256,55 @@ def test_exports_carry_or_flag_the_mesh_order(small_plan):
         assert any("mesh order dp,pp,cp,tp" in n
                    for n in export(("dp", "pp", "cp", "tp"), fmt).notes)
     assert math.prod(getattr(cfg, a) for a in AXES) == 16
+
+
+def _small_gpt():
+    import torch
+    from autopar.models.gpt import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return GPT(GPTConfig(vocab_size=8192, max_seq_len=1024, dim=1024, n_layers=8,
+                             n_heads=16))
+
+
+def test_searching_every_mesh_order_finds_the_best_pinned_order():
+    """Brute force: the search over every order (`mesh_orders="all"`) against 24 compiles, one
+    per pinned order. On PCIe nodes whose links are about as fast as the network, a tp=4,
+    pp=2 plan on 2 nodes of 4 runs faster with the pipeline hop inside a node and the tp
+    groups across the two (pp innermost) than the other way round."""
+    from autopar.search.outer import mesh_orders
+
+    cluster = autopar.Cluster.from_profile("h100-pcie-roce", num_nodes=2, gpus_per_node=4)
+    model, pins = _small_gpt(), {"tp": 4, "pp": 2}
+
+    def plan(orders="default", **pinned):
+        return autopar.compile(model, cluster, global_batch_size=64, seq_len=1024,
+                               constraints=pins | pinned,
+                               settings=autopar.SearchSettings(progress=False,
+                                                               mesh_orders=orders))
+
+    pinned = {o: plan(mesh_order=o).estimate.step_time_s for o in mesh_orders("all")}
+    fastest = min(pinned.values())
+    best = plan("all")
+    assert best.estimate.step_time_s == fastest
+    # ties go to the earlier order of mesh_orders("all"), the default first
+    assert best.config.mesh_order == next(o for o, t in pinned.items() if t == fastest)
+    assert best.config.mesh_order.index("pp") > best.config.mesh_order.index("tp")
+    assert fastest < pinned[DEFAULT_MESH_ORDER] * 0.99
+    assert best.mesh["axes"] == list(best.config.mesh_order)
+    assert set(map(tuple, best.candidates["mesh_order"])) > {best.config.mesh_order}
+    # a pinned order wins over the setting
+    assert plan("all", mesh_order=DEFAULT_MESH_ORDER).config.mesh_order == DEFAULT_MESH_ORDER
+
+
+def test_mesh_orders_setting_is_read_and_checked():
+    from autopar.search.outer import mesh_orders
+
+    assert mesh_orders("default") == [DEFAULT_MESH_ORDER]
+    every = mesh_orders("all")
+    assert len(every) == len(set(every)) == 24 and every[0] == DEFAULT_MESH_ORDER
+    assert mesh_orders(["dp,pp,cp,tp", DEFAULT_MESH_ORDER, ("dp", "pp", "cp", "tp")]) == \
+        [DEFAULT_MESH_ORDER, ("dp", "pp", "cp", "tp")]
+    for bad in ("some", [], 3, ["pp,dp"]):
+        with pytest.raises(ValueError, match="mesh_order"):
+            mesh_orders(bad)
