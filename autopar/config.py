@@ -13,6 +13,7 @@ layout.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import asdict, dataclass
@@ -24,6 +25,7 @@ __all__ = ["ParallelConfig", "check_config", "divisors", "DEFAULT_MESH_ORDER", "
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE_POLICIES = ("none", "selective", "full")
 DEFAULT_MESH_ORDER = ("pp", "dp", "cp", "tp")  # outer first; tp innermost
+_MESH_ORDERS = frozenset(itertools.permutations(DEFAULT_MESH_ORDER))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,17 +44,8 @@ class ParallelConfig:
     mesh_order: tuple[str, ...] = DEFAULT_MESH_ORDER  # outer first; also "dp,pp,cp,tp"
 
     def __post_init__(self) -> None:
-        order = self.mesh_order
-        if isinstance(order, str):
-            order = tuple(part.strip() for part in re.split(r"[,\s]+", order.strip()) if part)
-        elif isinstance(order, (list, tuple)):
-            order = tuple(order)
-        if not isinstance(order, tuple) or sorted(map(str, order)) != sorted(DEFAULT_MESH_ORDER):
-            raise ValueError(f"ParallelConfig.mesh_order must name each of the mesh axes "
-                             f"{', '.join(DEFAULT_MESH_ORDER)} once, outer first (e.g. "
-                             f"{','.join(DEFAULT_MESH_ORDER)}, tp innermost), got "
-                             f"{self.mesh_order!r}")
-        object.__setattr__(self, "mesh_order", order)
+        if type(self.mesh_order) is not tuple or self.mesh_order not in _MESH_ORDERS:
+            self._read_mesh_order()  # a list, a string, or wrong
         for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "virtual_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -71,6 +64,20 @@ class ParallelConfig:
                              f"pp_schedule='interleaved-1f1b' (got {self.pp_schedule!r})")
         if not isinstance(self.sequence_parallel, bool):
             raise ValueError("ParallelConfig.sequence_parallel must be True or False")
+
+    def _read_mesh_order(self) -> None:
+        order = self.mesh_order
+        if isinstance(order, str):
+            order = tuple(part.strip() for part in re.split(r"[,\s]+", order.strip()) if part)
+        elif isinstance(order, list):
+            order = tuple(order)
+        if not (isinstance(order, tuple) and all(isinstance(a, str) for a in order)
+                and order in _MESH_ORDERS):
+            raise ValueError(f"ParallelConfig.mesh_order must name each of the mesh axes "
+                             f"{', '.join(DEFAULT_MESH_ORDER)} once, outer first (e.g. "
+                             f"{','.join(DEFAULT_MESH_ORDER)}, tp innermost), got "
+                             f"{self.mesh_order!r}")
+        object.__setattr__(self, "mesh_order", order)
 
     @property
     def world_size(self) -> int:

@@ -58,7 +58,7 @@ BOUND_MARGIN = 1e-9
 __all__ = ["Estimate", "EstimateOptions", "EvalCache", "ModelCosts", "estimate",
            "estimate_graph", "evaluate", "exact_step_lower_bound", "layer_costs", "BOUND_MARGIN",
            "split_structure", "step_lower_bound", "unit_work", "DataParallelFloor",
-           "data_parallel_floor"]
+           "data_parallel_floor", "order_key"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -179,7 +179,7 @@ class EvalCache:
         self.vectors: dict[tuple, UnitVectors] = {}
         self.groups: dict[tuple, RankGroups] = {}
         self.group_memo: dict = {}  # `slowest_groups` in other mesh orders, per axis stride
-        self.order_keys: dict[tuple, tuple] = {}  # `_order_key`, per (tp, cp, ep) groups
+        self.order_keys: dict[tuple, tuple] = {}  # `order_key`, per (tp, cp, ep) groups
         self._comm: dict[tuple, float] = {}
         self._timers: dict[tuple, LayoutTimer] = {}
 
@@ -358,7 +358,7 @@ def _rank_groups(cache: EvalCache, config: ParallelConfig) -> RankGroups:
     return cache.groups[key]
 
 
-def _order_key(cache: EvalCache, config: ParallelConfig) -> tuple:
+def order_key(cache: EvalCache, config: ParallelConfig) -> tuple:
     """What per-unit times depend on besides `_times_key`'s degrees in a mesh order other
     than the default (where the tp, cp and ep groups follow from those degrees alone): the
     layouts of the tp group, of the cp ring's two costed hops and of the ep group."""
@@ -382,14 +382,14 @@ def _times_key(cache: EvalCache, config: ParallelConfig, dtype: str,
     return (config.micro_batch_size, config.tp, config.cp, config.ep, config.sequence_parallel,
             config.recompute, options.attention_kernel, options.overlap_tp_comm,
             options.kernels, options.loss_kernel, options.recompute_early_stop,
-            dtype) + _order_key(cache, config)
+            dtype) + order_key(cache, config)
 
 
 def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype: str,
                 options: EstimateOptions) -> dict[str, UnitTimes]:
     """Per-unit times of `config` (they depend on micro-batch, tp, cp, ep, SP and recompute
     only: `slowest_groups` picks the tp, cp and ep groups by those degrees and the node, not
-    by dp or pp; in other mesh orders the layouts of those groups, `_order_key`), memoised."""
+    by dp or pp; in other mesh orders the layouts of those groups, `order_key`), memoised."""
     key = _times_key(cache, config, dtype, options)
     times = cache.times.get(key)
     if times is None:

@@ -61,11 +61,11 @@ from autopar.config import DEFAULT_MESH_ORDER, PP_SCHEDULES, ParallelConfig
 from autopar.errors import NoPlanFitsError
 from autopar.estimate.core import (BOUND_MARGIN, DataParallelFloor, Estimate,
                                    EstimateOptions, EvalCache, ModelCosts, data_parallel_floor,
-                                   evaluate, exact_step_lower_bound, split_structure,
-                                   step_lower_bound, unit_work)
+                                   evaluate, exact_step_lower_bound, order_key,
+                                   split_structure, step_lower_bound, unit_work)
 from autopar.estimate.layout import Structure, rank_work_extremes
 from autopar.estimate.memory import activation_bytes
-from autopar.search.space import (ConfigTable, config_table,
+from autopar.search.space import (TIME_KEY_COLUMNS, ConfigTable, config_table,
                                   first_rank_memory, key_groups, states_lower_bounds,
                                   step_lower_bounds)
 
@@ -220,7 +220,8 @@ def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: 
     once per (pipeline split, that key)."""
     if not len(rows):
         return np.zeros(0), np.zeros(0, dtype=bool), np.zeros(0)
-    first, inverse = key_groups(table, rows, table.time_key_columns)
+    first, inverse = key_groups(_with_layouts(table, rows, cache), rows,
+                                TIME_KEY_COLUMNS + ("layouts",))
     work = np.full((len(first), len(costs.units)), np.nan)
     tail = work.copy()
     for k in np.argsort(first, kind="stable"):
@@ -243,6 +244,21 @@ def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: 
     return step_lower_bounds(table, rows, row_busiest, total[at], longest[at],
                              global_batch_size=global_batch_size), np.isnan(row_busiest), \
         row_busiest
+
+
+def _with_layouts(table: ConfigTable, rows: np.ndarray, cache: EvalCache) -> ConfigTable:
+    """`table` with a column "layouts" that tells apart, at `rows`, the configs whose tp, cp
+    and ep groups lie differently on the nodes (`order_key`): what per-unit times depend on
+    besides `TIME_KEY_COLUMNS`. All zero in the default mesh order, where those groups follow
+    from the degrees."""
+    column = np.zeros(len(table), dtype=np.int64)
+    if table.mesh_order != DEFAULT_MESH_ORDER and len(rows):
+        first, index = key_groups(table, rows, ("dp", "tp", "pp", "cp", "ep"))
+        classes: dict[tuple, int] = {}
+        ids = np.array([classes.setdefault(order_key(cache, table.config(int(rows[i]))),
+                                           len(classes)) for i in first])
+        column[rows] = ids[index]
+    return replace(table, columns={**table.columns, "layouts": column})
 
 
 def _row(est: Estimate, exact: bool) -> dict[str, Any]:

@@ -54,21 +54,13 @@ class ConfigTable:
     RECOMPUTE_POLICIES, sequence_parallel as 0/1), rows in enumeration order."""
 
     columns: dict[str, np.ndarray]
-    mesh_order: tuple[str, ...] = DEFAULT_MESH_ORDER  # every row's (a pinned one, or the default)
-
-    @property
-    def time_key_columns(self) -> tuple[str, ...]:
-        """The columns per-unit times depend on: `TIME_KEY_COLUMNS`, and dp and pp in a mesh
-        order where they can set the stride of the tp, cp or ep groups."""
-        if self.mesh_order == DEFAULT_MESH_ORDER:
-            return TIME_KEY_COLUMNS
-        return TIME_KEY_COLUMNS + ("dp", "pp")
+    mesh_order: tuple[str, ...] = DEFAULT_MESH_ORDER  # every row's
 
     def __len__(self) -> int:
         return len(self.columns["dp"])
 
     def config(self, i: int) -> ParallelConfig:
-        row = {name: int(col[i]) for name, col in self.columns.items()}
+        row = {name: int(self.columns[name][i]) for name in COLUMNS}
         row["pp_schedule"] = PP_SCHEDULES[row["pp_schedule"]]
         row["recompute"] = RECOMPUTE_POLICIES[row["recompute"]]
         row["sequence_parallel"] = bool(row["sequence_parallel"])
