@@ -4,7 +4,9 @@ CPU ranks with gloo, to the same losses as one unsharded process?
 Draws (seeded) a world of 2, 4 or 8 ranks, a tiny model (tests/distributed/tiny_models.py:
 Llama, wide Llama, GPT, tied-embedding Llama, Llama with math attention, Mixtral) and a
 random split of the ranks into tp, pp, cp and dp with ZeRO, schedule, SP, recompute,
-micro-batch and (Mixtral) ep pinned; `autopar.compile` on the `cpu-gloo` profile, `autopar
+micro-batch, (Mixtral) ep and, for about a third of the plans, a random mesh order pinned (the
+orders from a random stream of their own, so a seed draws the same other pins as before they
+were added); `autopar.compile` on the `cpu-gloo` profile, `autopar
 codegen`, then `torchrun` of the generated script for a few steps, against the script's
 one-process `--reference` run. A pin combination compile refuses with a reason is counted,
 not run. Prints one line per plan and a table of outcomes; exits 1 if any plan failed to run
@@ -34,7 +36,8 @@ FACTORIES = ("tiny_llama", "tiny_llama_wide", "tiny_gpt", "tiny_llama_tied", "ti
              "tiny_mixtral")
 
 
-def _pins(rng: random.Random, ranks: int, factory: str) -> dict:
+def _pins(rng: random.Random, ranks: int, factory: str,
+          orders: random.Random | None = None) -> dict:
     pins, left = {}, ranks
     for axis, degrees in (("tp", (1, 2, 4)), ("pp", (1, 2)), ("cp", (1, 2, 4))):
         # the tiny models have 2-4 blocks: pp = 2 already leaves interleaving one per chunk
@@ -56,6 +59,8 @@ def _pins(rng: random.Random, ranks: int, factory: str) -> dict:
         eps = [e for e in (2, 4) if pins["dp"] * pins["cp"] % e == 0]
         if eps and rng.random() < 0.6:
             pins["ep"] = rng.choice(eps)
+    if orders is not None and orders.random() < 0.3:  # a stream of its own: the other pins
+        pins["mesh_order"] = tuple(orders.sample(["pp", "dp", "cp", "tp"], 4))  # stay as seeded
     return pins
 
 
@@ -65,12 +70,13 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=40)
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    orders = random.Random(args.seed + 10_000)
     references: dict[str, list[float]] = {}
     outcomes: collections.Counter = collections.Counter()
     for _ in range(args.count):
         ranks = rng.choice([2, 4, 4, 8])
         factory = rng.choice(FACTORIES)
-        pins = _pins(rng, ranks, factory)
+        pins = _pins(rng, ranks, factory, orders)
         label = f"{factory} on {ranks} ranks {pins}"
         tmp = Path(tempfile.mkdtemp())
         try:

@@ -121,11 +121,8 @@ def mesh_groups(cfg: ParallelConfig, axes: tuple[str, ...]) -> np.ndarray:
     an int array, each row over `axes` flattened in the order given (the first major; given
     in mesh order, as ``DeviceMesh[axes]._flatten()`` lists them); rows in rank order of the
     other axes."""
-    sizes = _sizes(cfg)
-    ranks = np.arange(cfg.world_size).reshape([sizes[a] for a in cfg.mesh_order])
-    dims = [cfg.mesh_order.index(a) for a in axes]
-    moved = np.moveaxis(ranks, dims, list(range(ranks.ndim - len(dims), ranks.ndim)))
-    return moved.reshape(-1, math.prod(sizes[a] for a in axes))
+    sizes, strides = _sizes(cfg), axis_strides(cfg)
+    return _strided(cfg.world_size, tuple((strides[a], sizes[a]) for a in axes))
 
 
 # the collective that ranks an axis's groups by layout, and its size: a group spread over
@@ -244,8 +241,7 @@ def _layouts(groups: np.ndarray, gpus_per_node: int, nodes_per_leaf: int) -> np.
 
 def _strided(world: int, dims: tuple[tuple[int, int], ...]) -> np.ndarray:
     """The groups of ranks spaced as `dims`, a (stride, size) per axis (the first major within
-    a group): one row per group, in rank order of its first rank -- `mesh_groups` from the
-    strides alone."""
+    a group): one row per group, in rank order of its first rank."""
     ranks = np.arange(world)
     first = np.ones(world, dtype=bool)
     offsets = np.zeros(1, dtype=np.int64)

@@ -220,8 +220,11 @@ def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: 
     once per (pipeline split, that key)."""
     if not len(rows):
         return np.zeros(0), np.zeros(0, dtype=bool), np.zeros(0)
-    first, inverse = key_groups(_with_layouts(table, rows, cache), rows,
-                                TIME_KEY_COLUMNS + ("layouts",))
+    if table.mesh_order == DEFAULT_MESH_ORDER:
+        first, inverse = key_groups(table, rows, TIME_KEY_COLUMNS)
+    else:  # there the tp, cp and ep groups can differ for the same degrees
+        first, inverse = key_groups(_with_layouts(table, rows, cache), rows,
+                                    TIME_KEY_COLUMNS + ("layouts",))
     work = np.full((len(first), len(costs.units)), np.nan)
     tail = work.copy()
     for k in np.argsort(first, kind="stable"):
@@ -247,17 +250,15 @@ def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: 
 
 
 def _with_layouts(table: ConfigTable, rows: np.ndarray, cache: EvalCache) -> ConfigTable:
-    """`table` with a column "layouts" that tells apart, at `rows`, the configs whose tp, cp
-    and ep groups lie differently on the nodes (`order_key`): what per-unit times depend on
-    besides `TIME_KEY_COLUMNS`. All zero in the default mesh order, where those groups follow
-    from the degrees."""
+    """`table` with a column "layouts" that tells apart, at `rows` (not empty), the configs
+    whose tp, cp and ep groups lie differently on the nodes (`order_key`): what per-unit
+    times depend on besides `TIME_KEY_COLUMNS` outside the default mesh order."""
+    first, index = key_groups(table, rows, ("dp", "tp", "pp", "cp", "ep"))
+    classes: dict[tuple, int] = {}
+    ids = np.array([classes.setdefault(order_key(cache, table.config(int(rows[i]))),
+                                       len(classes)) for i in first])
     column = np.zeros(len(table), dtype=np.int64)
-    if table.mesh_order != DEFAULT_MESH_ORDER and len(rows):
-        first, index = key_groups(table, rows, ("dp", "tp", "pp", "cp", "ep"))
-        classes: dict[tuple, int] = {}
-        ids = np.array([classes.setdefault(order_key(cache, table.config(int(rows[i]))),
-                                           len(classes)) for i in first])
-        column[rows] = ids[index]
+    column[rows] = ids[index]
     return replace(table, columns={**table.columns, "layouts": column})
 
 
@@ -377,13 +378,14 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
             if not len(table):
                 continue
         try:
-            results.append(_search_table(costs, cluster, table, global_batch_size=global_batch_size,
-                                         dtype=dtype, constraints=constraints, options=options,
-                                         settings=settings, cache=cache))
-        except (NoPlanFitsError, ValueError):
+            results.append(_search_table(
+                costs, cluster, table, global_batch_size=global_batch_size, dtype=dtype,
+                constraints=constraints, options=options, settings=settings, cache=cache))
+        except ValueError as exc:  # NoPlanFitsError too
             if not k:  # the first order's space is every config: its error is the search's
                 raise
             # a later order's configs are some of those: none of them fits or runs
+            log.debug("mesh order %s: %s", ",".join(order), exc)
     result = results[0] if len(results) == 1 else _merge(results, orders)
     return replace(result, seconds=time.perf_counter() - start)
 
