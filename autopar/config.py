@@ -19,8 +19,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-__all__ = ["ParallelConfig", "check_config", "divisors", "DEFAULT_MESH_ORDER", "PP_SCHEDULES",
-           "RECOMPUTE_POLICIES"]
+__all__ = ["ParallelConfig", "check_config", "divisors", "placed_order", "DEFAULT_MESH_ORDER",
+           "PP_SCHEDULES", "RECOMPUTE_POLICIES"]
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE_POLICIES = ("none", "selective", "full")
@@ -101,6 +101,12 @@ class ParallelConfig:
         if self.mesh_order != DEFAULT_MESH_ORDER:
             parts.append("mesh=" + ",".join(self.mesh_order))
         return " ".join(parts)
+
+
+def placed_order(order: tuple[str, ...], sizes) -> tuple[str, ...]:
+    """The axes of mesh order `order` with more than one rank (`sizes[axis]`): two orders lay
+    a config's ranks out alike exactly when these agree (an axis of one rank sits anywhere)."""
+    return tuple(a for a in order if sizes[a] > 1)
 
 
 def divisors(n: int) -> list[int]:

@@ -64,7 +64,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.config import DEFAULT_MESH_ORDER
+from autopar.config import DEFAULT_MESH_ORDER, placed_order
 
 __all__ = ["EXPORT_FORMATS", "ExportResult", "export_plan"]
 
@@ -161,11 +161,9 @@ def _shape(plan: Any) -> _Shape:
 
 
 def _same_layout(cfg: Any, order: tuple[str, ...]) -> bool:
-    """Whether `order` puts the ranks where `cfg.mesh_order` does: the same order of the axes
-    with more than one rank (an axis of size 1 sits anywhere)."""
-    def used(o: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(a for a in o if getattr(cfg, a) > 1)
-    return used(tuple(cfg.mesh_order)) == used(order)
+    """Whether `order` puts the ranks where `cfg.mesh_order` does."""
+    sizes = {a: getattr(cfg, a) for a in DEFAULT_MESH_ORDER}
+    return placed_order(tuple(cfg.mesh_order), sizes) == placed_order(order, sizes)
 
 
 def _order_note(cfg: Any, theirs: str) -> str:

@@ -57,7 +57,7 @@ import pandas as pd
 
 from costmodels.compute import peak_flops
 from autopar.cluster import Cluster
-from autopar.config import DEFAULT_MESH_ORDER, PP_SCHEDULES, ParallelConfig
+from autopar.config import DEFAULT_MESH_ORDER, PP_SCHEDULES, ParallelConfig, placed_order
 from autopar.errors import NoPlanFitsError
 from autopar.estimate.core import (BOUND_MARGIN, DataParallelFloor, Estimate,
                                    EstimateOptions, EvalCache, ModelCosts, data_parallel_floor,
@@ -426,15 +426,14 @@ def _new_layouts(table: ConfigTable, earlier: list[tuple[str, ...]]) -> ConfigTa
     same order."""
     columns = table.columns
     mask = sum(((columns[a] > 1) << k for k, a in enumerate(DEFAULT_MESH_ORDER)),
-               np.zeros(len(table), dtype=np.int64))
-    new = np.array([all(_used(table.mesh_order, m) != _used(o, m) for o in earlier)
-                    for m in range(16)])
-    keep = new[mask]
+               np.zeros(len(table), dtype=np.int64))  # which axes have more than one rank
+    new = []
+    for m in range(16):
+        sizes = {a: 2 if m >> k & 1 else 1 for k, a in enumerate(DEFAULT_MESH_ORDER)}
+        mine = placed_order(table.mesh_order, sizes)
+        new.append(all(placed_order(o, sizes) != mine for o in earlier))
+    keep = np.array(new)[mask]
     return ConfigTable({name: col[keep] for name, col in columns.items()}, table.mesh_order)
-
-
-def _used(order: tuple[str, ...], mask: int) -> tuple[str, ...]:
-    return tuple(a for a in order if mask >> DEFAULT_MESH_ORDER.index(a) & 1)
 
 
 def _merge(results: list[SearchResult], orders: list[tuple[str, ...]]) -> SearchResult:
