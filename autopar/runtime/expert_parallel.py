@@ -215,8 +215,8 @@ class ExpertGroups:
 
 
 def expert_groups(mesh: Any, plan: Any) -> ExpertGroups:
-    """Build the ep and replica groups from the plan's (pp, dp, cp, tp) mesh (collective: every
-    rank must call it)."""
+    """Build the ep and replica groups from the plan's mesh, in its mesh order (collective:
+    every rank must call it)."""
     cfg = plan.config
     deg = dict(zip(plan.mesh["axes"], (int(s) for s in plan.mesh["sizes"])))
     dp, cp, tp, ep = deg.get("dp", 1), deg.get("cp", 1), deg.get("tp", 1), cfg.ep

@@ -5,19 +5,31 @@ the general one, and the order carried through the estimate, compile, plans and 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
 
 import pytest
+import torch
 
 import autopar
 from autopar.config import DEFAULT_MESH_ORDER, ParallelConfig, divisors
 from autopar.estimate.timing import (_PROBES, _slowest_groups_any_order, mesh_groups,
                                      rank_groups, replica_axes, slowest_groups)
+from autopar.models.gpt import GPT, GPTConfig
+from autopar.models.llama import Llama
+from autopar.models.registry import preset
 from autopar.plan.export import export_plan
+from autopar.plan.plan import load_plan
+from autopar.search.outer import mesh_orders
 
 AXES = ("pp", "dp", "cp", "tp")
+
+
+def _llama_8b():
+    with torch.device("meta"):
+        return Llama(preset("llama3-8b"))
 
 
 def _coordinates(cfg: ParallelConfig):
@@ -160,13 +172,8 @@ def test_the_estimate_costs_each_axis_on_the_nodes_the_order_puts_it():
     """2 nodes of 8: tp=4 and cp=4 cannot both stay in a node. tp innermost puts the cp ring
     across the nodes; cp innermost puts the tp all-reduces across them instead, which the
     estimate charges as more tp communication and less exposed ring time."""
-    import torch
-    from autopar.models.llama import Llama
-    from autopar.models.registry import preset
-
     cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=2)
-    with torch.device("meta"):
-        model = Llama(preset("llama3-8b"))
+    model = _llama_8b()
     tp_inner = ParallelConfig(tp=4, cp=4, micro_batch_size=1)
     cp_inner = ParallelConfig(tp=4, cp=4, micro_batch_size=1, mesh_order=("pp", "dp", "tp", "cp"))
     a = autopar.estimate(model, cluster, tp_inner, global_batch_size=16, seq_len=8192)
@@ -181,14 +188,8 @@ def test_the_estimate_costs_each_axis_on_the_nodes_the_order_puts_it():
 
 
 def test_compile_honours_a_pinned_mesh_order_through_the_saved_plan(tmp_path):
-    import torch
-    from autopar.models.llama import Llama
-    from autopar.models.registry import preset
-    from autopar.plan.plan import load_plan
-
     cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=2)
-    with torch.device("meta"):
-        model = Llama(preset("llama3-8b"))
+    model = _llama_8b()
     order = ("pp", "tp", "cp", "dp")
     plan = autopar.compile(model, cluster, global_batch_size=64, seq_len=4096,
                            constraints={"mesh_order": ",".join(order), "tp": 2, "pp": 1},
@@ -219,21 +220,13 @@ class _Plan:
 
 @pytest.fixture(scope="module")
 def small_plan():
-    import torch
-    from autopar.models.llama import Llama
-    from autopar.models.registry import preset
-
     cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=2)
-    with torch.device("meta"):
-        model = Llama(preset("llama3-8b"))
-    return autopar.compile(model, cluster, global_batch_size=64, seq_len=4096,
+    return autopar.compile(_llama_8b(), cluster, global_batch_size=64, seq_len=4096,
                            constraints={"tp": 2, "pp": 2, "cp": 1, "ep": 1},
                            settings=autopar.SearchSettings(progress=False))
 
 
 def test_exports_carry_or_flag_the_mesh_order(small_plan):
-    import dataclasses
-
     cfg = small_plan.config  # tp2 pp2, dp4
 
     def export(order, fmt):
@@ -259,9 +252,6 @@ def test_exports_carry_or_flag_the_mesh_order(small_plan):
 
 
 def _small_gpt():
-    import torch
-    from autopar.models.gpt import GPT, GPTConfig
-
     with torch.device("meta"):
         return GPT(GPTConfig(vocab_size=8192, max_seq_len=1024, dim=1024, n_layers=8,
                              n_heads=16))
@@ -272,8 +262,6 @@ def test_searching_every_mesh_order_finds_the_best_pinned_order():
     per pinned order. On PCIe nodes whose links are about as fast as the network, a tp=4,
     pp=2 plan on 2 nodes of 4 runs faster with the pipeline hop inside a node and the tp
     groups across the two (pp innermost) than the other way round."""
-    from autopar.search.outer import mesh_orders
-
     cluster = autopar.Cluster.from_profile("h100-pcie-roce", num_nodes=2, gpus_per_node=4)
     model, pins = _small_gpt(), {"tp": 4, "pp": 2}
 
@@ -298,8 +286,6 @@ def test_searching_every_mesh_order_finds_the_best_pinned_order():
 
 
 def test_mesh_orders_setting_is_read_and_checked():
-    from autopar.search.outer import mesh_orders
-
     assert mesh_orders("default") == [DEFAULT_MESH_ORDER]
     every = mesh_orders("all")
     assert len(every) == len(set(every)) == 24 and every[0] == DEFAULT_MESH_ORDER
