@@ -3,8 +3,8 @@
 A config fixes the degrees (dp·tp·pp·cp = world size; ep divides dp·cp and takes no extra
 ranks), the ZeRO stage, the micro-batch size, the pipeline schedule and its virtual stages,
 Megatron sequence parallelism on the tp axis, the activation-recompute policy, and the mesh
-order: how the (pp, dp, cp, tp) mesh lies on the global ranks. Outer axis first, as
-`torch.distributed.device_mesh.init_device_mesh` takes them; the last axis is innermost (its
+order: how the (pp, dp, cp, tp) mesh lies on the global ranks. Outer axis first, as PyTorch's
+DeviceMesh takes its dimensions; the last axis is innermost (its
 groups are consecutive ranks, on one node as far as they fit), and global rank r lives on
 node r // gpus_per_node. The default, pp, dp, cp, tp, is Megatron-LM's and torchtitan's
 layout.

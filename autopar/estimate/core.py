@@ -352,7 +352,7 @@ class _Prepared:
 def _rank_groups(cache: EvalCache, config: ParallelConfig) -> RankGroups:
     key = (config.tp, config.cp, config.dp, config.ep, config.pp > 1)
     if config.mesh_order != DEFAULT_MESH_ORDER:  # strides there can hold dp and pp too
-        key += (config.mesh_order, config.dp, config.pp)
+        key += (config.mesh_order, config.pp)
     if key not in cache.groups:
         cache.groups[key] = slowest_groups(config, cache.cluster, cache.group_memo)
     return cache.groups[key]

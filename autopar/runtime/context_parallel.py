@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["BlockKind", "ContextParallel", "block_kind", "block_mask", "check_context_parallel",
-           "data_parallel_mesh", "ring_attention", "zigzag_chunks", "zigzag_merge",
+           "data_parallel_mesh", "replica_dims", "ring_attention", "zigzag_chunks", "zigzag_merge",
            "zigzag_positions", "zigzag_split"]
 
 log = logging.getLogger(__name__)
@@ -315,8 +315,12 @@ def check_context_parallel(plan: Any) -> None:
 def data_parallel_mesh(mesh: Any) -> Any:
     """The 1-D mesh gradients are averaged over: ``dp`` alone, or ``dp`` × ``cp`` flattened
     (context-parallel ranks hold the same parameters and train on different tokens)."""
-    names = mesh.mesh_dim_names
-    if "cp" not in names or mesh["cp"].size() == 1:
+    if "cp" not in mesh.mesh_dim_names or mesh["cp"].size() == 1:
         return mesh["dp"]
-    # sliced in mesh order (DeviceMesh refuses another), so the outer of the two is major
-    return mesh[tuple(a for a in names if a in ("dp", "cp"))]._flatten("dp_cp")
+    return mesh[replica_dims(mesh)]._flatten("dp_cp")
+
+
+def replica_dims(mesh: Any) -> tuple[str, ...]:
+    """The mesh's dp and cp dimensions in mesh order (DeviceMesh slices no other order), so
+    the outer of the two is major when flattened, as the estimate's `replica_axes`."""
+    return tuple(a for a in mesh.mesh_dim_names if a in ("dp", "cp"))

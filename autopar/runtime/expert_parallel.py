@@ -67,6 +67,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.runtime.context_parallel import replica_dims
 from autopar.runtime.pipeline import _KeptLayers
 
 __all__ = ["ExpertGroups", "ExpertParallelMoE", "apply_expert_parallel", "check_expert_parallel",
@@ -224,10 +225,8 @@ def expert_groups(mesh: Any, plan: Any) -> ExpertGroups:
     if ep < 1 or d % ep:
         raise ValueError(f"ep={ep} must divide dp*cp = {d}; re-plan with an ep in "
                          f"{[k for k in range(1, d + 1) if d % k == 0]}")
-    # the (dp, cp) replicas flattened in mesh order (the estimate's `replica_axes`), then
-    # cut into runs of ep consecutive ones
-    flat = mesh[tuple(a for a in mesh.mesh_dim_names if a in ("dp", "cp"))]._flatten(
-        "autopar_ep_dp_cp")
+    # the (dp, cp) replicas flattened in mesh order, then cut into runs of ep consecutive ones
+    flat = mesh[replica_dims(mesh)]._flatten("autopar_ep_dp_cp")
     split = flat._unflatten(0, (d // ep, ep), ("autopar_expert_replica", "autopar_ep"))
     return ExpertGroups(ep=ep, ep_rank=split["autopar_ep"].get_local_rank(),
                         ep_group=split["autopar_ep"].get_group(),

@@ -368,11 +368,12 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     cache = EvalCache(cluster) if cache is None else cache
     orders = ([constraints["mesh_order"]] if "mesh_order" in constraints
               else mesh_orders(settings.mesh_orders))
+    # the configs are the same in every order: one table, relabelled per order
+    every = _table(costs, cluster, global_batch_size=global_batch_size,
+                   constraints=constraints, options=options, settings=settings)
     results = []
     for k, order in enumerate(orders):
-        table = _table(costs, cluster, global_batch_size=global_batch_size,
-                       constraints=constraints | {"mesh_order": order}, options=options,
-                       settings=settings)
+        table = replace(every, mesh_order=order)
         if k:  # each config once per placement of its ranks: in the first order giving it
             table = _new_layouts(table, orders[:k])
             if not len(table):
@@ -449,7 +450,7 @@ def _merge(results: list[SearchResult], orders: list[tuple[str, ...]]) -> Search
                         num_pruned_by_memory=sum(r.num_pruned_by_memory for r in results),
                         num_pruned_by_bound=sum(r.num_pruned_by_bound for r in results),
                         num_simulated=sum(r.num_simulated for r in results),
-                        seconds=sum(r.seconds for r in results))  # `search` sets the total
+                        seconds=0.0)  # `search` sets the wall time of the whole
 
 
 def _search_table(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *,
