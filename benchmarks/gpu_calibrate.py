@@ -25,6 +25,17 @@ the median of several CUDA-event-timed repetitions after warm-up, on random data
   weights, fused AdamW: 16 bytes of state per parameter, like mixed-precision Adam), with the
   median step time, the peak allocated bytes and a profiler summary of kernel time by kind
   (GEMM, attention, optimizer, other) and the idle remainder.
+- ``ranking`` (only when named in ``--sections``: about 5 minutes on an H100): for a few
+  one-GPU training problems (`RANKING`: model, sequence length, global batch B), every
+  candidate autopar.compile chooses among on one GPU -- each micro-batch size mb dividing B,
+  recompute none and full -- timed as a whole step of the global batch (B/mb micro-batches of
+  gradient accumulation, then one optimizer step; the steps section's "bf16" precision), with
+  the median step time, the peak allocated bytes and an ``oom`` flag for a candidate that ran
+  out of memory. ("selective" recompute is not a candidate: autopar's selective recompute
+  re-runs the attention core, which the fused SDPA kernels of these models already do, so
+  compile only searches it for attention that keeps its scores.) benchmarks/gpu_ranking.py
+  compares it with the ranking of autopar.compile. ``--dry-run`` runs this section on the CPU
+  with a tiny model, to check the harness where there is no GPU.
 
 `tests/data/h100_measurements.json` is such a file; benchmarks/gpu_check.py compares it with the
 cost model on any machine.
@@ -320,14 +331,35 @@ STEPS = (
 )
 
 
-def _build(preset: str, overrides: dict, seq_len: int):
+# Ranking problems: (id, preset or config overrides, seq_len, global batch). Each is measured
+# for every micro-batch size dividing the global batch, recompute none and full.
+RANKING = (
+    # GPT-3 1.3B: mb 16 without recompute needs ~86 GiB of tensors (the estimate)
+    ("gpt3-1.3b-s2048-b16", "gpt3-1.3b", {}, 2048, 16),
+    # Llama-3-8B widths on 4 layers at seq 8192: mb 4 does not fit even with full recompute
+    ("llama3-8b-l4-s8192-b8", "llama3-8b", {"n_layers": 4}, 8192, 8),
+    # Llama-3-8B widths on 12 layers at seq 4096: no recompute fits at mb 1 only (tightly),
+    # full recompute up to mb 2
+    ("llama3-8b-l12-s4096-b8", "llama3-8b", {"n_layers": 12}, 4096, 8),
+    # GPT-3 2.7B (h 2560, 32 layers): no recompute fits up to mb 4 only, full up to mb 16
+    ("gpt3-2.7b-s2048-b16", "gpt", {"dim": 2560, "n_layers": 32, "n_heads": 32,
+                                    "vocab_size": 50257}, 2048, 16),
+)
+# the CPU dry run's problem: a tiny GPT
+RANKING_DRY_RUN = (
+    ("tiny-gpt-s64-b4", "gpt", {"dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 512},
+     64, 4),
+)
+
+
+def _build(preset: str, overrides: dict, seq_len: int, device: str = "cuda"):
     from autopar.models import GPTConfig, build
 
     if preset == "gpt":
         cfg = GPTConfig(max_seq_len=seq_len, **overrides)
-        return build(cfg, device="cuda", dtype=torch.float32)
+        return build(cfg, device=device, dtype=torch.float32)
     extra = {"max_seq_len": seq_len} if preset.startswith("gpt") else {}
-    return build(preset, device="cuda", dtype=torch.float32, **overrides, **extra)
+    return build(preset, device=device, dtype=torch.float32, **overrides, **extra)
 
 
 def _kernel_kind(name: str) -> str:
@@ -344,17 +376,26 @@ def _kernel_kind(name: str) -> str:
 
 
 def measure_step(step_id, preset, overrides, seq_len, mb, recompute, *, steps: int,
-                 precision: str) -> dict:
+                 precision: str, accumulation: int = 1, warmup: int = 3, profile: bool = True,
+                 top_kernels: int = 60, device: str = "cuda") -> dict:
     """One training step. precision "autocast": fp32 weights under bf16 autocast (norms and the
     residual stream stay fp32, weights are cast per use); "bf16": bf16 weights, activations and
     gradients, fp32 master weights and Adam states (Megatron / FSDP mixed precision);
     "compiled": "bf16" with the forward and the loss under torch.compile, so inductor fuses the
-    memory-bound ops the way fused-kernel training software does (GEMMs stay cuBLAS)."""
+    memory-bound ops the way fused-kernel training software does (GEMMs stay cuBLAS).
+
+    `accumulation` micro-batches of `mb` sequences make one step: each runs forward and
+    backward (its loss divided by `accumulation`; autograd adds each micro-batch's gradients
+    into the bf16 ``.grad``), then the master gradients are cast once and the optimizer steps
+    once. `warmup` untimed steps come first; `profile` adds one profiled step (kernel time by
+    kind). `device` "cpu" is for dry runs only (no memory statistics)."""
     from torch.utils.checkpoint import checkpoint
 
-    torch.cuda.empty_cache()
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
     torch.manual_seed(0)
-    model = _build(preset, overrides, seq_len)
+    model = _build(preset, overrides, seq_len, device)
     masters = None
     if precision in ("bf16", "compiled"):
         model.to(torch.bfloat16)
@@ -366,11 +407,12 @@ def measure_step(step_id, preset, overrides, seq_len, mb, recompute, *, steps: i
     params = list(model.parameters())
     opt = torch.optim.AdamW(masters or params, lr=1e-4, fused=True)
     vocab = model.config.vocab_size
-    tokens = torch.randint(0, vocab, (mb, seq_len + 1), device="cuda")
-    x, y = tokens[:, :-1], tokens[:, 1:]
+    tokens = torch.randint(0, vocab, (accumulation * mb, seq_len + 1), device=device)
+    batches = [(tokens[i * mb:(i + 1) * mb, :-1], tokens[i * mb:(i + 1) * mb, 1:])
+               for i in range(accumulation)]
 
     def forward_loss(x, y):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "autocast"):
             logits = model(x)
         return F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
 
@@ -378,8 +420,11 @@ def measure_step(step_id, preset, overrides, seq_len, mb, recompute, *, steps: i
         forward_loss = torch.compile(forward_loss)
 
     def step():
-        loss = forward_loss(x, y)
-        loss.backward()
+        for x, y in batches:
+            loss = forward_loss(x, y)
+            if accumulation > 1:
+                loss = loss / accumulation
+            loss.backward()
         if masters is not None:
             for m, p in zip(masters, params):
                 m.grad = p.grad.float()
@@ -391,57 +436,136 @@ def measure_step(step_id, preset, overrides, seq_len, mb, recompute, *, steps: i
                 torch._foreach_copy_(params, masters)
         return loss
 
-    for _ in range(3):
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated()
-    reserved = torch.cuda.max_memory_reserved()
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    kinds: dict[str, float] = {}
-    kernels = 0
-    for ev in prof.key_averages():
-        dev_us = getattr(ev, "self_device_time_total", None)
-        if dev_us is None:
-            dev_us = getattr(ev, "self_cuda_time_total", 0.0)
-        if dev_us <= 0:
-            continue
-        kinds[_kernel_kind(ev.key)] = kinds.get(_kernel_kind(ev.key), 0.0) + dev_us / 1e6
-        kernels += ev.count
-    top = sorted(((ev.key, (getattr(ev, "self_device_time_total", 0.0) or 0.0) / 1e6, ev.count)
-                  for ev in prof.key_averages()), key=lambda t: -t[1])[:60]
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    reserved = torch.cuda.max_memory_reserved() if cuda else 0
+    # cudaMalloc retries in the timed steps (the allocator freeing its cache to fit a block)
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries if cuda else 0
     numel = sum(p.numel() for p in params)
+    row = {"id": step_id, "preset": preset, "overrides": overrides, "seq_len": seq_len,
+           "micro_batch": mb, "recompute": recompute, "params": numel, "precision": precision,
+           "accumulation": accumulation,
+           "step_s": statistics.median(times), "step_s_all": times,
+           "peak_allocated_bytes": peak, "peak_reserved_bytes": reserved,
+           "alloc_retries": retries}
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as profiler
+
+        with profiler(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) \
+                as prof:
+            step()
+            sync()
+        kinds: dict[str, float] = {}
+        kernels = 0
+        for ev in prof.key_averages():
+            dev_us = getattr(ev, "self_device_time_total", None)
+            if dev_us is None:
+                dev_us = getattr(ev, "self_cuda_time_total", 0.0)
+            if dev_us <= 0:
+                continue
+            kinds[_kernel_kind(ev.key)] = kinds.get(_kernel_kind(ev.key), 0.0) + dev_us / 1e6
+            kernels += ev.count
+        top = sorted(((ev.key, (getattr(ev, "self_device_time_total", 0.0) or 0.0) / 1e6,
+                       ev.count) for ev in prof.key_averages()), key=lambda t: -t[1])
+        row.update(kernel_s_by_kind=kinds, kernels=kernels,
+                   top_kernels=[{"name": n[:120], "s": s, "count": c}
+                                for n, s, c in top[:top_kernels]])
     del model, opt, params, masters
-    return {"id": step_id, "preset": preset, "overrides": overrides, "seq_len": seq_len,
-            "micro_batch": mb, "recompute": recompute, "params": numel, "precision": precision,
-            "step_s": statistics.median(times), "step_s_all": times,
-            "peak_allocated_bytes": peak, "peak_reserved_bytes": reserved,
-            "kernel_s_by_kind": kinds, "kernels": kernels,
-            "top_kernels": [{"name": n[:120], "s": s, "count": c} for n, s, c in top]}
+    return row
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def measure_ranking(problems=RANKING, *, steps: int = 4, warmup: int = 2, profile: bool = False,
+                    device: str = "cuda", log=print) -> list[dict]:
+    """Every one-GPU candidate of each problem (micro-batch size dividing the global batch,
+    recompute none and full) as a whole "bf16" training step of the global batch: the
+    measure_step row (median of `steps` timed steps after `warmup`, peak bytes; with `profile`
+    one more profiled step's kernel time by kind) plus the problem's id and global batch and
+    ``oom`` False, or
+    for a candidate that ran out of GPU memory ``oom`` True, the peak allocated bytes reached
+    before it did and the allocator's message."""
+    import gc
+
+    cuda = device == "cuda"
+    rows = []
+    for problem, preset, overrides, seq_len, batch in problems:
+        for mb in _divisors(batch):
+            for recompute in ("none", "full"):
+                t0 = time.time()
+                head = {"problem": problem, "global_batch": batch}
+                try:
+                    row = measure_step(f"{problem}-mb{mb}-{recompute}", preset, overrides,
+                                       seq_len, mb, recompute, steps=steps, precision="bf16",
+                                       accumulation=batch // mb, warmup=warmup,
+                                       profile=profile and cuda, top_kernels=12,
+                                       device=device)
+                    row = {**head, **row, "oom": False}
+                except Exception as err:  # noqa: BLE001  (keep the other candidates)
+                    # out of memory: the caching allocator's error, or a library's failed
+                    # workspace allocation (cuBLAS, cuDNN) near the limit
+                    text = f"{type(err).__name__}: {err}"
+                    oom = isinstance(err, torch.cuda.OutOfMemoryError) or any(
+                        t in text for t in ("out of memory", "ALLOC_FAILED"))
+                    row = {**head, "id": f"{problem}-mb{mb}-{recompute}", "preset": preset,
+                           "overrides": overrides, "seq_len": seq_len, "micro_batch": mb,
+                           "recompute": recompute, "precision": "bf16",
+                           "accumulation": batch // mb, "oom": oom,
+                           "peak_allocated_bytes": torch.cuda.max_memory_allocated()
+                           if cuda else 0, "error": text.splitlines()[0][:300]}
+                    del err
+                gc.collect()  # the failed step's frames held its tensors
+                if cuda:
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                rows.append(row)
+                log(f"ranking {row['id']}: "
+                    + (row["error"][:80] if "error" in row else f"{row['step_s'] * 1e3:.1f} ms")
+                    + f", peak {row['peak_allocated_bytes'] / 2**30:.2f} GiB "
+                    f"({time.time() - t0:.0f} s)", flush=True)
+    return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sections", default="env,memory,alignment,loss,optimizer,attention,gemm,steps")
+    ap.add_argument("--sections", default="env,memory,alignment,loss,optimizer,attention,gemm,steps",
+                    help="comma-separated; 'ranking' (not in the default) times every one-GPU "
+                         "candidate of the RANKING problems")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--ranking-steps", type=int, default=4,
+                    help="timed steps per ranking candidate (after 2 warm-up steps)")
+    ap.add_argument("--ranking-profile", action="store_true",
+                    help="profile one more step per ranking candidate (kernel time by kind)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="run the ranking section on the CPU with a tiny model (no GPU needed)")
     ap.add_argument("--precision", default="bf16,autocast,compiled",
                     help="training precisions of the steps section, comma-separated: bf16, "
                          "autocast, compiled (bf16 under torch.compile; steps without "
                          "recompute only)")
     args = ap.parse_args(argv)
+    if args.dry_run:
+        args.out.mkdir(parents=True, exist_ok=True)
+        rows = measure_ranking(RANKING_DRY_RUN, steps=2, warmup=1, device="cpu")
+        path = args.out / "gpu_measurements.json"
+        path.write_text(json.dumps({"device": "cpu (dry run)", "ranking": rows}, indent=1))
+        print(f"wrote {path}")
+        return 0
     if not torch.cuda.is_available():
         print("no CUDA device: this program measures a GPU", file=sys.stderr)
         return 2
@@ -480,6 +604,14 @@ def main(argv=None) -> int:
                   f"{row.get('peak_allocated_bytes', 0) / 2**30:.2f} GiB, "
                   f"{row.get('kernel_s_by_kind', row.get('error'))} ({time.time() - t0:.0f} s)",
                   flush=True)
+    if "ranking" in sections:
+        t0 = time.time()
+        result["ranking"] = []
+        for problem in RANKING:  # written after each problem, so a cut-off run keeps the rest
+            result["ranking"] += measure_ranking((problem,), steps=args.ranking_steps,
+                                                 profile=args.ranking_profile)
+            path.write_text(json.dumps(result, indent=1))
+        print(f"ranking: {len(result['ranking'])} rows in {time.time() - t0:.0f} s", flush=True)
     gemm = result.get("gemm", [])
     if gemm:
         best = max(r["tflops"] for r in gemm)
