@@ -3,10 +3,11 @@
 default mesh order (pp, dp, cp, tp: tp innermost) and with every order searched
 (`SearchSettings(mesh_orders="all")`), side by side. Prints per row the two plans' predicted
 step times, their ratio (default / all: above 1.00 means another order is faster), the order
-the full search chose and both compile times; then the rows where another order won and the
-median compile-time ratio.
+the full search chose and both compile times (the least of `--repeats` compiles each, the two
+settings alternating); then the rows where another order won and the median compile-time
+ratio.
 
-Run: python benchmarks/mesh_orders.py [--group GROUP]
+Run: python benchmarks/mesh_orders.py [--group GROUP] [--repeats N]
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from benchmarks.published_runs import load_runs  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--group", action="append")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="compiles of each setting per row, alternating; the least time")
     args = parser.parse_args()
     print(f"{'id':<32} {'GPUs':>5} {'default s':>9} {'all s':>9} {'ratio':>6} "
           f"{'compile s':>9} {'all':>6}  plan (all orders)")
@@ -34,16 +37,18 @@ def main() -> None:
     for run in load_runs():
         if args.group and run.group not in args.group:
             continue
-        plans, seconds = [], []
-        for orders in ("default", "all"):
+        plans, seconds = {}, {"default": [], "all": []}
+        for orders in ("default", "all") * args.repeats:  # alternating: side by side
             settings = autopar.SearchSettings(progress=False, mesh_orders=orders)
+            model, cluster = run.build_model(), run.make_cluster()
             start = time.perf_counter()
-            plans.append(autopar.compile(run.build_model(), run.make_cluster(),
-                                         global_batch_size=run.global_batch_size,
-                                         seq_len=run.seq_len, dtype=run.dtype,
-                                         options=run.options(), settings=settings))
-            seconds.append(time.perf_counter() - start)
-        default, every = plans
+            plans[orders] = autopar.compile(model, cluster,
+                                            global_batch_size=run.global_batch_size,
+                                            seq_len=run.seq_len, dtype=run.dtype,
+                                            options=run.options(), settings=settings)
+            seconds[orders].append(time.perf_counter() - start)
+        default, every = plans["default"], plans["all"]
+        seconds = [min(seconds["default"]), min(seconds["all"])]
         ratio = default.estimate.step_time_s / every.estimate.step_time_s
         ratios.append(ratio)
         slow.append(seconds[1] / seconds[0])

@@ -40,11 +40,12 @@ from autopar.estimate.layout import (Layout, Structure, UnitVectors, analytic_in
                                      rank_work_extremes, simulated_lower_bound, structure,
                                      unit_vectors)
 from autopar.estimate.memory import activation_bytes, stage_memory
-from autopar.estimate.timing import RankGroups, UnitTimes, slowest_groups, unit_times
+from autopar.estimate.timing import (RankGroups, UnitCompute, UnitTimes, slowest_groups,
+                                     unit_compute, unit_times)
 from autopar.estimate.units import Unit, units_from_graph
 from autopar.ir import Graph, OpKind
 from costmodels.collectives import (ZERO3_PERSISTENCE_THRESHOLD, ZERO3_SYNC_GATHER_BYTES_PER_S,
-                                   LayoutTimer)
+                                   GroupLayout, LayoutTimer)
 from costmodels.compute import optimizer_time_s
 from costmodels.memory import DTYPE_BYTES, state_bytes_per_param
 from costmodels.pipeline import PipelineTimeline, simulate_pipeline
@@ -174,6 +175,8 @@ class EvalCache:
         self.world_size = cluster.world_size
         self.units: dict[int, tuple[Unit, ...]] = {}
         self.times: dict[tuple, dict[str, UnitTimes]] = {}
+        self.compute: dict[tuple, dict[str, UnitCompute]] = {}  # per `_degrees_key`
+        self.work: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # `unit_work`, per id(times)
         self.layouts: dict[tuple, _Prepared] = {}
         self.structures: dict[tuple, Structure | str] = {}
         self.vectors: dict[tuple, UnitVectors] = {}
@@ -189,12 +192,19 @@ class EvalCache:
         key = (kind, nbytes, group)
         t = self._comm.get(key)
         if t is None:
-            timer = self._timers.get(group)
-            if timer is None:
-                timer = self._timers[group] = LayoutTimer(self.hardware,
-                                                          self.cluster.group_layout(group))
-            t = self._comm[key] = timer.time_s(kind, nbytes)
+            t = self._comm[key] = self._timer(group).time_s(kind, nbytes)
         return t
+
+    def group_layout(self, group: tuple[int, ...]) -> GroupLayout:
+        """`Cluster.group_layout`, memoised."""
+        return self._timer(group).layout
+
+    def _timer(self, group: tuple[int, ...]) -> LayoutTimer:
+        timer = self._timers.get(group)
+        if timer is None:
+            timer = self._timers[group] = LayoutTimer(self.hardware,
+                                                      self.cluster.group_layout(group))
+        return timer
 
 
 def _num_experts(graph: Graph) -> int | None:
@@ -364,45 +374,75 @@ def order_key(cache: EvalCache, config: ParallelConfig) -> tuple:
     layouts of the tp group, of the cp ring's two costed hops and of the ep group."""
     if config.mesh_order == DEFAULT_MESH_ORDER:
         return ()
-    groups = _rank_groups(cache, config)
+    return ("layouts",) + _unit_layouts(cache, _rank_groups(cache, config))
+
+
+def _unit_layouts(cache: EvalCache, groups: RankGroups) -> tuple:
     key = (groups.tp, groups.cp, groups.ep)
     found = cache.order_keys.get(key)
     if found is None:
-        layout = cache.cluster.group_layout
+        layout = cache.group_layout
         ring = groups.cp
         found = cache.order_keys[key] = (
-            "layouts", layout(groups.tp),
+            layout(groups.tp),
             (layout(ring[:2]), layout((ring[-1], ring[0]))) if len(ring) > 1 else (),
             layout(groups.ep))
     return found
 
 
-def _times_key(cache: EvalCache, config: ParallelConfig, dtype: str,
-               options: EstimateOptions) -> tuple:
+def placement_key(cache: EvalCache, config: ParallelConfig) -> tuple:
+    """All that a config's estimate takes from its mesh order: the layouts (`group_layout`)
+    of the groups it costs -- tp, the cp ring's two costed hops, ep, the data-parallel
+    replicas and the expert replicas among them, the pipeline hop. Two orders that give a
+    config the same key give it the same estimate."""
+    groups = _rank_groups(cache, config)
+    layout = cache.group_layout
+    return _unit_layouts(cache, groups) + (
+        layout(groups.dp), layout(groups.dp[::config.ep]) if config.ep > 1 else (),
+        layout(groups.pp_hop) if groups.pp_hop is not None else ())
+
+
+def _degrees_key(config: ParallelConfig, dtype: str, options: EstimateOptions) -> tuple:
     return (config.micro_batch_size, config.tp, config.cp, config.ep, config.sequence_parallel,
             config.recompute, options.attention_kernel, options.overlap_tp_comm,
-            options.kernels, options.loss_kernel, options.recompute_early_stop,
-            dtype) + order_key(cache, config)
+            options.kernels, options.loss_kernel, options.recompute_early_stop, dtype)
+
+
+def _times_key(cache: EvalCache, config: ParallelConfig, dtype: str,
+               options: EstimateOptions) -> tuple:
+    return _degrees_key(config, dtype, options) + order_key(cache, config)
 
 
 def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype: str,
-                options: EstimateOptions) -> dict[str, UnitTimes]:
+                options: EstimateOptions, comm: bool = True) -> dict[str, UnitTimes]:
     """Per-unit times of `config` (they depend on micro-batch, tp, cp, ep, SP and recompute
     only: `slowest_groups` picks the tp, cp and ep groups by those degrees and the node, not
-    by dp or pp; in other mesh orders the layouts of those groups, `order_key`), memoised."""
-    key = _times_key(cache, config, dtype, options)
+    by dp or pp; in other mesh orders the layouts of those groups, `order_key`), memoised.
+    The units' kernels (`unit_compute`) are memoised without the layouts: every order that
+    lays the groups out anew reuses them. Without `comm`, the times leave communication out
+    (`unit_times` without groups)."""
+    base = _degrees_key(config, dtype, options)
+    key = base + (order_key(cache, config) if comm else ("no communication",))
     times = cache.times.get(key)
     if times is None:
         mbs = config.micro_batch_size
         if mbs not in cache.units:
             cache.units[mbs] = costs.units_for(mbs)
-        groups = _rank_groups(cache, config)
+        groups = _rank_groups(cache, config) if comm else None
+        compute = cache.compute.get(base)
+        if compute is None:
+            compute = cache.compute[base] = {
+                u.name: unit_compute(u, cluster=cache, dtype=dtype, cfg=config,
+                                     attention_kernel=options.attention_kernel,
+                                     kernels=options.kernels, loss_kernel=options.loss_kernel)
+                for u in cache.units[mbs]}
         times = cache.times[key] = {
             u.name: unit_times(u, cluster=cache, dtype=dtype, cfg=config, groups=groups,
                                attention_kernel=options.attention_kernel,
                                overlap_tp=options.overlap_tp_comm,
                                kernels=options.kernels, loss_kernel=options.loss_kernel,
-                               early_stop=options.recompute_early_stop)
+                               early_stop=options.recompute_early_stop,
+                               compute=compute[u.name])
             for u in cache.units[mbs]}
     return times
 
@@ -546,14 +586,20 @@ def step_lower_bound(costs: ModelCosts, cluster: Cluster, config: ParallelConfig
 
 
 def unit_work(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype: str,
-              options: EstimateOptions) -> tuple[np.ndarray, np.ndarray]:
+              options: EstimateOptions, comm: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Per layer of each unit (unit order), one micro-batch on one rank of `config`'s (tp,
     cp, ep) group: forward + backward seconds, and forward + backward less the weight-grad
-    part (what ZB-H1's last stage still runs after its last weight-grad pass can move)."""
-    by_name = _unit_times(costs, cache, config, dtype, options)
-    times = [by_name[u.name] for u in cache.units[config.micro_batch_size]]
-    work = np.array([t.forward + t.backward for t in times])
-    return work, work - np.array([t.compute_wgrad for t in times])
+    part (what ZB-H1's last stage still runs after its last weight-grad pass can move).
+    Memoised: the arrays are shared, not to be written. Without `comm`, communication is
+    left out: a bound in any mesh order."""
+    by_name = _unit_times(costs, cache, config, dtype, options, comm)
+    found = cache.work.get(id(by_name))  # the times live as long as the cache: ids hold
+    if found is None:
+        times = [by_name[u.name] for u in cache.units[config.micro_batch_size]]
+        work = np.array([t.forward + t.backward for t in times])
+        found = cache.work[id(by_name)] = (work, work - np.array([t.compute_wgrad
+                                                                   for t in times]))
+    return found
 
 
 def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, dtype: str,
@@ -621,11 +667,18 @@ def _dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense:
             g = both("all_gather", param_b, here.dense, here.expert)
             gather, first = gather + here.layers * g, max(first, g)
         if sync:  # one gather per parameter tensor and use, the stream waiting for it
-            gather = sum(cluster.collective_time("all_gather", n * param_b,
-                                                 expert_group if is_expert else groups.dp)
-                         + n * param_b / ZERO3_SYNC_GATHER_BYTES_PER_S
-                         for n, is_expert in _sync_gather_uses(
-                             gather_units, cfg, options.zero3_max_reuse_distance))
+            times: dict[tuple[float, bool], float] = {}  # tensors of a size recur per layer
+
+            def one(n: float, is_expert: bool) -> float:
+                t = times.get((n, is_expert))
+                if t is None:
+                    t = times[n, is_expert] = cluster.collective_time(
+                        "all_gather", n * param_b, expert_group if is_expert else groups.dp) \
+                        + n * param_b / ZERO3_SYNC_GATHER_BYTES_PER_S
+                return t
+
+            gather = sum(one(n, is_expert) for n, is_expert in _sync_gather_uses(
+                gather_units, cfg, options.zero3_max_reuse_distance))
             return m * (gather + max(0.0, scatter - bwd)), m * (gather + scatter)
         exposed_mb = max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd) + first
         return m * exposed_mb, m * (2 * gather + scatter)

@@ -370,15 +370,26 @@ def _tp_time(unit: Unit, cluster: Cluster, cfg: ParallelConfig, groups: RankGrou
     return unit.tp_points * per_point
 
 
-def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
-               groups: RankGroups, attention_kernel: str, overlap_tp: bool = False,
-               kernels: str = "eager", loss_kernel: str = "eager",
-               early_stop: bool = False) -> UnitTimes:
-    """Per micro-batch seconds of one layer of `unit`. Full recompute re-runs a block's
-    forward and its TP communication (the glue -- embedding, head, loss -- is not
-    checkpointed); with `early_stop` (torch's non-reentrant checkpoint) it stops before
-    the unit's tail (`OpCost.tail`: the last GEMM and what follows it in a transformer block),
-    and that GEMM's row-parallel reduction, one of the unit's TP points."""
+@dataclass(frozen=True, slots=True)
+class UnitCompute:
+    """The kernels of one layer of a unit, one micro-batch, on one rank: what its times are
+    besides communication, the same wherever the rank's groups lie (any mesh order)."""
+
+    fwd: float  # every op's forward and the launch gaps
+    bwd: float
+    wgrad: float
+    attn_fwd: float
+    attn_bwd: float
+    gemm_fwd: float
+    gemm_bwd: float
+    tail_fwd: float  # the ops after early-stopped recompute's last one (`OpCost.tail`)
+    tail_gemms: int
+
+
+def unit_compute(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
+                 attention_kernel: str, kernels: str = "eager",
+                 loss_kernel: str = "eager") -> UnitCompute:
+    """`UnitCompute` of `unit` (it depends on micro-batch, tp, cp and SP, not on groups)."""
     fwd = bwd = wgrad = attn_fwd = attn_bwd = gemm_fwd = gemm_bwd = tail_fwd = 0.0
     tail_gemms = 0
     for op in unit.ops:
@@ -392,13 +403,33 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         elif op.kind == "gemm":
             gemm_fwd, gemm_bwd = gemm_fwd + f, gemm_bwd + b
     gap = op_overhead_s(cluster.hardware.device)
-    fwd += unit.num_kernels * gap
-    bwd += 2 * unit.num_kernels * gap
-    tp = _tp_time(unit, cluster, cfg, groups)
-    tp_fwd, tp_bwd = (max(0.0, tp - gemm_fwd), max(0.0, tp - gemm_bwd)) if overlap_tp else (tp, tp)
+    return UnitCompute(fwd=fwd + unit.num_kernels * gap, bwd=bwd + 2 * unit.num_kernels * gap,
+                       wgrad=wgrad, attn_fwd=attn_fwd, attn_bwd=attn_bwd, gemm_fwd=gemm_fwd,
+                       gemm_bwd=gemm_bwd, tail_fwd=tail_fwd, tail_gemms=tail_gemms)
+
+
+def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
+               groups: RankGroups | None, attention_kernel: str, overlap_tp: bool = False,
+               kernels: str = "eager", loss_kernel: str = "eager",
+               early_stop: bool = False, compute: UnitCompute | None = None) -> UnitTimes:
+    """Per micro-batch seconds of one layer of `unit`. Full recompute re-runs a block's
+    forward and its TP communication (the glue -- embedding, head, loss -- is not
+    checkpointed); with `early_stop` (torch's non-reentrant checkpoint) it stops before
+    the unit's tail (`OpCost.tail`: the last GEMM and what follows it in a transformer block),
+    and that GEMM's row-parallel reduction, one of the unit's TP points. `compute`, the
+    unit's `unit_compute` for this config if the caller has it, saves computing it again.
+    Without `groups`, the times leave communication out: a bound in any mesh order."""
+    c = compute or unit_compute(unit, cluster=cluster, dtype=dtype, cfg=cfg,
+                                attention_kernel=attention_kernel, kernels=kernels,
+                                loss_kernel=loss_kernel)
+    fwd, bwd, attn_fwd, attn_bwd = c.fwd, c.bwd, c.attn_fwd, c.attn_bwd
+    gap = op_overhead_s(cluster.hardware.device)
+    tp = _tp_time(unit, cluster, cfg, groups) if groups is not None else 0.0
+    tp_fwd, tp_bwd = (max(0.0, tp - c.gemm_fwd), max(0.0, tp - c.gemm_bwd)) if overlap_tp \
+        else (tp, tp)
 
     cp_fwd = cp_bwd = 0.0
-    if cfg.cp > 1 and unit.attention_kv_bytes:
+    if cfg.cp > 1 and unit.attention_kv_bytes and groups is not None:
         chunk = unit.attention_kv_bytes / (cfg.cp * cfg.tp)
         # a ring is as slow as its slowest link: the wrap-around pair crosses nodes whenever
         # the group spans nodes
@@ -409,7 +440,7 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         cp_bwd = max(0.0, 2 * ring - attn_bwd)
 
     ep = 0.0
-    if cfg.ep > 1 and unit.moe_dispatch_bytes:
+    if cfg.ep > 1 and unit.moe_dispatch_bytes and groups is not None:
         tokens = unit.moe_dispatch_bytes / (cfg.cp * (cfg.tp if cfg.sequence_parallel else 1))
         ep = 2 * cluster.collective_time("all_to_all", tokens, groups.ep)
 
@@ -417,13 +448,13 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         recompute = 0.0  # checkpointing wraps the blocks (Megatron's layers, the runtime's)
     elif cfg.recompute == "full" and early_stop:
         points = unit.tp_points
-        kept = (points - min(tail_gemms, points)) / points if points else 1.0
-        recompute = fwd - tail_fwd - unit.tail_kernels * gap + tp_fwd * kept
+        kept = (points - min(c.tail_gemms, points)) / points if points else 1.0
+        recompute = fwd - c.tail_fwd - unit.tail_kernels * gap + tp_fwd * kept
     elif cfg.recompute == "full":
         recompute = fwd + tp_fwd
     elif cfg.recompute == "selective" and attention_kernel == "math":
         recompute = attn_fwd
     else:
         recompute = 0.0
-    return UnitTimes(compute_fwd=fwd, compute_bwd=bwd, compute_wgrad=wgrad, recompute=recompute,
+    return UnitTimes(compute_fwd=fwd, compute_bwd=bwd, compute_wgrad=c.wgrad, recompute=recompute,
                      tp_fwd=tp_fwd, tp_bwd=tp_bwd, cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep, ep_bwd=ep)

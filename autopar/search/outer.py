@@ -7,10 +7,13 @@ node; a tp that does not divide the node leaves some groups straddling two, and 
 costs every axis on its slowest group (`autopar.estimate.timing.slowest_groups`). The mesh
 order (`ParallelConfig.mesh_order`: how the pp, dp, cp, tp mesh lies on the ranks, rank r on
 node r // g) is pp, dp, cp, tp (tp innermost) unless pinned or `SearchSettings.mesh_orders`
-asks for more: then the search runs once per order on the configs whose ranks no earlier
-order places alike (two orders place a config alike when they list its axes of more than one
-rank in the same order), each of those searches exact, and the fastest result wins (equal
-times: the earlier order, the default first).
+asks for more. Then the space is each config once per placement of its ranks -- the layouts
+of the groups its estimate costs (`placement_key`), in the first order giving them -- and one
+top k is taken over all of it: the orders are visited one after another, the default first,
+each visit stopping at the k-th best time found so far in any order, and before a later
+order's visit a config whose step bound without communication (a bound in every order)
+exceeds that time is dropped. On one node every order places ranks alike: the first alone is
+searched.
 
 Cost: the model is traced once; the space is a table of integer columns
 (`autopar.search.space`) and the lower bounds below are column arithmetic (the states and
@@ -37,7 +40,8 @@ candidate table marks the simulated rows `exact=True`; a top-k config skipped ke
 closed-form row (`exact=False`). Ties (equal
 step time to 1e-12 s) go to the simpler config: the fields compared in the order (pp, tp, cp,
 ep, dp, zero_stage, recompute, micro_batch_size, pp_schedule, virtual_stages,
-sequence_parallel), smaller first -- so DDP beats ZeRO when they cost the same, and the same
+sequence_parallel), smaller first, then the mesh order (the default, then the others as
+itertools.permutations lists them) -- so DDP beats ZeRO when they cost the same, and the same
 input always gives the same plan.
 """
 from __future__ import annotations
@@ -57,11 +61,11 @@ import pandas as pd
 
 from costmodels.compute import peak_flops
 from autopar.cluster import Cluster
-from autopar.config import DEFAULT_MESH_ORDER, PP_SCHEDULES, ParallelConfig, placed_order
+from autopar.config import DEFAULT_MESH_ORDER, PP_SCHEDULES, ParallelConfig
 from autopar.errors import NoPlanFitsError
 from autopar.estimate.core import (BOUND_MARGIN, DataParallelFloor, Estimate,
                                    EstimateOptions, EvalCache, ModelCosts, data_parallel_floor,
-                                   evaluate, exact_step_lower_bound, order_key,
+                                   evaluate, exact_step_lower_bound, order_key, placement_key,
                                    split_structure, step_lower_bound, unit_work)
 from autopar.estimate.layout import Structure, rank_work_extremes
 from autopar.estimate.memory import activation_bytes
@@ -77,6 +81,11 @@ CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
 _TIE_ORDER = ("pp", "tp", "cp", "ep", "dp", "zero_stage", "recompute", "micro_batch_size",
               "pp_schedule", "virtual_stages", "sequence_parallel")
 _RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
+# the 24 mesh orders, the default first, the rest as itertools.permutations lists them: the
+# order searched in and the last tie-break
+_ALL_ORDERS = (DEFAULT_MESH_ORDER,) + tuple(
+    o for o in itertools.permutations(DEFAULT_MESH_ORDER) if o != DEFAULT_MESH_ORDER)
+_ORDER_RANK = {o: k for k, o in enumerate(_ALL_ORDERS)}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,8 +105,8 @@ class SearchSettings:
     list_unfit_below: int = 16
     # The mesh orders searched (`mesh_orders`): "default" (pp, dp, cp, tp: tp innermost, as
     # Megatron-LM and torchtitan lay ranks out), "all" (the 24 orders of pp, dp, cp, tp) or a
-    # list of orders. Each config is searched once per distinct placement of its ranks (the
-    # order of its axes of more than one rank), so "all" costs a few searches, not 24 alike.
+    # list of orders. Each config is costed once per placement of its ranks, and in the
+    # orders after the first only where its bound without communication can reach the top.
     mesh_orders: Any = "default"
 
 
@@ -105,7 +114,8 @@ class SearchSettings:
 class SearchResult:
     best: Estimate
     candidates: pd.DataFrame
-    num_considered: int
+    num_considered: int  # configs (each in up to 24 mesh orders)
+    # configs, in each mesh order searched, passed over as unable to fit / by a step bound
     num_pruned_by_memory: int
     num_pruned_by_bound: int
     num_simulated: int  # of the top_k_exact: those not skipped by the simulated-time bound
@@ -115,7 +125,7 @@ class SearchResult:
 def _tie_key(cfg: ParallelConfig) -> tuple:
     return tuple(_RECOMPUTE_ORDER[cfg.recompute] if f == "recompute" else
                  PP_SCHEDULES.index(cfg.pp_schedule) if f == "pp_schedule" else
-                 getattr(cfg, f) for f in _TIE_ORDER)
+                 getattr(cfg, f) for f in _TIE_ORDER) + (_ORDER_RANK[cfg.mesh_order],)
 
 
 def _rank_key(est: Estimate) -> tuple:
@@ -212,15 +222,17 @@ def _why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
 
 def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.ndarray,
                  *, global_batch_size: int, dtype: str, options: EstimateOptions,
-                 cache: EvalCache) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 cache: EvalCache, comm: bool = True
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`step_lower_bound` of each of `rows`, a mask of the rows whose unit times or
     pipeline split could not be made (NaN bound), and each row's busiest pipeline rank's
     forward + backward seconds of one micro-batch. Per-unit work is computed once per
     (micro-batch, tp, cp, ep, SP, recompute), for the first row with that key; per-rank work
-    once per (pipeline split, that key)."""
+    once per (pipeline split, that key). Without `comm` the work leaves communication out
+    (`unit_work`): bounds that hold in every mesh order."""
     if not len(rows):
         return np.zeros(0), np.zeros(0, dtype=bool), np.zeros(0)
-    if table.mesh_order == DEFAULT_MESH_ORDER:
+    if table.mesh_order == DEFAULT_MESH_ORDER or not comm:
         first, inverse = key_groups(table, rows, TIME_KEY_COLUMNS)
     else:  # there the tp, cp and ep groups can differ for the same degrees
         first, inverse = key_groups(_with_layouts(table, rows, cache), rows,
@@ -230,7 +242,7 @@ def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: 
     for k in np.argsort(first, kind="stable"):
         try:
             work[k], tail[k] = unit_work(costs, cache, table.config(int(rows[first[k]])),
-                                         dtype, options)
+                                         dtype, options, comm)
         except ValueError:
             pass
     s_first, s_index = key_groups(table, rows, ("pp", "virtual_stages"))
@@ -368,26 +380,46 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     cache = EvalCache(cluster) if cache is None else cache
     orders = ([constraints["mesh_order"]] if "mesh_order" in constraints
               else mesh_orders(settings.mesh_orders))
+    if cluster.num_nodes == 1:  # every group of n ranks lies alike in one node
+        orders = orders[:1]
+    kw = dict(global_batch_size=global_batch_size, dtype=dtype, options=options, cache=cache)
     # the configs are the same in every order: one table, relabelled per order
     every = _table(costs, cluster, global_batch_size=global_batch_size,
                    constraints=constraints, options=options, settings=settings)
-    results = []
+    progress = _Progress(settings.progress)
+    best_times: list[float] = []  # the top_k_exact fastest fitting closed-form times so far
+    free = None  # each config's step bound without communication: a bound in every order
+    placed: dict[tuple, tuple] = {}
+    found, dropped = [], 0
     for k, order in enumerate(orders):
         table = replace(every, mesh_order=order)
-        if k:  # each config once per placement of its ranks: in the first order giving it
-            table = _new_layouts(table, orders[:k])
-            if not len(table):
-                continue
+        if k and len(best_times) == settings.top_k_exact:
+            # a config whose bound without communication exceeds the k-th best time cannot
+            # enter the top k in any order
+            if free is None:
+                free, _, _ = _step_bounds(costs, cluster, every, np.arange(len(every)),
+                                          comm=False, **kw)
+            table = _rows(table, ~(free * (1 - BOUND_MARGIN) > best_times[-1]))
+            dropped += len(every) - len(table)
+        # each config once per placement of its ranks: in the first order giving it
+        table = _new_placements(table, orders[:k], cache, placed)
+        if k and not len(table):
+            continue
         try:
-            results.append(_search_table(
-                costs, cluster, table, global_batch_size=global_batch_size, dtype=dtype,
-                constraints=constraints, options=options, settings=settings, cache=cache))
+            found.append(_collect(costs, cluster, table, best_times, constraints=constraints,
+                                  settings=settings, progress=progress, **kw))
         except ValueError as exc:  # NoPlanFitsError too
             if not k:  # the first order's space is every config: its error is the search's
                 raise
             # a later order's configs are some of those: none of them fits or runs
             log.debug("mesh order %s: %s", ",".join(order), exc)
-    result = results[0] if len(results) == 1 else _merge(results, orders)
+    progress.close()
+    result = _finish(costs, cluster, found, num_considered=len(every), settings=settings, **kw)
+    result = replace(result, num_pruned_by_bound=result.num_pruned_by_bound + dropped)
+    log.info("searched %d configs in %d mesh order(s) (%d pruned by memory, %d by the "
+             "step-time bound) in %.2f s", len(every), len(found),
+             result.num_pruned_by_memory, result.num_pruned_by_bound,
+             time.perf_counter() - start)
     return replace(result, seconds=time.perf_counter() - start)
 
 
@@ -406,86 +438,104 @@ def check_constraints(constraints: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def mesh_orders(value: Any) -> list[tuple[str, ...]]:
-    """`SearchSettings.mesh_orders` as a list of orders, the default first when it is among
-    them: "default", "all" (the 24 orders of pp, dp, cp, tp) or a sequence of orders."""
+    """`SearchSettings.mesh_orders` as a list of orders, in the order searched (`_ALL_ORDERS`:
+    the default first): "default", "all" (the 24 orders of pp, dp, cp, tp) or a sequence of
+    orders."""
     if value == "default":
         return [DEFAULT_MESH_ORDER]
     if value == "all":
-        return [DEFAULT_MESH_ORDER] + [o for o in itertools.permutations(DEFAULT_MESH_ORDER)
-                                       if o != DEFAULT_MESH_ORDER]
+        return list(_ALL_ORDERS)
     if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
         raise ValueError(f"SearchSettings.mesh_orders must be 'default', 'all' or a non-empty "
                          f"list of mesh orders (e.g. [('pp', 'dp', 'cp', 'tp'), 'dp,pp,cp,tp'])"
                          f", got {value!r}")
-    orders = list(dict.fromkeys(ParallelConfig(mesh_order=o).mesh_order for o in value))
-    return sorted(orders, key=lambda o: o != DEFAULT_MESH_ORDER)
+    return sorted({ParallelConfig(mesh_order=o).mesh_order for o in value},
+                  key=_ORDER_RANK.__getitem__)
 
 
-def _new_layouts(table: ConfigTable, earlier: list[tuple[str, ...]]) -> ConfigTable:
-    """The rows of `table` whose ranks no order of `earlier` lays out alike: two orders put a
-    config's ranks in the same places when they list its axes of more than one rank in the
-    same order."""
-    columns = table.columns
-    mask = sum(((columns[a] > 1) << k for k, a in enumerate(DEFAULT_MESH_ORDER)),
-               np.zeros(len(table), dtype=np.int64))  # which axes have more than one rank
-    new = []
-    for m in range(16):
-        sizes = {a: 2 if m >> k & 1 else 1 for k, a in enumerate(DEFAULT_MESH_ORDER)}
-        mine = placed_order(table.mesh_order, sizes)
-        new.append(all(placed_order(o, sizes) != mine for o in earlier))
-    keep = np.array(new)[mask]
-    return ConfigTable({name: col[keep] for name, col in columns.items()}, table.mesh_order)
+def _new_placements(table: ConfigTable, earlier: list[tuple[str, ...]], cache: EvalCache,
+                    placed: dict[tuple, tuple]) -> ConfigTable:
+    """The rows of `table` that no order of `earlier` places alike: whose `placement_key`
+    (what the estimate takes from the order) differs in each of them. `placed` memoises the
+    keys per (degrees, order)."""
+    if not len(table) or not earlier:
+        return table
+    first, index = key_groups(table, np.arange(len(table)), ("dp", "tp", "pp", "cp", "ep"))
+    new = np.zeros(len(first), dtype=bool)
+    for k, i in enumerate(first):
+        cfg = table.config(int(i))
+        degrees = (cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.ep)
+
+        def key(order: tuple[str, ...]) -> tuple:
+            found = placed.get((degrees, order))
+            if found is None:
+                found = placed[degrees, order] = placement_key(
+                    cache, replace(cfg, mesh_order=order))
+            return found
+
+        mine = key(table.mesh_order)
+        new[k] = all(key(o) != mine for o in earlier)
+    return _rows(table, new[index])
 
 
-def _merge(results: list[SearchResult], orders: list[tuple[str, ...]]) -> SearchResult:
-    """One result of the searches in several mesh orders: the fastest best (equal times to
-    the earlier order in `orders`, the default first), all candidates, the counts summed."""
-    position = {o: k for k, o in enumerate(orders)}
-    best = min((r.best for r in results),
-               key=lambda e: (not e.fits, _rank_key(e), position[e.config.mesh_order]))
-    candidates = pd.concat([r.candidates for r in results], ignore_index=True).sort_values(
-        ["fits", "step_time_s"], ascending=[False, True], kind="mergesort").reset_index(drop=True)
-    return SearchResult(best=best, candidates=candidates,
-                        num_considered=sum(r.num_considered for r in results),
-                        num_pruned_by_memory=sum(r.num_pruned_by_memory for r in results),
-                        num_pruned_by_bound=sum(r.num_pruned_by_bound for r in results),
-                        num_simulated=sum(r.num_simulated for r in results),
-                        seconds=0.0)  # `search` sets the wall time of the whole
+def _rows(table: ConfigTable, keep: np.ndarray) -> ConfigTable:
+    """The rows of `table` that the mask `keep` selects."""
+    return ConfigTable({name: col[keep] for name, col in table.columns.items()},
+                       table.mesh_order)
 
 
-def _search_table(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *,
-                  global_batch_size: int, dtype: str, constraints: dict[str, Any],
-                  options: EstimateOptions, settings: SearchSettings,
-                  cache: EvalCache) -> SearchResult:
-    """`search` over the configs of `table` (all in one mesh order)."""
-    start = time.perf_counter()
-    usable = cluster.hardware.device.memory_bytes
-    progress = _Progress(settings.progress)
+@dataclass(frozen=True)
+class _Found:
+    """What the visit of one mesh order's configs found (`_collect`)."""
+
+    fast: list[Estimate]  # closed-form estimates, fitting or not
+    pruned: int  # by memory: model states alone, or the first rank
+    smallest: tuple[float, ParallelConfig] | None  # the least model states over memory
+    skipped: int  # by the step-time bound
+
+
+def _collect(costs: ModelCosts, cluster: Cluster, table: ConfigTable, best_times: list[float],
+             *, global_batch_size: int, dtype: str, constraints: dict[str, Any],
+             options: EstimateOptions, settings: SearchSettings, cache: EvalCache,
+             progress: _Progress) -> _Found:
+    """The closed-form estimates of the configs of `table` (all in one mesh order) that can
+    enter the top `top_k_exact` by time, `best_times` (the fastest fitting times found in
+    the orders before, updated) included."""
     b = _bounds(costs, cluster, table, global_batch_size=global_batch_size, dtype=dtype,
                 options=options, cache=cache)
-    errors = list(b.errors)
     order = _VisitOrder(b.step, table.tie_order(), b.rows)
     done: dict[int, Estimate | ValueError] = {}
     visit = functools.partial(_visit, costs, cluster, table, b.rows, b.step, b.work, order, done,
                               global_batch_size=global_batch_size, dtype=dtype,
                               options=options, cache=cache, settings=settings,
                               progress=progress)
-    fast, eval_errors, skipped, unfit = visit(b.cannot_fit)
+    before = list(best_times)
+    fast, eval_errors, skipped, unfit = visit(b.cannot_fit, best_times)
     if unfit and sum(e.fits for e in fast) < settings.list_unfit_below:
-        fast, eval_errors, skipped, unfit = visit(None)  # list the near misses too
-    errors += eval_errors
-    pruned, smallest = b.pruned, b.smallest
-    pruned_total = pruned + unfit
-    progress.close()
-    if not len(table) or (not fast and errors and not pruned):
+        best_times[:] = before  # list the near misses too
+        fast, eval_errors, skipped, unfit = visit(None, best_times)
+    errors = list(b.errors) + eval_errors
+    if not len(table) or (not fast and errors and not b.pruned):
         detail = f" (first rejection: {errors[0]})" if errors else ""
         if not len(table):
             detail = _why_empty(costs, cluster, global_batch_size=global_batch_size,
                                 constraints=constraints, options=options, settings=settings)
         raise ValueError(f"no configuration satisfies the constraints {constraints} on "
                          f"{cluster.world_size} GPUs{detail}")
+    return _Found(fast=fast, pruned=b.pruned + unfit, smallest=b.smallest, skipped=skipped)
+
+
+def _finish(costs: ModelCosts, cluster: Cluster, found: list[_Found], *, num_considered: int,
+            global_batch_size: int, dtype: str, options: EstimateOptions,
+            settings: SearchSettings, cache: EvalCache) -> SearchResult:
+    """The search's result from the visits of its mesh orders: the `top_k_exact` fastest
+    fitting configs simulated, the fastest of those the winner."""
+    usable = cluster.hardware.device.memory_bytes
+    fast = [e for f in found for e in f.fast]
     fitting = sorted((e for e in fast if e.fits), key=_rank_key)
     if not fitting:
+        smallest = min((f.smallest for f in found if f.smallest is not None),
+                       key=lambda s: s[0], default=None)
         raise _no_fit(costs, cluster, fast, smallest, usable, global_batch_size, dtype, options,
                       cache)
     exact = _simulate_best(costs, cluster, fitting[:settings.top_k_exact],
@@ -501,13 +551,10 @@ def _search_table(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *,
         [_row(e, True) for e in exact]
     candidates = pd.DataFrame(records).sort_values(
         ["fits", "step_time_s"], ascending=[False, True], kind="mergesort").reset_index(drop=True)
-    seconds = time.perf_counter() - start
-    log.info("searched %d configs in mesh order %s (%d pruned by memory, %d by the step-time "
-             "bound) in %.2f s", len(table), ",".join(table.mesh_order), pruned_total, skipped,
-             seconds)
-    return SearchResult(best=best, candidates=candidates, num_considered=len(table),
-                        num_pruned_by_memory=pruned_total, num_pruned_by_bound=skipped,
-                        num_simulated=len(exact), seconds=seconds)
+    return SearchResult(best=best, candidates=candidates, num_considered=num_considered,
+                        num_pruned_by_memory=sum(f.pruned for f in found),
+                        num_pruned_by_bound=sum(f.skipped for f in found),
+                        num_simulated=len(exact), seconds=0.0)  # `search` sets the time
 
 
 def _simulate_best(costs: ModelCosts, cluster: Cluster, top: list[Estimate], *,
@@ -573,15 +620,16 @@ class _VisitOrder:
 
 def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.ndarray,
            bounds: np.ndarray, work: np.ndarray, visit_order: _VisitOrder, done: dict,
-           cannot_fit: Callable[[np.ndarray], np.ndarray] | None, *,
+           cannot_fit: Callable[[np.ndarray], np.ndarray] | None, best_times: list[float], *,
            global_batch_size: int, dtype: str, options: EstimateOptions, cache: EvalCache,
            settings: SearchSettings, progress: _Progress
            ) -> tuple[list[Estimate], list[str], int, int]:
     """Evaluate configs in bound order until the bound exceeds the `top_k_exact`-th best
-    fitting time; configs `cannot_fit` flags (asked for the next configs in order, in growing
-    batches, as the visit reaches them) are passed over without an evaluation (they cannot
-    fit, so they never change the fitting times the stop depends on: the stop comes at the
-    same config either way). A config's bound is raised, when its turn comes, by what its
+    fitting time (`best_times`: the fastest fitting closed-form times, ascending, of this
+    visit and of the mesh orders searched before it; updated); configs `cannot_fit` flags
+    (asked for the next configs in order, in growing batches, as the visit reaches them) are
+    passed over without an evaluation (they cannot fit, so they never change the fitting
+    times the stop depends on: the stop comes at the same config either way). A config's bound is raised, when its turn comes, by what its
     data-parallel traffic and optimizer step cost at least (`data_parallel_floor`, the
     traffic less `work`, the busiest rank's forward + backward of a micro-batch, where compute
     may hide it) and the config goes back in line at the raised bound (lazy A*-style): the
@@ -590,7 +638,6 @@ def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.nda
     `done` memoises evaluations across calls."""
     fast: list[Estimate] = []
     errors: list[str] = []
-    best_times: list[float] = []  # the k fastest fitting closed-form times, ascending
     unfit = 0
     # what a floor depends on besides the micro-batch size (the split only with experts)
     by = ("dp", "tp", "cp", "pp", "ep", "zero_stage") + \

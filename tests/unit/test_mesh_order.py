@@ -294,3 +294,85 @@ def test_mesh_orders_setting_is_read_and_checked():
     for bad in ("some", [], 3, ["pp,dp"]):
         with pytest.raises(ValueError, match="mesh_order"):
             mesh_orders(bad)
+
+
+@pytest.mark.parametrize("profile", ["dgx-h100", "h100-pcie-roce"])
+def test_orders_that_place_a_config_alike_estimate_it_alike(profile):
+    """`placement_key` is all the estimate takes from the order: over every order of configs
+    with two to four axes of more than one rank, the orders with one key give one estimate,
+    closed form and simulated (the search costs each config once per key)."""
+    from autopar.estimate import EstimateOptions, ModelCosts, evaluate
+    from autopar.estimate.core import EvalCache, placement_key
+
+    model = _small_gpt()
+    costs = ModelCosts.from_graph(autopar.trace(model, global_batch_size=1, seq_len=1024))
+    cluster = autopar.Cluster.from_profile(profile, num_nodes=4, gpus_per_node=4)
+    cache, options = EvalCache(cluster), EstimateOptions()
+    shared = distinct = 0
+    for pp, dp, cp, tp in [(2, 2, 2, 2), (1, 4, 2, 2), (2, 8, 1, 1), (1, 2, 2, 4),
+                           (2, 1, 2, 4)]:
+        by_key: dict[tuple, list] = {}
+        for order in mesh_orders("all"):
+            cfg = ParallelConfig(pp=pp, dp=dp, cp=cp, tp=tp, mesh_order=order,
+                                 zero_stage=3 if dp * cp > 1 else 0,
+                                 pp_schedule="1f1b" if pp > 1 else "gpipe")
+            by_key.setdefault(placement_key(cache, cfg), []).append(cfg)
+        distinct += len(by_key)
+        for cfgs in by_key.values():
+            shared += len(cfgs) > 1
+            for exact in (False, True):
+                got = {(e.step_time_s, e.peak_memory_bytes) for e in (
+                    evaluate(costs, cluster, c, global_batch_size=32, options=options,
+                             cache=cache, exact=exact) for c in cfgs)}
+                assert len(got) == 1, (cfgs[0].short(), [c.mesh_order for c in cfgs])
+    assert shared and distinct > 5  # the keys both merge and tell orders apart
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_order_search_is_brute_force_over_configs_and_placements(seed):
+    """The search over every order against brute force: every config in every order,
+    each (config, placement) once -- in its first order -- estimated in closed form, the
+    top_k fastest fitting simulated, the fastest of those the winner. The search gets there
+    visiting a few hundred (it skips other orders' configs whose bound without
+    communication cannot reach the top k)."""
+    import random
+
+    from autopar.estimate import EstimateOptions, ModelCosts, evaluate
+    from autopar.estimate.core import EvalCache, placement_key
+    from autopar.search import outer
+
+    rng = random.Random(seed)
+    costs = ModelCosts.from_graph(autopar.trace(_small_gpt(), global_batch_size=1,
+                                                seq_len=1024))
+    cluster = autopar.Cluster.from_profile(rng.choice(["h100-pcie-roce", "dgx-h100"]),
+                                           num_nodes=2, gpus_per_node=4)
+    gbs, k = rng.choice([16, 32, 64]), rng.choice([4, 16])
+    pins = rng.choice([{"tp": 2}, {"tp": 2, "pp": 2}, {"cp": 2, "tp": 2}, {"pp": 2, "dp": 2}])
+    options, cache = EstimateOptions(), EvalCache(cluster)
+    settings = outer.SearchSettings(progress=False, mesh_orders="all", top_k_exact=k)
+    fast = []
+    for cfg in outer.enumerate_configs(costs, cluster, global_batch_size=gbs,
+                                       constraints=pins, options=options, settings=settings):
+        keys = set()
+        for order in mesh_orders("all"):
+            placed = dataclasses.replace(cfg, mesh_order=order)
+            key = placement_key(cache, placed)
+            if key in keys:
+                continue
+            keys.add(key)
+            try:
+                est = evaluate(costs, cluster, placed, global_batch_size=gbs, options=options,
+                               cache=cache, exact=False)
+            except ValueError:
+                continue
+            if est.fits:
+                fast.append(est)
+    top = sorted(fast, key=outer._rank_key)[:k]
+    simulated = [evaluate(costs, cluster, e.config, global_batch_size=gbs, options=options,
+                          cache=cache, exact=True) for e in top]
+    expected = min((e for e in simulated if e.fits), key=outer._rank_key)
+    got = outer.search(costs, cluster, global_batch_size=gbs, dtype="bf16", constraints=pins,
+                       options=options, settings=settings)
+    assert got.best.config == expected.config
+    assert got.best.step_time_s == expected.step_time_s
+    assert len(got.candidates) < len(fast) / 2
