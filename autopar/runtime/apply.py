@@ -150,6 +150,7 @@ class RuntimeModel:
     context_parallel: ContextParallel | None = None  # cp > 1: this rank's place in the cp ring
     loss_parallel: bool = False  # the head's logits stay vocab-sharded; loss under loss_parallel
     selective_recompute: bool = False  # recompute="selective": re-run the attention core
+    zero_stage: int = 0
 
     def parameters(self):
         seen = set()
@@ -180,9 +181,7 @@ class RuntimeModel:
         with sequence_shard(cp), recompute_attention_core(self.selective_recompute), \
                 vocab_parallel:
             if self.schedule is None:
-                loss = self.loss_fn(self.modules[0](x), y)
-                loss.backward()
-                local = _local(loss.detach())
+                local = self._accumulate(x, y)
             else:
                 args = (x,) if 0 in self.stage_ids else ()
                 losses: list[torch.Tensor] = []
@@ -201,6 +200,46 @@ class RuntimeModel:
         if cp is not None:
             cp.verify(self.device)  # once: the model's attention really went through the ring
         return float(total)
+
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of this rank's slice without a pipeline: `n_microbatches`
+        micro-batches of the plan's size, one after another, each loss scaled by 1/n so that
+        the gradients sum to those of the slice's mean loss; returns that mean. Gradients are
+        reduced once, after the last micro-batch (DDP's no_sync before it, FSDP2's
+        set_requires_gradient_sync(False) under ZeRO-1, which keeps them whole until then),
+        except under ZeRO-2 and -3, whose FSDP2 reduce-scatters each micro-batch's to keep
+        them sharded."""
+        model, n = self.modules[0], self.n_microbatches
+        if len(x) % n:
+            raise ValueError(f"this rank's {len(x)} sequences do not split into the plan's {n} "
+                             f"micro-batches: train on the plan's global batch")
+        losses = []
+        for k, (xs, ys) in enumerate(zip(x.chunk(n), y.chunk(n))):
+            with _gradient_sync(model, k == n - 1 or self.zero_stage >= 2):
+                loss = self.loss_fn(model(xs), ys)
+                (loss / n if n > 1 else loss).backward()
+            losses.append(_local(loss.detach()))
+        return losses[0] if n == 1 else torch.stack(losses).mean()
+
+
+@contextlib.contextmanager
+def _gradient_sync(model: nn.Module, sync: bool):
+    """Whether the data-parallel wrapper of `model` reduces the gradients of this backward:
+    DDP's no_sync, FSDP2's set_requires_gradient_sync; the manual all-reduce runs after the
+    step's backward anyway (`sync_gradients`)."""
+    if sync:
+        yield
+    elif hasattr(model, "no_sync"):  # DistributedDataParallel
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -268,7 +307,8 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
                       tp_rank=mesh["tp"].get_local_rank() if tp > 1 else 0, stage_ids=ids,
                       num_stages=len(plan.stages) if pp > 1 else 1, n_microbatches=n_micro,
                       loss_fn=loss_fn, device=device, loss_parallel=vocab_parallel,
-                      selective_recompute=cfg.recompute == "selective")
+                      selective_recompute=cfg.recompute == "selective",
+                      zero_stage=cfg.zero_stage if dp * cp > 1 else 0)
     if cp > 1:
         rt.context_parallel = ContextParallel(group=mesh["cp"].get_group(),
                                               rank=mesh["cp"].get_local_rank(), size=cp)

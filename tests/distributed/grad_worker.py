@@ -41,14 +41,16 @@ def _clean(fqn: str) -> str:
     return fqn
 
 
-def _reference_loss(ref: nn.Module, x: torch.Tensor, y: torch.Tensor, dp: int) -> torch.Tensor:
+def _reference_loss(ref: nn.Module, x: torch.Tensor, y: torch.Tensor, micro_batch: int
+                    ) -> torch.Tensor:
     """The reference of what the plan computes: the loss on the whole batch, or, for a model
-    with batch norm under dp > 1, the mean of the losses of the dp slices (each slice
-    normalised by its own batch statistics)."""
-    if dp == 1 or not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in ref.modules()):
+    with batch norm, the mean of the losses of its micro-batches (each normalised by its own
+    batch statistics, as each data-parallel rank runs its micro-batches one by one)."""
+    n = x.shape[0] // micro_batch
+    if n == 1 or not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in ref.modules()):
         return runtime.lm_loss(ref(x), y)
     return torch.stack([runtime.lm_loss(ref(xs), ys)
-                        for xs, ys in zip(x.chunk(dp), y.chunk(dp))]).mean()
+                        for xs, ys in zip(x.chunk(n), y.chunk(n))]).mean()
 
 
 def _check(plan_path: str, factory: str) -> dict[str, float]:
@@ -56,9 +58,12 @@ def _check(plan_path: str, factory: str) -> dict[str, float]:
     plan = load_plan(plan_path, model=model)
     ref = copy.deepcopy(model)
     x, y = tiny_models.batch(factory, model, plan)
-    ref_loss = _reference_loss(ref, x, y, plan.config.dp)
+    ref_loss = _reference_loss(ref, x, y, plan.config.micro_batch_size)
     ref_loss.backward()
     want = {name: p.grad for name, p in ref.named_parameters()}
+    batches: list[int] = []  # the sequences of each forward of the whole model
+    if plan.config.pp == 1:
+        model.register_forward_pre_hook(lambda _, args: batches.append(args[0].shape[0]))
     sharded = runtime.apply_plan(model, plan)
     loss = sharded.train_step(x, y)
     grad_err, grad_max, n = 0.0, 0.0, 0
@@ -76,7 +81,8 @@ def _check(plan_path: str, factory: str) -> dict[str, float]:
             grad_max = max(grad_max, float(w.abs().max()))
             n += 1
     return {"loss_err": abs(loss - float(ref_loss)), "grad_err": grad_err, "grad_max": grad_max,
-            "n_grads": n, "loss_parallel": sharded.loss_parallel, "local_numel": local_numel}
+            "n_grads": n, "loss_parallel": sharded.loss_parallel, "local_numel": local_numel,
+            "forward_batches": batches}
 
 
 def _own_attention(q, k, v, **_):

@@ -35,6 +35,12 @@ PLANS = {
         ("tp_selective_math", "tiny_llama_math", {"tp": 2, "recompute": "selective",
                                                   "sequence_parallel": False}),
         ("resnet_tp", "tiny_resnet", {"tp": 2}),
+        # no pipeline, micro-batches under the rank's slice: gradient accumulation
+        ("ddp_accumulate", "tiny_llama", {"dp": 2, "zero_stage": 0, "micro_batch_size": 1}),
+        ("zero1_accumulate", "tiny_llama", {"dp": 2, "zero_stage": 1, "micro_batch_size": 1}),
+        ("zero3_accumulate", "tiny_llama", {"dp": 2, "zero_stage": 3, "micro_batch_size": 2}),
+        ("tp_accumulate", "tiny_llama", {"tp": 2, "sequence_parallel": False, **MB2}),
+        ("resnet_dp_accumulate", "tiny_resnet", {"dp": 2, "micro_batch_size": 2}),
         ("vit_tp", "tiny_vit", {"tp": 2, "sequence_parallel": False})],
     4: [("dp_tp_sp_zero0", "tiny_llama_wide", {"dp": 2, "tp": 2, "zero_stage": 0,
                                                 "sequence_parallel": True}),
@@ -90,6 +96,14 @@ def run_gradient_plans(tmp_path: Path, world: int, plans: list[tuple[str, str, d
 @pytest.mark.parametrize("world", sorted(PLANS))
 def test_gradients_match_the_reference(tmp_path, world):
     results = run_gradient_plans(tmp_path, world, PLANS[world])
+    # without a pipeline each rank runs its slice of the global batch (8) in micro-batches
+    # of the plan's size, one forward each
+    for name, _, constraints in PLANS[world]:
+        if constraints.get("pp", 1) == 1:
+            mb, dp = constraints.get("micro_batch_size"), constraints.get("dp", 1)
+            for got in results[name]:
+                want = [mb] * (8 // (dp * mb)) if mb else [8 // dp]
+                assert got["forward_batches"] == want, (name, got["forward_batches"])
     # the ResNet plans run their convolutions output-channel parallel, not replicated: each
     # rank holds 1/tp of a conv weight, and 1/(tp·dp) under ZeRO-3
     full = tiny_models.tiny_resnet().get_parameter("layer1.0.conv2.weight").numel()
