@@ -32,8 +32,9 @@ from costmodels.collectives import GroupLayout, estimate_on_layout, group_layout
 from costmodels.compute import (activation_memory_time_s, attention_time_s, gemm_time_s,
                                 loss_time_s, op_overhead_s, unaligned_gemm_slowdown)
 
-__all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitTimes", "axis_strides", "mesh_groups",
-           "op_times", "rank_groups", "replica_axes", "slowest_groups", "unit_times"]
+__all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitCompute", "UnitTimes", "axis_strides",
+           "mesh_groups", "op_times", "rank_groups", "replica_axes", "slowest_groups",
+           "unit_compute", "unit_times"]
 
 # A memory-bound op's backward reads the output gradient and the saved input and writes the
 # input gradient: about twice the forward's traffic (read input, write output).
@@ -389,7 +390,8 @@ class UnitCompute:
 def unit_compute(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
                  attention_kernel: str, kernels: str = "eager",
                  loss_kernel: str = "eager") -> UnitCompute:
-    """`UnitCompute` of `unit` (it depends on micro-batch, tp, cp and SP, not on groups)."""
+    """`UnitCompute` of `unit` (it depends on the micro-batch, tp, cp, SP, dtype and kernels,
+    not on where the groups lie)."""
     fwd = bwd = wgrad = attn_fwd = attn_bwd = gemm_fwd = gemm_bwd = tail_fwd = 0.0
     tail_gemms = 0
     for op in unit.ops:

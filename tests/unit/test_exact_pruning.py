@@ -83,6 +83,21 @@ def test_the_zero_bubble_bound_is_tight_on_equal_stages(p, m, w):
     assert bound == pytest.approx(sim.step_time_s, rel=1e-12)
 
 
+def fitting_estimates(costs: ModelCosts, cluster, configs, *, global_batch_size: int,
+                      options: EstimateOptions, cache: EvalCache) -> list:
+    """The closed-form estimates of those of `configs` that evaluate and fit, in order."""
+    fast = []
+    for cfg in configs:
+        try:
+            est = evaluate(costs, cluster, cfg, global_batch_size=global_batch_size,
+                           options=options, cache=cache, exact=False)
+        except ValueError:
+            continue
+        if est.fits:
+            fast.append(est)
+    return fast
+
+
 def _costs(layers: int) -> ModelCosts:
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=8192, max_seq_len=1024, dim=512, n_layers=layers,
@@ -99,16 +114,10 @@ def test_skipping_simulations_keeps_the_winner_of_simulating_all(seed):
     gbs = rng.choice([16, 32, 64])
     constraints = rng.choice([{}, {"pp": 2}, {"pp": 4}])  # pipelines: the bound is not exact
     options, cache = EstimateOptions(), EvalCache(cluster)
-    fast = []
-    for cfg in enumerate_configs(costs, cluster, global_batch_size=gbs, constraints=constraints,
-                                 options=options, settings=SearchSettings(progress=False)):
-        try:
-            est = evaluate(costs, cluster, cfg, global_batch_size=gbs, options=options,
-                           cache=cache, exact=False)
-        except ValueError:
-            continue
-        if est.fits:
-            fast.append(est)
+    fast = fitting_estimates(costs, cluster, enumerate_configs(
+        costs, cluster, global_batch_size=gbs, constraints=constraints, options=options,
+        settings=SearchSettings(progress=False)), global_batch_size=gbs, options=options,
+        cache=cache)
     top = sorted(fast, key=outer._rank_key)[:rng.choice([4, 16, 40])]
     assert top
     every = [evaluate(costs, cluster, e.config, global_batch_size=gbs, options=options,

@@ -340,6 +340,7 @@ def test_every_order_search_is_brute_force_over_configs_and_placements(seed):
     from autopar.estimate import EstimateOptions, ModelCosts, evaluate
     from autopar.estimate.core import EvalCache, placement_key
     from autopar.search import outer
+    from test_exact_pruning import fitting_estimates
 
     rng = random.Random(seed)
     costs = ModelCosts.from_graph(autopar.trace(_small_gpt(), global_batch_size=1,
@@ -350,23 +351,19 @@ def test_every_order_search_is_brute_force_over_configs_and_placements(seed):
     pins = rng.choice([{"tp": 2}, {"tp": 2, "pp": 2}, {"cp": 2, "tp": 2}, {"pp": 2, "dp": 2}])
     options, cache = EstimateOptions(), EvalCache(cluster)
     settings = outer.SearchSettings(progress=False, mesh_orders="all", top_k_exact=k)
-    fast = []
-    for cfg in outer.enumerate_configs(costs, cluster, global_batch_size=gbs,
-                                       constraints=pins, options=options, settings=settings):
-        keys = set()
-        for order in mesh_orders("all"):
-            placed = dataclasses.replace(cfg, mesh_order=order)
-            key = placement_key(cache, placed)
-            if key in keys:
-                continue
-            keys.add(key)
-            try:
-                est = evaluate(costs, cluster, placed, global_batch_size=gbs, options=options,
-                               cache=cache, exact=False)
-            except ValueError:
-                continue
-            if est.fits:
-                fast.append(est)
+    def placements():  # each config in the first order of each of its placements
+        for cfg in outer.enumerate_configs(costs, cluster, global_batch_size=gbs,
+                                           constraints=pins, options=options, settings=settings):
+            keys = set()
+            for order in mesh_orders("all"):
+                placed = dataclasses.replace(cfg, mesh_order=order)
+                key = placement_key(cache, placed)
+                if key not in keys:
+                    keys.add(key)
+                    yield placed
+
+    fast = fitting_estimates(costs, cluster, placements(), global_batch_size=gbs,
+                             options=options, cache=cache)
     top = sorted(fast, key=outer._rank_key)[:k]
     simulated = [evaluate(costs, cluster, e.config, global_batch_size=gbs, options=options,
                           cache=cache, exact=True) for e in top]
