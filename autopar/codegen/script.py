@@ -67,7 +67,8 @@ def main(argv=None):
         rank, trained, modules, pp_rank = 0, model, [model], 0
 
         def train_step(x, y):
-            loss = loss_fn(model(x), y)
+            with runtime.precision(plan):  # bf16 plans: bf16 autocast, as the ranks run
+                loss = loss_fn(model(x), y)
             loss.backward()
             return loss.item()
     else:

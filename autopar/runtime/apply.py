@@ -13,6 +13,10 @@ MoE layer keeps its ep rank's experts (tp-sharded by the layer itself) and excha
 all-to-all; expert gradients are reduced over their replicas before the dense wrapper, which
 leaves them alone (``ignored_params``).
 
+Precision (`precision`): a bf16 plan's forward passes run under bf16 autocast, its weights,
+gradients and optimizer states in fp32 (the 16 bytes a parameter the plan counts); a plan
+without a pipeline runs the rank's slice in the plan's micro-batches, accumulating gradients.
+
 Loss parallel: with the default loss (``lm_loss``) and a tp-sharded LM head, the head keeps its
 logits sharded on the vocabulary and the cross entropy runs under DTensor's ``loss_parallel``
 (forward and backward), so no rank ever holds the full ``[tokens, vocab]`` logits and tp
@@ -60,9 +64,23 @@ from autopar.runtime.pipeline import (
 from autopar.runtime.tensor_parallel import apply_tensor_parallel, vocab_sharded_head
 
 __all__ = ["RuntimeModel", "apply_plan", "check_world_size", "init_distributed", "lm_loss",
-           "shutdown"]
+           "precision", "shutdown"]
 
 log = logging.getLogger(__name__)
+
+# A plan's precision as this runtime trains it: bf16 (and fp8, whose GEMMs it does not have)
+# under bf16 autocast, with fp32 weights, gradients and optimizer states (16 bytes a parameter,
+# as the plan counts them); fp32 as it is. fp16 would need loss scaling: it trains in fp32.
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.bfloat16}
+
+
+def precision(plan: Any, device: torch.device | str = "cpu"):
+    """The context to run a forward pass of `plan` in: bf16 autocast for a bf16 (or fp8)
+    plan, nothing otherwise. The backward pass runs in the dtypes its forward chose."""
+    dtype = AUTOCAST_DTYPES.get(plan.training["dtype"])
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -151,6 +169,7 @@ class RuntimeModel:
     loss_parallel: bool = False  # the head's logits stay vocab-sharded; loss under loss_parallel
     selective_recompute: bool = False  # recompute="selective": re-run the attention core
     zero_stage: int = 0
+    forward_context: Callable[[], Any] = contextlib.nullcontext  # `precision`
 
     def parameters(self):
         seen = set()
@@ -186,7 +205,8 @@ class RuntimeModel:
                 args = (x,) if 0 in self.stage_ids else ()
                 losses: list[torch.Tensor] = []
                 kwargs = {"target": y, "losses": losses} if self.is_last else {}
-                self.schedule.step(*args, **kwargs)
+                with self.forward_context():  # the schedule runs forward and backward passes
+                    self.schedule.step(*args, **kwargs)
                 local = (torch.stack([_local(v.detach()) for v in losses]).mean()
                          if self.is_last else torch.zeros(()))
         sync_gradients(self.modules)
@@ -216,7 +236,8 @@ class RuntimeModel:
         losses = []
         for k, (xs, ys) in enumerate(zip(x.chunk(n), y.chunk(n))):
             with _gradient_sync(model, k == n - 1 or self.zero_stage >= 2):
-                loss = self.loss_fn(model(xs), ys)
+                with self.forward_context():
+                    loss = self.loss_fn(model(xs), ys)
                 (loss / n if n > 1 else loss).backward()
             losses.append(_local(loss.detach()))
         return losses[0] if n == 1 else torch.stack(losses).mean()
@@ -308,7 +329,11 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
                       num_stages=len(plan.stages) if pp > 1 else 1, n_microbatches=n_micro,
                       loss_fn=loss_fn, device=device, loss_parallel=vocab_parallel,
                       selective_recompute=cfg.recompute == "selective",
-                      zero_stage=cfg.zero_stage if dp * cp > 1 else 0)
+                      zero_stage=cfg.zero_stage if dp * cp > 1 else 0,
+                      forward_context=lambda: precision(plan, device))
+    if plan.training["dtype"] == "fp16":
+        log.warning("fp16 plan: trains in fp32 (fp16 needs loss scaling, which this runtime "
+                    "does not do); plan with dtype='bf16' to train in 16-bit")
     if cp > 1:
         rt.context_parallel = ContextParallel(group=mesh["cp"].get_group(),
                                               rank=mesh["cp"].get_local_rank(), size=cp)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import autopar
 from autopar.cli import main as cli_main
@@ -26,6 +27,7 @@ PY = sys.executable
 TORCHRUN = str(Path(PY).with_name("torchrun"))
 STEPS = 3
 TOL = 1e-4
+BF16_TOL = 1e-2  # bf16 rounds to 3 significant digits, in other orders on other layouts
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+)", re.MULTILINE)
 
 # (id, ranks, model factory, constraints pinned in autopar.compile)
@@ -68,10 +70,11 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _make_script(tmp: Path, name: str, ranks: int, factory: str, constraints: dict) -> Path:
+def _make_script(tmp: Path, name: str, ranks: int, factory: str, constraints: dict,
+                 dtype: str = "fp32") -> Path:
     cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=ranks)
     model = getattr(tiny_models, factory)()
-    plan = autopar.compile(model, cluster, global_batch_size=8, seq_len=64, dtype="fp32",
+    plan = autopar.compile(model, cluster, global_batch_size=8, seq_len=64, dtype=dtype,
                            constraints=constraints)
     for key, value in constraints.items():
         assert getattr(plan.config, key) == value, (key, plan.config)
@@ -108,9 +111,10 @@ def references(tmp_path_factory):
     return get
 
 
-def assert_script_matches(script: Path, ranks: int, ref: list[float], name: str):
+def assert_script_matches(script: Path, ranks: int, ref: list[float], name: str,
+                          tol: float = TOL):
     """Run a generated script on ``ranks`` processes for STEPS steps and assert every step's loss
-    is within TOL (relative) of the reference's; returns the finished process."""
+    is within `tol` (relative) of the reference's; returns the finished process."""
     res = _run([TORCHRUN, "--standalone", f"--nproc_per_node={ranks}", str(script),
                 "--steps", str(STEPS), "--seed", "0"])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -118,7 +122,7 @@ def assert_script_matches(script: Path, ranks: int, ref: list[float], name: str)
     assert len(got) == STEPS, res.stdout
     rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
     print(f"{name}: max relative loss difference {rel:.2e}")
-    assert rel <= TOL, (got, ref)
+    assert rel <= tol, (got, ref)
     return res
 
 
@@ -128,6 +132,48 @@ def test_parity(tmp_path, references, name, ranks, factory, constraints):
     res = assert_script_matches(script, ranks, references(script, factory), name)
     assert "summary: median step" in res.stdout
     assert "model states held on pipeline rank" in res.stdout and "(plan " in res.stdout
+
+
+# FSDP2 and a pipeline schedule under autocast (DDP, 1.6e-5, and tp + SP passed too when
+# written; left out of the suite for its time)
+BF16 = [("zero3", 2, {"dp": 2, "zero_stage": 3}),
+        ("pp_1f1b", 2, {"pp": 2, "pp_schedule": "1f1b", "micro_batch_size": 2})]
+
+
+@pytest.mark.parametrize("name,ranks,constraints", BF16, ids=[c[0] for c in BF16])
+def test_bf16_plans_train_under_autocast_as_the_reference(tmp_path, name, ranks, constraints):
+    """A bf16 plan trains under bf16 autocast (fp32 weights and optimizer states) on every
+    rank, as its --reference run does in one process: the same losses to bf16's precision,
+    and not fp32's (the runtime trained bf16 plans in fp32 before)."""
+    script = _make_script(tmp_path, name, ranks, "tiny_llama_wide", constraints, dtype="bf16")
+    res = _run([PY, str(script), "--reference", "--steps", str(STEPS), "--seed", "0"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert_script_matches(script, ranks, _losses(res.stdout), f"bf16 {name}", tol=BF16_TOL)
+
+
+@pytest.mark.parametrize("dtype,want", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_the_runtime_runs_the_forward_in_the_plans_precision(dtype, want):
+    """One rank, in this process: the model's logits come out of the forward in bf16 under a
+    bf16 plan (autocast) and in fp32 under an fp32 plan; the weights stay fp32."""
+    import torch.distributed as dist
+
+    from autopar import runtime
+
+    model = tiny_models.tiny_llama()
+    plan = autopar.compile(model, autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=1),
+                           global_batch_size=8, seq_len=64, dtype=dtype,
+                           constraints={"micro_batch_size": 4})
+    seen = []
+    model.register_forward_hook(lambda _, __, out: seen.append(out.dtype))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        rt = runtime.apply_plan(model, plan)
+        x, y = tiny_models.batch("tiny_llama", model, plan)
+        rt.train_step(x, y)
+    finally:
+        dist.destroy_process_group()
+    assert seen == [want, want]  # two micro-batches of 4
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
 def test_wrong_world_size_stops_before_any_collective(tmp_path):
