@@ -28,13 +28,14 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch.nn as nn
 
 from autopar.cluster import Cluster
 from autopar.config import DEFAULT_MESH_ORDER, ParallelConfig, check_config
+from autopar.estimate.data_parallel import GatherUnit, dp_comm
 from autopar.estimate.layout import (Layout, Structure, UnitVectors, analytic_inflight,
                                      fast_peak_memory, layout, pipeline_bound,
                                      rank_work_extremes, simulated_lower_bound, structure,
@@ -44,8 +45,7 @@ from autopar.estimate.timing import (RankGroups, UnitCompute, UnitTimes, slowest
                                      unit_compute, unit_times)
 from autopar.estimate.units import Unit, units_from_graph
 from autopar.ir import Graph, OpKind
-from costmodels.collectives import (ZERO3_PERSISTENCE_THRESHOLD, ZERO3_SYNC_GATHER_BYTES_PER_S,
-                                   GroupLayout, LayoutTimer)
+from costmodels.collectives import GroupLayout, LayoutTimer
 from costmodels.compute import optimizer_time_s
 from costmodels.memory import DTYPE_BYTES, state_bytes_per_param
 from costmodels.pipeline import PipelineTimeline, simulate_pipeline
@@ -323,7 +323,7 @@ def _data_parallel(cluster: Cluster, cache: EvalCache, prep: "_Prepared",
     with the most parameters; memoised per (ZeRO stage, micro-batches, options)."""
     dkey = (config.zero_stage, m, options)
     if dkey not in prep.data_parallel:
-        dp_exposed, dp_total = _dp_comm(cache, config, prep.groups, prep.dense, prep.expert,
+        dp_exposed, dp_total = dp_comm(cache, config, prep.groups, prep.dense, prep.expert,
                                         prep.heavy_sums, m, dtype, options, prep.units_here)
         prep.data_parallel[dkey] = (dp_exposed, dp_total, _optimizer_s(
             cluster.hardware.device, prep.dense + prep.expert, config, dtype))
@@ -353,7 +353,7 @@ class _Prepared:
     dense: float
     expert: float
     heavy_sums: dict[str, float]
-    units_here: list["_GatherUnit"]
+    units_here: list["GatherUnit"]
     pipeline: dict = field(default_factory=dict)
     data_parallel: dict = field(default_factory=dict)
     timelines: dict = field(default_factory=dict)
@@ -447,70 +447,6 @@ def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dty
     return times
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class _GatherUnit:
-    """A ZeRO-3 unit on the rank: its layers there and the parameters of one layer on this
-    rank (dense, expert)."""
-
-    unit: Unit
-    layers: float
-    dense: float
-    expert: float
-
-
-def _param_tensors(unit: Unit, config: ParallelConfig) -> tuple[tuple[float, bool], ...]:
-    """Per parameterised op of one copy of `unit`, in execution order, its parameter elements
-    on this rank and whether they are expert weights (a Linear's weight and bias count as one
-    tensor: the bias is 1/h of it)."""
-    per_elem = unit.param_bytes / max(1, unit.dense_params + unit.expert_params)
-    if per_elem <= 0:
-        return ()
-    return tuple((op.param_bytes / per_elem / (config.tp * (config.ep if op.expert else 1)),
-                  op.expert) for op in unit.ops if op.param_bytes > 0)
-
-
-def _sync_gather_uses(gather_units: Sequence["_GatherUnit"], config: ParallelConfig,
-                     max_reuse_distance: float) -> list[tuple[float, bool]]:
-    """The parameter gathers of one micro-batch under DeepSpeed-2021 ZeRO-3 (one all-gather
-    per tensor, ``zero3_gather="sync"``): (elements on this rank, expert) for every use of a
-    tensor that has to gather it.
-
-    The rank's uses in order: the forward over its units and layers; then the backward in
-    reverse, where full recompute re-runs each block's forward just before that block's
-    backward. DeepSpeed's coordinator records this trace and, when a module's use ends,
-    keeps its parameters if the module's next use comes after fewer than `max_reuse_distance`
-    parameter elements of the uses in between (every parameter counts, persistent ones too;
-    its stage-3 `PrefetchCoordinator.get_reuse_distance_in_numel`, 2021); a kept tensor
-    is not gathered again. Tensors of at most ZERO3_PERSISTENCE_THRESHOLD elements stay
-    whole on every rank and are never gathered."""
-    full = config.recompute == "full"
-    tensors = [list(enumerate(_param_tensors(here.unit, config))) for here in gather_units]
-    trace: list[tuple[tuple[int, int, int], float, bool]] = []
-
-    def run(k: int, copy: int, ops) -> None:
-        trace.extend(((k, copy, t), n, e) for t, (n, e) in ops)
-
-    for k, here in enumerate(gather_units):
-        for copy in range(int(here.layers)):
-            run(k, copy, tensors[k])
-    for k in reversed(range(len(gather_units))):
-        for copy in reversed(range(int(gather_units[k].layers))):
-            if full and gather_units[k].unit.is_block:
-                run(k, copy, tensors[k])  # the recompute, just before the block's backward
-            run(k, copy, reversed(tensors[k]))
-    uses: list[tuple[float, bool]] = []
-    last_end: dict[tuple[int, int, int], float] = {}  # elements seen up to a key's last use
-    seen = 0.0
-    for key, numel, expert in trace:
-        prior = last_end.get(key)
-        if numel > ZERO3_PERSISTENCE_THRESHOLD and (
-                prior is None or seen - prior >= max_reuse_distance):
-            uses.append((numel, expert))
-        seen += numel
-        last_end[key] = seen
-    return uses
-
-
 def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype: str,
               options: EstimateOptions,
               boundaries: tuple[tuple[int, int], ...] | None) -> _Prepared:
@@ -535,7 +471,7 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
     p2p = (cache.collective_time("send_recv", act, groups.pp_hop)
            if groups.pp_hop is not None else 0.0)
     heavy = int(np.argmax(lay.rank_dense + lay.rank_expert))  # the first, as max() took
-    units_here = [_GatherUnit(unit=u, layers=float(n), dense=u.dense_params / config.tp,
+    units_here = [GatherUnit(unit=u, layers=float(n), dense=u.dense_params / config.tp,
                               expert=u.expert_params / (config.tp * config.ep))
                   for u, n in zip(units, lay.rank_counts[heavy]) if n > 0]
     prep = cache.layouts[lkey] = _Prepared(
@@ -628,80 +564,10 @@ def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, 
     return out
 
 
-def _dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: float,
-             expert: float, sums: dict[str, float], m: int, dtype: str,
-             options: EstimateOptions, gather_units: list[_GatherUnit]
-             ) -> tuple[float, float]:
-    """(exposed, total) seconds of data-parallel communication per step on one rank.
-
-    ZeRO-3 reduce-scatters once per FSDP unit (a block layer, or the glue before and after)
-    on the rank, so each collective pays its own latency, which grows with the group size.
-    Its gathers are per unit too, prefetched: one per unit for the forward and one for the
-    backward (the recompute runs on the backward's), hidden under compute where it lasts
-    longer, the first one exposed. With ``zero3_gather="sync"`` every parameter tensor is
-    gathered on its own, for the forward, the recompute (full) and the backward unless it was
-    kept since its last use (`_sync_gather_uses`), with the stream waiting: nothing hides
-    them."""
-    if len(groups.dp) == 1:
-        return 0.0, 0.0
-    param_b, grad_b = _dp_bytes(dtype, options)
-    expert_group = groups.dp[::cfg.ep] if cfg.ep > 1 else groups.dp
-
-    def both(kind: str, nbytes_per_param: float, dense: float = dense,
-             expert: float = expert) -> float:
-        """`kind` over `dense` parameters in the dp group and `expert` ones in theirs."""
-        t = cluster.collective_time(kind, dense * nbytes_per_param, groups.dp)
-        if expert and len(expert_group) > 1:
-            t += cluster.collective_time(kind, expert * nbytes_per_param, expert_group)
-        return t
-
-    fwd = sums["compute_fwd"]
-    bwd = sums["compute_bwd"] + sums["recompute"]
-    if cfg.zero_stage == 3:
-        sync = options.zero3_gather == "sync"
-        gather = scatter = first = 0.0
-        for here in gather_units:
-            scatter += here.layers * both("reduce_scatter", grad_b, here.dense, here.expert)
-            if sync:
-                continue
-            g = both("all_gather", param_b, here.dense, here.expert)
-            gather, first = gather + here.layers * g, max(first, g)
-        if sync:  # one gather per parameter tensor and use, the stream waiting for it
-            times: dict[tuple[float, bool], float] = {}  # tensors of a size recur per layer
-
-            def one(n: float, is_expert: bool) -> float:
-                t = times.get((n, is_expert))
-                if t is None:
-                    t = times[n, is_expert] = cluster.collective_time(
-                        "all_gather", n * param_b, expert_group if is_expert else groups.dp) \
-                        + n * param_b / ZERO3_SYNC_GATHER_BYTES_PER_S
-                return t
-
-            gather = sum(one(n, is_expert) for n, is_expert in _sync_gather_uses(
-                gather_units, cfg, options.zero3_max_reuse_distance))
-            return m * (gather + max(0.0, scatter - bwd)), m * (gather + scatter)
-        exposed_mb = max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd) + first
-        return m * exposed_mb, m * (2 * gather + scatter)
-    if cfg.zero_stage == 0:
-        reduce, gather = both("all_reduce", grad_b), 0.0
-    else:
-        reduce, gather = both("reduce_scatter", grad_b), both("all_gather", param_b)
-    if not options.overlap_dp_comm:
-        return reduce + gather, reduce + gather
-    return max(0.0, reduce - bwd) + max(0.0, gather - fwd), reduce + gather
-
-
-def _dp_bytes(dtype: str, options: EstimateOptions) -> tuple[int, int]:
-    """Bytes per parameter that data parallelism gathers and per gradient it reduces."""
-    param_b = DTYPE_BYTES[dtype] if dtype != "fp8" else 2
-    grad_b = DTYPE_BYTES[options.grad_reduce_dtype] if dtype != "fp32" else 4
-    return param_b, grad_b
-
-
 @dataclass(frozen=True)
 class DataParallelFloor:
     """Lower bounds on the two terms `evaluate` adds to the pipeline's time: the exposed
-    data-parallel traffic (`_dp_comm`) and the optimizer step. `traffic` is T below: the
+    data-parallel traffic (`dp_comm`) and the optimizer step. `traffic` is T below: the
     traffic of the rank with the most parameters; `hidden` whether compute may hide it;
     `per_micro_batch` whether it recurs every micro-batch (ZeRO-3) or once a step."""
 
@@ -722,7 +588,7 @@ def data_parallel_floor(costs: ModelCosts, cache: EvalCache, config: ParallelCon
     """What a config pays beyond its pipeline at least (`DataParallelFloor`), from its split's
     parameters per rank, without building its layout.
 
-    `_dp_comm` costs the rank with the most parameters, h: d_h dense and e_h expert
+    `dp_comm` costs the rank with the most parameters, h: d_h dense and e_h expert
     parameters on one GPU. Of the ranks' (d_r, e_r), h has the largest d + e = M, so d_h >=
     max(min_r d_r, M - max_r e_r) and e_h >= max(min_r e_r, M - max_r d_r) (d_h = M without
     experts). Every candidate collective time is affine in the bytes with a non-negative
@@ -760,10 +626,10 @@ def data_parallel_floor(costs: ModelCosts, cache: EvalCache, config: ParallelCon
     zero3 = config.zero_stage == 3
     traffic = 0.0
     if not zero3 or options.zero3_gather == "prefetch":
-        # `_dp_comm`'s total traffic for a rank holding (d, e), as one ZeRO-3 unit and one
+        # `dp_comm`'s total traffic for a rank holding (d, e), as one ZeRO-3 unit and one
         # micro-batch (its total does not depend on the compute sums)
-        whole = [_GatherUnit(unit=costs.units[0], layers=1.0, dense=d, expert=e)]
-        traffic = _dp_comm(cache, config, _rank_groups(cache, config), d, e, _NO_COMPUTE, 1,
+        whole = [GatherUnit(unit=costs.units[0], layers=1.0, dense=d, expert=e)]
+        traffic = dp_comm(cache, config, _rank_groups(cache, config), d, e, _NO_COMPUTE, 1,
                            dtype, options, whole)[1]
     return DataParallelFloor(traffic=traffic, hidden=zero3 or options.overlap_dp_comm,
                              per_micro_batch=zero3, optimizer=optimizer)
