@@ -16,7 +16,9 @@ from autopar.estimate.timing import slowest_groups
 from autopar.errors import StageMemoryError
 from autopar.search.inter_op import partition_stages
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES
+from autopar.models.common import count_attention_calls
 from autopar.plan import Plan, megatron_tp_placements, param_placements
+from autopar.runtime.capabilities import runtime_limits
 from autopar.search.intra_op import solve_block
 from autopar.search.outer import SearchSettings, check_constraints, search
 
@@ -48,18 +50,22 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
             or global_batch_size < 1:
         raise ValueError(f"global_batch_size must be an integer >= 1, got {global_batch_size!r}")
     clock = _PhaseClock()
-    if example_inputs is None:
-        if seq_len is None:
-            raise ValueError("token models need seq_len (and global_batch_size); other models "
-                             "need example_inputs for one micro-batch")
-        graph = trace(model, global_batch_size=1, seq_len=seq_len, dtype=dtype)
-    else:
-        graph = trace(model, example_inputs=example_inputs, dtype=dtype)
+    with count_attention_calls() as attention_calls:
+        if example_inputs is None:
+            if seq_len is None:
+                raise ValueError("token models need seq_len (and global_batch_size); other "
+                                 "models need example_inputs for one micro-batch")
+            graph = trace(model, global_batch_size=1, seq_len=seq_len, dtype=dtype)
+        else:
+            graph = trace(model, example_inputs=example_inputs, dtype=dtype)
     clock.lap("trace")
+    limits = runtime_limits(model, graph, token_model=example_inputs is None,
+                            attention_hook_calls=attention_calls[0])
     costs = ModelCosts.from_graph(graph)
     cache = EvalCache(cluster)  # the search's memo tables, reused by the stage re-cut
     result = search(costs, cluster, global_batch_size=global_batch_size, dtype=dtype,
-                    constraints=constraints, options=options, settings=settings, cache=cache)
+                    constraints=_within_limits(constraints, limits), options=options,
+                    settings=settings, cache=cache)
     clock.lap("search")
     best = _rebalance_stages(costs, cluster, result.best, global_batch_size, dtype, options,
                              cache)
@@ -90,6 +96,20 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
                 "seconds": result.seconds,
                 "phase_seconds": clock.laps,
                 "stage_cut": "inter-op DP" if best is not result.best else "even (Megatron)"})
+
+
+def _within_limits(constraints: dict[str, Any], limits: dict[str, str]) -> dict[str, Any]:
+    """The search's constraints: the user's pins, and degree 1 on every axis the runtime cannot
+    run for this model (a pin above 1 there is refused with the runtime's reason)."""
+    for axis, reason in sorted(limits.items()):
+        if constraints.get(axis, 1) != 1:
+            raise ValueError(f"{axis}={constraints[axis]} cannot run on this model: {reason}; "
+                             f"plan with {axis}=1 (or leave {axis} unpinned)")
+    if limits:
+        log.info("this runtime cannot run %s for this model (%s): searching them at 1",
+                 ", ".join(sorted(limits)), "; ".join(f"{a}: {r}" for a, r in
+                                                     sorted(limits.items())))
+    return {**constraints, **{axis: 1 for axis in limits}}
 
 
 class _PhaseClock:

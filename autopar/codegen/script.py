@@ -68,7 +68,7 @@ def main(argv=None):
 
         def train_step(x, y):
             with runtime.precision(plan):  # bf16 plans: bf16 autocast, as the ranks run
-                loss = loss_fn(model(x), y)
+                loss = loss_fn(runtime.model_logits(model(x)), y)
             loss.backward()
             return loss.item()
     else:
@@ -148,7 +148,9 @@ def generate_script(plan: Any, model_factory: str, loss: str | None = None, *,
                     plan_path: str | Path | None = None, script_name: str = "train.py") -> str:
     """The script text.  ``plan`` is a Plan or the path of a saved plan; ``plan_path`` (the file
     the script loads; default: ``plan`` when it is a path) is written in as given.
-    ``model_factory`` and ``loss`` are ``MODULE:FN``; the loss takes (logits, labels)."""
+    ``model_factory`` and ``loss`` are ``MODULE:FN``; the loss takes (logits, labels), the
+    logits taken from whatever the model returns (``runtime.model_logits``: a tensor, a
+    mapping or ``ModelOutput`` with ``logits``, or a tuple led by them)."""
     from autopar.plan import Plan, load_plan
 
     if isinstance(plan, (str, Path)):

@@ -9,8 +9,9 @@ timing and memory models need, per micro-batch of the traced size, unsharded:
 - parameters, split into dense and expert (between an MoE dispatch and its combine);
 - activation bytes saved for backward (all, under selective recompute, and the part saved by
   memory-bound ops, which tensor parallelism shards only with sequence parallelism);
-- the tensor-parallel synchronisation points (one per pre-norm sub-layer: the all-reduce after
-  a Megatron row-parallel GEMM), the size of the hidden state they move, MoE dispatch bytes
+- the tensor-parallel synchronisation points (one per sub-layer: the all-reduce after a
+  Megatron row-parallel GEMM, found from the dataflow by `autopar.ir.residual`; one per
+  output-channel parallel convolution), the size of the hidden state they move, MoE dispatch bytes
   and the K/V bytes ring attention passes around.
 
 Pure functions of the IR; no torch import.
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
+from autopar.ir.residual import residual_structure
 
 __all__ = ["OpCost", "Unit", "recompute_tail", "units_from_graph", "vocab_sizes"]
 
@@ -178,7 +180,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     dense = expert = 0
     in_moe = False
     seen_params: dict[str, int] = {}
-    saved_memory = kernels = tp_points = dispatch = kv = scores = tail_kernels = 0
+    saved_memory = kernels = dispatch = kv = scores = tail_kernels = 0
     act = 0
     tail = recompute_tail(nodes)
     for node in nodes:
@@ -230,11 +232,19 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
                               if loss else 0, **fixed))
             saved_memory += node.saved_bytes
         if node.kind is OpKind.NORM:
-            tp_points += 1
             act = act or sum(o.num_bytes for o in node.outputs[:1])
         elif node.kind is OpKind.EMBEDDING and not act:
             act = sum(o.num_bytes for o in node.outputs[:1])
-    if not act:  # no norm: the hidden state is the largest activation input of the unit
+    # one tp reduction per row-parallel GEMM and per MoE sub-layer (found from the dataflow,
+    # however the norms are written), one gather per output-channel parallel convolution
+    residual = residual_structure(nodes)
+    tp_points = len(residual.row_gemms) + sum(
+        n.kind is OpKind.MOE_DISPATCH or (n.kind is OpKind.CONV and bool(n.params))
+        for n in nodes)
+    if not act and residual.residual_adds:  # no norm op: the stream's hidden state
+        add = next(n for n in nodes if n.name == residual.residual_adds[0])
+        act = sum(o.num_bytes for o in add.outputs[:1])
+    if not act:  # the hidden state is the largest activation input of the unit
         act = max((t.num_bytes for n in nodes for t, src in zip(n.inputs, n.input_sources)
                    if not src.startswith(("param:", "buffer:", "const"))), default=0)
     if tp_points == 0 and any(op.kind == "gemm" or op.vocab for op in ops):

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 __all__ = ["AttentionImpl", "FeedForward", "SequenceShard", "SwiGLU", "apply_rope", "attention",
-           "recompute_attention_core", "rope_tables", "sequence_shard", "token_positions"]
+           "count_attention_calls", "recompute_attention_core", "rope_tables", "sequence_shard",
+           "token_positions"]
 
 
 class SequenceShard(Protocol):
@@ -51,6 +52,19 @@ def sequence_shard(shard: SequenceShard | None) -> Iterator[None]:
 
 
 _RECOMPUTE_ATTENTION_CORE = False  # process-wide, like the sequence shard
+_ATTENTION_CALLS: list[int] | None = None  # set by count_attention_calls
+
+
+@contextlib.contextmanager
+def count_attention_calls() -> Iterator[list[int]]:
+    """Count the calls of :func:`attention` while the block is active (``calls[0]``): whether a
+    model's attention goes through the hook that :func:`sequence_shard` replaces."""
+    global _ATTENTION_CALLS
+    previous, _ATTENTION_CALLS = _ATTENTION_CALLS, [0]
+    try:
+        yield _ATTENTION_CALLS
+    finally:
+        _ATTENTION_CALLS = previous
 
 
 @contextlib.contextmanager
@@ -86,6 +100,8 @@ class AttentionImpl(enum.Enum):
 def attention(q, k, v, *, impl: AttentionImpl, dropout: float, training: bool):
     """Causal attention over ``[batch, heads, seq, head_dim]``; k/v may have fewer heads.
     Under an active :func:`sequence_shard` the shard's attention runs instead (any ``impl``)."""
+    if _ATTENTION_CALLS is not None:
+        _ATTENTION_CALLS[0] += 1
     if _SEQUENCE_SHARD is not None:
         if dropout and training:
             raise NotImplementedError("attention dropout under context parallel (sequence "

@@ -60,10 +60,6 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    #: ``forward`` also takes the hidden state of an earlier pipeline stage (see ``forward``), so
-    #: a stage without the embeddings skips them, their position add and their dropout.
-    accepts_hidden_states = True
-
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
@@ -76,18 +72,13 @@ class GPT(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens):
-        """Token ids ``[batch, seq]`` → logits ``[batch, seq, vocab]``.  A floating-point input
-        is instead the hidden state ``[batch, seq, dim]`` that an earlier pipeline stage handed
-        over (autopar.runtime.pipeline): the embeddings already ran there, so they are skipped."""
+        """Token ids ``[batch, seq]`` → logits ``[batch, seq, vocab]``."""
         seq = tokens.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"seq_len {seq} exceeds max_seq_len {self.config.max_seq_len}")
-        if tokens.is_floating_point():
-            x = tokens
-        else:
-            pos = token_positions(seq, tokens.device)  # global positions under context parallel
-            x = F.dropout(self.tok_embeddings(tokens) + self.pos_embeddings(pos),
-                          self.config.dropout, self.training)
+        pos = token_positions(seq, tokens.device)  # global positions under context parallel
+        x = F.dropout(self.tok_embeddings(tokens) + self.pos_embeddings(pos),
+                      self.config.dropout, self.training)
         for layer in self.layers:
             x = layer(x)
         return self.output(self.norm(x))

@@ -2,9 +2,10 @@
 
 Tensor-parallel placements come from a map {representative param FQN: placement}, either
 the intra-op ILP's solution or `megatron_tp_placements` (the layout the estimate assumes):
-in each sub-layer (the nodes after a norm) the last GEMM before the residual add is
-row-parallel (weight [out, in] sharded on dim 1, its bias replicated) and the GEMMs before it
-are column-parallel (weight and bias sharded on dim 0); embeddings and the vocabulary head
+in each sub-layer (the nodes up to a residual add, found from the dataflow by
+`autopar.ir.residual`, whatever the norms are written as) the GEMM whose output reaches the
+residual add is row-parallel (weight [out, in] sharded on dim 1, its bias replicated) and the
+other GEMMs are column-parallel (weight and bias sharded on dim 0); embeddings and the vocabulary head
 are vocab-parallel (dim 0); norms stay replicated. In an MoE sub-layer the router is
 replicated and each expert of an experts list is its own column→row run (what the estimate
 costs: expert weights split over tp, one tp reduction per sub-layer). Block representatives
@@ -19,6 +20,7 @@ import re
 from autopar.config import ParallelConfig
 from autopar.estimate.units import vocab_sizes
 from autopar.ir import Graph, OpKind
+from autopar.ir.residual import residual_structure
 
 __all__ = ["megatron_tp_placements", "param_placements"]
 
@@ -29,9 +31,18 @@ def megatron_tp_placements(graph: Graph) -> dict[str, str]:
     vocab = vocab_sizes(graph)
     out: dict[str, str] = {}
     sublayer: list = []
+    block_of = {name: b.representative for b in graph.blocks for name in b.node_names}
+    runs: dict[str | None, list] = {}
+    for node in graph.nodes:
+        runs.setdefault(block_of.get(node.name), []).append(node)
+    structure = {key: residual_structure(nodes) for key, nodes in runs.items()
+                 if key is not None}
+    adds = {name for r in structure.values() for name in r.residual_adds}
+    rows = {name for r in structure.values() for name in r.row_gemms}
 
     def close(group: list) -> None:
-        """One pre-norm sub-layer.  An MoE sub-layer is a replicated router (every rank needs
+        """One sub-layer (the nodes up to its residual add).  An MoE sub-layer is a replicated
+        router (every rank needs
         all expert logits to route) and one column→row run per expert."""
         dispatch = next((i for i, n in enumerate(group) if n.kind is OpKind.MOE_DISPATCH), None)
         if dispatch is None:
@@ -47,12 +58,14 @@ def megatron_tp_placements(graph: Graph) -> dict[str, str]:
                          None)
             runs.setdefault(match.group(0) if match else "", []).append(node)
         for run in runs.values():
-            close_run(run)
+            close_run(run, by_position=True)
 
-    def close_run(group: list) -> None:
+    def close_run(group: list, by_position: bool = False) -> None:
+        """Column-parallel GEMMs and the row-parallel ones: those the dataflow found, or in an
+        expert (``by_position``) its last GEMM."""
         gemms = [n for n in group if n.kind in (OpKind.MATMUL, OpKind.CONV) and n.params]
         for i, node in enumerate(gemms):
-            row = i == len(gemms) - 1 and len(gemms) > 1
+            row = (i == len(gemms) - 1 and len(gemms) > 1) if by_position else node.name in rows
             for p in node.params:
                 if p.shape and p.shape[0] in vocab and len(p.shape) == 2:
                     out.setdefault(p.fqn, "S(0)")
@@ -62,14 +75,14 @@ def megatron_tp_placements(graph: Graph) -> dict[str, str]:
                     out.setdefault(p.fqn, "R" if row else "S(0)")
 
     for node in graph.nodes:
-        if node.kind is OpKind.NORM:
-            close(sublayer)
-            sublayer = []
-        elif node.kind is OpKind.EMBEDDING:
+        if node.kind is OpKind.EMBEDDING:
             tokens = any(src.startswith("input:") for src in node.input_sources)
             for p in node.params:
                 out.setdefault(p.fqn, "S(0)" if tokens and p.shape[0] in vocab else "R")
         sublayer.append(node)
+        if node.name in adds:
+            close(sublayer)
+            sublayer = []
     close(sublayer)
     return out
 

@@ -11,6 +11,7 @@ from autopar.runtime.apply import (
     check_world_size,
     init_distributed,
     lm_loss,
+    model_logits,
     precision,
     shutdown,
 )
@@ -26,5 +27,5 @@ from autopar.runtime.train import (
 
 __all__ = ["PEAK_MEMORY_MEANS", "RuntimeModel", "StateCounter", "apply_plan", "check_world_size",
            "checkpoint_info", "init_distributed", "lm_loss", "load_checkpoint", "make_optimizer",
-           "peak_memory_mb", "precision", "save_checkpoint", "shutdown", "synthetic_batch",
-           "synthetic_images"]
+           "model_logits", "peak_memory_mb", "precision", "save_checkpoint", "shutdown",
+           "synthetic_batch", "synthetic_images"]

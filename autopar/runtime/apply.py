@@ -17,18 +17,19 @@ Precision (`precision`): a bf16 plan's forward passes run under bf16 autocast, i
 gradients and optimizer states in fp32 (the 16 bytes a parameter the plan counts); a plan
 without a pipeline runs the rank's slice in the plan's micro-batches, accumulating gradients.
 
-Loss parallel: with the default loss (``lm_loss``) and a tp-sharded LM head, the head keeps its
-logits sharded on the vocabulary and the cross entropy runs under DTensor's ``loss_parallel``
-(forward and backward), so no rank ever holds the full ``[tokens, vocab]`` logits and tp
-exchanges per-token statistics instead of logits, as the estimate assumes.  A custom
-``loss_fn`` gets gathered logits.
+Loss parallel: under tensor parallel the model's output stays a DTensor; logits sharded on their
+last dim (a vocab-parallel head) go to the default loss (``lm_loss``) as they are, under DTensor's
+``loss_parallel`` (forward and backward), so no rank ever holds the full ``[tokens, vocab]``
+logits and tp exchanges per-token statistics instead of logits, as the estimate assumes.  Any
+other layout, and any custom ``loss_fn``, gets plain gathered logits.  Models may return a
+tensor, a mapping or ``ModelOutput`` with ``logits``, or a tuple (``model_logits``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -37,7 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.models.common import recompute_attention_core, sequence_shard
@@ -57,14 +59,22 @@ from autopar.runtime.expert_parallel import (
 )
 from autopar.runtime.pipeline import (
     build_stage_modules,
+    install_stage_io,
     make_pipeline_stages,
     make_schedule,
+    set_stage_tokens,
     stage_ids_for_rank,
 )
-from autopar.runtime.tensor_parallel import apply_tensor_parallel, vocab_sharded_head
+from autopar.runtime.structure import block_slots
+from autopar.runtime.tensor_parallel import (
+    LocalAttention,
+    apply_tensor_parallel,
+    settle_gradients,
+    stage_boundaries,
+)
 
 __all__ = ["RuntimeModel", "apply_plan", "check_world_size", "init_distributed", "lm_loss",
-           "precision", "shutdown"]
+           "model_logits", "precision", "shutdown"]
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +93,27 @@ def precision(plan: Any, device: torch.device | str = "cpu"):
     return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy over all positions."""
+def model_logits(output: Any) -> torch.Tensor:
+    """The logits in a model's output: the output itself when it is a tensor, the ``logits``
+    entry of a mapping (a Hugging Face ``ModelOutput``, a dict), the first element of a tuple
+    or list (nanoGPT's ``(logits, loss)``), or a ``.logits`` attribute."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping) and "logits" in output:
+        return output["logits"]
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    if isinstance(getattr(output, "logits", None), torch.Tensor):
+        return output.logits
+    raise TypeError(f"cannot find the logits in the model's output, a {type(output).__name__}: "
+                    f"return a tensor, a mapping or ModelOutput with 'logits', or a tuple whose "
+                    f"first element is the logits; or pass a loss function that takes the output")
+
+
+def lm_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy over all positions (of the logits in ``output``, see
+    `model_logits`)."""
+    logits = model_logits(output)
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
 
 
@@ -122,17 +151,6 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def _blocks(module: nn.Module) -> list[tuple[nn.Module, str]]:
-    """(container, key) of every block in the module's block lists (ModuleList / ModuleDict)."""
-    found = []
-    for child in module.children():
-        if isinstance(child, nn.ModuleList):
-            found += [(child, i) for i in range(len(child))]
-        elif isinstance(child, nn.ModuleDict):
-            found += [(child, k) for k, _ in child.items()]
-    return found
-
-
 def _apply_recompute(module: nn.Module, policy: str) -> None:
     if policy == "none":
         return
@@ -145,8 +163,8 @@ def _apply_recompute(module: nn.Module, policy: str) -> None:
         checkpoint_wrapper,
     )
 
-    for container, key in _blocks(module):
-        container[key] = checkpoint_wrapper(container[key])
+    for container, key in block_slots(module):
+        setattr(container, key, checkpoint_wrapper(container.get_submodule(key)))
 
 
 @dataclass
@@ -166,7 +184,9 @@ class RuntimeModel:
     schedule: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
     context_parallel: ContextParallel | None = None  # cp > 1: this rank's place in the cp ring
-    loss_parallel: bool = False  # the head's logits stay vocab-sharded; loss under loss_parallel
+    loss_parallel: bool = False  # the last step's loss ran on vocab-sharded logits
+    tensor_parallel: bool = False  # DTensor activations: implicit replication, local attention
+    default_loss: bool = True  # loss_fn is lm_loss: vocab-sharded logits may stay sharded
     selective_recompute: bool = False  # recompute="selective": re-run the attention core
     zero_stage: int = 0
     forward_context: Callable[[], Any] = contextlib.nullcontext  # `precision`
@@ -195,20 +215,23 @@ class RuntimeModel:
         cp = self.context_parallel
         if cp is not None:
             x, y = cp.split(x), cp.split(y)
-        vocab_parallel = loss_parallel() if self.loss_parallel else contextlib.nullcontext()
         # ring attention and global positions, forward and backward
         with sequence_shard(cp), recompute_attention_core(self.selective_recompute), \
-                vocab_parallel:
+                self._tensor_parallel_context():
             if self.schedule is None:
                 local = self._accumulate(x, y)
             else:
+                set_stage_tokens(self.modules, x, self.n_microbatches)
                 args = (x,) if 0 in self.stage_ids else ()
                 losses: list[torch.Tensor] = []
                 kwargs = {"target": y, "losses": losses} if self.is_last else {}
+                # the schedule calls self.loss (set as its loss_fn by apply_plan)
                 with self.forward_context():  # the schedule runs forward and backward passes
                     self.schedule.step(*args, **kwargs)
                 local = (torch.stack([_local(v.detach()) for v in losses]).mean()
                          if self.is_last else torch.zeros(()))
+        if self.tensor_parallel:
+            settle_gradients(self.parameters())
         sync_gradients(self.modules)
         sync_expert_gradients(self.modules)  # ep > 1, ZeRO-0: (Σ over replicas) / (dp·cp)
         # one rank per (dp, cp) pair counts: each holds the mean over the same number of tokens
@@ -220,6 +243,31 @@ class RuntimeModel:
         if cp is not None:
             cp.verify(self.device)  # once: the model's attention really went through the ring
         return float(total)
+
+    def _tensor_parallel_context(self):
+        """Under tensor parallel: plain tensors the model makes join DTensors as replicated,
+        attention runs on local heads, and vocab-sharded logits take the parallel loss."""
+        if not self.tensor_parallel:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(implicit_replication())
+        stack.enter_context(LocalAttention())
+        if self.default_loss:
+            stack.enter_context(loss_parallel())
+        return stack
+
+    def loss(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        """``loss_fn`` on the model's output: DTensor logits stay vocab-sharded for the default
+        loss (under ``loss_parallel``) and are gathered to plain tensors otherwise."""
+        logits = model_logits(output)
+        if isinstance(logits, DTensor):
+            vocab = (Shard(logits.dim() - 1),)
+            if self.default_loss and logits.placements == vocab:
+                self.loss_parallel = True
+                return self.loss_fn(logits, labels)
+            logits = logits.redistribute(logits.device_mesh, (Replicate(),)).to_local()
+        self.loss_parallel = False
+        return self.loss_fn(logits, labels)
 
     def _accumulate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of this rank's slice without a pipeline: `n_microbatches`
@@ -237,7 +285,7 @@ class RuntimeModel:
         for k, (xs, ys) in enumerate(zip(x.chunk(n), y.chunk(n))):
             with _gradient_sync(model, k == n - 1 or self.zero_stage >= 2):
                 with self.forward_context():
-                    loss = self.loss_fn(model(xs), ys)
+                    loss = self.loss(model(xs), ys)
                 (loss / n if n > 1 else loss).backward()
             losses.append(_local(loss.detach()))
         return losses[0] if n == 1 else torch.stack(losses).mean()
@@ -266,6 +314,16 @@ def _gradient_sync(model: nn.Module, sync: bool):
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A loss as a plain tensor (under loss parallel it is a replicated DTensor)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _example_microbatch(plan: Any, cp: int) -> torch.Tensor:
+    """One micro-batch of token ids of the plan's shape (this rank's share of the sequence
+    under context parallel), for the pipeline's probe forward."""
+    seq = plan.training.get("seq_len")
+    if not seq:
+        raise ValueError("pipeline parallel in this runtime runs token models (inputs [batch, "
+                         "seq] of token ids); plan this model with pp=1")
+    return torch.zeros(plan.config.micro_batch_size, int(seq) // cp, dtype=torch.long)
 
 
 def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu",
@@ -298,7 +356,7 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     n_micro = gbs // (dp * cfg.micro_batch_size)
     if pp > 1:
         ids = stage_ids_for_rank(mesh["pp"].get_local_rank(), pp, len(plan.stages))
-        modules = build_stage_modules(model, plan.stages, ids)
+        modules = build_stage_modules(model, plan.stages, ids, _example_microbatch(plan, cp))
     else:
         ids, modules = [0], [model]
     modules = [m.to(device) for m in modules]
@@ -306,15 +364,16 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     if cfg.ep > 1:  # before tp: the expert-parallel layers shard their own experts on tp
         ep_groups = expert_groups(mesh, plan)
         expert_params = apply_expert_parallel(modules, plan, ep_groups)
-    vocab_parallel = False
     if tp > 1:
-        for m in modules:
-            styles = apply_tensor_parallel(m, plan, mesh["tp"], loss_parallel=default_loss)
-            vocab_parallel |= vocab_sharded_head(styles)
-        if vocab_parallel:
-            log.info("the loss runs on vocab-sharded logits (DTensor loss_parallel)")
+        for m, sid in zip(modules, ids):
+            applied = apply_tensor_parallel(m, plan, mesh["tp"])
+            if pp > 1:
+                stage_boundaries(m, mesh["tp"], applied.sequence_parallel, first=sid == 0,
+                                 last=sid == len(plan.stages) - 1)
     for m in modules:
         _apply_recompute(m, cfg.recompute)
+        if pp > 1:
+            install_stage_io(m)
     if ep_groups is not None:  # experts: reduced over their replicas, before the dense wrapper
         for m in modules:
             shard_expert_params(m, plan, ep_groups)
@@ -327,7 +386,8 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
                       dp_rank=mesh["dp"].get_local_rank() if dp > 1 else 0, dp_size=dp,
                       tp_rank=mesh["tp"].get_local_rank() if tp > 1 else 0, stage_ids=ids,
                       num_stages=len(plan.stages) if pp > 1 else 1, n_microbatches=n_micro,
-                      loss_fn=loss_fn, device=device, loss_parallel=vocab_parallel,
+                      loss_fn=loss_fn, device=device, tensor_parallel=tp > 1,
+                      default_loss=default_loss,
                       selective_recompute=cfg.recompute == "selective",
                       zero_stage=cfg.zero_stage if dp * cp > 1 else 0,
                       forward_context=lambda: precision(plan, device))
@@ -340,7 +400,7 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     if pp > 1:
         stages = make_pipeline_stages(modules, ids, len(plan.stages), device,
                                       mesh["pp"].get_group())
-        rt.schedule = make_schedule(plan, stages, n_micro, loss_fn)
+        rt.schedule = make_schedule(plan, stages, n_micro, rt.loss)
         rt.extra["stages"] = stages
     log.info("rank %d: mesh %s, stages %s, %d micro-batches", dist.get_rank(), deg, ids, n_micro)
     return rt

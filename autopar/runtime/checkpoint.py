@@ -69,36 +69,48 @@ _SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uniniti
 
 class _StageUnion(nn.Module):
     """The stage modules of one pipeline rank seen as one module, for state dicts only (it has
-    no forward).  Block containers are merged by key (``layers.3`` stays ``layers.3``); every
-    other top-level child is taken from the one stage that owns parameters in it."""
+    no forward): every parameter and persistent buffer under the name it has in the reference
+    model, taken from the stage that holds it.  Modules a stage only stands in for (blocks it
+    passes through, modules outside the blocks it does not run) hold neither, so they add
+    nothing."""
 
     def __init__(self, stages: list[nn.Module]):
         super().__init__()
         for stage in stages:
-            stage = getattr(stage, "module", stage) if _is_ddp(stage) else stage
-            for name, param in stage.named_parameters(recurse=False):
-                self._take(name, param, self.register_parameter)
-            for name, buf in stage.named_buffers(recurse=False):
-                if name not in stage._non_persistent_buffers_set:
-                    self._take(name, buf, self.register_buffer)
-            for name, child in stage.named_children():
-                if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-                    if name not in self._modules:
-                        self.add_module(name, nn.ModuleDict())
-                    merged = self._modules[name]
-                    for key, block in child.named_children():
-                        if key in merged._modules:
-                            raise ValueError(f"two pipeline stages of this rank both hold "
-                                             f"{name}.{key}; the plan's stages must be disjoint")
-                        merged.add_module(key, block)
-                elif any(True for _ in child.parameters()) or any(True for _ in child.buffers()):
-                    self._take(name, child, self.add_module)
+            _merge(self, getattr(stage, "module", stage) if _is_ddp(stage) else stage)
 
-    def _take(self, name: str, value: Any, register: Any) -> None:
-        if name in self._modules or name in self._parameters or name in self._buffers:
-            raise ValueError(f"two pipeline stages of this rank both hold {name!r}; the plan's "
-                             f"stages must be disjoint")
-        register(name, value)
+
+def _holds_state(module: nn.Module) -> bool:
+    """Whether ``module`` or a module under it has a parameter or a persistent buffer."""
+    return any(True for _ in module.parameters()) or any(
+        name not in m._non_persistent_buffers_set
+        for m in module.modules() for name in m._buffers)
+
+
+def _merge(into: nn.Module, module: nn.Module) -> None:
+    """Add ``module``'s parameters, persistent buffers and the children that hold some to
+    ``into`` under the same names."""
+    for name, param in module.named_parameters(recurse=False):
+        _take(into, name, param, into.register_parameter)
+    for name, buf in module.named_buffers(recurse=False):
+        if name not in module._non_persistent_buffers_set:
+            _take(into, name, buf, into.register_buffer)
+    for name, child in module.named_children():
+        if not _holds_state(child):
+            continue
+        if name not in into._modules:
+            into.add_module(name, nn.Module())
+        _merge(into._modules[name], child)
+
+
+def _take(into: nn.Module, name: str, value: Any, register: Any) -> None:
+    held = into._parameters.get(name, into._buffers.get(name))
+    if held is value:
+        return
+    if held is not None:
+        raise ValueError(f"two pipeline stages of this rank both hold {name!r}; the plan's "
+                         f"stages must be disjoint")
+    register(name, value)
 
 
 def _is_ddp(module: nn.Module) -> bool:

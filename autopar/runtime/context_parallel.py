@@ -34,6 +34,9 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from autopar.runtime.tensor_parallel import local_heads
 
 __all__ = ["BlockKind", "ContextParallel", "block_kind", "block_mask", "check_context_parallel",
            "data_parallel_mesh", "replica_dims", "ring_attention", "zigzag_chunks", "zigzag_merge",
@@ -281,6 +284,9 @@ class ContextParallel:
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.attention_calls += 1
+        if any(isinstance(t, DTensor) for t in (q, k, v)):  # tensor parallel: local heads
+            q, k, v, wrap = local_heads(q, k, v)
+            return wrap(ring_attention(q, k, v, self.group))
         return ring_attention(q, k, v, self.group)
 
     def verify(self, device: torch.device) -> None:

@@ -1,18 +1,19 @@
 """Data parallelism with the plan's ZeRO stage, over a 1-D mesh of the ranks that hold the same
 parameters and train on different data (dp, or dp×cp flattened under context parallel).
 
-Mapping (see ../shared/data/runtime_cpu.md §c):
+Mapping:
 
 * ZeRO-0, plain tensors only (no tensor parallel): ``DistributedDataParallel``.
 * ZeRO-0 otherwise (DTensor parameters under tensor parallel, pipeline stages, parameters left
   to another owner): full replicas, and after backward one bucketed all-reduce per dtype of the
   local gradients, divided by the group size (DDP's numerics, without overlap).
-* ZeRO-1 and ZeRO-2: FSDP2 ``fully_shard`` per block and at the root with
+* ZeRO-1 and ZeRO-2: FSDP2 ``fully_shard`` per block (``structure.blocks``) and at the root with
   ``reshard_after_forward=False``: parameters stay gathered from forward to backward, gradients
   are reduce-scattered and the optimizer state is sharded.  FSDP2 has no ZeRO-1 (full gradients,
   sharded optimizer), so ZeRO-1 runs as ZeRO-2: the same traffic, less gradient memory.
 * ZeRO-3: the same with ``reshard_after_forward=True`` (except under zero-bubble pipelines,
-  which need the parameters kept between their B and W passes: runtime_cpu.md §e).
+  which need the parameters kept between their B and W passes: FSDP2 resharding between
+  them gives wrong gradients on torch 2.13).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from autopar.runtime.structure import blocks
 
 __all__ = ["apply_data_parallel", "sync_gradients"]
 
@@ -78,15 +79,6 @@ def _has_dtensor(params: list[nn.Parameter]) -> bool:
     return any(hasattr(p, "_local_tensor") for p in params)
 
 
-def _blocks(module: nn.Module) -> list[nn.Module]:
-    """Every block of the module's block lists (``ModuleList`` / ``ModuleDict`` children)."""
-    found: list[nn.Module] = []
-    for child in module.children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            found += list(child.children())
-    return found
-
-
 def apply_data_parallel(module: nn.Module, plan: Any, dp_mesh: Any, *, pure_dp: bool,
                         ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """Replicate or shard ``module`` over ``dp_mesh`` (each of its ranks trains on its own slice
@@ -114,21 +106,10 @@ def apply_data_parallel(module: nn.Module, plan: Any, dp_mesh: Any, *, pure_dp: 
     if zero == 1:
         log.info("zero_stage=1 runs as FSDP2 without reshard-after-forward (ZeRO-2: gradients "
                  "are sharded too)")
-    for block in _blocks(module):
+    for block in blocks(module):
         mine = {p for p in block.parameters() if p in ignored}
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard,
-                    ignored_params=mine or None, shard_placement_fn=_fsdp_placement)
+                    ignored_params=mine or None)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard,
-                ignored_params=ignored or None, shard_placement_fn=_fsdp_placement)
+                ignored_params=ignored or None)
     return module
-
-
-def _fsdp_placement(param: nn.Parameter) -> Shard | None:
-    """Where FSDP2 shards a parameter over dp: dim 1 for a 2-D weight that tensor parallel
-    placed head-aware (``_StridedShard`` on dim 0, a fused qkv): FSDP cannot split those rows
-    again without breaking the heads, but their input columns are free. Default (dim 0)
-    otherwise."""
-    if isinstance(param, DTensor) and param.ndim == 2 and any(
-            isinstance(p, _StridedShard) for p in param.placements):
-        return Shard(1)
-    return None

@@ -68,7 +68,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.runtime.context_parallel import replica_dims
-from autopar.runtime.pipeline import _KeptLayers
 
 __all__ = ["ExpertGroups", "ExpertParallelMoE", "apply_expert_parallel", "check_expert_parallel",
            "expert_groups", "find_moe_modules", "shard_expert_params", "sync_expert_gradients"]
@@ -334,6 +333,14 @@ def _shard_expert_on_tp(expert: nn.Module, dims: dict[str, int], groups: ExpertG
 
 # ---------------------------------------------------------------------------------------------
 # the expert-parallel MoE layer
+
+
+class _KeptLayers(nn.ModuleDict):
+    """The experts a rank keeps, keyed by their index in the full layer; iterating yields the
+    experts (not the keys) in order, as iterating the full layer's ModuleList does."""
+
+    def __iter__(self):
+        return iter(self._modules.values())
 
 
 class ExpertParallelMoE(nn.Module):

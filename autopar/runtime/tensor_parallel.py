@@ -1,51 +1,54 @@
-"""Tensor and sequence parallelism from a plan's per-parameter placements, with DTensor.
+"""Tensor and sequence parallelism from a plan's per-parameter placements, with DTensor, on the
+user's unchanged model code.
 
-The plan says, per parameter and per mesh axis, "R" (replicated) or "S(dim)" (sharded on
-that tensor dimension).  On the ``tp`` axis this module turns that into
-``parallelize_module`` styles: an ``nn.Linear`` weight sharded on dim 0 is column-parallel, on
-dim 1 row-parallel; an ``nn.Embedding`` sharded on dim 0 is a vocab-parallel embedding
-(``RowwiseParallel`` on the embedding); an ``nn.Conv1d/2d/3d`` sharded on dim 0 is
-output-channel parallel (``ChannelParallel``: each rank convolves the full input with its
-channels, the output is all-gathered on the channel dim, so batch norms and residual adds see
-the full activation; input-channel and grouped convolutions are refused).  A parameter the
-plan shards on tp that none of these runs is replicated, and a warning lists it (its memory per
-rank is then above the plan's estimate).  The LM head, when sharded, is column-parallel; with
-``loss_parallel=True`` (the runtime's default loss) its logits stay sharded on the vocabulary as
-a DTensor for DTensor's ``loss_parallel`` cross entropy, otherwise they are gathered
-(``output_layouts=Replicate()``) for a loss function that expects plain tensors.
+The plan says, per parameter and per mesh axis, "R" (replicated) or "S(dim)" (sharded on that
+tensor dimension).  On the ``tp`` axis every parameter becomes a DTensor with that placement
+(``Shard(dim)`` or ``Replicate()``), whatever module holds it (``nn.Linear``, Hugging Face's
+``Conv1D``, a stacked expert weight, a hand-written norm): no style is chosen by module class
+or name.  The activations are DTensors too, from the first op that touches a parameter to the
+model's output, so the model's own forward runs as written with global shapes: a view
+``.view(b, s, n_heads, head_dim)`` of a column-parallel projection comes out sharded on the
+heads, RoPE slicing, ``repeat_interleave``/``expand`` of k/v heads and ``stack`` follow the
+placements, and any layout DTensor cannot keep sharded (a fused projection split where its
+shards do not align with the split, kv heads fewer than tp) is redistributed by DTensor itself,
+so the numbers stay those of the reference.  Plain tensors the model makes (RoPE tables,
+masks, positions) join as replicated under ``implicit_replication``, which the step runs in.
 
-Megatron sequence parallelism (``plan.config.sequence_parallel``) is applied only when every
-block's attention and feed-forward are Megatron-shaped (all input projections column-, the
-output projection row-parallel); otherwise it is skipped with a warning, since the plan then
-replicates those blocks on the tp axis.  A vocab-parallel embedding emits the sequence shard
-itself; a replicated one (GPT's learned positions) has its output cut to it.  Sequence
-parallelism is also skipped (with a warning) under pipeline parallelism: stage boundaries carry
-the full sequence.
+What the hooks add, per module that directly holds a tp-sharded parameter:
 
-Fused projections (a Linear named ``qkv`` whose output the model views as
-``(3, n_heads, head_dim)``: GPT, ViT) are split head-aware: rank r holds the q, k and v rows of
-its ``n_heads / tp`` heads.  The parameter is a DTensor placed ``_StridedShard(0, split_factor=3)``
-(three chunks, each sharded over tp), so it still *is* the reference tensor for ``full_tensor()``,
-state dicts and checkpoints (checkpoint.py converts the layout for DCP, which cannot write it).
-DTensor's ``F.linear`` on that placement gives each rank exactly its heads' columns.  When
-ZeRO ≥ 1 follows, FSDP2 shards the fused weight over dp on dim 1 (data_parallel.py), since its
-rows cannot be split again without breaking the heads; its 1-D bias has no second dim, so it
-stays replicated on tp and each rank slices its heads in forward (a warning says so).
+* after it: a partial-sum output (row-parallel GEMM, vocab-parallel embedding) is reduced:
+  all-reduced to replicated, or, under sequence parallel, reduce-scattered on the sequence dim
+  (dim 1 of ``[batch, seq, ...]``), as the estimate costs it.  The result passes a
+  ``to_local``/``from_local`` pair, whose backward turns any incoming gradient layout into that
+  placement (DTensor cannot redistribute a partial gradient into a vocab-masked one).
 
-Parameters tied to each other (``tie_embeddings``: the LM head reuses the token embedding) take
-the placement of the first name, and are tied again after sharding (the styles distribute each
-module's parameters separately).
+Under sequence parallel, each sub-layer (a child of a block that holds tp-sharded parameters:
+attention, MLP, MoE) all-gathers its sequence-sharded input on entry (Megatron's ``g``), so its
+GEMMs read the full sequence rather than DTensor gathering a weight, and token routing sees
+whole sequences; the norms between sub-layers run on the sequence shard.
 
-Attention modules that keep ``n_heads`` / ``n_kv_heads`` attributes (the reference models)
-get them divided by the tp degree when their projections are column-parallel, because the
-local projection holds only ``heads / tp`` heads.
+Scaled-dot-product attention has no DTensor strategy on CPU: ``LocalAttention`` (a
+``TorchFunctionMode`` the step runs under) runs ``F.scaled_dot_product_attention`` on the local
+shards when q, k and v are sharded on the heads dim, slicing replicated k/v to the kv heads the
+local query heads read (grouped-query attention with kv heads fewer than tp), and gathers them
+otherwise.
+
+Output-channel parallel convolutions (``nn.Conv1d/2d/3d`` sharded on dim 0 over tp) keep a
+module of their own (``ChannelParallel``: each rank convolves the full input with its channels
+and the output is all-gathered on the channel dim, so batch norms see full activations).
+
+Parameters tied to each other (an LM head that reuses the token embedding) are distributed once
+and tied again.  Sub-modules that shard their own parameters over tp (expert-parallel MoE
+layers, ``handles_own_tensor_parallel``) run on plain local tensors: their inputs are gathered
+to replicated local tensors and their outputs rejoin as replicated DTensors.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,25 +61,20 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from autopar.runtime.pipeline import tied_parameters
+from autopar.runtime.structure import block_slots
 
-__all__ = ["ChannelParallel", "apply_tensor_parallel", "tp_styles", "vocab_sharded_head"]
+__all__ = ["ChannelParallel", "LocalAttention", "TensorParallel", "apply_tensor_parallel",
+           "tp_dims"]
 
 log = logging.getLogger(__name__)
 
 _SHARD = re.compile(r"^S\((-?\d+)\)$")
-FUSED_CHUNKS = {"qkv": 3}  # fused projections by Linear name: their output's leading chunks
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+SEQUENCE_DIM = 1  # activations are [batch, seq, ...] (batch-first models)
 
 
 def _aliases(module: nn.Module) -> dict[str, str]:
@@ -101,9 +99,27 @@ def _own_prefixes(module: nn.Module) -> list[str]:
             if getattr(mod, "handles_own_tensor_parallel", False)]
 
 
-def _conv_style(name: str, mod: nn.Module, dim: int) -> str:
-    """"channels" for a convolution the plan shards on its output channels; ValueError (naming
-    the module) for the conv layouts this runtime cannot run."""
+def _under(name: str, prefixes: list[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def tp_dims(module: nn.Module, placements: dict[str, dict[str, str]]) -> dict[str, int]:
+    """``{parameter FQN: dim}`` of every parameter of ``module`` the plan shards on tp (a tied
+    parameter under each of its names, with the placement of its first name), leaving out the
+    sub-modules that shard their own (``handles_own_tensor_parallel``)."""
+    aliases, own = _aliases(module), _own_prefixes(module)
+    out = {}
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        if _under(fqn.rpartition(".")[0], own):
+            continue
+        dim = _tp_dim(placements, aliases.get(fqn, fqn))
+        if dim is not None:
+            out[fqn] = dim % p.dim()
+    return out
+
+
+def _check_conv(name: str, mod: nn.Module, dim: int, tp: int) -> None:
+    """ValueError (naming the module) for conv layouts this runtime cannot run."""
     if type(mod) not in _CONVS:
         raise ValueError(f"{name}: tensor parallel runs plain nn.Conv1d/2d/3d, this is a "
                          f"{type(mod).__name__} with its own class; plan this model with tp=1 "
@@ -118,94 +134,11 @@ def _conv_style(name: str, mod: nn.Module, dim: int) -> str:
                          f"on its output channels by this runtime (each group reads its own "
                          f"input channels); only groups=1 convolutions run tensor-parallel: "
                          f"plan this model with tp=1 (constraints={{'tp': 1}})")
-    return "channels"
-
-
-def tp_styles(module: nn.Module, placements: dict[str, dict[str, str]]) -> dict[str, str]:
-    """``{module FQN: "colwise" | "heads" | "rowwise" | "vocab" | "channels"}`` for every
-    Linear/Embedding/Conv whose weight the plan shards on tp ("heads": a fused qkv projection,
-    column-parallel by head; "channels": an output-channel parallel convolution).  A tied
-    weight follows the placement of its first name.  Raises ValueError for layouts this
-    runtime cannot run."""
-    styles: dict[str, str] = {}
-    aliases = _aliases(module)
-    own = _own_prefixes(module)  # left alone
-    for name, mod in module.named_modules():
-        if not isinstance(mod, (nn.Linear, nn.Embedding, *_CONVS)):
-            continue
-        if any(name.startswith(prefix + ".") for prefix in own):
-            continue
-        weight = f"{name}.weight"
-        dim = _tp_dim(placements, aliases.get(weight, weight))
-        if dim is None:
-            continue
-        dim %= mod.weight.dim()
-        if isinstance(mod, _CONVS):
-            styles[name] = _conv_style(name, mod, dim)
-        elif isinstance(mod, nn.Embedding):
-            if dim != 0:
-                raise ValueError(f"{name}: only vocab-parallel embeddings (S(0) on tp) run; "
-                                 f"the plan shards dim {dim}")
-            styles[name] = "vocab"
-        elif dim == 0 and name.rsplit(".", 1)[-1] in FUSED_CHUNKS:
-            styles[name] = "heads"
-        else:
-            styles[name] = "colwise" if dim == 0 else "rowwise"
-    return styles
-
-
-class _HeadParallelLinear(nn.Linear):
-    """A fused projection (``chunks`` equal parts of the output, e.g. q, k, v) whose parameters
-    are DTensors on the tp mesh; forward returns this rank's local ``[..., out / tp]`` columns:
-    the rows of its heads in each chunk, in chunk order.  The input's gradient is summed over tp
-    (DTensor turns the partial gradient of the replicated input into an all-reduce)."""
-
-    chunks: int = 3
-
-    def _heads(self, p: DTensor | None) -> DTensor | None:
-        if p is None:
-            return None
-        heads = (_StridedShard(0, split_factor=self.chunks),)
-        # replicated on tp (FSDP follows): a local slice, whose gradient DTensor all-gathers
-        return p if tuple(p.placements) == heads else p.redistribute(p.device_mesh, heads)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mesh = self.weight.device_mesh
-        if isinstance(x, DTensor):  # sequence parallel: gathered by PrepareModuleInput
-            x = x.redistribute(mesh, (Replicate(),))
-        else:
-            x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
-        return F.linear(x, self._heads(self.weight), self._heads(self.bias)).to_local()
-
-
-class HeadParallel(ParallelStyle):
-    """Column parallelism of a fused projection by head: parameters placed
-    ``_StridedShard(0, chunks)`` (those named in ``replicate``: Replicate), module turned into a
-    ``_HeadParallelLinear``.  Parameter names and global shapes are unchanged."""
-
-    def __init__(self, chunks: int, *, replicate: tuple[str, ...] = ()):
-        super().__init__()
-        self.chunks, self.replicate = chunks, replicate
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        if type(module) is not nn.Linear:
-            raise ValueError(f"head-parallel split needs a plain nn.Linear, got "
-                             f"{type(module).__name__}; plan with tp=1 for this model")
-        tp = device_mesh.size()
-        if module.out_features % (self.chunks * tp):
-            raise ValueError(f"a fused projection of {module.out_features} outputs does not split "
-                             f"into {self.chunks} chunks of tp={tp} equal parts; pick tp dividing "
-                             f"the number of heads")
-        for name, p in list(module.named_parameters(recurse=False)):
-            placements = (Replicate(),) if name in self.replicate else \
-                (_StridedShard(0, split_factor=self.chunks),)
-            module.register_parameter(name, nn.Parameter(
-                distribute_tensor(p.detach(), device_mesh, placements,
-                                  src_data_rank=self.src_data_rank),
-                requires_grad=p.requires_grad))
-        module.__class__ = _HeadParallelLinear
-        module.chunks = self.chunks
-        return module
+    if mod.out_channels % tp:
+        raise ValueError(f"{name}: the plan shards its {mod.out_channels} output channels "
+                         f"over tp={tp}, which does not divide them; this runtime splits "
+                         f"channels evenly: plan with a tp that divides every sharded "
+                         f"convolution's channels (or tp=1)")
 
 
 class _ChannelParallelConv:
@@ -226,7 +159,7 @@ class _ChannelParallelConv:
         bias = None if self.bias is None else self.bias.to_local()
         out = self._conv_forward(x, self.weight.to_local(), bias)
         out = DTensor.from_local(out, mesh, (Shard(1),), run_check=False)
-        return out.redistribute(mesh, (Replicate(),)).to_local()
+        return out.redistribute(mesh, (Replicate(),))
 
 
 class ChannelParallelConv1d(_ChannelParallelConv, nn.Conv1d):
@@ -241,222 +174,276 @@ class ChannelParallelConv3d(_ChannelParallelConv, nn.Conv3d):
     """``nn.Conv3d`` run output-channel parallel (see ``_ChannelParallelConv``)."""
 
 
-_CHANNEL_PARALLEL = {nn.Conv1d: ChannelParallelConv1d, nn.Conv2d: ChannelParallelConv2d,
-                     nn.Conv3d: ChannelParallelConv3d}
+ChannelParallel = {nn.Conv1d: ChannelParallelConv1d, nn.Conv2d: ChannelParallelConv2d,
+                   nn.Conv3d: ChannelParallelConv3d}
 
 
-class ChannelParallel(ParallelStyle):
-    """Output-channel parallelism of a convolution: weight and bias become ``Shard(0)`` DTensors
-    on the tp mesh (the reference tensors for ``full_tensor()``, state dicts, checkpoints and
-    FSDP2), and the module runs as ``ChannelParallelConv{1,2,3}d``.  Input and output are plain
-    replicated tensors; parameter names and global shapes are unchanged."""
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        cls = _CHANNEL_PARALLEL.get(type(module))
-        if cls is None:
-            raise ValueError(f"output-channel parallel runs a plain nn.Conv1d/2d/3d, got "
-                             f"{type(module).__name__}; plan this model with tp=1")
-        tp = device_mesh.size()
-        if module.groups != 1 or module.out_channels % tp:
-            raise ValueError(f"a convolution of {module.out_channels} output channels and "
-                             f"groups={module.groups} does not split into tp={tp} equal "
-                             f"channel slices (needs groups=1 and channels divisible by tp); "
-                             f"pick a tp that divides the channels, or plan with tp=1")
-        for name, p in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, nn.Parameter(
-                distribute_tensor(p.detach(), device_mesh, (Shard(0),),
-                                  src_data_rank=self.src_data_rank),
-                requires_grad=p.requires_grad))
-        module.__class__ = cls
-        return module
+def _settle(t: Any, mesh: Any, target: tuple) -> Any:
+    """A DTensor output reduced to ``target`` if it is a partial sum, behind a ``to_local`` /
+    ``from_local`` pair whose backward hands any gradient layout on as ``target``."""
+    if not isinstance(t, DTensor) or not any(p.is_partial() for p in t.placements):
+        return t
+    t = t.redistribute(mesh, target)
+    return DTensor.from_local(t.to_local(), mesh, target, run_check=False)
 
 
-class SequenceShardOutput(ParallelStyle):
-    """Sequence parallel for a replicated embedding (learned positions): its output ``[..., seq,
-    dim]`` is cut to this rank's sequence shard, to add to the sequence-sharded hidden state.
-    The backward all-gathers the output gradient, so every rank's weight gradient is full."""
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        def cut(_mod, _inputs, out):
-            full = DTensor.from_local(out, device_mesh, (Replicate(),), run_check=False)
-            return full.redistribute(device_mesh, (Shard(out.dim() - 2),)).to_local()
-
-        module.register_forward_hook(cut)
-        return module
+def _gather_sequence(t: Any, mesh: Any) -> Any:
+    if isinstance(t, DTensor) and t.dim() > SEQUENCE_DIM + 1 and \
+            t.placements == (Shard(SEQUENCE_DIM),):
+        return t.redistribute(mesh, (Replicate(),))
+    return t
 
 
-def _retie(module: nn.Module, groups: list[list[str]]) -> None:
-    """Tie again the parameters that shared one tensor before sharding, to the sharded one."""
-    for group in groups:
-        params = [module.get_parameter(fqn) for fqn in group]
-        sharded = [p for p in params if isinstance(p, DTensor)]
-        if not sharded:
+def _to_local_replicated(t: Any) -> Any:
+    if isinstance(t, DTensor):
+        return t.redistribute(t.device_mesh, (Replicate(),)).to_local()
+    return t
+
+
+@dataclass
+class TensorParallel:
+    """What ``apply_tensor_parallel`` did to a module: the tp mesh, whether sequence parallel is
+    on, and the parameter dims it sharded."""
+
+    mesh: Any
+    sequence_parallel: bool
+    sharded: dict[str, int] = field(default_factory=dict)
+
+
+def _distribute(module: nn.Module, mesh: Any, dims: dict[str, int], own: list[str]) -> None:
+    """Every parameter of ``module`` (outside ``own`` subtrees) becomes a DTensor on ``mesh``,
+    sharded on the plan's dim or replicated; tied parameters stay one object."""
+    done: dict[int, nn.Parameter] = {}
+    for fqn, p in list(module.named_parameters(remove_duplicate=False)):
+        owner_name, _, pname = fqn.rpartition(".")
+        if _under(owner_name, own):
             continue
-        keep = sharded[0]
-        for fqn, p in zip(group, params):
-            if isinstance(p, DTensor) and (p.placements, p.device_mesh) != \
-                    (keep.placements, keep.device_mesh):
-                raise ValueError(f"tied parameters {group[0]} and {fqn} were sharded differently "
-                                 f"({keep.placements} vs {p.placements}); give them one placement "
-                                 f"or untie them")
-            owner, _, name = fqn.rpartition(".")
-            setattr(module.get_submodule(owner), name, keep)
+        owner = module.get_submodule(owner_name)
+        new = done.get(id(p))
+        if new is None:
+            dim = dims.get(fqn)
+            if dim is not None and p.shape[dim] % mesh.size():
+                raise ValueError(f"{fqn} {tuple(p.shape)}: the plan shards dim {dim} over "
+                                 f"tp={mesh.size()}, which does not divide it; re-plan with a "
+                                 f"tp that divides it (or tp=1)")
+            placement = (Replicate(),) if dim is None else (Shard(dim),)
+            new = nn.Parameter(distribute_tensor(p.detach(), mesh, placement),
+                               requires_grad=p.requires_grad)
+            done[id(p)] = new
+        owner.register_parameter(pname, new)
 
 
-def _megatron_blocks(module: nn.Module, styles: dict[str, str]) -> bool:
-    """True when every attention/feed-forward with Linear children is column→row shaped."""
-    found = False
-    for name, mod in module.named_modules():
-        linears = [f"{name}.{c}" for c, m in mod.named_children() if isinstance(m, nn.Linear)]
-        if not linears or name in ("", "output"):
-            continue
-        kinds = [styles.get(fqn) for fqn in linears]
-        rows = [k for k in kinds if k == "rowwise"]  # the rest: colwise or heads
-        if len(rows) != 1 or any(k is None for k in kinds):
-            return False
-        found = True
-    return found
-
-
-def _n_inputs(module: nn.Module) -> int:
-    """Number of positional inputs of ``module.forward``."""
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(p.kind in kinds for p in inspect.signature(module.forward).parameters.values())
-
-
-def _shrink_heads(module: nn.Module, styles: dict[str, str], tp: int) -> None:
-    for name, mod in module.named_modules():
-        if not hasattr(mod, "n_heads"):
-            continue
-        if styles.get(f"{name}.wq") != "colwise" and styles.get(f"{name}.qkv") != "heads":
-            continue
-        for attr in ("n_heads", "n_kv_heads"):
-            heads = getattr(mod, attr, None)
-            if heads is None:
-                continue
-            if heads % tp:
-                raise ValueError(f"{name}.{attr}={heads} is not divisible by tp={tp}")
-            setattr(mod, attr, heads // tp)
-
-
-def _unhandled(module: nn.Module, placements: dict[str, dict[str, str]],
-               styles: dict[str, str]) -> list[str]:
-    """Parameters the plan shards on tp that no style here shards (they run replicated).  A
-    tied parameter counts as run when any of its names belongs to a styled module (a pipeline
-    stage may list the tied matrix first under a holder, e.g. GPT's last stage)."""
-    aliases, own = _aliases(module), _own_prefixes(module)
-    names: dict[int, list[str]] = {}
-    for fqn, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(fqn)
-    left = []
-    for group in names.values():
-        if all(_tp_dim(placements, aliases.get(n, n)) is None for n in group):
-            continue
-        if any(n.rpartition(".")[0] in styles or any(n.startswith(pre + ".") for pre in own)
-               for n in group):
-            continue
-        left.append(group[0])
-    return left
-
-
-def _head_name(module: nn.Module) -> str | None:
-    """The output head: the last Linear that is a direct child of the model (or of the last
-    pipeline stage), e.g. Llama's and GPT's ``output``, ViT's ``head``; None on other stages."""
-    names = [n for n, m in module.named_children() if isinstance(m, nn.Linear)]
-    return names[-1] if names else None
-
-
-def vocab_sharded_head(tp_plan: dict[str, Any]) -> bool:
-    """Whether the applied styles leave the head's logits sharded on their last dimension."""
-    return any(isinstance(style, ColwiseParallel) and not style.use_local_output
-               for style in tp_plan.values())
-
-
-def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any, *,
-                          loss_parallel: bool = False) -> dict[str, Any]:
+def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any) -> TensorParallel:
     """Shard ``module`` (the whole model or one pipeline stage; FQNs as in the plan) over
-    ``tp_mesh`` as the plan's placements say.  ``loss_parallel``: keep a sharded head's logits
-    vocab-sharded (the caller computes the loss under ``loss_parallel()``).  Returns the style
-    dict that was applied."""
+    ``tp_mesh`` as the plan's placements say; see the module docstring.  Raises ValueError for
+    layouts this runtime cannot run, before any collective."""
     tp = tp_mesh.size()
-    styles = tp_styles(module, plan.placements)
-    for name in (n for n, kind in styles.items() if kind == "channels"):
-        conv = module.get_submodule(name)
-        if conv.out_channels % tp:
-            raise ValueError(f"{name}: the plan shards its {conv.out_channels} output channels "
-                             f"over tp={tp}, which does not divide them; this runtime splits "
-                             f"channels evenly: plan with a tp that divides every sharded "
-                             f"convolution's channels (or tp=1)")
-    left = _unhandled(module, plan.placements, styles)
-    if left:
-        log.warning("the plan shards %d parameter(s) on tp that this runtime replicates (%s%s): "
-                    "their memory per rank is tp=%d times what the plan counts; tensor parallel "
-                    "runs nn.Linear (column/row), fused qkv, vocab-parallel nn.Embedding and "
-                    "output-channel parallel nn.Conv1d/2d/3d",
-                    len(left), ", ".join(left[:4]), ", ..." if len(left) > 4 else "", tp)
-    if not styles:
-        log.info("tp=%d: no parameter of this module runs sharded on tp", tp)
-        return {}
+    dims = tp_dims(module, plan.placements)
+    own = _own_prefixes(module)
+    convs = {}
+    for fqn, dim in dims.items():
+        name = fqn.rpartition(".")[0]
+        mod = module.get_submodule(name)
+        if isinstance(mod, _CONVS) or (isinstance(mod, nn.modules.conv._ConvNd)):
+            _check_conv(name, mod, dim, tp)
+            convs[name] = mod
     cfg = plan.config
-    fsdp_follows = cfg.zero_stage >= 1 and cfg.dp * cfg.cp > 1
-    if fsdp_follows and "heads" in styles.values():
-        log.warning("zero_stage=%d with tensor-parallel fused projections (%s): their weights "
-                    "are sharded over dp on dim 1, but FSDP2 cannot shard a 1-D head-aware "
-                    "bias, so those biases stay replicated on tp (sharded over dp only): their "
-                    "memory is tp times what the plan counts", cfg.zero_stage,
-                    ", ".join(n for n, k in styles.items() if k == "heads"))
-    sp = bool(plan.config.sequence_parallel)
-    blocks_ok = _megatron_blocks(module, styles)
-    if sp and plan.config.pp > 1:
-        log.warning("sequence_parallel=True with pipeline parallel: the hidden state between "
-                    "stages would be sequence-sharded, which this runtime does not pass yet; "
-                    "running tensor parallel without sequence parallel")
-        sp = False
-    if sp and not blocks_ok:
-        log.warning("sequence_parallel=True but the plan's tp placements are not Megatron-shaped "
-                    "in every block; running tensor parallel without sequence parallel")
-        sp = False
-    tp_plan: dict[str, Any] = {}
-    head = _head_name(module)
-    for name, kind in styles.items():
-        is_head = name == head
-        if kind == "vocab":
-            tp_plan[name] = RowwiseParallel(input_layouts=Replicate(),
-                                            output_layouts=Shard(1) if sp else Replicate())
-        elif is_head:
-            tp_plan[name] = ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
-                                            output_layouts=Shard(-1) if loss_parallel
-                                            else Replicate(),
-                                            use_local_output=not loss_parallel)
-        elif kind == "heads":
-            tp_plan[name] = HeadParallel(FUSED_CHUNKS[name.rsplit(".", 1)[-1]],
-                                         replicate=("bias",) if fsdp_follows else ())
-        elif kind == "channels":
-            tp_plan[name] = ChannelParallel()
-        elif kind == "colwise":
-            tp_plan[name] = ColwiseParallel()
-        else:
-            tp_plan[name] = RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+    sp = bool(cfg.sequence_parallel)
+    _distribute(module, tp_mesh, dims, own)
+    for mod in convs.values():
+        mod.__class__ = ChannelParallel[type(mod)]
+    seq = (Shard(SEQUENCE_DIM),) if sp else (Replicate(),)
+    holders = {fqn.rpartition(".")[0] for fqn in dims} - set(convs)
     if sp:
-        for name, mod in module.named_modules():
-            if isinstance(mod, (nn.LayerNorm, nn.RMSNorm)):
-                tp_plan[name] = SequenceParallel()
-            if isinstance(mod, nn.Embedding) and name not in styles:
-                tp_plan[name] = SequenceShardOutput()
-            children = [c for c, m in mod.named_children() if isinstance(m, nn.Linear)]
-            if children and name and name != head and f"{name}.{children[0]}" in styles:
-                n_inputs = _n_inputs(mod)  # Llama's attention takes (x, cos, sin), GPT's x
-                tp_plan[name] = PrepareModuleInput(
-                    input_layouts=(Shard(1),) + (None,) * (n_inputs - 1),
-                    desired_input_layouts=(Replicate(),) + (None,) * (n_inputs - 1))
-        if head is not None and head not in styles:
-            tp_plan[head] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                                   desired_input_layouts=(Replicate(),),
-                                                   use_local_output=True)
-    tied = tied_parameters(module)
-    _shrink_heads(module, styles, tp)
-    parallelize_module(module, tp_mesh, tp_plan)
-    _retie(module, tied)
-    log.info("tensor parallel over %d ranks%s: %s", tp, " with sequence parallel" if sp else "",
-             ", ".join(f"{k}={v}" for k, v in sorted(styles.items())))
-    return tp_plan
+        gather = lambda _m, args, kwargs: (  # noqa: E731
+            tree_map(lambda t: _gather_sequence(t, tp_mesh), args),
+            tree_map(lambda t: _gather_sequence(t, tp_mesh), kwargs))
+        for name in sorted(_sublayer_entries(module, holders)):
+            module.get_submodule(name).register_forward_pre_hook(gather, with_kwargs=True)
+    for name in sorted(holders):
+        module.get_submodule(name).register_forward_hook(
+            lambda _m, _args, out: tree_map(
+                lambda t: _settle(t, tp_mesh, seq if t.dim() > SEQUENCE_DIM + 1 else
+                                  (Replicate(),)) if isinstance(t, DTensor) else t, out))
+    for name in own:
+        _local_island(module.get_submodule(name), tp_mesh)
+    if not dims:
+        log.info("tp=%d: no parameter of this module is sharded on tp", tp)
+    log.info("tensor parallel over %d ranks%s: %d parameters sharded (%s%s)", tp,
+             " with sequence parallel" if sp else "", len(dims),
+             ", ".join(f"{k}=S({v})" for k, v in sorted(dims.items())[:6]),
+             ", ..." if len(dims) > 6 else "")
+    return TensorParallel(mesh=tp_mesh, sequence_parallel=sp, sharded=dims)
+
+
+def _sublayer_entries(module: nn.Module, holders: set[str]) -> set[str]:
+    """Where sequence parallel gathers the sequence: in each block, the children that hold
+    (at any depth) a tp-sharded parameter (attention, MLP, MoE: the sub-layers, while the norms
+    between them stay sequence-sharded); outside the blocks, the holders themselves (the LM
+    head)."""
+    prefix = {id(m): n for n, m in module.named_modules()}
+    entries, inside = set(), set()
+    for container, key in block_slots(module):
+        block = container.get_submodule(key)
+        name = prefix[id(block)]
+        inside |= {h for h in holders if h == name or h.startswith(name + ".")}
+        for child, _ in block.named_children():
+            path = f"{name}.{child}"
+            if any(h == path or h.startswith(path + ".") for h in holders):
+                entries.add(path)
+        if name in holders:
+            entries.add(name)
+    return entries | (holders - inside)
+
+
+def _local_island(mod: nn.Module, mesh: Any) -> None:
+    """Run ``mod`` (which shards its own parameters over tp) on plain local tensors: DTensor
+    inputs are gathered to replicated local tensors, tensor outputs rejoin as replicated
+    DTensors.  Their gradients cross the same boundary as replicated tensors."""
+
+    def rejoin(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.is_floating_point():
+            return DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+        return t
+
+    mod.register_forward_pre_hook(
+        lambda _m, args, kwargs: (tree_map(_to_local_replicated, args),
+                                  tree_map(_to_local_replicated, kwargs)), with_kwargs=True)
+    mod.register_forward_hook(lambda _m, _args, out: tree_map(rejoin, out))
+
+
+def stage_boundaries(module: nn.Module, mesh: Any, sequence_parallel: bool, *,
+                     first: bool, last: bool) -> None:
+    """Pipeline stages send plain tensors: a stage's DTensor outputs leave as their local
+    shards (the sequence shard under sequence parallel, the full tensor otherwise), and a
+    later stage's floating-point inputs rejoin with that placement."""
+    seq = (Shard(SEQUENCE_DIM),) if sequence_parallel else (Replicate(),)
+
+    def leave(t: Any) -> Any:
+        if not isinstance(t, DTensor):
+            return t
+        target = seq if t.dim() > SEQUENCE_DIM + 1 else (Replicate(),)
+        return t.redistribute(mesh, target).to_local()
+
+    def join(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.is_floating_point():
+            target = seq if t.dim() > SEQUENCE_DIM + 1 else (Replicate(),)
+            return DTensor.from_local(t, mesh, target, run_check=False)
+        return t
+
+    if not first:
+        module.register_forward_pre_hook(
+            lambda _m, args, kwargs: (tree_map(join, args), tree_map(join, kwargs)),
+            with_kwargs=True)
+    if not last:
+        module.register_forward_hook(lambda _m, _args, out: tree_map(leave, out))
+
+
+class LocalAttention(TorchFunctionMode):
+    """The step's torch-function mode under tensor parallel.  Runs
+    ``F.scaled_dot_product_attention`` on DTensor q/k/v as local attention over this rank's
+    heads (dim 1 of ``[batch, heads, seq, head_dim]``): q sharded on the heads, k/v sharded
+    likewise or replicated (then sliced to the kv heads the local query heads read); any other
+    layout is gathered and attention runs replicated.  A function DTensor has no sharding
+    strategy for (``adaptive_avg_pool2d``), or a view it cannot keep sharded (a fused q/k/v
+    projection viewed as ``(3, heads, head_dim)`` whose shards do not hold whole heads), runs on
+    gathered local tensors, replicated (an op without a strategy is remembered, so its later
+    calls in the step go there directly).
+    The numbers are the reference's; the layout costs the gathers."""
+
+    def __init__(self):
+        super().__init__()
+        self._replicated: set = set()  # functions that had no sharding strategy
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not any(isinstance(t, DTensor) for t in (*args, *kwargs.values())):
+            return func(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return _local_sdpa(func, *args, **kwargs)
+        if func in self._replicated:
+            return _replicated_call(func, args, kwargs)
+        try:
+            return func(*args, **kwargs)
+        except (NotImplementedError, RuntimeError) as exc:
+            if not _no_strategy(exc):
+                raise
+            log.info("%s: %s; it runs on replicated tensors", getattr(func, "__name__", func),
+                     str(exc).splitlines()[0])
+            if isinstance(exc, NotImplementedError):  # the op, not this layout
+                self._replicated.add(func)
+            return _replicated_call(func, args, kwargs)
+
+
+def _no_strategy(exc: Exception) -> bool:
+    """Whether DTensor refused an op for its layout (no strategy, or a view it cannot keep
+    sharded), rather than the op failing for another reason."""
+    text = str(exc)
+    return "sharding strategy" in text or "Sharding propagation failed" in text or \
+        "unevenly sharded" in text
+
+
+def _replicated_call(func, args: tuple, kwargs: dict) -> Any:
+    """``func`` on the full local tensors of its DTensor arguments; tensor results rejoin as
+    replicated DTensors (every rank computes the same numbers)."""
+    mesh = next(t.device_mesh for t in (*args, *kwargs.values()) if isinstance(t, DTensor))
+    out = func(*tree_map(_to_local_replicated, args), **tree_map(_to_local_replicated, kwargs))
+    return tree_map(lambda t: DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+                    if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t, out)
+
+
+def _heads_sharded(t: Any) -> bool:
+    return isinstance(t, DTensor) and t.placements == (Shard(1),)
+
+
+def local_heads(query: Any, key: Any, value: Any) -> tuple:
+    """``(q, k, v, wrap)``: plain local tensors of attention inputs that may be DTensors, and the
+    function that turns the local attention output back into a DTensor.  With q sharded on the
+    heads (dim 1), each rank keeps its query heads and the kv heads they read (sliced from
+    replicated k/v when the kv heads do not shard alike, e.g. fewer kv heads than tp ranks);
+    otherwise everything is gathered and attention runs replicated."""
+    mesh = next(t.device_mesh for t in (query, key, value) if isinstance(t, DTensor))
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    if _heads_sharded(query) and query.shape[1] % tp == 0:
+        per_rank = query.shape[1] // tp
+        kv = []
+        for t in (key, value):
+            if _heads_sharded(t) and t.shape[1] % tp == 0 and \
+                    (t.shape[1] // tp) * (query.shape[1] // t.shape[1]) == per_rank:
+                kv.append(t.to_local())
+                continue
+            # each rank reads some kv heads: their gradients are partial sums over tp
+            full = t.redistribute(mesh, (Replicate(),)).to_local(grad_placements=(Partial(),)) \
+                if isinstance(t, DTensor) else t
+            group = query.shape[1] // full.shape[1]  # query heads per kv head
+            lo, hi = rank * per_rank // group, ((rank + 1) * per_rank - 1) // group + 1
+            kv.append(full[:, lo:hi])
+        placement = (Shard(1),)
+        q = query.to_local()
+    else:
+        q, *kv = (t.redistribute(mesh, (Replicate(),)).to_local() if isinstance(t, DTensor)
+                  else t for t in (query, key, value))
+        placement = (Replicate(),)
+    return (q, kv[0], kv[1],
+            lambda out: DTensor.from_local(out, mesh, placement, run_check=False))
+
+
+def _local_sdpa(func, query, key, value, attn_mask=None, *args, enable_gqa=False, **kwargs):
+    if isinstance(attn_mask, DTensor):
+        attn_mask = attn_mask.redistribute(attn_mask.device_mesh, (Replicate(),)).to_local()
+    if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[1] > 1 and \
+            _heads_sharded(query):  # a per-head mask: run on all heads
+        query = query.redistribute(query.device_mesh, (Replicate(),))
+    q, k, v, wrap = local_heads(query, key, value)
+    return wrap(func(q, k, v, attn_mask, *args, enable_gqa=enable_gqa or k.shape[1] != q.shape[1],
+                     **kwargs))
+
+
+def settle_gradients(params: Iterator[nn.Parameter]) -> None:
+    """Give every DTensor gradient its parameter's placements (a replicated parameter used on
+    sharded activations gets a partial-sum gradient; the optimizer and the data-parallel
+    reduction want it whole)."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)

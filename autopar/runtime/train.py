@@ -48,9 +48,17 @@ def synthetic_images(step: int, seed: int, batch: int, image_shape: tuple[int, .
 
 
 def make_optimizer(params: Iterable[torch.nn.Parameter], lr: float = LEARNING_RATE):
-    """AdamW with a fixed learning rate (for-loop implementation: it accepts a mix of DTensor
-    and plain-tensor parameters)."""
-    return torch.optim.AdamW(list(params), lr=lr, foreach=False)
+    """AdamW with a fixed learning rate, its multi-tensor (``foreach``) implementation: one
+    kernel per update over all parameters of a group instead of a Python loop over them.  A
+    foreach kernel takes tensors of one kind, so DTensor and plain-tensor parameters (e.g.
+    expert weights next to sharded dense ones) go in separate, otherwise identical groups."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(params)
+    kinds = [[p for p in params if isinstance(p, DTensor)],
+             [p for p in params if not isinstance(p, DTensor)]]
+    groups = [{"params": kind} for kind in kinds if kind]
+    return torch.optim.AdamW(groups, lr=lr, foreach=True)
 
 
 def _resident_bytes() -> int:

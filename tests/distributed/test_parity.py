@@ -21,6 +21,8 @@ from autopar.codegen import codegen_main, generate_script
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+import corpus  # noqa: E402
 import tiny_models
 
 PY = sys.executable
@@ -60,12 +62,17 @@ CONFIGS = [
     ("order_dp_inner", 4, "tiny_llama_wide", {"dp": 2, "tp": 2, "zero_stage": 3,
                                               "sequence_parallel": True,
                                               "mesh_order": ("pp", "tp", "cp", "dp")}),
+    # Hugging Face models built from configs (tests/corpus.py): ModelOutput, nested blocks
+    ("hf_llama_tp_sp_pp", 4, "corpus:hf_llama", {"tp": 2, "pp": 2, "pp_schedule": "1f1b",
+                                                 "micro_batch_size": 2,
+                                                 "sequence_parallel": True}),
+    ("hf_gpt2_zero3_tp", 4, "corpus:hf_gpt2", {"dp": 2, "tp": 2, "zero_stage": 3}),
 ]
 
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     return env
 
@@ -73,7 +80,8 @@ def _env() -> dict[str, str]:
 def _make_script(tmp: Path, name: str, ranks: int, factory: str, constraints: dict,
                  dtype: str = "fp32") -> Path:
     cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=ranks)
-    model = getattr(tiny_models, factory)()
+    module, _, fn = factory.rpartition(":")
+    model = getattr(corpus if module == "corpus" else tiny_models, fn)()
     plan = autopar.compile(model, cluster, global_batch_size=8, seq_len=64, dtype=dtype,
                            constraints=constraints)
     for key, value in constraints.items():
@@ -81,8 +89,8 @@ def _make_script(tmp: Path, name: str, ranks: int, factory: str, constraints: di
     plan_path = plan.save(tmp / f"{name}.json")
     script = tmp / f"{name}.py"
     # the `autopar codegen` command, as a user runs it (in-process: same code, no start-up)
-    assert cli_main(["codegen", str(plan_path), "--model-factory", f"tiny_models:{factory}",
-                     "-o", str(script)]) == 0
+    spec = factory if ":" in factory else f"tiny_models:{factory}"
+    assert cli_main(["codegen", str(plan_path), "--model-factory", spec, "-o", str(script)]) == 0
     return script
 
 

@@ -1,8 +1,8 @@
-"""Single-process checks of the runtime's plan-reading pieces (no process group): tensor-parallel
-styles from placements (GPT's fused qkv split by head, its tied head, ResNet's output-channel
-parallel convolutions, the parameters no style runs), pipeline stage modules that keep the
-reference FQNs and compose to the full model (GPT's stages skip the embeddings and hold the tied
-matrix), and the clear refusals (conv layouts that do not run, uneven context-parallel chunks,
+"""Single-process checks of the runtime's plan-reading pieces (no process group): the tensor
+dims each parameter is sharded on over tp (GPT's tied head on a later pipeline stage, ResNet's
+output-channel parallel convolutions), pipeline stage modules that keep the reference FQNs and
+compose to the full model (GPT's first and last stages hold the tied matrix; models written
+elsewhere, Hugging Face's included, split by structure), and the clear refusals (conv layouts that do not run, uneven context-parallel chunks,
 wrong world size).  Expert
 parallel's single-process pieces are in test_expert_parallel.py."""
 
@@ -21,13 +21,17 @@ from autopar.runtime import apply_plan, check_world_size
 from autopar.runtime.context_parallel import check_context_parallel
 from autopar.runtime.pipeline import (
     TiedCopy,
-    _TiedHolder,
     build_stage_modules,
+    install_stage_io,
+    probe_layout,
+    set_stage_tokens,
     stage_ids_for_rank,
 )
-from autopar.runtime.tensor_parallel import _unhandled, apply_tensor_parallel, tp_styles
+from autopar.runtime.tensor_parallel import apply_tensor_parallel, tp_dims
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import corpus  # noqa: E402
 import tiny_models  # noqa: E402
 
 
@@ -37,47 +41,37 @@ def _plan(factory, ranks, **constraints):
                            constraints=constraints, **tiny_models.shape_args(factory.__name__))
 
 
-def test_tp_styles_follow_megatron_placements():
+def test_tp_dims_follow_megatron_placements():
     plan = _plan(tiny_models.tiny_llama_wide, 2, tp=2)
-    styles = tp_styles(tiny_models.tiny_llama_wide(), plan.placements)
-    assert styles["tok_embeddings"] == "vocab"
-    for name, kind in styles.items():
-        if name.endswith((".wq", ".wk", ".wv", ".w1", ".w3")) or name == "output":
-            assert kind == "colwise", name
-        if name.endswith((".wo", ".w2")):
-            assert kind == "rowwise", name
+    dims = tp_dims(tiny_models.tiny_llama_wide(), plan.placements)
+    assert dims["tok_embeddings.weight"] == 0
+    for name, p in tiny_models.tiny_llama_wide().named_parameters():
+        if name.endswith((".wq.weight", ".wk.weight", ".wv.weight", ".w1.weight", ".w3.weight")) \
+                or name in ("output.weight", "tok_embeddings.weight"):
+            assert dims[name] == 0, name
+        elif name.endswith((".wo.weight", ".w2.weight")):
+            assert dims[name] == 1, name
+        else:
+            assert name not in dims, name  # norms stay replicated
 
 
-def test_resnet_convolutions_run_output_channel_parallel():
-    """A ResNet plan with tp=2 shards every convolution's output channels (S(0)) and the fc
-    head; each convolution maps to the output-channel parallel style, the head to colwise,
-    and nothing the plan shards is left replicated."""
+def test_resnet_plan_shards_every_convolution_on_its_output_channels():
     plan = _plan(tiny_models.tiny_resnet, 2, tp=2)
     model = tiny_models.tiny_resnet()
-    styles = tp_styles(model, plan.placements)
+    dims = tp_dims(model, plan.placements)
     convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
-    assert all(plan.placements[f"{n}.weight"]["tp"] == "S(0)" for n in convs)
-    assert styles == {**{n: "channels" for n in convs}, "fc": "colwise"}
-    assert _unhandled(model, plan.placements, styles) == []
+    assert all(dims[f"{n}.weight"] == 0 for n in convs)
+    assert dims["fc.weight"] == 0
 
 
-def test_parameters_the_plan_shards_but_no_style_runs_are_named():
-    """A parameter the plan shards on tp whose module no style runs (here a batch norm's
-    weight) is listed: apply_tensor_parallel warns that it runs replicated."""
-    model = tiny_models.tiny_resnet()
-    placements = {"conv1.weight": {"tp": "S(0)"}, "fc.weight": {"tp": "S(0)"},
-                  "fc.bias": {"tp": "S(0)"}, "bn1.weight": {"tp": "S(0)"}}
-    styles = tp_styles(model, placements)
-    assert styles == {"conv1": "channels", "fc": "colwise"}
-    assert _unhandled(model, placements, styles) == ["bn1.weight"]
-
-
-def test_a_tied_head_on_a_later_pipeline_stage_is_not_listed_as_replicated():
-    """GPT's last stage holds the tied matrix first under ``tok_embeddings`` (a holder, not an
-    embedding); the column-parallel head shards it, so nothing is listed."""
+def test_a_tied_head_follows_the_placement_of_its_first_name_on_every_stage():
+    """GPT's first and last stages both hold the tied matrix (the embedding and the head);
+    on each, both names carry the plan's vocab-parallel placement."""
     plan = _plan(tiny_models.tiny_gpt, 4, tp=2, pp=2, micro_batch_size=2)
-    for stage in build_stage_modules(tiny_models.tiny_gpt(), plan.stages, [0, 1]):
-        assert _unhandled(stage, plan.placements, tp_styles(stage, plan.placements)) == []
+    stages = build_stage_modules(tiny_models.tiny_gpt(), plan.stages, [0, 1], _tokens(2))
+    for stage in stages:
+        dims = tp_dims(stage, plan.placements)
+        assert dims["output.weight"] == dims["tok_embeddings.weight"] == 0
 
 
 class _Net(nn.Module):
@@ -92,8 +86,9 @@ class _Net(nn.Module):
     (type("MyConv", (nn.Conv2d,), {})(4, 8, 3), "S(0)", r"features\.0: .*MyConv.*tp=1"),
 ])
 def test_conv_layouts_that_do_not_run_are_refused_naming_the_module(conv, spec, match):
+    plan = SimpleNamespace(placements={"features.0.weight": {"tp": spec}})
     with pytest.raises(ValueError, match=match):
-        tp_styles(_Net(conv), {"features.0.weight": {"tp": spec}})
+        apply_tensor_parallel(_Net(conv), plan, SimpleNamespace(size=lambda: 2))
 
 
 def test_conv_channels_not_divisible_by_tp_are_refused_before_any_collective():
@@ -104,6 +99,21 @@ def test_conv_channels_not_divisible_by_tp_are_refused_before_any_collective():
         apply_tensor_parallel(model, plan, SimpleNamespace(size=lambda: 4))
 
 
+def _tokens(batch: int, seq: int = 16, vocab: int = 128) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+def _run_stages(mods: list[nn.Module], tokens: torch.Tensor) -> torch.Tensor:
+    """The stage modules run one after another in this process, as the schedule chains them."""
+    for m in mods:
+        install_stage_io(m)
+    set_stage_tokens(mods, tokens, 1)
+    h = tokens
+    for m in mods:
+        h = m(h)
+    return h
+
+
 @pytest.mark.parametrize("pp,virtual", [(2, 1), (2, 2)])
 def test_stage_modules_keep_fqns_and_compose(pp, virtual):
     extra = {"pp_schedule": "interleaved-1f1b", "virtual_stages": virtual} if virtual > 1 else {}
@@ -111,61 +121,78 @@ def test_stage_modules_keep_fqns_and_compose(pp, virtual):
     model = tiny_models.tiny_llama()
     n = len(plan.stages)
     assert n == pp * virtual
-    mods = build_stage_modules(model, plan.stages, list(range(n)))
+    mods = build_stage_modules(model, plan.stages, list(range(n)), _tokens(2))
     full = dict(model.named_parameters())
     names = [k for m in mods for k, _ in m.named_parameters()]
     assert sorted(names) == sorted(full)  # every parameter on exactly one stage, same FQN
     for m in mods:
         for k, p in m.named_parameters():
             assert torch.equal(p, full[k])
-    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    h = tokens
-    for m in mods:
-        h = m(h)
-    torch.testing.assert_close(h, model(tokens), rtol=0, atol=1e-6)
+    tokens = _tokens(2)
+    torch.testing.assert_close(_run_stages(mods, tokens), model(tokens), rtol=0, atol=1e-6)
     assert stage_ids_for_rank(1, pp, n) == list(range(1, n, pp))
 
 
-def test_tp_styles_split_gpt_qkv_by_head_and_follow_the_tied_head():
-    plan = _plan(tiny_models.tiny_gpt, 2, tp=2)
-    styles = tp_styles(tiny_models.tiny_gpt(), plan.placements)
-    assert "output.weight" not in plan.placements  # tied: the plan keys tok_embeddings.weight
-    assert styles["tok_embeddings"] == "vocab" and styles["output"] == "colwise"
-    assert "pos_embeddings" not in styles  # replicated
-    for i in range(2):
-        assert styles[f"layers.{i}.attention.qkv"] == "heads"
-        assert styles[f"layers.{i}.attention.wo"] == "rowwise"
-        assert styles[f"layers.{i}.feed_forward.w1"] == "colwise"
-
-
-def test_gpt_stage_modules_skip_the_embeddings_and_hold_the_tied_head():
-    """Stages after the first take the hidden state (GPT.forward skips the token and position
-    embeddings on a floating input); the last stage holds the tied embedding matrix under its
-    reference name, as a pass-through, and both stages know they share it."""
+def test_gpt_stages_hold_the_tied_matrix_on_the_first_and_last_stage():
+    """The token embedding and the head share one matrix: the first stage reads it before the
+    blocks, the last after them, so both hold a copy under the same names and know they share
+    it; a later stage's embeddings run on zeros, its hidden input comes from the stage before."""
     plan = _plan(tiny_models.tiny_gpt, 2, pp=2, micro_batch_size=2)
     model = tiny_models.tiny_gpt()
-    first, last = build_stage_modules(model, plan.stages, [0, 1])
-    assert isinstance(last.tok_embeddings, _TiedHolder) and isinstance(last.pos_embeddings, nn.Identity)
+    first, last = build_stage_modules(model, plan.stages, [0, 1], _tokens(2))
     assert last.output.weight is last.tok_embeddings.weight
+    assert isinstance(last.tok_embeddings, nn.Embedding)
+    assert "pos_embeddings.weight" not in dict(last.named_parameters())
     names = [k for m in (first, last) for k, _ in m.named_parameters()]
     assert names.count("tok_embeddings.weight") == 2
     assert sorted(set(names)) == sorted(k for k, _ in model.named_parameters())
     from autopar.runtime.pipeline import _TIED
 
     assert _TIED[first] == _TIED[last] == [TiedCopy("tok_embeddings.weight", (0, 1))]
-    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(last(first(tokens)), model(tokens), rtol=0, atol=1e-6)
+    tokens = _tokens(2)
+    torch.testing.assert_close(_run_stages([first, last], tokens), model(tokens), rtol=0,
+                               atol=1e-6)
 
 
-def test_pipelining_a_model_whose_forward_cannot_skip_its_inputs_is_refused():
-    from autopar.models.gpt import GPT
+@pytest.mark.parametrize("factory", ["nano_gpt", "hf_llama", "hf_gpt2", "litgpt_style"])
+def test_stages_of_models_written_elsewhere_compose_to_the_model(factory):
+    """Nested block lists (``transformer.h``, ``model.layers``), positions, masks and rotary
+    tables computed in the model's own forward, tuple and ModelOutput outputs: the stages of a
+    pp=2 plan chained in one process give the model's logits."""
+    model = getattr(corpus, factory)()
+    cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=2)
+    with torch.device("meta"):
+        meta = getattr(corpus, factory)()
+    plan = autopar.compile(meta, cluster, global_batch_size=8, seq_len=16, dtype="fp32",
+                           constraints={"pp": 2, "micro_batch_size": 2})
+    tokens = _tokens(2, vocab=corpus.VOCAB)
+    mods = build_stage_modules(model, plan.stages, [0, 1], tokens)
+    torch.testing.assert_close(_run_stages(mods, tokens), corpus.logits_of(model(tokens)),
+                               rtol=0, atol=1e-6)
 
-    plan = _plan(tiny_models.tiny_gpt, 2, pp=2, micro_batch_size=2)
-    model = tiny_models.tiny_gpt()
-    model.__class__ = type("PlainGPT", (GPT,), {"accepts_hidden_states": False})
-    with pytest.raises(ValueError, match=r"several input modules \(pos_embeddings, "
-                                         r"tok_embeddings\).*accepts_hidden_states"):
-        build_stage_modules(model, plan.stages, [1])
+
+def test_a_parameter_read_between_blocks_is_refused_for_pipelining():
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.scale = nn.Parameter(torch.ones(8))
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, tokens):
+            x = self.emb(tokens)
+            for block in self.blocks:
+                x = block(x) * self.scale
+            return x
+
+    with pytest.raises(ValueError, match=r"parameter scale is read between blocks.0 and the next"):
+        probe_layout(Shared(), torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_a_model_without_a_block_list_is_refused_for_pipelining():
+    with pytest.raises(ValueError, match=r"Sequential has no block list.*pp=1"):
+        probe_layout(nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8)),
+                     torch.zeros(2, 4, dtype=torch.long))
 
 
 def test_context_parallel_plan_is_checked_before_any_collective():

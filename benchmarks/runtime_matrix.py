@@ -1,0 +1,192 @@
+"""Does every plan run on every model?  Models written independently of autopar (the corpus in
+``tests/corpus.py``: hand-written and library norms, rotary and learned positions, fused and
+separate q/k/v, tied and untied heads, MoE layers written as a loop and as batched experts, a
+ViT, and Hugging Face Llama, Mistral, Qwen2, Mixtral and GPT-2 built from small configs) times
+plans pinned at compile time (dp, ZeRO-1/2/3, tp, tp+sp, pp with each schedule, cp, ep, and
+their 3-D/4-D combinations on 2-8 CPU ranks with gloo).
+
+Each cell is compiled by ``autopar.compile`` for the cpu-gloo profile, applied with
+``autopar.runtime.apply_plan`` under ``torchrun`` and trained for 3 AdamW steps next to a
+one-process reference of the same model on the same batches (``runtime_matrix_worker.py``).
+A cell shows the largest relative loss difference over the steps and, after the first
+backward, the largest gradient difference relative to the largest reference gradient; "ok"
+when they are within 1e-4 and 1e-5.  A plan compile refuses shows "refused: <reason>"; a
+plan that compiled and then failed shows "FAIL: <error>".  ep plans apply to MoE models only.
+
+    python benchmarks/runtime_matrix.py [--models plain_llama,hf_llama] [--plans tp,pp_1f1b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+WORKER = Path(__file__).with_name("runtime_matrix_worker.py")
+
+LOSS_TOL, GRAD_TOL = 1e-4, 1e-5
+GLOBAL_BATCH, SEQ_LEN, STEPS = 8, 64, 3
+MB2 = {"micro_batch_size": 2}
+
+# name -> (ranks, constraints pinned in autopar.compile)
+PLANS: dict[str, tuple[int, dict]] = {
+    "dp": (2, {"dp": 2, "zero_stage": 0}),
+    "zero1": (2, {"dp": 2, "zero_stage": 1}),
+    "zero2": (2, {"dp": 2, "zero_stage": 2}),
+    "zero3": (2, {"dp": 2, "zero_stage": 3}),
+    "tp": (2, {"tp": 2, "sequence_parallel": False}),
+    "tp_sp": (2, {"tp": 2, "sequence_parallel": True}),
+    "pp_gpipe": (2, {"pp": 2, "pp_schedule": "gpipe", **MB2}),
+    "pp_1f1b": (2, {"pp": 2, "pp_schedule": "1f1b", **MB2}),
+    "pp_interleaved": (2, {"pp": 2, "pp_schedule": "interleaved-1f1b", "virtual_stages": 2,
+                           "micro_batch_size": 1}),
+    "pp_zero_bubble": (2, {"pp": 2, "pp_schedule": "zero-bubble", **MB2}),
+    "cp": (2, {"cp": 2}),
+    "ep": (2, {"dp": 2, "ep": 2}),
+    "tp_zero3": (4, {"dp": 2, "tp": 2, "zero_stage": 3, "sequence_parallel": True}),
+    "tp_pp": (4, {"tp": 2, "pp": 2, "pp_schedule": "1f1b", "sequence_parallel": False, **MB2}),
+    "tp_sp_pp": (4, {"tp": 2, "pp": 2, "pp_schedule": "1f1b", "sequence_parallel": True,
+                     **MB2}),
+    "ep_tp": (4, {"dp": 2, "tp": 2, "ep": 2}),
+    "dp_tp_pp": (8, {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 1, "pp_schedule": "1f1b",
+                     **MB2}),
+}
+EXPERT_PLANS = ("ep", "ep_tp")
+MOE_MODELS = ("moe_loop", "moe_batched", "hf_mixtral")
+
+
+@dataclass
+class Cell:
+    model: str
+    plan: str
+    status: str = ""  # "ok", "refused: ...", "FAIL: ...", or the differences
+    loss_err: float | None = None
+    grad_err: float | None = None
+    detail: dict = field(default_factory=dict)
+
+    def text(self) -> str:
+        if self.loss_err is None:
+            return self.status
+        mark = "ok" if self.loss_err <= LOSS_TOL and self.grad_err <= GRAD_TOL else "DIVERGED"
+        return f"{mark} {self.loss_err:.1e}/{self.grad_err:.1e}"
+
+
+def _corpus():
+    sys.path.insert(0, str(TESTS))
+    import corpus
+
+    return corpus
+
+
+def compile_cell(model_name: str, plan_name: str, out_dir: Path) -> tuple[Cell, Path | None]:
+    """Compile one cell's plan; the cell says why when compile refuses it."""
+    import torch
+
+    import autopar
+
+    corpus = _corpus()
+    ranks, pins = PLANS[plan_name]
+    cell = Cell(model_name, plan_name)
+    if plan_name in EXPERT_PLANS and model_name not in MOE_MODELS:
+        cell.status = "n/a (dense)"
+        return cell, None
+    with torch.device("meta"):
+        model = getattr(corpus, model_name)()
+    cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=ranks)
+    if model_name in corpus.IMAGE_MODELS:
+        shape = {"example_inputs": (torch.empty(GLOBAL_BATCH, *corpus.IMAGE_SHAPE,
+                                                device="meta"),)}
+    else:
+        shape = {"seq_len": SEQ_LEN}
+    try:
+        plan = autopar.compile(model, cluster, global_batch_size=GLOBAL_BATCH, dtype="fp32",
+                               constraints=pins, **shape)
+    except ValueError as exc:
+        cell.status = "refused: " + str(exc).splitlines()[0][:160]
+        return cell, None
+    path = out_dir / f"{model_name}.{plan_name}.json"
+    plan.save(path)
+    return cell, path
+
+
+def run_cells(cells: list[tuple[Cell, Path]], ranks: int, out_dir: Path,
+              timeout_s: float = 180) -> None:
+    """Train every compiled cell of one rank count in one torchrun launch; fills the cells."""
+    if not cells:
+        return
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    specs = [f"{path}:{cell.model}" for cell, path in cells]
+    try:
+        proc = subprocess.run([torchrun, "--standalone", f"--nproc_per_node={ranks}",
+                               str(WORKER), str(out_dir), str(STEPS), *specs], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc = subprocess.CompletedProcess([], returncode=-1, stdout="",
+                                           stderr=f"no result after {timeout_s:.0f} s")
+    for cell, path in cells:
+        results = [out_dir / f"{path.stem}.{r}.json" for r in range(ranks)]
+        if not all(r.is_file() for r in results):
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            cell.status = f"FAIL: worker exited {proc.returncode}: {tail[0][:160]}"
+            continue
+        rows = [json.loads(r.read_text()) for r in results]
+        errors = [row["error"] for row in rows if row.get("error")]
+        if errors:
+            cell.status = "FAIL: " + errors[0][:160]
+            continue
+        cell.loss_err = max(row["loss_err"] for row in rows)
+        cell.grad_err = max(row["grad_err"] for row in rows)
+        cell.detail = rows[0]
+
+
+def run_matrix(models: list[str], plans: list[str], out_dir: Path) -> list[Cell]:
+    """Compile every cell, then train the compiled ones: one launch per model and rank count,
+    so a crash costs the cells of that launch only."""
+    compiled: dict[tuple[str, int], list[tuple[Cell, Path]]] = {}
+    cells = []
+    for model in models:
+        for plan in plans:
+            cell, path = compile_cell(model, plan, out_dir)
+            cells.append(cell)
+            if path is not None:
+                compiled.setdefault((model, PLANS[plan][0]), []).append((cell, path))
+    for (_, ranks), group in compiled.items():
+        run_cells(group, ranks, out_dir)
+    return cells
+
+
+def table(cells: list[Cell], models: list[str], plans: list[str]) -> str:
+    by = {(c.model, c.plan): c for c in cells}
+    lines = ["| model | " + " | ".join(plans) + " |", "|---" * (len(plans) + 1) + "|"]
+    for m in models:
+        lines.append(f"| {m} | " + " | ".join(by[m, p].text() for p in plans) + " |")
+    notes = sorted({c.text() for c in cells if c.loss_err is None and not c.text().startswith("n/a")})
+    return "\n".join(lines + ([""] + [f"- {n}" for n in notes] if notes else []))
+
+
+def main(argv: list[str] | None = None) -> None:
+    corpus = _corpus()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(corpus.TOKEN_MODELS + corpus.IMAGE_MODELS))
+    ap.add_argument("--plans", default=",".join(PLANS))
+    args = ap.parse_args(argv)
+    models, plans = args.models.split(","), args.plans.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        cells = run_matrix(models, plans, Path(tmp))
+    print(f"max relative loss difference over {STEPS} steps / max gradient difference after "
+          f"the first backward (relative to the largest reference gradient); ok within "
+          f"{LOSS_TOL:g} / {GRAD_TOL:g}\n")
+    print(table(cells, models, plans))
+
+
+if __name__ == "__main__":
+    main()

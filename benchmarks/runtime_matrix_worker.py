@@ -1,0 +1,102 @@
+"""torchrun worker of ``benchmarks/runtime_matrix.py``: for each ``PLAN.json:FACTORY`` given,
+builds the corpus model, applies the plan with ``autopar.runtime.apply_plan`` and trains it for
+the given number of AdamW steps next to a one-process reference (a deep copy of the same model,
+the same global batches); writes ``<out>/<plan stem>.<rank>.json`` with the largest relative
+loss difference over the steps, the largest gradient difference after the first backward
+(relative to the largest reference gradient, over the parameters this rank holds), or the
+error this rank raised.
+
+    torchrun --standalone --nproc_per_node=N runtime_matrix_worker.py OUT_DIR STEPS PLAN.json:FACTORY ...
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import corpus
+import torch
+
+from autopar import runtime
+from autopar.plan import load_plan
+from autopar.runtime.train import make_optimizer, synthetic_batch, synthetic_images
+
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
+
+
+def _clean(fqn: str) -> str:
+    for w in _WRAPPERS:
+        fqn = fqn.replace(w, "")
+    return fqn
+
+
+def _batch(factory: str, plan, step: int):
+    size = plan.training["global_batch_size"]
+    if factory in corpus.IMAGE_MODELS:
+        return synthetic_images(step, 0, size, corpus.IMAGE_SHAPE, corpus.NUM_CLASSES)
+    return synthetic_batch(step, 0, size, plan.training["seq_len"], corpus.VOCAB)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _run(plan_path: str, factory: str, steps: int) -> dict:
+    torch.manual_seed(0)
+    model = getattr(corpus, factory)()
+    plan = load_plan(plan_path, model=model)
+    ref = copy.deepcopy(model)
+    ref_opt = make_optimizer(ref.parameters())
+    sharded = runtime.apply_plan(model, plan)
+    opt = make_optimizer(sharded.parameters())
+    loss_err = grad_err = 0.0
+    for step in range(1, steps + 1):
+        x, y = _batch(factory, plan, step)
+        want = runtime.lm_loss(ref(x), y)
+        want.backward()
+        got = sharded.train_step(x, y)
+        loss_err = max(loss_err, abs(got - float(want)) / max(abs(float(want)), 1e-12))
+        if step == 1:
+            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+            scale = max(float(g.abs().max()) for g in ref_grads.values() if g is not None)
+            for module in sharded.modules:
+                for name, p in module.named_parameters():
+                    w = ref_grads[_clean(name)]
+                    if w is None and p.grad is None:
+                        continue  # an expert that no token reached
+                    if p.grad is None:
+                        raise RuntimeError(f"{name} got no gradient")
+                    diff = float((_full(p.grad) - w).abs().max())
+                    grad_err = max(grad_err, diff / scale)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    return {"loss_err": loss_err, "grad_err": grad_err,
+            "loss_parallel": sharded.loss_parallel}
+
+
+def main() -> None:
+    out_dir, steps = Path(sys.argv[1]), int(sys.argv[2])
+    torch.set_num_threads(1)
+    rank, _, _ = runtime.init_distributed(timeout_s=60)
+    for spec in sys.argv[3:]:
+        plan_path, factory = spec.rsplit(":", 1)
+        try:
+            result = _run(plan_path, factory, steps)
+        except Exception as exc:  # recorded per cell; the launch goes on to the next one
+            last = traceback.format_exc().strip().splitlines()[-1]
+            result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else last}"}
+        (out_dir / f"{Path(plan_path).stem}.{rank}.json").write_text(json.dumps(result))
+    runtime.shutdown()
+    import os
+
+    sys.stdout.flush()
+    os._exit(0)  # gloo's worker threads can abort the interpreter's finalization
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Sub-layers from dataflow (``autopar.ir.residual``): the residual adds and the row-parallel
+GEMMs of a block do not depend on how its norms are written, on module names, or on whether the
+residual is sequential or parallel; the Megatron layout and the estimate's tensor-parallel
+synchronisation points follow from them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar.estimate.units import units_from_graph
+from autopar.ir.residual import residual_structure
+from autopar.plan import megatron_tp_placements
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import corpus  # noqa: E402
+
+
+class _HandNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+
+
+class _Block(nn.Module):
+    def __init__(self, dim, norm, parallel):
+        super().__init__()
+        self.n1, self.n2, self.parallel = norm(dim), norm(dim), parallel
+        self.a_in, self.a_out = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.m_in, self.m_out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        attn = self.a_out(torch.tanh(self.a_in(self.n1(x))))
+        if self.parallel:
+            return x + attn + self.m_out(torch.relu(self.m_in(self.n2(x))))
+        x = x + attn
+        return x + self.m_out(torch.relu(self.m_in(self.n2(x))))
+
+
+class _Net(nn.Module):
+    def __init__(self, norm, parallel=False, dim=16):
+        super().__init__()
+        self.emb = nn.Embedding(64, dim)
+        self.blocks = nn.ModuleList(_Block(dim, norm, parallel) for _ in range(2))
+        self.head = nn.Linear(dim, 64, bias=False)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _block_nodes(graph):
+    names = set(graph.blocks[0].node_names)
+    return [n for n in graph.nodes if n.name in names]
+
+
+def _trace(model):
+    return autopar.trace(model, global_batch_size=2, seq_len=8, dtype="fp32")
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("norm", [_HandNorm, nn.RMSNorm, nn.LayerNorm])
+def test_row_gemms_are_the_ones_that_feed_the_residual_adds(norm, parallel):
+    graph = _trace(_Net(norm, parallel))
+    found = residual_structure(_block_nodes(graph))
+    assert len(found.residual_adds) == 2
+    rows = {n.split("/")[0] for n in found.row_gemms}
+    assert rows == {"blocks.0.a_out", "blocks.0.m_out"}
+    tp = megatron_tp_placements(graph)
+    assert tp["blocks.0.a_in.weight"] == tp["blocks.0.m_in.weight"] == "S(0)"
+    assert tp["blocks.0.a_out.weight"] == tp["blocks.0.m_out.weight"] == "S(1)"
+    assert tp["blocks.0.a_out.bias"] == "R" and tp["blocks.0.a_in.bias"] == "S(0)"
+    assert tp["emb.weight"] == tp["head.weight"] == "S(0)"
+
+
+def test_a_hand_written_norm_costs_the_same_tensor_parallel_traffic_as_the_library_norm():
+    """The estimate's synchronisation points and the hidden-state bytes they move per block
+    are the same whatever the norm is written as."""
+    def block_unit(norm):
+        units = units_from_graph(_trace(_Net(norm)))
+        return next(u for u in units if u.name == "blocks.0")
+
+    hand, library = block_unit(_HandNorm), block_unit(nn.RMSNorm)
+    assert hand.tp_points == library.tp_points == 2
+    assert hand.act_bytes == library.act_bytes
+
+
+@pytest.mark.parametrize("factory,rows", [
+    ("plain_llama", {"attn.o", "mlp.down"}),
+    ("hf_llama", {"self_attn.o_proj", "mlp.down_proj"}),
+    ("litgpt_style", {"attn.proj", "mlp.proj"}),
+    ("nano_gpt", {"attn.c_proj", "mlp.c_proj"}),
+])
+def test_models_written_elsewhere_come_out_megatron_shaped(factory, rows):
+    """Hand-written RMSNorm (plain_llama, Hugging Face Llama), a parallel residual (lit-gpt),
+    fused q/k/v (nanoGPT): the GEMMs feeding the residual adds are row-parallel, all others
+    column-parallel."""
+    with torch.device("meta"):
+        model = getattr(corpus, factory)()
+    graph = _trace(model)
+    block = graph.blocks[0].representative
+    tp = megatron_tp_placements(graph)
+    for name, p in model.named_parameters():
+        if not name.startswith(block + ".") or p.dim() != 2:
+            continue
+        local = name[len(block) + 1:].rsplit(".", 1)[0]
+        want = "S(1)" if local in rows else "S(0)"
+        assert tp[name] == want, (name, tp[name])
