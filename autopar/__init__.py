@@ -1,6 +1,6 @@
 """autopar: automatic parallelization planner and plan compiler for PyTorch training.
 
-Public names are fixed by DESIGN.md §3; see README.md for a quickstart.
+Public names are those in ``__all__`` below; see README.md for a quickstart.
 """
 
 from autopar import models

@@ -2,8 +2,8 @@
 
 The sustained fraction is the one constant of the compute model fitted to published training
 runs rather than measured on a GPU (long runs hold the GPU at its power limit; a short
-benchmark does not). Protocol, per architecture: every row of shared/data/published_runs_
-calibration.csv on that architecture, except the groups in `NOT_MODELED`, is estimated at each
+benchmark does not). Protocol, per architecture: every row of benchmarks/data/published_
+runs_calibration.csv on that architecture, except the groups in `NOT_MODELED`, is estimated at each
 fraction of a 0.60-1.00 grid (step 0.01); the fit minimises the median |error|, ties broken by
 the mean |error|. It prints the curve, the fit, and a leave-one-group-out check (each group
 predicted with the fraction fitted on the other groups of its architecture), which shows how

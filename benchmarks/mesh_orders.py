@@ -1,4 +1,4 @@
-"""Does the mesh order matter? For every row of shared/data/published_runs_calibration.csv
+"""Does the mesh order matter? For every row of benchmarks/data/published_runs_calibration.csv
 (benchmarks/published_runs.py's models, clusters and software), `autopar.compile` with the
 default mesh order (pp, dp, cp, tp: tp innermost) and with every order searched
 (`SearchSettings(mesh_orders="all")`), side by side. Prints per row the two plans' predicted

@@ -1,6 +1,6 @@
 """autopar's plan vs the published expert configuration, both predicted by the same cost model.
 
-For every row of shared/data/published_runs_calibration.csv: compile for the same model,
+For every row of benchmarks/data/published_runs_calibration.csv: compile for the same model,
 cluster, global batch, sequence length, dtype and software (benchmarks/published_runs.py's
 SOFTWARE), estimate the published configuration, and print the speed-up of the plan
 (published predicted step / plan predicted step; >= 1.00 means autopar's plan is not slower)

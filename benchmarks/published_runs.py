@@ -1,12 +1,12 @@
 """Published large-run throughputs as runnable `autopar.estimate` setups, and the accuracy table.
 
-This module owns the calibration set: it reads ``shared/data/published_runs_calibration.csv``
+This module owns the calibration set: it reads ``benchmarks/data/published_runs_calibration.csv``
 (47 rows: Megatron-LM SC21 Tables 1-2, the Megatron-LM README H100 tables, MosaicML's MPT
 benchmarks), turns every row into a `PublishedRun` (a GPT built on the meta device, a cluster,
 a `ParallelConfig`, the global batch, sequence length and dtype) and converts the row's metric
 into the **published step time in seconds**, the number `autopar.estimate` must reproduce.
 
-Metric -> step time (definitions from shared/data/throughput_notes.md and the sources):
+Metric -> step time (definitions from the sources; benchmarks/data/README.md sums them up):
 
 - SC21 ``tflops_per_gpu`` X (Table 1 and both halves of Table 2): the iteration FLOPs are eq. (3)
   of Narayanan et al., SC21 §5.1, F = 96·B·s·l·h²·(1 + s/6h + V/16lh), which counts the
@@ -62,12 +62,12 @@ __all__ = [
     "mosaicml_flops_per_token", "mosaicml_step_time_s", "sc21_iteration_flops", "step_time_from_tflops",
 ]
 
-DEFAULT_CSV = ROOT.parent / "shared" / "data" / "published_runs_calibration.csv"
+DEFAULT_CSV = ROOT / "benchmarks" / "data" / "published_runs_calibration.csv"
 # held-out validation rows (same columns, disjoint from DEFAULT_CSV; see the module docstring)
 HELDOUT_CSV = ROOT / "benchmarks" / "data" / "llm_foundry_a100_heldout.csv"
 
 # Megatron-LM README "Performance Benchmarking" (r0.8.0): MFU = TFLOP/s / 989 (H100 SXM dense
-# BF16 peak), e.g. 474.4 / 989 = 48 % (shared/data/throughput_notes.md).
+# BF16 peak), e.g. its 474.4 TFLOP/s row reads 48 % MFU.
 MEGATRON_MFU_PEAK_TFLOPS = 989.0
 
 GROUPS = {
@@ -534,9 +534,8 @@ def load_runs(path: str | Path | None = None) -> list[PublishedRun]:
     csv_path = Path(path) if path is not None else DEFAULT_CSV
     if not csv_path.is_file():
         raise FileNotFoundError(
-            f"published-runs CSV not found at {csv_path}; it lives in the shared data folder "
-            f"next to the repository (../shared/data/published_runs_calibration.csv), or pass "
-            f"load_runs(path=...)")
+            f"published-runs CSV not found at {csv_path}; the calibration set is "
+            f"benchmarks/data/published_runs_calibration.csv, or pass load_runs(path=...)")
     with csv_path.open(newline="") as fh:
         runs = [_row_to_run(row) for row in csv.DictReader(fh)]
     ids = [r.run_id for r in runs]

@@ -15,7 +15,8 @@ protocols (LL, LL128, Simple), and returns the fastest, as NCCL's tuner does:
 - `latency` follows NCCL's tuning model: base latency plus per-step hop latencies per tier
   (ring: linear in steps; tree: logarithmic in nodes; NVLS: one switch round trip).
 - `η(s) = s / (s + s_half)` is the pipeline ramp of the chunked protocols (LL128, Simple): a single α + n/B is
-  1.3-1.6x optimistic at 4-64 MiB (hardware.md §3.5).
+  1.3-1.6x optimistic at 4-64 MiB (least-squares α-β fits to stas00/ml-engineering's 8x A100
+  nccl-tests and 8x H200 / B200 all-reduce scans, rows of tests/data/collective_measurements.csv).
 
 Algorithms: ring (all kinds but all_to_all / send_recv), tree (multi-node all_reduce), NVLS and
 NVLS-tree (all_reduce on NVSwitch with in-switch reduction), in-network reduction (IB SHARP

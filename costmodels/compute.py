@@ -157,19 +157,18 @@ MATH_ATTENTION_SCORE_PASSES = {
 # profiles' GEMM efficiencies are short max-achievable-matmul sweeps, while training keeps the
 # GPU at its power limit for hours and runs at lower clocks (ml-engineering: H100's ~813
 # TFLOP/s is reached "only with a cold GPU ... not sustainable"). Fitted per architecture by
-# benchmarks/fit_sustained_fraction.py on every row of shared/data/published_runs_calibration.csv
-# of that architecture except DeepSpeed-2021 ZeRO-3's (their steps are DeepSpeed's parameter
-# gathers, not compute): grid 0.60-1.00 in steps of 0.01, least median |error|. A100: 23 rows
-# (SC21 Tables 1-2, MosaicML), and each group fitted on the others alone lands within
-# 0.86-0.87. H100: 18 rows (Megatron-LM README, MosaicML); the sources disagree -- the
-# MosaicML rows fitted on the Megatron-LM ones alone would take 0.66, the Megatron-LM weak-
+# benchmarks/fit_sustained_fraction.py on every row of benchmarks/data/published_runs_
+# calibration.csv of that architecture except DeepSpeed-2021 ZeRO-3's (their steps are
+# DeepSpeed's parameter gathers, not compute): grid 0.60-1.00 in steps of 0.01, least median
+# |error|. A100: 23 rows (SC21 Tables 1-2, MosaicML), and each group fitted on the others alone
+# lands within 0.86-0.87. H100: 18 rows (Megatron-LM README, MosaicML); the sources disagree --
+# the MosaicML rows fitted on the Megatron-LM ones alone would take 0.66, the Megatron-LM weak-
 # scaling rows on the others 0.73 -- so the joint value carries a ~10% uncertainty on H100.
-# Architectures without a fit use the mean of the fitted values (an assumption). Refitted
-# 2026-11-23 (session 8) once the cross-entropy was timed by its software's kernel passes
-# (LOSS_KERNELS), the eager memory-bound factor measured without it, and the SC21 Table 1 rows
-# took NVIDIA's reproduction script's micro-batches (with attention dropout); a short single-GPU
-# step runs its GEMMs at the full measured efficiency (benchmarks/gpu_check.py divides this
-# out).
+# Architectures without a fit use the mean of the fitted values (an assumption). The fit has
+# the cross-entropy timed by its software's kernel passes (LOSS_KERNELS), the eager memory-bound
+# factor measured without it, and the SC21 Table 1 rows at NVIDIA's reproduction script's
+# micro-batches (with attention dropout); a short single-GPU step runs its GEMMs at the full
+# measured efficiency (benchmarks/gpu_check.py divides this out).
 SUSTAINED_COMPUTE_FRACTION = {"ampere": 0.86, "hopper": 0.70}
 
 

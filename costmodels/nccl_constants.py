@@ -1,9 +1,9 @@
 """Constants of NCCL's own tuning model and the few fitted corrections of autopar's collective model.
 
-Library constants come from NVIDIA/nccl `src/graph/tuning.cc` (NCCL 2.30.7, as tabulated in
-shared/data/hardware.md §4.4). Fitted corrections are named, say what they were fitted on and
-which measurements they were *not* fitted on (tests/unit/test_collectives_measured.py checks
-both). Hardware numbers (bandwidths, per-hop latencies) live in the profiles, not here.
+Library constants come from NVIDIA/nccl `src/graph/tuning.cc` (NCCL 2.30.7, commit 5067397).
+Fitted corrections are named, say what they were fitted on and which measurements they were
+*not* fitted on (tests/unit/test_collectives_measured.py checks both). Hardware numbers
+(bandwidths, per-hop latencies) live in the profiles, not here.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ ALLTOALL_FABRIC_EFFICIENCY = 0.869
 # (LL128, Simple) reach eta = s / (s + s_half) of their bandwidth for a buffer of s bytes.
 # Across nodes the pipeline is as deep as the tree, so the network s_half is given per tree
 # level and multiplied by log2(nodes). Fitted (grid over powers of two and their midpoints) on
-# the 8x A100 nccl-tests all_reduce scan (hardware.md §3.3a) for the scale-up tier and on the
-# 4-node H100 scan (arXiv:2411.13055, §3.3d) for the network tier; held out: the 8x H200 NVLS,
-# 32- and 8192-GPU NVLSTree, 512-node and B200 scans (benchmarks/collectives.py prints them).
+# the 8x A100 nccl-tests all_reduce scan (stas00/ml-engineering network/README.md @744d01e) for
+# the scale-up tier and on the 4-node H100 scan (arXiv:2411.13055, read off its plot) for the
+# network tier; held out: the 8x H200 NVLS, 32- and 8192-GPU NVLSTree, 512-node and B200 scans
+# (benchmarks/collectives.py prints them).
 PIPELINE_RAMP_BYTES = MappingProxyType({"fabric": 16.0 * 2**20, "network": 16.0 * 2**20})

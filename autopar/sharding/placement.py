@@ -1,6 +1,6 @@
 """Placements of a tensor on one mesh axis, and what moving between two of them costs.
 
-A placement is a short string, the same spelling plans use (DESIGN.md §3):
+A placement is a short string, the same spelling plans use:
 
 * ``"R"``    -- replicate: every rank of the axis holds the whole tensor;
 * ``"S(d)"`` -- shard: dim ``d`` (non-negative) is split into equal contiguous blocks;

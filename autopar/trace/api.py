@@ -19,6 +19,7 @@ How it works:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 
@@ -198,7 +199,7 @@ def _run(model, stacks, keep_all, leaves, args, kwargs, *, token_model, dtype, c
         for i, t in enumerate(pytree.tree_leaves((args, kwargs))):
             if isinstance(t, torch.Tensor):
                 recorder.add_input(t, i)
-        with torch.no_grad(), fake_mode, recorder.recording():
+        with torch.no_grad(), _quiet_meta_failures(), fake_mode, recorder.recording():
             out = functional_call(clone, (meta_params, meta_buffers), args, kwargs)
             _record_loss(recorder, out, args, kwargs, token_model)
     except Exception as error:
@@ -207,7 +208,8 @@ def _run(model, stacks, keep_all, leaves, args, kwargs, *, token_model, dtype, c
         op = failure.op if failure else type(error).__name__
         fqn = moe.find_moe(modules, path, leaves)
         if fqn is not None:  # experts fail on meta tensors in many ways: cost them as a leaf
-            log.info("costing %s as an MoE leaf (%s failed in %r: %s)", fqn, op, path, error)
+            log.info("costing %s as an MoE leaf under uniform top-k routing (its forward "
+                     "cannot run on fake tensors: %s failed in %r: %s)", fqn, op, path, error)
             return _Leaf(fqn), shapes
         if moe.is_data_dependent(error):
             what = ("a Python value is read from a tensor (.item(), bool(), int(), .tolist())"
@@ -232,6 +234,29 @@ def _run(model, stacks, keep_all, leaves, args, kwargs, *, token_model, dtype, c
             else:
                 module.forward = original
     return recorder, shapes
+
+
+class _DropErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
+@contextlib.contextmanager
+def _quiet_meta_failures():
+    """Drop FakeTensorMode's ERROR records (with traceback) for ops whose meta kernel raises.
+
+    FakeTensorMode logs every such failure at ERROR before re-raising it, and ``_run`` handles
+    every exception of the attempt itself (an MoE leaf, logged at INFO, or a ``TraceError``
+    that chains the original), so the record only repeats, as an error, a failure that a
+    successful compile works around. Only that logger's ERROR records, and only for the attempt.
+    """
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    quiet = _DropErrors()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _hooks(module, path, recorder, shapes):

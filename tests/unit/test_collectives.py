@@ -2,9 +2,9 @@
 
 Oracles: the textbook ring / pairwise costs (Thakur, Rabenseifner & Gropp 2005) on a profile
 with round numbers and gloo semantics (no NCCL base latency, protocols or ramp); NCCL's own
-tuning-model latencies as worked out in shared/data/hardware.md §4.4; and properties that must
-hold for any profile (monotone in bytes, all_reduce >= reduce_scatter, one rank is free, more
-bandwidth or NICs never slower).
+tuning-model latencies worked out by hand from NVIDIA/nccl src/graph/tuning.cc (NCCL 2.30.7,
+commit 5067397); and properties that must hold for any profile (monotone in bytes, all_reduce
+>= reduce_scatter, one rank is free, more bandwidth or NICs never slower).
 """
 
 import math
@@ -90,7 +90,7 @@ def _latency_us(profile, kind, nodes, per_node, algorithm, protocol):
 ])
 def test_latencies_reproduce_nccl_tuning_model_worked_examples(kind, nodes, per_node, algorithm,
                                                                 protocol, expected_us):
-    # hardware.md §4.4 works these out from NCCL 2.30.7 tuning.cc for NVLink hosts with Intel
+    # NCCL 2.30.7 tuning.cc's latency formulas evaluated by hand for NVLink hosts with Intel
     # CPUs (the dgx-h100 profile's hop latencies and net overhead)
     assert _latency_us("dgx-h100", kind, nodes, per_node, algorithm, protocol) == \
         pytest.approx(expected_us, abs=0.05)

@@ -1,6 +1,6 @@
 """The fitted constants of the estimate, checked against published runs.
 
-SUSTAINED_COMPUTE_FRACTION is fitted per architecture on every row of shared/data/
+SUSTAINED_COMPUTE_FRACTION is fitted per architecture on every row of benchmarks/data/
 published_runs_calibration.csv but the DeepSpeed ZeRO-3 ones (benchmarks/
 fit_sustained_fraction.py). This runs `estimate` on all 47 rows (benchmarks/published_runs.py
 prints the table) and checks that the constants in use are the protocol's optimum.
@@ -19,8 +19,7 @@ from autopar import estimate
 from costmodels.compute import (FUSED_ATTENTION_PEAK_FRACTION, SUSTAINED_COMPUTE_FRACTION,
                                 fused_attention_fraction, sustained_fraction)
 
-CSV = Path(__file__).resolve().parents[3] / "shared" / "data" / "published_runs_calibration.csv"
-pytestmark = pytest.mark.skipif(not CSV.is_file(), reason="shared/data not present")
+CSV = Path(__file__).resolve().parents[2] / "benchmarks/data/published_runs_calibration.csv"
 
 
 @pytest.fixture(scope="module")

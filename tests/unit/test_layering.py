@@ -1,4 +1,4 @@
-"""House rules of DESIGN §2: imports flow autopar -> costmodels -> hwprofiles; costmodels and
+"""House rules: imports flow autopar -> costmodels -> hwprofiles; costmodels and
 hwprofiles never import torch; only autopar/runtime (and calibrate) touch torch.distributed."""
 
 import ast

@@ -13,10 +13,6 @@ import pytest
 from autopar.config import check_config
 from benchmarks import published_runs as pr
 
-if not pr.DEFAULT_CSV.is_file():
-    pytest.skip(f"shared calibration data not present at {pr.DEFAULT_CSV}",
-                allow_module_level=True)
-
 RUNS = pr.load_runs()
 BY_ID = {run.run_id: run for run in RUNS}
 

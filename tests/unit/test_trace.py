@@ -33,7 +33,8 @@ def layer_nodes(graph, index=0):
     return [n for n in graph.nodes if n.layer_index == index]
 
 
-# FlopCounterMode lacks formulas for the CPU flash-attention kernels (runtime_cpu.md h9/h11);
+# FlopCounterMode has no formulas for the CPU flash-attention kernels (torch/utils/flop_counter.py
+# registers the CUDA flash, efficient and cuDNN ones), so on CPU it counts attention as 0;
 # these are its own sdpa formulas, registered per counter (they receive shapes).
 CPU_SDPA_FLOPS = {
     aten._scaled_dot_product_flash_attention_for_cpu:
@@ -419,6 +420,50 @@ def test_moe_is_costed_with_uniform_top_k_routing():
     assert {f"layers.0.feed_forward.experts.{e}.w1.weight" for e in range(experts)} <= used
     doubled = trace(model, global_batch_size=b, seq_len=s, moe_capacity_factor=2.0)
     assert doubled.flops_fwd > graph.flops_fwd
+
+
+
+class _MetaRefusingExperts(nn.Module):
+    """Fused experts ([experts, ffn, dim]) whose kernel raises inside its meta function, as a
+    library's bf16-only grouped matmul does on fp32 fake tensors (operands in the wrong order
+    here, so every torch refuses them)."""
+
+    def __init__(self, experts=4, dim=16, ffn=32):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(experts, ffn, dim))
+        self.top_k = 2
+
+    def forward(self, x):
+        return x + torch.mm(x.flatten(0, 1), self.w[0]).sum()
+
+
+class _MetaRefusingMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.layers = nn.ModuleList([_MetaRefusingExperts() for _ in range(2)])
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_moe_fallback_logs_one_info_line_and_no_error(every_log_record):
+    # FakeTensorMode logs a failing meta kernel (with its traceback) at ERROR before raising;
+    # the trace costs the experts as a leaf instead and says so once, at INFO.
+    with torch.device("meta"):
+        model = _MetaRefusingMoE()
+    graph = trace(model, global_batch_size=2, seq_len=8)
+    assert OpKind.MOE_DISPATCH in {n.kind for n in graph.nodes}
+    loud = [f"{r.name}: {r.getMessage()}" for r in every_log_record
+            if r.levelno >= logging.WARNING]
+    assert loud == []
+    leaf = [r for r in every_log_record if "MoE leaf" in r.getMessage()]
+    assert [(r.name, r.levelno) for r in leaf] == [("autopar.trace.api", logging.INFO)]
+    assert "layers.0" in leaf[0].getMessage() and "aten.mm" in leaf[0].getMessage()
 
 
 # ---------------------------------------------------------------- unknown ops, errors
