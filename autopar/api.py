@@ -17,7 +17,7 @@ from autopar.errors import StageMemoryError
 from autopar.search.inter_op import partition_stages
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES
 from autopar.models.common import count_attention_calls
-from autopar.plan import Plan, megatron_tp_placements, param_placements
+from autopar.plan import Plan, fused_projections, megatron_tp_placements, param_placements
 from autopar.runtime.capabilities import runtime_limits
 from autopar.search.intra_op import solve_block
 from autopar.search.outer import SearchSettings, check_constraints, search
@@ -82,7 +82,8 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
         mesh={"axes": list(cfg.mesh_order), "sizes": [sizes[a] for a in cfg.mesh_order],
               "ep_within": "dp*cp", "ep": cfg.ep},
         model={"class": graph.model_class, "fingerprint": fingerprint,
-               "num_params": graph.num_params, "num_layers": costs.num_layers},
+               "num_params": graph.num_params, "num_layers": costs.num_layers,
+               **({"fused_projections": fused} if (fused := fused_projections(graph)) else {})},
         cluster={"profile": cluster.name, "num_nodes": cluster.num_nodes,
                  "world_size": cluster.world_size, "fingerprint": cluster.fingerprint()},
         training={"global_batch_size": global_batch_size, "seq_len": graph.seq_len,

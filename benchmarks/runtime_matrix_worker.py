@@ -3,7 +3,8 @@ builds the corpus model, applies the plan with ``autopar.runtime.apply_plan`` an
 the given number of AdamW steps next to a one-process reference (a deep copy of the same model,
 the same global batches); writes ``<out>/<plan stem>.<rank>.json`` with the largest relative
 loss difference over the steps, the largest gradient difference after the first backward
-(relative to the largest reference gradient, over the parameters this rank holds), or the
+(relative to the largest reference gradient, over the parameters this rank holds), the
+collectives of the second step by kind (``CommDebugMode``; plans without a pipeline), or the
 error this rank raised.
 
     torchrun --standalone --nproc_per_node=N runtime_matrix_worker.py OUT_DIR STEPS PLAN.json:FACTORY ...
@@ -11,6 +12,7 @@ error this rank raised.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import sys
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import corpus
 import torch
+from torch.distributed.tensor.debug import CommDebugMode
 
 from autopar import runtime
 from autopar.plan import load_plan
@@ -53,11 +56,16 @@ def _run(plan_path: str, factory: str, steps: int) -> dict:
     sharded = runtime.apply_plan(model, plan)
     opt = make_optimizer(sharded.parameters())
     loss_err = grad_err = 0.0
+    comms = CommDebugMode()
     for step in range(1, steps + 1):
         x, y = _batch(factory, plan, step)
         want = runtime.lm_loss(ref(x), y)
         want.backward()
-        got = sharded.train_step(x, y)
+        # counted without a pipeline: the dispatch mode upsets the zero-bubble schedule's split
+        # backward
+        count = step == 2 and plan.config.pp == 1
+        with comms if count else contextlib.nullcontext():
+            got = sharded.train_step(x, y)
         loss_err = max(loss_err, abs(got - float(want)) / max(abs(float(want)), 1e-12))
         if step == 1:
             ref_grads = {n: p.grad for n, p in ref.named_parameters()}
@@ -76,7 +84,9 @@ def _run(plan_path: str, factory: str, steps: int) -> dict:
         opt.step()
         opt.zero_grad()
     return {"loss_err": loss_err, "grad_err": grad_err,
-            "loss_parallel": sharded.loss_parallel}
+            "loss_parallel": sharded.loss_parallel,
+            "collectives": {str(k).rpartition(".")[2]: v
+                            for k, v in sorted(comms.get_comm_counts().items(), key=str)}}
 
 
 def main() -> None:

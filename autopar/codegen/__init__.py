@@ -1,5 +1,5 @@
-"""autopar.codegen: writes a standalone, readable training script for a plan (DESIGN §1 stage
-6, §3).  ``autopar codegen PLAN --model-factory MODULE:FN -o train.py`` is ``codegen_main``."""
+"""autopar.codegen: writes a standalone, readable training script for a plan.
+``autopar codegen PLAN --model-factory MODULE:FN -o train.py`` is ``codegen_main``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`generate_script`: the text of a standalone training script for a plan (DESIGN §3).
+"""`generate_script`: the text of a standalone training script for a plan.
 
 The script imports ``autopar.runtime`` (it does not inline it) and the user's model factory.
 Under ``torchrun`` it checks the launch (world size, and that the plan was made for this

@@ -20,9 +20,9 @@ import re
 from autopar.config import ParallelConfig
 from autopar.estimate.units import vocab_sizes
 from autopar.ir import Graph, OpKind
-from autopar.ir.residual import residual_structure
+from autopar.ir.residual import fused_chunks, residual_structure
 
-__all__ = ["megatron_tp_placements", "param_placements"]
+__all__ = ["fused_projections", "megatron_tp_placements", "param_placements"]
 
 _EXPERT = re.compile(r"\.experts\.\d+\.")  # one expert of an experts list
 
@@ -87,25 +87,39 @@ def megatron_tp_placements(graph: Graph) -> dict[str, str]:
     return out
 
 
-def param_placements(graph: Graph, cfg: ParallelConfig, tp_map: dict[str, str]
-                     ) -> dict[str, dict[str, str]]:
-    """{param FQN: {axis: placement}} for every parameter of the model, sorted by FQN."""
+def _layer_names(graph: Graph):
+    """``(node, param, [its FQN in every layer of its block])`` for every parameter use: a
+    block parameter stands for the same parameter of every layer of the block."""
     block_of = {name: block for block in graph.blocks for name in block.node_names}
-    result: dict[str, dict[str, str]] = {}
     for node in graph.nodes:
         block = block_of.get(node.name)
         prefix = block.representative + "." if block is not None else None
         for p in node.params:
-            # a block parameter stands for the same parameter of every layer of the block
             names = [layer + "." + p.fqn[len(prefix):] for layer in block.layer_fqns] \
                 if prefix and block.layer_fqns and p.fqn.startswith(prefix) else [p.fqn]
-            expert = ".experts" in p.fqn
-            axes = {"dp": "S(0)" if cfg.zero_stage == 3 else "R",
-                    "tp": tp_map.get(p.fqn, "R") if cfg.tp > 1 else "R"}
-            if cfg.cp > 1:
-                axes["cp"] = "R"
-            if cfg.ep > 1:
-                axes["ep"] = "S(0)" if expert else "R"
-            for name in names:
-                result[name] = dict(axes)
+            yield node, p, names
+
+
+def fused_projections(graph: Graph) -> dict[str, int]:
+    """``{param FQN: k}`` for every layer's fused projection whose output is k head-major chunks
+    (``autopar.ir.residual.fused_chunks``): column parallelism splits each chunk."""
+    chunks = fused_chunks(graph.nodes)
+    return {name: chunks[p.fqn] for _, p, names in _layer_names(graph) if p.fqn in chunks
+            for name in sorted(names)}
+
+
+def param_placements(graph: Graph, cfg: ParallelConfig, tp_map: dict[str, str]
+                     ) -> dict[str, dict[str, str]]:
+    """{param FQN: {axis: placement}} for every parameter of the model, sorted by FQN."""
+    result: dict[str, dict[str, str]] = {}
+    for _, p, names in _layer_names(graph):
+        expert = ".experts" in p.fqn
+        axes = {"dp": "S(0)" if cfg.zero_stage == 3 else "R",
+                "tp": tp_map.get(p.fqn, "R") if cfg.tp > 1 else "R"}
+        if cfg.cp > 1:
+            axes["cp"] = "R"
+        if cfg.ep > 1:
+            axes["ep"] = "S(0)" if expert else "R"
+        for name in names:
+            result[name] = dict(axes)
     return {name: result[name] for name in sorted(result)}

@@ -1,5 +1,5 @@
-"""What this runtime can run for a given model, known at compile time (DESIGN §1.8: compile
-returns only plans the runtime can run).
+"""What this runtime can run for a given model, known at compile time (compile returns only
+plans the runtime can run for the model it was given).
 
 ``runtime_limits`` names, per parallelism axis this runtime cannot run for the model, the
 reason; ``autopar.compile`` keeps the search to degree 1 on those axes and refuses a pin above

@@ -1,6 +1,6 @@
 """Context parallelism: every rank of a ``cp`` group holds a slice of each sequence and causal
-attention runs as a ring over the group (``../shared/data/runtime_cpu.md`` §f: PyTorch's own
-``context_parallel`` has no CPU kernels in 2.13, so this is written out).
+attention runs as a ring over the group (PyTorch's own ``context_parallel`` has no CPU path in
+torch 2.13, so this is written out).
 
 Load balancing ("zigzag"): the sequence is cut into ``2·cp`` equal chunks and cp rank ``r``
 holds chunks ``r`` and ``2·cp−1−r``, in that order.  Under a causal mask every rank then

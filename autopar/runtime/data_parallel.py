@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.runtime.structure import blocks
 
@@ -109,7 +111,18 @@ def apply_data_parallel(module: nn.Module, plan: Any, dp_mesh: Any, *, pure_dp: 
     for block in blocks(module):
         mine = {p for p in block.parameters() if p in ignored}
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard,
-                    ignored_params=mine or None)
+                    ignored_params=mine or None, shard_placement_fn=_fsdp_placement)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard,
-                ignored_params=ignored or None)
+                ignored_params=ignored or None, shard_placement_fn=_fsdp_placement)
     return module
+
+
+def _fsdp_placement(param: nn.Parameter) -> Shard | None:
+    """Where FSDP2 shards a parameter over dp: dim 1 for a 2-D weight that tensor parallel
+    placed within chunks (``_StridedShard`` on dim 0, a fused q/k/v projection): FSDP cannot
+    split those rows again without breaking the heads, but their input columns are free.
+    Default (dim 0) otherwise."""
+    if isinstance(param, DTensor) and param.ndim == 2 and any(
+            isinstance(p, _StridedShard) for p in param.placements):
+        return Shard(1)
+    return None

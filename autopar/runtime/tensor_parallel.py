@@ -34,7 +34,7 @@ local query heads read (grouped-query attention with kv heads fewer than tp), an
 otherwise.
 
 Output-channel parallel convolutions (``nn.Conv1d/2d/3d`` sharded on dim 0 over tp) keep a
-module of their own (``ChannelParallel``: each rank convolves the full input with its channels
+module of their own (``ChannelParallelConv{1,2,3}d``: each rank convolves the full input with its channels
 and the output is all-gathered on the channel dim, so batch norms see full activations).
 
 Parameters tied to each other (an LM head that reuses the token embedding) are distributed once
@@ -61,14 +61,15 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from autopar.runtime.pipeline import tied_parameters
 from autopar.runtime.structure import block_slots
 
-__all__ = ["ChannelParallel", "LocalAttention", "TensorParallel", "apply_tensor_parallel",
-           "tp_dims"]
+__all__ = ["LocalAttention", "TensorParallel", "apply_tensor_parallel", "local_heads",
+           "settle_gradients", "stage_boundaries", "tp_dims"]
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ class ChannelParallelConv3d(_ChannelParallelConv, nn.Conv3d):
     """``nn.Conv3d`` run output-channel parallel (see ``_ChannelParallelConv``)."""
 
 
-ChannelParallel = {nn.Conv1d: ChannelParallelConv1d, nn.Conv2d: ChannelParallelConv2d,
+_CHANNEL_PARALLEL = {nn.Conv1d: ChannelParallelConv1d, nn.Conv2d: ChannelParallelConv2d,
                    nn.Conv3d: ChannelParallelConv3d}
 
 
@@ -210,9 +211,14 @@ class TensorParallel:
     sharded: dict[str, int] = field(default_factory=dict)
 
 
-def _distribute(module: nn.Module, mesh: Any, dims: dict[str, int], own: list[str]) -> None:
+def _distribute(module: nn.Module, mesh: Any, dims: dict[str, int], own: list[str],
+                chunks: dict[str, int], replicate_fused_bias: bool) -> None:
     """Every parameter of ``module`` (outside ``own`` subtrees) becomes a DTensor on ``mesh``,
-    sharded on the plan's dim or replicated; tied parameters stay one object."""
+    sharded on the plan's dim or replicated; tied parameters stay one object.  A fused
+    projection's weight and bias (``chunks``: k head-major chunks of output features) are
+    sharded within each chunk (``_StridedShard(0, k)``), so a rank holds whole heads of each;
+    when FSDP2 shards the parameters next (``replicate_fused_bias``) the 1-D bias, which it
+    cannot shard again, stays replicated on tp (and a rank slices its heads in forward)."""
     done: dict[int, nn.Parameter] = {}
     for fqn, p in list(module.named_parameters(remove_duplicate=False)):
         owner_name, _, pname = fqn.rpartition(".")
@@ -226,7 +232,13 @@ def _distribute(module: nn.Module, mesh: Any, dims: dict[str, int], own: list[st
                 raise ValueError(f"{fqn} {tuple(p.shape)}: the plan shards dim {dim} over "
                                  f"tp={mesh.size()}, which does not divide it; re-plan with a "
                                  f"tp that divides it (or tp=1)")
-            placement = (Replicate(),) if dim is None else (Shard(dim),)
+            k = chunks.get(fqn, 1) if dim == 0 else 1
+            if k > 1 and p.dim() == 1 and replicate_fused_bias:
+                placement = (Replicate(),)
+            elif k > 1 and p.shape[0] % (k * mesh.size()) == 0:
+                placement = (_StridedShard(0, split_factor=k),)
+            else:
+                placement = (Replicate(),) if dim is None else (Shard(dim),)
             new = nn.Parameter(distribute_tensor(p.detach(), mesh, placement),
                                requires_grad=p.requires_grad)
             done[id(p)] = new
@@ -244,14 +256,16 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any) -> TensorP
     for fqn, dim in dims.items():
         name = fqn.rpartition(".")[0]
         mod = module.get_submodule(name)
-        if isinstance(mod, _CONVS) or (isinstance(mod, nn.modules.conv._ConvNd)):
+        if isinstance(mod, nn.modules.conv._ConvNd):
             _check_conv(name, mod, dim, tp)
             convs[name] = mod
     cfg = plan.config
     sp = bool(cfg.sequence_parallel)
-    _distribute(module, tp_mesh, dims, own)
+    fsdp_follows = cfg.zero_stage >= 1 and cfg.dp * cfg.cp > 1
+    _distribute(module, tp_mesh, dims, own, plan.model.get("fused_projections", {}),
+                replicate_fused_bias=fsdp_follows)
     for mod in convs.values():
-        mod.__class__ = ChannelParallel[type(mod)]
+        mod.__class__ = _CHANNEL_PARALLEL[type(mod)]
     seq = (Shard(SEQUENCE_DIM),) if sp else (Replicate(),)
     holders = {fqn.rpartition(".")[0] for fqn in dims} - set(convs)
     if sp:
@@ -361,6 +375,10 @@ class LocalAttention(TorchFunctionMode):
             return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return _local_sdpa(func, *args, **kwargs)
+        if func in _SPLITS and isinstance(args[0], DTensor):
+            pieces = _split_chunks(func, *args, **kwargs)
+            if pieces is not None:
+                return pieces
         if func in self._replicated:
             return _replicated_call(func, args, kwargs)
         try:
@@ -373,6 +391,30 @@ class LocalAttention(TorchFunctionMode):
             if isinstance(exc, NotImplementedError):  # the op, not this layout
                 self._replicated.add(func)
             return _replicated_call(func, args, kwargs)
+
+
+_SPLITS = (torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk)
+
+
+def _split_chunks(func, t: DTensor, size_or_chunks=None, dim: int = 0, **named) -> tuple | None:
+    """A fused projection's output (``_StridedShard(d, k)``: k chunks, each sharded over tp)
+    split into its k chunks along d: each chunk is this rank's local piece, sharded ``Shard(d)``
+    (DTensor would gather the whole output first).  None for any other split."""
+    if len(t.placements) != 1 or not isinstance(t.placements[0], _StridedShard):
+        return None
+    if size_or_chunks is None:  # given by name
+        size_or_chunks = next(iter(named.values()), None)
+    placement, dim = t.placements[0], dim % t.dim()
+    k = placement.split_factor
+    if placement.dim != dim:
+        return None
+    chunk = t.shape[dim] // k
+    by_size = func in (torch.Tensor.split, torch.split)
+    if (by_size and size_or_chunks not in (chunk, [chunk] * k)) or \
+            (not by_size and size_or_chunks != k):
+        return None
+    return tuple(DTensor.from_local(piece, t.device_mesh, (Shard(dim),), run_check=False)
+                 for piece in t.to_local().chunk(k, dim=dim))
 
 
 def _no_strategy(exc: Exception) -> bool:

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import runtime_matrix as rm  # noqa: E402
 
 MODELS = ["plain_llama", "nano_gpt", "moe_loop", "hf_llama", "hf_mixtral"]
-PLANS = ["tp_sp", "pp_zero_bubble", "tp_zero3", "tp_sp_pp", "cp", "ep"]
+PLANS = ["tp", "tp_sp", "pp_zero_bubble", "tp_zero3", "tp_sp_pp", "cp", "ep"]
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +50,14 @@ def test_vocab_parallel_logits_take_the_parallel_loss(cells):
     by = {(c.model, c.plan): c for c in cells}
     assert by["plain_llama", "tp_sp"].detail["loss_parallel"] is True
     assert by["hf_llama", "tp_zero3"].detail["loss_parallel"] is True
+
+
+def test_tensor_parallel_issues_megatrons_collectives(cells):
+    """nanoGPT (fused q/k/v split by ``split``, tied head) at tp=2 without sequence parallel, one
+    micro-batch of 8: per block one all-reduce after each row-parallel GEMM forward and one for
+    each sub-layer's input gradient backward (4 blocks x 4), the vocab-parallel embedding's
+    forward (1), the vocab-parallel loss (max, sum and target logit: 3) and the head's input
+    gradient (1) -- all-reduces only: no all-gather (q, k and v split on whole heads) and no
+    re-layout."""
+    by = {(c.model, c.plan): c for c in cells}
+    assert by["nano_gpt", "tp"].detail["collectives"] == {"all_reduce": 21, "allreduce_": 1}
