@@ -59,9 +59,10 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
         else:
             graph = trace(model, example_inputs=example_inputs, dtype=dtype)
     clock.lap("trace")
-    limits = runtime_limits(model, graph, token_model=example_inputs is None,
-                            attention_hook_calls=attention_calls[0])
     costs = ModelCosts.from_graph(graph)
+    limits = runtime_limits(model, graph, token_model=example_inputs is None,
+                            attention_hook_calls=attention_calls[0],
+                            num_experts=costs.num_experts)
     cache = EvalCache(cluster)  # the search's memo tables, reused by the stage re-cut
     result = search(costs, cluster, global_batch_size=global_batch_size, dtype=dtype,
                     constraints=_within_limits(constraints, limits), options=options,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -99,11 +100,11 @@ def main() -> None:
             result = _run(plan_path, factory, steps)
         except Exception as exc:  # recorded per cell; the launch goes on to the next one
             last = traceback.format_exc().strip().splitlines()[-1]
+            if os.environ.get("AUTOPAR_MATRIX_TRACEBACK"):
+                traceback.print_exc()
             result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else last}"}
         (out_dir / f"{Path(plan_path).stem}.{rank}.json").write_text(json.dumps(result))
     runtime.shutdown()
-    import os
-
     sys.stdout.flush()
     os._exit(0)  # gloo's worker threads can abort the interpreter's finalization
 

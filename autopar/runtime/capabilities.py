@@ -44,10 +44,11 @@ def _pipeline_limit(model: nn.Module, token_model: bool) -> str | None:
 
 
 def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool,
-                   attention_hook_calls: int) -> dict[str, str]:
+                   attention_hook_calls: int, num_experts: int | None) -> dict[str, str]:
     """``{axis: reason}`` for each of pp, cp, ep that this runtime cannot run for ``model``
     (traced as ``graph``; ``attention_hook_calls``: the calls of
-    ``autopar.models.common.attention`` during the trace)."""
+    ``autopar.models.common.attention`` during the trace; ``num_experts``: the experts the
+    search would split over ep)."""
     from autopar.runtime.expert_parallel import find_moe_modules
 
     limits = {}
@@ -60,7 +61,7 @@ def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool,
                         "through autopar.models.common.attention (its SequenceShard hook runs "
                         "ring attention at global positions); this model computes attention "
                         "itself")
-    if OpKind.MOE_DISPATCH in kinds and not find_moe_modules(model):
+    if (num_experts or OpKind.MOE_DISPATCH in kinds) and not find_moe_modules(model):
         limits["ep"] = ("expert parallel in this runtime splits MoE layers with a router "
                         "nn.Linear, an nn.ModuleList of experts and a top-k setting it can "
                         "read; this model's MoE layers are written otherwise")

@@ -384,8 +384,8 @@ class LocalAttention(TorchFunctionMode):
         try:
             return func(*args, **kwargs)
         except (NotImplementedError, RuntimeError) as exc:
-            if not _no_strategy(exc):
-                raise
+            if not _no_strategy(exc) or getattr(func, "__name__", "").endswith("_"):
+                raise  # an in-place op cannot run on a gathered copy of its operand
             log.info("%s: %s; it runs on replicated tensors", getattr(func, "__name__", func),
                      str(exc).splitlines()[0])
             if isinstance(exc, NotImplementedError):  # the op, not this layout
