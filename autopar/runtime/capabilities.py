@@ -20,7 +20,7 @@ from torch import nn
 
 from autopar.ir import Graph, OpKind
 from autopar.runtime.pipeline import tied_parameters
-from autopar.runtime.structure import block_slots
+from autopar.runtime.structure import block_names
 
 __all__ = ["runtime_limits"]
 
@@ -29,12 +29,10 @@ def _pipeline_limit(model: nn.Module, token_model: bool) -> str | None:
     if not token_model:
         return ("pipeline parallel in this runtime runs token models (inputs [batch, seq] of "
                 "token ids), and this model takes other inputs")
-    slots = block_slots(model)
-    if not slots:
+    blocks = block_names(model)
+    if not blocks:
         return (f"{type(model).__name__} has no block list (a ModuleList, Sequential or "
                 f"ModuleDict of two or more modules of one class) to cut into pipeline stages")
-    prefix = {id(m): n for n, m in model.named_modules()}
-    blocks = [prefix[id(c.get_submodule(k))] for c, k in slots]
     for group in tied_parameters(model):
         homes = {next((b for b in blocks if n.startswith(b + ".")), None) for n in group}
         if len(homes) > 1 and homes != {None}:

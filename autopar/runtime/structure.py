@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["block_slots", "blocks"]
+__all__ = ["block_names", "block_slots", "blocks"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -25,12 +25,22 @@ def _is_block_list(module: nn.Module) -> bool:
 
 def block_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
     """``(container, key)`` of every block of ``module``'s block lists, in module order."""
-    found: list[tuple[nn.Module, str]] = []
-    for child in module.children():
+    return [(container, key) for container, key, _ in _find(module, "")]
+
+
+def block_names(module: nn.Module) -> list[str]:
+    """The module paths of the blocks of ``module``'s block lists, in module order."""
+    return [name for _, _, name in _find(module, "")]
+
+
+def _find(module: nn.Module, prefix: str) -> list[tuple[nn.Module, str, str]]:
+    found: list[tuple[nn.Module, str, str]] = []
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
         if _is_block_list(child):
-            found += [(child, key) for key, _ in child.named_children()]
+            found += [(child, key, f"{path}.{key}") for key, _ in child.named_children()]
         else:
-            found += block_slots(child)
+            found += _find(child, path + ".")
     return found
 
 
