@@ -79,7 +79,6 @@ class ModelLayout:
     param_owner: dict[str, str]
     # non-block module FQN -> its output as a pytree of (shape, dtype), from the probe
     outputs: dict[str, Any]
-    phase: dict[str, str]  # non-block module FQN with parameters -> "pre" | "post"
     hidden_index: int | None = None  # where a block's output tuple holds the hidden state
 
 
@@ -180,7 +179,7 @@ def probe_layout(model: nn.Module, example: torch.Tensor) -> ModelLayout:
             hits = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor) and t.shape == shape]
             state["index"] = hits[0] if hits else 0
 
-    outputs, phase = {}, {}
+    outputs = {}
     handles = []
     for container, key in slots:
         block = container.get_submodule(key)
@@ -192,7 +191,6 @@ def probe_layout(model: nn.Module, example: torch.Tensor) -> ModelLayout:
         if name and any(True for _ in mod.parameters(recurse=False)) and not list(mod.children()):
             def record(m, args, out, name=name):
                 outputs[name] = _spec(out)
-                phase[name] = state["phase"]
             handles.append(mod.register_forward_hook(record))
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad(), _Reads():
@@ -214,7 +212,6 @@ def probe_layout(model: nn.Module, example: torch.Tensor) -> ModelLayout:
                              f"split; plan with pp=1")
         return ph
 
-    phase = {name: resolve(ph, f"module {name}") for name, ph in phase.items()}
     uses = {name: {resolve(ph, f"parameter {name}") for ph in phases}
             for name, phases in uses.items()}
     owner = {}
@@ -230,7 +227,7 @@ def probe_layout(model: nn.Module, example: torch.Tensor) -> ModelLayout:
             owner[name] = home
         else:
             owner[name] = "+".join(sorted(phases))
-    return ModelLayout(blocks=state["order"], param_owner=owner, outputs=outputs, phase=phase,
+    return ModelLayout(blocks=state["order"], param_owner=owner, outputs=outputs,
                        hidden_index=state["index"])
 
 
@@ -274,9 +271,12 @@ class _ZeroOutput(nn.Module):
         device = next((t.device for t in (*args, *kwargs.values())
                        if isinstance(t, torch.Tensor)), torch.device("cpu"))
         return tree_map(lambda s: torch.zeros((), dtype=s[1], device=device).expand(s[0])
-                        if isinstance(s, tuple) and len(s) == 2 and isinstance(s[1], torch.dtype)
-                        else s, self.spec, is_leaf=lambda s: isinstance(s, tuple) and len(s) == 2
-                        and isinstance(s[1], torch.dtype))
+                        if _is_spec(s) else s, self.spec, is_leaf=_is_spec)
+
+
+def _is_spec(s: Any) -> bool:
+    """A tensor's ``(shape, dtype)`` in a probed output (``_spec``)."""
+    return isinstance(s, tuple) and len(s) == 2 and isinstance(s[1], torch.dtype)
 
 
 def _stage_owner(layout: ModelLayout, stages: list[list[str]]) -> dict[str, set[int]]:
