@@ -18,7 +18,7 @@ from autopar.search.inter_op import partition_stages
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES
 from autopar.models.common import count_attention_calls
 from autopar.plan import Plan, fused_projections, megatron_tp_placements, param_placements
-from autopar.runtime.capabilities import runtime_limits
+from autopar.runtime.capabilities import RuntimeLimits, runtime_limits
 from autopar.search.intra_op import solve_block
 from autopar.search.outer import SearchSettings, check_constraints, search
 
@@ -63,10 +63,22 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
     limits = runtime_limits(model, graph, token_model=example_inputs is None,
                             attention_hook_calls=attention_calls[0],
                             num_experts=costs.num_experts)
+    if limits.cp_layout == "contiguous":
+        costs = costs.with_cp_layout("contiguous")
     cache = EvalCache(cluster)  # the search's memo tables, reused by the stage re-cut
-    result = search(costs, cluster, global_batch_size=global_batch_size, dtype=dtype,
-                    constraints=_within_limits(constraints, limits), options=options,
-                    settings=settings, cache=cache)
+    result, error = None, None
+    for region in _within_limits(constraints, limits):
+        try:
+            found = search(costs, cluster, global_batch_size=global_batch_size, dtype=dtype,
+                           constraints=region, options=options, settings=settings,
+                           cache=cache)
+        except ValueError as exc:  # NoPlanFitsError too: the other region may hold a plan
+            error = error or exc
+            continue
+        if result is None or found.best.step_time_s < result.best.step_time_s:
+            result = found
+    if result is None:
+        raise error
     clock.lap("search")
     best = _rebalance_stages(costs, cluster, result.best, global_batch_size, dtype, options,
                              cache)
@@ -84,6 +96,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
               "ep_within": "dp*cp", "ep": cfg.ep},
         model={"class": graph.model_class, "fingerprint": fingerprint,
                "num_params": graph.num_params, "num_layers": costs.num_layers,
+               "cp_layout": limits.cp_layout,
                **({"fused_projections": fused} if (fused := fused_projections(graph)) else {})},
         cluster={"profile": cluster.name, "num_nodes": cluster.num_nodes,
                  "world_size": cluster.world_size, "fingerprint": cluster.fingerprint()},
@@ -100,18 +113,33 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
                 "stage_cut": "inter-op DP" if best is not result.best else "even (Megatron)"})
 
 
-def _within_limits(constraints: dict[str, Any], limits: dict[str, str]) -> dict[str, Any]:
-    """The search's constraints: the user's pins, and degree 1 on every axis the runtime cannot
-    run for this model (a pin above 1 there is refused with the runtime's reason)."""
-    for axis, reason in sorted(limits.items()):
+def _within_limits(constraints: dict[str, Any], limits: RuntimeLimits) -> list[dict[str, Any]]:
+    """The search's constraints, one dict per region of the space the runtime can run: the
+    user's pins, degree 1 on every axis the runtime cannot run for this model (a pin above 1
+    there is refused with the runtime's reason), and, for each pair of axis groups the runtime
+    cannot combine, one region per group held at 1 (unless a pin decides which)."""
+    for axis, reason in sorted(limits.axes.items()):
         if constraints.get(axis, 1) != 1:
             raise ValueError(f"{axis}={constraints[axis]} cannot run on this model: {reason}; "
                              f"plan with {axis}=1 (or leave {axis} unpinned)")
-    if limits:
+    if limits.axes:
         log.info("this runtime cannot run %s for this model (%s): searching them at 1",
-                 ", ".join(sorted(limits)), "; ".join(f"{a}: {r}" for a, r in
-                                                     sorted(limits.items())))
-    return {**constraints, **{axis: 1 for axis in limits}}
+                 ", ".join(sorted(limits.axes)), "; ".join(f"{a}: {r}" for a, r in
+                                                          sorted(limits.axes.items())))
+    regions = [{**constraints, **{axis: 1 for axis in limits.axes}}]
+    for first, second, reason in limits.exclusive:
+        pinned = [group for group in (first, second)
+                  if any(constraints.get(axis, 1) != 1 for axis in group)]
+        if len(pinned) == 2:
+            pins = ", ".join(f"{a}={constraints[a]}" for a in sorted(first | second)
+                             if constraints.get(a, 1) != 1)
+            raise ValueError(f"{pins} cannot run together on this model: {reason}; pin only "
+                             f"one of {'/'.join(sorted(first))} and {'/'.join(sorted(second))} "
+                             f"above 1")
+        keep = [first, second] if not pinned else [pinned[0]]
+        regions = [{**r, **{axis: 1 for axis in (second if group is first else first)}}
+                   for r in regions for group in keep]
+    return regions
 
 
 class _PhaseClock:

@@ -49,6 +49,8 @@ PLANS: dict[str, tuple[int, dict]] = {
                            "micro_batch_size": 1}),
     "pp_zero_bubble": (2, {"pp": 2, "pp_schedule": "zero-bubble", **MB2}),
     "cp": (2, {"cp": 2}),
+    "cp_zero3": (4, {"dp": 2, "cp": 2, "zero_stage": 3}),
+    "cp_pp": (4, {"cp": 2, "pp": 2, "pp_schedule": "1f1b", **MB2}),
     "ep": (2, {"dp": 2, "ep": 2}),
     "tp_zero3": (4, {"dp": 2, "tp": 2, "zero_stage": 3, "sequence_parallel": True}),
     "tp_pp": (4, {"tp": 2, "pp": 2, "pp_schedule": "1f1b", "sequence_parallel": False, **MB2}),
@@ -132,6 +134,8 @@ def run_cells(cells: list[tuple[Cell, Path]], ranks: int, out_dir: Path,
     except subprocess.TimeoutExpired:
         proc = subprocess.CompletedProcess([], returncode=-1, stdout="",
                                            stderr=f"no result after {timeout_s:.0f} s")
+    if os.environ.get("AUTOPAR_MATRIX_TRACEBACK"):
+        sys.stderr.write(proc.stderr)
     for cell, path in cells:
         results = [out_dir / f"{path.stem}.{r}.json" for r in range(ranks)]
         if not all(r.is_file() for r in results):

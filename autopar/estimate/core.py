@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -156,6 +156,15 @@ class ModelCosts:
         return cls(units=units, traced_batch=graph.batch_size, seq_len=graph.seq_len,
                    flops_fwd=float(graph.flops_fwd), num_layers=sum(u.count for u in units),
                    num_heads=heads, num_kv_heads=kv_heads, num_experts=_num_experts(graph))
+
+    def with_cp_layout(self, layout: str) -> "ModelCosts":
+        """These costs with context parallel run as ``layout``: "zigzag" (load-balanced) or
+        "contiguous" (one chunk per rank: a causal attention's work is the last rank's)."""
+        balanced = {"zigzag": True, "contiguous": False}[layout]
+        units = tuple(replace(u, ops=tuple(replace(op, cp_balanced=balanced)
+                                           if op.kind == "attention" else op for op in u.ops))
+                      for u in self.units)
+        return replace(self, units=units)
 
     def units_for(self, micro_batch_size: int) -> tuple[Unit, ...]:
         factor = micro_batch_size / self.traced_batch

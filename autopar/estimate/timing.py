@@ -327,6 +327,14 @@ def _slowest_groups_any_order(cfg: ParallelConfig, cluster: Cluster,
     return dataclasses.replace(rank_groups(cfg), **out)
 
 
+def cp_attention_load(cp: int, *, causal: bool, balanced: bool) -> float:
+    """The busiest cp rank's share of one attention's work, over an even share (1/cp).  With
+    one contiguous chunk per rank a causal mask gives the last rank its chunk's queries against
+    every earlier key: (cp - 1/2) of the cp²/2 chunk pairs, 2 - 1/cp times an even share;
+    zigzag chunks (and masks that are not causal) share the work evenly."""
+    return 1.0 if balanced or not causal or cp == 1 else 2.0 - 1.0 / cp
+
+
 def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
              kernel: str, kernels: str = "eager", loss_kernel: str = "eager"
              ) -> tuple[float, float, float]:
@@ -343,7 +351,7 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
             bwd *= unaligned_gemm_slowdown(device, dtype, backward=True)
         return fwd, bwd, bwd / 2 if op.flops_bwd >= 2 * op.flops_fwd else 0.0
     if op.kind == "attention":
-        scale = tp * cp
+        scale = tp * cp / cp_attention_load(cp, causal=op.causal, balanced=op.cp_balanced)
         common = dict(io_bytes=op.bytes_fwd / scale, score_bytes=op.score_bytes / scale,
                       causal=op.causal, kernel=kernel, seq_kv=op.seq_kv / cp, kernels=kernels,
                       dropout=op.dropout)

@@ -46,6 +46,9 @@ class OpCost:
     score_bytes: float = 0.0  # attention: the b·a·s_q·s_kv score matrix in the compute dtype
     seq_kv: int = 0  # attention: key/value length
     dropout: bool = False  # attention: dropout on the probabilities
+    # attention under context parallel: each rank holds zigzag chunks (an equal share of a
+    # causal mask's work) rather than one contiguous chunk (the last rank's share is largest)
+    cp_balanced: bool = True
     vocab: bool = False  # a GEMM or lookup over the vocabulary (sharded by vocab-parallel TP)
     aligned: bool = True  # a GEMM whose operands' rows are all 16-byte aligned
     # in the unit's tail that an early-stopping recompute does not re-run (`recompute_tail`)

@@ -6,8 +6,11 @@ over ``tp`` (DTensor), wrap blocks for recompute, shard or replicate them over `
 (FSDP2 / DDP), then wrap them in ``PipelineStage`` and the plan's schedule.
 
 Data parallel and the ZeRO stages: ``autopar.runtime.data_parallel``.  Context parallel
-(``autopar.runtime.context_parallel``): each rank trains on its zigzag chunks of every sequence,
-with ring attention over ``cp``; gradients are averaged over dp × cp.  Expert parallel
+(``autopar.runtime.context_parallel``): each rank trains on its share of every sequence, with
+ring attention over ``cp``: its zigzag chunks for models whose attention and positions go
+through autopar's hook (``plan.model["cp_layout"] == "zigzag"``), one contiguous chunk held as
+sequence-sharded DTensors through the model's own forward otherwise (``"contiguous"``);
+gradients are averaged over dp × cp.  Expert parallel
 (``autopar.runtime.expert_parallel``, ep > 1): right after the stage modules are built, each
 MoE layer keeps its ep rank's experts (tp-sharded by the layer itself) and exchanges tokens by
 all-to-all; expert gradients are reduced over their replicas before the dense wrapper, which
@@ -45,6 +48,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autopar.models.common import recompute_attention_core, sequence_shard
 from autopar.runtime.context_parallel import (
     ContextParallel,
+    ShardedSequence,
     check_context_parallel,
     data_parallel_mesh,
 )
@@ -183,7 +187,8 @@ class RuntimeModel:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     schedule: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
-    context_parallel: ContextParallel | None = None  # cp > 1: this rank's place in the cp ring
+    context_parallel: ContextParallel | None = None  # cp > 1 through autopar's attention hook
+    sequence: ShardedSequence | None = None  # cp > 1 through the model's own forward
     loss_parallel: bool = False  # the last step's loss ran on vocab-sharded logits
     tensor_parallel: bool = False  # DTensor activations: implicit replication, local attention
     default_loss: bool = True  # loss_fn is lm_loss: vocab-sharded logits may stay sharded
@@ -212,16 +217,18 @@ class RuntimeModel:
         b = inputs.shape[0] // self.dp_size
         x = inputs[self.dp_rank * b:(self.dp_rank + 1) * b]
         y = labels[self.dp_rank * b:(self.dp_rank + 1) * b]
-        cp = self.context_parallel
+        cp = self.context_parallel or self.sequence
         if cp is not None:
             x, y = cp.split(x), cp.split(y)
         # ring attention and global positions, forward and backward
-        with sequence_shard(cp), recompute_attention_core(self.selective_recompute), \
-                self._tensor_parallel_context():
+        with sequence_shard(self.context_parallel), \
+                recompute_attention_core(self.selective_recompute), \
+                self._dtensor_context():
             if self.schedule is None:
                 local = self._accumulate(x, y)
             else:
-                set_stage_tokens(self.modules, x, self.n_microbatches)
+                set_stage_tokens(self.modules, self.sequence.join(x) if self.sequence else x,
+                                 self.n_microbatches)
                 args = (x,) if 0 in self.stage_ids else ()
                 losses: list[torch.Tensor] = []
                 kwargs = {"target": y, "losses": losses} if self.is_last else {}
@@ -240,13 +247,17 @@ class RuntimeModel:
         total = (local.float() / n_counted) if counts else torch.zeros((), dtype=torch.float32)
         total = total.to(self.device)
         dist.all_reduce(total)
-        if cp is not None:
-            cp.verify(self.device)  # once: the model's attention really went through the ring
+        if self.context_parallel is not None:
+            # once: the model's attention really went through the ring
+            self.context_parallel.verify(self.device)
         return float(total)
 
-    def _tensor_parallel_context(self):
+    def _dtensor_context(self):
         """Under tensor parallel: plain tensors the model makes join DTensors as replicated,
-        attention runs on local heads, and vocab-sharded logits take the parallel loss."""
+        attention runs on local heads, and vocab-sharded logits take the parallel loss.  Under
+        context parallel of the model's own forward: ``ShardedSequence.context``."""
+        if self.sequence is not None:
+            return self.sequence.context()
         if not self.tensor_parallel:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
@@ -260,6 +271,8 @@ class RuntimeModel:
         """``loss_fn`` on the model's output: DTensor logits stay vocab-sharded for the default
         loss (under ``loss_parallel``) and are gathered to plain tensors otherwise."""
         logits = model_logits(output)
+        if self.sequence is not None:  # this rank's chunk of the sequence, as its labels
+            logits = self.sequence.local(logits)
         if isinstance(logits, DTensor):
             vocab = (Shard(logits.dim() - 1),)
             if self.default_loss and logits.placements == vocab:
@@ -340,6 +353,7 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
                          f"with weights (e.g. autopar.models.build(..., device='cpu')), or call "
                          f"model.to_empty(device='cpu') and initialise it first")
     cfg = plan.config
+    layout = plan.model.get("cp_layout", "zigzag")
     if cfg.cp > 1:
         check_context_parallel(plan)
     if cfg.ep > 1:
@@ -356,7 +370,9 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     n_micro = gbs // (dp * cfg.micro_batch_size)
     if pp > 1:
         ids = stage_ids_for_rank(mesh["pp"].get_local_rank(), pp, len(plan.stages))
-        modules = build_stage_modules(model, plan.stages, ids, _example_microbatch(plan, cp))
+        # the probe sees the sequence as the model will: a zigzag share, or the whole sequence
+        modules = build_stage_modules(model, plan.stages, ids, _example_microbatch(
+            plan, cp if layout == "zigzag" else 1))
     else:
         ids, modules = [0], [model]
     modules = [m.to(device) for m in modules]
@@ -370,10 +386,13 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
             if pp > 1:
                 stage_boundaries(m, mesh["tp"], applied.sequence_parallel, first=sid == 0,
                                  last=sid == len(plan.stages) - 1)
-    for m in modules:
+    sequence = ShardedSequence(mesh["cp"]) if cp > 1 and layout == "contiguous" else None
+    for m, sid in zip(modules, ids):
         _apply_recompute(m, cfg.recompute)
         if pp > 1:
             install_stage_io(m)
+        if sequence is not None:
+            sequence.install(m, last=pp == 1 or sid == len(plan.stages) - 1)
     if ep_groups is not None:  # experts: reduced over their replicas, before the dense wrapper
         for m in modules:
             shard_expert_params(m, plan, ep_groups)
@@ -394,7 +413,9 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     if plan.training["dtype"] == "fp16":
         log.warning("fp16 plan: trains in fp32 (fp16 needs loss scaling, which this runtime "
                     "does not do); plan with dtype='bf16' to train in 16-bit")
-    if cp > 1:
+    if sequence is not None:
+        rt.sequence = sequence
+    elif cp > 1:
         rt.context_parallel = ContextParallel(group=mesh["cp"].get_group(),
                                               rank=mesh["cp"].get_local_rank(), size=cp)
     if pp > 1:

@@ -2,19 +2,25 @@
 plans the runtime can run for the model it was given).
 
 ``runtime_limits`` names, per parallelism axis this runtime cannot run for the model, the
-reason; ``autopar.compile`` keeps the search to degree 1 on those axes and refuses a pin above
-1 with the reason.  Every check reads the model's structure or its traced forward, never
-module names:
+reason, and the context-parallel layout the runtime will use; ``autopar.compile`` keeps the
+search to degree 1 on those axes and refuses a pin above 1 with the reason.  Every check reads
+the model's structure or its traced forward, never module names:
 
 * pipeline parallel: the model takes token ids (the stages read each micro-batch's tokens), has
   a block list (``structure.block_slots``) and no parameter shared between a block and
   anything else (no stage split holds it once);
-* context parallel: the model's attention goes through the ``SequenceShard`` hook of
-  ``autopar.models.common.attention`` (ring attention and global positions come through it);
+* context parallel: the model takes token ids and its attention has no dropout.  A model whose
+  attention goes through the ``SequenceShard`` hook of ``autopar.models.common.attention``
+  runs it load-balanced (zigzag chunks); any other runs it through its own forward on
+  sequence-sharded DTensors (one contiguous chunk per rank: causal attention loads the last
+  rank most, as the estimate charges), which excludes tensor and expert parallel in the same
+  plan (``exclusive``);
 * expert parallel: the model's MoE layers are ones ``expert_parallel`` can split.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -22,7 +28,7 @@ from autopar.ir import Graph, OpKind
 from autopar.runtime.pipeline import tied_parameters
 from autopar.runtime.structure import block_names
 
-__all__ = ["runtime_limits"]
+__all__ = ["RuntimeLimits", "runtime_limits"]
 
 
 def _pipeline_limit(model: nn.Module, token_model: bool) -> str | None:
@@ -41,12 +47,23 @@ def _pipeline_limit(model: nn.Module, token_model: bool) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class RuntimeLimits:
+    """What the runtime can run for one model: ``axes``, ``{axis: reason}`` for each axis it
+    cannot run above 1; ``exclusive``, groups of axes of which one plan may use only one group
+    above 1, with the reason; ``cp_layout``, how it runs context parallel ("zigzag" through
+    autopar's attention hook, "contiguous" through the model's own forward)."""
+
+    axes: dict[str, str] = field(default_factory=dict)
+    exclusive: tuple[tuple[frozenset[str], frozenset[str], str], ...] = ()
+    cp_layout: str = "zigzag"
+
+
 def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool,
-                   attention_hook_calls: int, num_experts: int | None) -> dict[str, str]:
-    """``{axis: reason}`` for each of pp, cp, ep that this runtime cannot run for ``model``
-    (traced as ``graph``; ``attention_hook_calls``: the calls of
-    ``autopar.models.common.attention`` during the trace; ``num_experts``: the experts the
-    search would split over ep)."""
+                   attention_hook_calls: int, num_experts: int | None) -> RuntimeLimits:
+    """What this runtime can run for ``model`` (traced as ``graph``; ``attention_hook_calls``:
+    the calls of ``autopar.models.common.attention`` during the trace; ``num_experts``: the
+    experts the search would split over ep)."""
     from autopar.runtime.expert_parallel import find_moe_modules
 
     limits = {}
@@ -54,13 +71,22 @@ def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool,
     if reason:
         limits["pp"] = reason
     kinds = {node.kind for node in graph.nodes}
-    if OpKind.ATTENTION in kinds and not attention_hook_calls:
-        limits["cp"] = ("context parallel in this runtime needs the model's attention to go "
-                        "through autopar.models.common.attention (its SequenceShard hook runs "
-                        "ring attention at global positions); this model computes attention "
-                        "itself")
+    attention = [n for n in graph.nodes if n.kind == OpKind.ATTENTION]
+    if attention and not token_model:
+        limits["cp"] = ("context parallel in this runtime shards token sequences (inputs "
+                        "[batch, seq] of token ids), and this model takes other inputs")
+    elif any(n.attention and n.attention.dropout_p for n in attention):
+        limits["cp"] = ("context parallel in this runtime runs attention without dropout, and "
+                        "this model's attention has dropout; set it to 0 to plan with cp")
     if (num_experts or OpKind.MOE_DISPATCH in kinds) and not find_moe_modules(model):
         limits["ep"] = ("expert parallel in this runtime splits MoE layers with a router "
                         "nn.Linear, an nn.ModuleList of experts and a top-k setting it can "
                         "read; this model's MoE layers are written otherwise")
-    return limits
+    if attention_hook_calls or "cp" in limits:
+        return RuntimeLimits(axes=limits)
+    exclusive = ((frozenset({"cp"}), frozenset({"tp", "ep"}),
+                  "this model's attention does not go through autopar.models.common.attention, "
+                  "so context parallel runs through its own forward on sequence-sharded "
+                  "DTensors, which this runtime does not combine with tensor or expert "
+                  "parallel"),)
+    return RuntimeLimits(axes=limits, exclusive=exclusive, cp_layout="contiguous")

@@ -27,6 +27,7 @@ runtime activates around each training step with a :class:`ContextParallel`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -34,9 +35,14 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.utils._pytree import tree_leaves, tree_map
 
-from autopar.runtime.tensor_parallel import local_heads
+from autopar.runtime.tensor_parallel import LocalAttention, _replicated_call, local_heads
 
 __all__ = ["BlockKind", "ContextParallel", "block_kind", "block_mask", "check_context_parallel",
            "data_parallel_mesh", "replica_dims", "ring_attention", "zigzag_chunks", "zigzag_merge",
@@ -45,6 +51,7 @@ __all__ = ["BlockKind", "ContextParallel", "block_kind", "block_mask", "check_co
 log = logging.getLogger(__name__)
 
 BlockKind = Literal["skip", "full", "partial"]
+Layout = Literal["zigzag", "contiguous"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,19 +126,27 @@ def block_mask(q_start: int, q_len: int, k_start: int, k_len: int,
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
     s = (q @ k.unsqueeze(2).transpose(-2, -1)) * scale
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+    if mask is None:
+        return s
+    return s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """A log-sum-exp with the rows that attend to nothing (-inf) at 0, so their
+    probabilities come out 0 rather than NaN."""
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
 
 
 def _block_forward(q, k, v, scale, mask):
     """(output, log-sum-exp) of softmax attention of q over one key block."""
     s = _scores(q, k, scale, mask)
     lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse[..., None]) @ v.unsqueeze(2), lse
+    return torch.exp(s - _finite(lse)[..., None]) @ v.unsqueeze(2), lse
 
 
 def _block_backward(q, k, v, scale, mask, do, lse, delta):
     """(dq, dk, dv) of one block, from the final log-sum-exp and ``delta = sum(dO * O)``."""
-    p = torch.exp(_scores(q, k, scale, mask) - lse[..., None])
+    p = torch.exp(_scores(q, k, scale, mask) - _finite(lse)[..., None])
     dv = (p.transpose(-2, -1) @ do).sum(2)
     ds = p * (do @ v.unsqueeze(2).transpose(-2, -1) - delta[..., None])
     dq = (ds @ k.unsqueeze(2)) * scale
@@ -146,24 +161,36 @@ def _wait(reqs: list[Any]) -> None:
 
 @dataclass(frozen=True)
 class _Ring:
-    """This rank's place in the cp ring and its local layout."""
+    """This rank's place in the cp ring, its local layout and the attention's mask."""
 
     group: Any
     rank: int
     size: int
-    chunk: int  # tokens per chunk (the local length is 2 * chunk)
+    chunk: int  # tokens per chunk (a rank holds two chunks under zigzag, one if contiguous)
     device: torch.device
+    layout: Layout = "zigzag"
+    causal: bool = True
+    # an explicit mask over global positions, broadcastable to [batch, kv_heads, group, S, S]:
+    # bool (True: attend) or additive; None: causal or no mask
+    mask: torch.Tensor | None = None
+
+    def chunks(self, rank: int) -> tuple[int, ...]:
+        return zigzag_chunks(rank, self.size) if self.layout == "zigzag" else (rank,)
 
     def blocks(self, src: int):
         """(query slice, key slice, mask) of every block of this rank's queries against the keys
         held by rank ``src`` that is not entirely masked."""
         c = self.chunk
-        for qi, qc in enumerate(zigzag_chunks(self.rank, self.size)):
-            for ki, kc in enumerate(zigzag_chunks(src, self.size)):
-                kind = block_kind(qc * c, c, kc * c, c)
+        for qi, qc in enumerate(self.chunks(self.rank)):
+            for ki, kc in enumerate(self.chunks(src)):
+                qs, ks = slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c)
+                if self.mask is not None:
+                    yield qs, ks, self.mask[..., qc * c:(qc + 1) * c, kc * c:(kc + 1) * c]
+                    continue
+                kind = block_kind(qc * c, c, kc * c, c) if self.causal else "full"
                 if kind == "skip":
                     continue
-                yield (slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c),
+                yield (qs, ks,
                        None if kind == "full" else block_mask(qc * c, c, kc * c, c, self.device))
 
     def start_shift(self, t: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
@@ -197,11 +224,12 @@ class _RingAttention(torch.autograd.Function):
             for qs, ks, mask in ring.blocks(src):
                 o, block_lse = _block_forward(qg[..., qs, :], kf[..., ks, :], vf[..., ks, :],
                                               scale, mask)
-                # online softmax: step 0 holds the diagonal blocks, so lse is finite from then on
+                # online softmax (rows that attend to nothing yet stay at 0)
                 old = lse[..., qs]
                 new = torch.logaddexp(old, block_lse)
-                out[..., qs, :] = (out[..., qs, :] * torch.exp(old - new)[..., None]
-                                   + o * torch.exp(block_lse - new)[..., None])
+                norm = _finite(new)
+                out[..., qs, :] = (out[..., qs, :] * torch.exp(old - norm)[..., None]
+                                   + o * torch.exp(block_lse - norm)[..., None])
                 lse[..., qs] = new
             _wait(reqs)
             kv = nxt if nxt is not None else kv
@@ -242,26 +270,49 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
-                   scale: float | None = None) -> torch.Tensor:
-    """Causal attention over the whole sequence from this rank's zigzag share of it.
+                   scale: float | None = None, *, layout: Layout = "zigzag", causal: bool = True,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention over the whole sequence from this rank's share of it.
 
     ``q``: ``[batch, heads, local_len, head_dim]``, ``k``/``v``: ``[batch, kv_heads, local_len,
-    head_dim]`` (``heads`` a multiple of ``kv_heads``), where the local tokens are chunks ``r``
-    and ``2·cp−1−r`` of the sequence (:func:`zigzag_split`) and ``r`` is this rank in ``group``
-    (a process group; every rank of it must call this with the same shapes).  Returns the local
-    rows of the full-sequence output, in q's dtype (the math runs in fp32)."""
+    head_dim]`` (``heads`` a multiple of ``kv_heads``), where the local tokens are, for this
+    rank ``r`` of ``group`` (a process group; every rank of it must call this with the same
+    shapes), chunks ``r`` and ``2·cp−1−r`` of ``2·cp`` (``layout="zigzag"``,
+    :func:`zigzag_split`) or chunk ``r`` of ``cp`` (``"contiguous"``).  ``causal``: a causal
+    mask over global positions; ``mask``: an explicit mask over global positions instead
+    (``[S, S]``, ``[batch or 1, heads or 1, S, S]``; bool, True where a query attends a key, or
+    additive), as ``F.scaled_dot_product_attention`` takes it.  Returns the local rows of the
+    full-sequence output, in q's dtype (the math runs in fp32)."""
     if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] \
             or k.shape[2:] != q.shape[2:] or q.shape[1] % k.shape[1]:
         raise ValueError(f"ring attention takes q [batch, heads, seq, head_dim] and k, v [batch, "
                          f"kv_heads, seq, head_dim] with heads % kv_heads == 0; got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if q.shape[2] % 2:
+    chunks = 2 if layout == "zigzag" else 1
+    if q.shape[2] % chunks:
         raise ValueError(f"the local sequence holds two equal zigzag chunks, so its length must "
                          f"be even; got {q.shape[2]}")
-    ring = _Ring(group=group, rank=dist.get_rank(group), size=dist.get_world_size(group),
-                 chunk=q.shape[2] // 2, device=q.device)
+    size = dist.get_world_size(group)
+    if mask is not None:
+        mask = _grouped_mask(mask, q.shape[1], k.shape[1], q.shape[2] * size)
+    ring = _Ring(group=group, rank=dist.get_rank(group), size=size,
+                 chunk=q.shape[2] // chunks, device=q.device, layout=layout,
+                 causal=causal and mask is None, mask=mask)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _RingAttention.apply(q, k, v, ring, scale)
+
+
+def _grouped_mask(mask: torch.Tensor, heads: int, kv_heads: int, seq: int) -> torch.Tensor:
+    """An SDPA attention mask over the global sequence, viewed to broadcast against scores
+    ``[batch, kv_heads, heads / kv_heads, S, S]``."""
+    if mask.shape[-2:] != (seq, seq) or mask.dim() > 4:
+        raise ValueError(f"context parallel takes an attention mask over the whole sequence "
+                         f"([..., {seq}, {seq}], at most 4-D); got {tuple(mask.shape)}")
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    if mask.shape[1] == 1:
+        return mask.unsqueeze(2)
+    return mask.reshape(mask.shape[0], kv_heads, heads // kv_heads, seq, seq)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,9 +364,20 @@ class ContextParallel:
 
 def check_context_parallel(plan: Any) -> None:
     """ValueError, before any collective, for a cp > 1 plan this runtime cannot run: its
-    sequence must cut into ``2·cp`` equal zigzag chunks (``autopar.compile`` checks the same;
-    this guards hand-edited plans)."""
-    _chunk_len(int(plan.training["seq_len"]), plan.config.cp)
+    sequence must cut into ``2·cp`` equal zigzag chunks, or ``cp`` contiguous ones with tp = 1
+    and ep = 1 (``autopar.compile`` keeps to the same; this guards hand-edited plans)."""
+    cfg, seq = plan.config, int(plan.training["seq_len"])
+    if plan.model.get("cp_layout", "zigzag") == "zigzag":
+        _chunk_len(seq, cfg.cp)
+        return
+    if seq % cfg.cp:
+        raise ValueError(f"context parallel cuts each sequence into cp = {cfg.cp} equal chunks, "
+                         f"but seq_len={seq} is not divisible by {cfg.cp}; use a seq_len that "
+                         f"is a multiple of {cfg.cp} or a smaller cp")
+    if cfg.tp > 1 or cfg.ep > 1:
+        raise ValueError(f"context parallel of a model's own forward (cp_layout 'contiguous') "
+                         f"runs with tp = 1 and ep = 1, and this plan has tp={cfg.tp}, "
+                         f"ep={cfg.ep}; re-plan with autopar.compile, which keeps to that")
 
 
 def data_parallel_mesh(mesh: Any) -> Any:
@@ -330,3 +392,167 @@ def replica_dims(mesh: Any) -> tuple[str, ...]:
     """The mesh's dp and cp dimensions in mesh order (DeviceMesh slices no other order), so
     the outer of the two is major when flattened, as the estimate's `replica_axes`."""
     return tuple(a for a in mesh.mesh_dim_names if a in ("dp", "cp"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallel of a model's own forward (no hook in the model): DTensor activations.
+
+
+class _GradientShare(torch.autograd.Function):
+    """A plain tensor that requires grad (a parameter, or a tensor made from parameters only)
+    joining sequence-sharded DTensors as replicated; its gradient comes back as a plain tensor:
+    this rank's share of the gradient, so that the shares summed over the cp ranks are the
+    gradient (the data-parallel reduction over dp × cp sums them), with no traffic here."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, mesh: Any) -> DTensor:
+        return DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: Any):
+        return gradient_share(grad), None
+
+
+def gradient_share(grad: Any) -> torch.Tensor:
+    """This rank's share of a DTensor gradient on a 1-D mesh, as a plain tensor of the full
+    shape: the local partial sum (``Partial``), the local copy over the mesh size
+    (``Replicate``), or the local shard in place with zeros elsewhere (``Shard``)."""
+    if not isinstance(grad, DTensor):
+        return grad
+    (placement,), local = grad.placements, grad.to_local()
+    if placement.is_partial() and getattr(placement, "reduce_op", "sum") == "sum":
+        return local
+    if placement.is_replicate():
+        return local / grad.device_mesh.size()
+    if placement.is_shard() and type(placement) is Shard:
+        _, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh,
+                                                          grad.placements)
+        full = local.new_zeros(grad.shape)
+        full[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))] = local
+        return full
+    return grad.full_tensor() / grad.device_mesh.size()
+
+
+def _mixed_in_place(func, args: tuple, kwargs: dict) -> bool:
+    """An in-place op on a DTensor whose DTensor operands are laid out differently (a scatter of
+    token rows into a sequence-sharded buffer): DTensor may run it on mismatched shards."""
+    name = getattr(func, "__name__", "")
+    if not (name.endswith("_") and not name.endswith("__") and args
+            and isinstance(args[0], DTensor)):
+        return False
+    return len({t.placements for t in tree_leaves((args, kwargs)) if isinstance(t, DTensor)}) > 1
+
+
+def _in_place_replicated(func, args: tuple, kwargs: dict) -> DTensor:
+    """An in-place op run on replicated copies of its operands, its result copied back into
+    the first operand in that operand's layout (differentiably: the copy is recorded)."""
+    target = args[0]
+    whole = tree_map(lambda t: t.redistribute(t.device_mesh, (Replicate(),))
+                     if isinstance(t, DTensor) else t, (args, kwargs))
+    result = func(*whole[0], **whole[1])
+    target.copy_(result.redistribute(target.device_mesh, target.placements))
+    return target
+
+
+def _has_dtensor(tree: Any) -> bool:
+    return any(isinstance(t, DTensor) for t in tree_leaves(tree))
+
+
+class RingAttentionMode(LocalAttention):
+    """The step's torch-function mode under context parallel of a model's own forward: its
+    activations are DTensors sharded on the sequence (dim 1) over cp, so positions, tables and
+    masks it makes from the sequence length are global.  ``F.scaled_dot_product_attention``
+    on sequence-sharded q/k/v runs as ring attention (contiguous layout; causal, unmasked or
+    with the model's own mask); plain tensors that require grad join as replicated with
+    ``_GradientShare``; an op without a sharding strategy runs replicated
+    (``LocalAttention``)."""
+
+    def __init__(self, mesh: Any):
+        super().__init__()
+        self.mesh = mesh
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _has_dtensor((args, kwargs)):
+            return func(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return self._attention(*args, **kwargs)
+        if torch.is_grad_enabled():
+            args, kwargs = tree_map(self._join_replicated, (args, kwargs))
+        if _mixed_in_place(func, args, kwargs):
+            return _in_place_replicated(func, args, kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def _join_replicated(self, t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.requires_grad:
+            return _GradientShare.apply(t, self.mesh)
+        return t
+
+    def _sequence_shard(self, t: Any, dim: int) -> DTensor:
+        if not isinstance(t, DTensor):
+            t = _GradientShare.apply(t, self.mesh) if t.requires_grad else \
+                DTensor.from_local(t, self.mesh, (Replicate(),), run_check=False)
+        return t.redistribute(self.mesh, (Shard(dim),))
+
+    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                   scale=None, enable_gqa=False):
+        if dropout_p:
+            raise NotImplementedError(
+                f"context parallel runs attention without dropout (dropout_p={dropout_p}); set "
+                f"the model's attention dropout to 0 or plan with cp=1")
+        if query.dim() != 4:
+            return _replicated_call(F.scaled_dot_product_attention,
+                                    (query, key, value, attn_mask, dropout_p, is_causal),
+                                    {"scale": scale, "enable_gqa": enable_gqa})
+        q, k, v = (self._sequence_shard(t, 2) for t in (query, key, value))
+        if isinstance(attn_mask, DTensor):
+            attn_mask = attn_mask.full_tensor()
+        out = ring_attention(q.to_local(), k.to_local(), v.to_local(), self.mesh.get_group(),
+                             scale, layout="contiguous", causal=is_causal, mask=attn_mask)
+        return DTensor.from_local(out, self.mesh, (Shard(2),), run_check=False)
+
+
+@dataclass
+class ShardedSequence:
+    """This rank's role in context parallel of a model's own forward: the model's inputs join
+    as DTensors sharded on the sequence (dim 1) over the ``cp`` mesh, each rank holding one
+    contiguous chunk; the step runs under ``RingAttentionMode`` and ``implicit_replication``;
+    the logits leave as the local chunk, which the loss reads with the local labels.  Pipeline
+    stages send and receive their local chunk."""
+
+    mesh: Any
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
+
+    def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's contiguous chunk of a ``[batch, seq, ...]`` tensor (tokens, labels)."""
+        return x.tensor_split(self.size, dim=dim)[self.mesh.get_local_rank()]
+
+    def join(self, t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() >= 2:
+            return DTensor.from_local(t, self.mesh, (Shard(1),), run_check=False)
+        return t
+
+    def local(self, t: Any) -> Any:
+        if isinstance(t, DTensor) and t.device_mesh == self.mesh:
+            if t.dim() < 2:
+                return t.full_tensor()
+            return t.redistribute(self.mesh, (Shard(1),)).to_local()
+        return t
+
+    def install(self, module: nn.Module, *, last: bool = True) -> None:
+        """Inputs of ``module`` (the model, or a pipeline stage) join sequence-sharded; a stage
+        that is not the last sends its local chunk."""
+        module.register_forward_pre_hook(
+            lambda _m, args, kwargs: (tree_map(self.join, args), tree_map(self.join, kwargs)),
+            with_kwargs=True)
+        if not last:
+            module.register_forward_hook(lambda _m, _args, out: tree_map(self.local, out))
+
+    def context(self) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(implicit_replication())
+        stack.enter_context(RingAttentionMode(self.mesh))
+        return stack

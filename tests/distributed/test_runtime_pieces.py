@@ -8,6 +8,8 @@ parallel's single-process pieces are in test_expert_parallel.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -197,13 +199,23 @@ def test_a_model_without_a_block_list_is_refused_for_pipelining():
 
 def test_context_parallel_plan_is_checked_before_any_collective():
     """cp > 1 runs (tests/distributed/test_context_parallel.py); a plan whose sequence does not
-    cut into 2*cp equal zigzag chunks is refused by apply_plan before it needs a process group."""
+    cut into 2*cp equal zigzag chunks (cp contiguous ones), or that combines the contiguous
+    layout with tp, is refused by apply_plan before it needs a process group."""
     plan = _plan(tiny_models.tiny_llama, 2, cp=2)
     check_context_parallel(plan)
     bad = SimpleNamespace(config=plan.config, mesh=plan.mesh, cluster=plan.cluster,
-                          training={**plan.training, "seq_len": 62})
+                          model=plan.model, training={**plan.training, "seq_len": 62})
     with pytest.raises(ValueError, match="seq_len=62 is not divisible by 4"):
         apply_plan(tiny_models.tiny_llama(), bad)
+    contiguous = {**plan.model, "cp_layout": "contiguous"}
+    odd = SimpleNamespace(config=plan.config, model=contiguous,
+                          training={**plan.training, "seq_len": 63})
+    with pytest.raises(ValueError, match="seq_len=63 is not divisible by 2"):
+        check_context_parallel(odd)
+    with_tp = SimpleNamespace(config=dataclasses.replace(plan.config, tp=2), model=contiguous,
+                              training=plan.training)
+    with pytest.raises(ValueError, match="runs with tp = 1 and ep = 1"):
+        check_context_parallel(with_tp)
 
 
 def test_a_model_without_weights_is_refused_before_any_collective():

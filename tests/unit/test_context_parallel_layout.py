@@ -1,0 +1,107 @@
+"""Context parallel of models whose attention does not go through autopar's hook: compile
+chooses the contiguous layout, keeps it apart from tensor and expert parallel, and the estimate
+charges the busiest rank's share of causal attention; the gradient shares the runtime hands
+to the data-parallel reduction sum to the gradient."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import autopar
+from autopar import ParallelConfig
+from autopar.api import _within_limits
+from autopar.estimate import ModelCosts, evaluate
+from autopar.estimate.timing import cp_attention_load
+from autopar.runtime.capabilities import RuntimeLimits
+from autopar.runtime.context_parallel import gradient_share
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import corpus  # noqa: E402
+
+EXCLUSIVE = RuntimeLimits(axes={"pp": "no blocks"}, cp_layout="contiguous",
+                          exclusive=((frozenset({"cp"}), frozenset({"tp", "ep"}), "why"),))
+
+
+def test_exclusive_axes_split_the_search_into_regions():
+    assert _within_limits({}, EXCLUSIVE) == [{"pp": 1, "tp": 1, "ep": 1}, {"pp": 1, "cp": 1}]
+    assert _within_limits({"cp": 2}, EXCLUSIVE) == [{"cp": 2, "pp": 1, "tp": 1, "ep": 1}]
+    assert _within_limits({"tp": 2}, EXCLUSIVE) == [{"tp": 2, "pp": 1, "cp": 1}]
+    assert _within_limits({"cp": 1}, RuntimeLimits()) == [{"cp": 1}]
+    with pytest.raises(ValueError, match="cp=2, ep=2 cannot run together on this model: why"):
+        _within_limits({"cp": 2, "ep": 2}, EXCLUSIVE)
+    with pytest.raises(ValueError, match="pp=2 cannot run on this model: no blocks"):
+        _within_limits({"pp": 2}, EXCLUSIVE)
+
+
+def test_compile_runs_cp_of_a_model_without_the_hook_apart_from_tp():
+    cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=4)
+    kw = dict(global_batch_size=8, seq_len=64, dtype="fp32")
+    plan = autopar.compile(corpus.plain_llama(), cluster, constraints={"cp": 2}, **kw)
+    assert plan.model["cp_layout"] == "contiguous"
+    assert (plan.config.cp, plan.config.tp, plan.config.ep) == (2, 1, 1)
+    with pytest.raises(ValueError, match="cannot run together on this model"):
+        autopar.compile(corpus.plain_llama(), cluster, constraints={"cp": 2, "tp": 2}, **kw)
+    free = autopar.compile(corpus.plain_llama(), cluster, **kw)
+    assert free.config.cp == 1 or free.config.tp == 1
+    with pytest.raises(ValueError, match="shards token sequences"):
+        autopar.compile(corpus.vit_encoder(), cluster, constraints={"cp": 2},
+                        global_batch_size=8,
+                        example_inputs=torch.zeros(8, *corpus.IMAGE_SHAPE), dtype="fp32")
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_contiguous_cp_charges_the_last_ranks_causal_share(cp):
+    # the last of cp contiguous chunks attends to every earlier key: (cp - 1/2) of the
+    # cp^2 / 2 chunk pairs under the mask, against an even share of cp / 2
+    pairs = sum(r + 0.5 for r in range(cp))
+    assert cp_attention_load(cp, causal=True, balanced=False) == pytest.approx(
+        (cp - 0.5) / (pairs / cp))
+    assert cp_attention_load(cp, causal=True, balanced=True) == 1.0
+    assert cp_attention_load(cp, causal=False, balanced=False) == 1.0
+    with torch.device("meta"):
+        model = corpus.plain_llama()
+    graph = autopar.trace(model, global_batch_size=1, seq_len=128, dtype="bf16")
+    zigzag = ModelCosts.from_graph(graph)
+    contiguous = zigzag.with_cp_layout("contiguous")
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=1)
+    times = {}
+    for name, costs in (("zigzag", zigzag), ("contiguous", contiguous)):
+        for degree in (1, cp):
+            est = evaluate(costs, cluster, ParallelConfig(dp=8 // degree, cp=degree),
+                           global_batch_size=8)
+            times[name, degree] = est.breakdown["compute"]
+    assert times["contiguous", 1] == times["zigzag", 1]
+    assert times["contiguous", cp] > times["zigzag", cp]
+
+
+@pytest.fixture
+def fake_world():
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gradient_shares_sum_to_the_gradient(fake_world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+    local = torch.arange(6.0).reshape(2, 3)
+    partial = DTensor.from_local(local, mesh, (Partial(),), run_check=False)
+    assert torch.equal(gradient_share(partial), local)
+    replicated = DTensor.from_local(local, mesh, (Replicate(),), run_check=False)
+    assert torch.equal(gradient_share(replicated), local / 4)
+    sharded = DTensor.from_local(local, mesh, (Shard(0),), run_check=False)  # rows 2..3 of 8
+    share = gradient_share(sharded)
+    assert share.shape == (8, 3)
+    assert torch.equal(share[2:4], local) and share.sum() == local.sum()
+    plain = torch.ones(2)
+    assert gradient_share(plain) is plain
