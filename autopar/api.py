@@ -10,8 +10,8 @@ from typing import Any
 import torch.nn as nn
 
 from autopar.cluster import Cluster
-from autopar.estimate.core import (BOUND_MARGIN, EstimateOptions, EvalCache, ModelCosts,
-                                   evaluate, exact_step_lower_bound, layer_costs)
+from autopar.estimate.bounds import BOUND_MARGIN, exact_step_lower_bound
+from autopar.estimate.core import EstimateOptions, EvalCache, ModelCosts, evaluate, layer_costs
 from autopar.estimate.timing import slowest_groups
 from autopar.errors import StageMemoryError
 from autopar.search.inter_op import partition_stages

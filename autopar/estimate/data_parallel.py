@@ -1,6 +1,7 @@
 """The data-parallel traffic of one rank's step: gradient reduction and ZeRO parameter gathers
 over its data-parallel replicas (`dp_comm`), with DeepSpeed-2021 ZeRO-3's per-tensor gathers
-and parameter reuse (`_sync_gather_uses`). Used by `autopar.estimate.core`."""
+and parameter reuse (`_sync_gather_uses`). Used by `autopar.estimate.core` and
+`autopar.estimate.bounds`."""
 
 from __future__ import annotations
 

@@ -42,7 +42,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_leaves, tree_map
 
-from autopar.runtime.tensor_parallel import LocalAttention, _replicated_call, local_heads
+from autopar.runtime.tensor_parallel import (SEQUENCE_DIM, LocalAttention, _replicated_call,
+                                             local_heads)
 
 __all__ = ["BlockKind", "ContextParallel", "block_kind", "block_mask", "check_context_parallel",
            "data_parallel_mesh", "replica_dims", "ring_attention", "zigzag_chunks", "zigzag_merge",
@@ -124,7 +125,8 @@ def block_mask(q_start: int, q_len: int, k_start: int, k_len: int,
 # Block math on [batch, kv_heads, group, len, head_dim] (fp32), shared by forward and backward.
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float,
+            mask: torch.Tensor | None) -> torch.Tensor:
     s = (q @ k.unsqueeze(2).transpose(-2, -1)) * scale
     if mask is None:
         return s
@@ -198,7 +200,8 @@ class _Ring:
         buffer; returns (buffer, requests to wait on)."""
         buf = torch.empty_like(t)
         ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=(self.rank + 1) % self.size),
-               dist.P2POp(dist.irecv, buf, group=self.group, group_peer=(self.rank - 1) % self.size)]
+               dist.P2POp(dist.irecv, buf, group=self.group,
+                          group_peer=(self.rank - 1) % self.size)]
         return buf, dist.batch_isend_irecv(ops)
 
     def shift(self, t: torch.Tensor) -> torch.Tensor:
@@ -526,20 +529,20 @@ class ShardedSequence:
     def size(self) -> int:
         return self.mesh.size()
 
-    def split(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    def split(self, x: torch.Tensor, dim: int = SEQUENCE_DIM) -> torch.Tensor:
         """This rank's contiguous chunk of a ``[batch, seq, ...]`` tensor (tokens, labels)."""
         return x.tensor_split(self.size, dim=dim)[self.mesh.get_local_rank()]
 
     def join(self, t: Any) -> Any:
         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() >= 2:
-            return DTensor.from_local(t, self.mesh, (Shard(1),), run_check=False)
+            return DTensor.from_local(t, self.mesh, (Shard(SEQUENCE_DIM),), run_check=False)
         return t
 
     def local(self, t: Any) -> Any:
         if isinstance(t, DTensor) and t.device_mesh == self.mesh:
             if t.dim() < 2:
                 return t.full_tensor()
-            return t.redistribute(self.mesh, (Shard(1),)).to_local()
+            return t.redistribute(self.mesh, (Shard(SEQUENCE_DIM),)).to_local()
         return t
 
     def install(self, module: nn.Module, *, last: bool = True) -> None:

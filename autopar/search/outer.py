@@ -16,33 +16,29 @@ exceeds that time is dropped. On one node every order places ranks alike: the fi
 searched.
 
 Cost: the model is traced once; the space is a table of integer columns
-(`autopar.search.space`) and the lower bounds below are column arithmetic (the states and
-step bounds over all of it, the first rank's memory over the configs the visit reaches), so
-a config becomes a `ParallelConfig` only when it is evaluated. Per-unit times are cached per
-(micro-batch, tp, cp, ep, SP, recompute), layouts per stage split of those, and collective
-times per (kind, bytes, group), so an evaluation costs a few sums. Each config is first
-checked against a memory lower bound (model states alone); the rest are visited in order of a
-step-time lower bound (`step_lower_bound`: the schedule's closed form on the work of each
-pipeline rank alone, no communication outside it; when a config's turn comes its bound is
-raised by what its data-parallel traffic and optimizer step cost at least,
+(`autopar.search.space`) and the lower bounds below are column arithmetic
+(`autopar.search.bounds`), so a config becomes a `ParallelConfig` only when it is evaluated.
+Per-unit times are cached per (micro-batch, tp, cp, ep, SP, recompute), layouts per stage split
+of those, and collective times per (kind, bytes, group), so an evaluation costs a few sums.
+Each config is first checked against a memory lower bound (model states alone); the rest are
+visited in order of a step-time lower bound (`step_lower_bound`; when a config's turn comes its
+bound is raised by what its data-parallel traffic and optimizer step cost at least,
 `data_parallel_floor`, and it goes back in line) and ranked with the closed-form pipeline
 estimate, stopping once the bound exceeds the `top_k_exact`-th best fitting time -- no config
 skipped then could have entered the top k, so the result is the same as evaluating all. A
-visited config whose first pipeline rank alone exceeds memory (`space.first_rank_memory`) is
-passed over: it cannot fit, so it changes neither the fitting times the stop depends on nor
-the ranking; it only has no row in the candidate table (see
-`SearchSettings.list_unfit_below`). The top k are candidates for the simulated schedule,
-visited in order of a bound on their simulated step (`exact_step_lower_bound`: each rank's
-work plus the fill before and the drain after it, no simulation) and simulated until that
-bound exceeds the best fitting simulated time; the winner is the fastest simulated one that
-fits -- the one simulating all k would pick, since a skipped config is slower than it. The
-candidate table marks the simulated rows `exact=True`; a top-k config skipped keeps its
-closed-form row (`exact=False`). Ties (equal
-step time to 1e-12 s) go to the simpler config: the fields compared in the order (pp, tp, cp,
-ep, dp, zero_stage, recompute, micro_batch_size, pp_schedule, virtual_stages,
-sequence_parallel), smaller first, then the mesh order (the default, then the others as
-itertools.permutations lists them) -- so DDP beats ZeRO when they cost the same, and the same
-input always gives the same plan.
+visited config whose first pipeline rank alone exceeds memory is passed over: it cannot fit, so
+it changes neither the fitting times the stop depends on nor the ranking; it only has no row in
+the candidate table (see `SearchSettings.list_unfit_below`). The top k are candidates for the
+simulated schedule, visited in order of a bound on their simulated step
+(`exact_step_lower_bound`: each rank's work plus the fill before and the drain after it, no
+simulation) and simulated until that bound exceeds the best fitting simulated time; the winner
+is the fastest simulated one that fits -- the one simulating all k would pick, since a skipped
+config is slower than it. The candidate table marks the simulated rows `exact=True`; a top-k
+config skipped keeps its closed-form row (`exact=False`). Ties (equal step time to 1e-12 s) go
+to the simpler config: the fields compared in the order (pp, tp, cp, ep, dp, zero_stage,
+recompute, micro_batch_size, pp_schedule, virtual_stages, sequence_parallel), smaller first,
+then the mesh order (the default, then the others as itertools.permutations lists them) -- so
+DDP beats ZeRO when they cost the same, and the same input always gives the same plan.
 """
 from __future__ import annotations
 
@@ -63,15 +59,12 @@ from costmodels.compute import peak_flops
 from autopar.cluster import Cluster
 from autopar.config import DEFAULT_MESH_ORDER, PP_SCHEDULES, ParallelConfig
 from autopar.errors import NoPlanFitsError
-from autopar.estimate.core import (BOUND_MARGIN, DataParallelFloor, Estimate,
-                                   EstimateOptions, EvalCache, ModelCosts, data_parallel_floor,
-                                   evaluate, exact_step_lower_bound, order_key, placement_key,
-                                   split_structure, step_lower_bound, unit_work)
-from autopar.estimate.layout import Structure, rank_work_extremes
-from autopar.estimate.memory import activation_bytes
-from autopar.search.space import (TIME_KEY_COLUMNS, ConfigTable, config_table,
-                                  first_rank_memory, key_groups, states_lower_bounds,
-                                  step_lower_bounds)
+from autopar.estimate.bounds import (BOUND_MARGIN, DataParallelFloor, data_parallel_floor,
+                                     exact_step_lower_bound)
+from autopar.estimate.core import (Estimate, EstimateOptions, EvalCache, ModelCosts, evaluate,
+                                   placement_key)
+from autopar.search.bounds import _bounds, _step_bounds
+from autopar.search.space import ConfigTable, config_table, key_groups
 
 log = logging.getLogger(__name__)
 
@@ -220,60 +213,6 @@ def _why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
     return ": " + "; ".join(out) + ". Rules: " + "; ".join(rules[k] for k in named) + "."
 
 
-def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.ndarray,
-                 *, global_batch_size: int, dtype: str, options: EstimateOptions,
-                 cache: EvalCache, comm: bool = True
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`step_lower_bound` of each of `rows`, a mask of the rows whose unit times or
-    pipeline split could not be made (NaN bound), and each row's busiest pipeline rank's
-    forward + backward seconds of one micro-batch. Per-unit work is computed once per
-    (micro-batch, tp, cp, ep, SP, recompute), for the first row with that key; per-rank work
-    once per (pipeline split, that key). Without `comm` the work leaves communication out
-    (`unit_work`): bounds that hold in every mesh order."""
-    if not len(rows):
-        return np.zeros(0), np.zeros(0, dtype=bool), np.zeros(0)
-    if table.mesh_order == DEFAULT_MESH_ORDER or not comm:
-        first, inverse = key_groups(table, rows, TIME_KEY_COLUMNS)
-    else:  # there the tp, cp and ep groups can differ for the same degrees
-        first, inverse = key_groups(_with_layouts(table, rows, cache), rows,
-                                    TIME_KEY_COLUMNS + ("layouts",))
-    work = np.full((len(first), len(costs.units)), np.nan)
-    tail = work.copy()
-    for k in np.argsort(first, kind="stable"):
-        try:
-            work[k], tail[k] = unit_work(costs, cache, table.config(int(rows[first[k]])),
-                                         dtype, options, comm)
-        except ValueError:
-            pass
-    s_first, s_index = key_groups(table, rows, ("pp", "virtual_stages"))
-    busiest, total, longest = (np.full((len(s_first), len(first)), np.nan) for _ in range(3))
-    pp, v = table.columns["pp"][rows], table.columns["virtual_stages"][rows]
-    splits = {k: _split(costs, cache, int(pp[i]), int(v[i])) for k, i in enumerate(s_first)}
-    made = [k for k, split in splits.items() if split is not None]
-    if made:  # every split at once
-        made_splits = [splits[k] for k in made]
-        busiest[made], total[made] = rank_work_extremes(made_splits, work)
-        longest[made] = rank_work_extremes(made_splits, tail)[0]
-    at = (s_index, inverse)
-    row_busiest = busiest[at]
-    return step_lower_bounds(table, rows, row_busiest, total[at], longest[at],
-                             global_batch_size=global_batch_size), np.isnan(row_busiest), \
-        row_busiest
-
-
-def _with_layouts(table: ConfigTable, rows: np.ndarray, cache: EvalCache) -> ConfigTable:
-    """`table` with a column "layouts" that tells apart, at `rows` (not empty), the configs
-    whose tp, cp and ep groups lie differently on the nodes (`order_key`): what per-unit
-    times depend on besides `TIME_KEY_COLUMNS` outside the default mesh order."""
-    first, index = key_groups(table, rows, ("dp", "tp", "pp", "cp", "ep"))
-    classes: dict[tuple, int] = {}
-    ids = np.array([classes.setdefault(order_key(cache, table.config(int(rows[i]))),
-                                       len(classes)) for i in first])
-    column = np.zeros(len(table), dtype=np.int64)
-    column[rows] = ids[index]
-    return replace(table, columns={**table.columns, "layouts": column})
-
-
 def _row(est: Estimate, exact: bool) -> dict[str, Any]:
     row = {f: getattr(est.config, f) for f in CONFIG_FIELDS}
     row.update(step_time_s=est.step_time_s, exact=exact, peak_memory_gb=est.peak_memory_bytes / 1e9,
@@ -304,63 +243,6 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
-
-
-@dataclass(frozen=True)
-class _Bounds:
-    """The table after the two memory bounds and with the step-time bound: `rows` (table
-    rows) that model states alone do not rule out, their step bounds and busiest pipeline
-    rank's work per micro-batch, which of them cannot fit by the first rank's memory; the
-    count pruned by states and the one with the least states (for the error when nothing
-    fits); rejections found computing the bounds."""
-
-    rows: np.ndarray
-    step: np.ndarray
-    work: np.ndarray
-    cannot_fit: Callable[[np.ndarray], np.ndarray]
-    pruned: int
-    smallest: tuple[float, ParallelConfig] | None
-    errors: tuple[str, ...]
-
-
-def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_batch_size: int,
-            dtype: str, options: EstimateOptions, cache: EvalCache) -> _Bounds:
-    usable = cluster.hardware.device.memory_bytes
-    states = states_lower_bounds(
-        table, dense_params=sum(u.dense_params * u.count for u in costs.units),
-        expert_params=sum(u.expert_params * u.count for u in costs.units), dtype=dtype)
-    over = states > usable
-    smallest = None
-    if over.any():  # the first config (in enumeration order) with the least states
-        i = int(np.flatnonzero(over)[np.argmin(states[over])])
-        smallest = (float(states[i]), table.config(i))
-    rows = np.flatnonzero(~over)
-    step, failed, work = _step_bounds(costs, cluster, table, rows,
-                                      global_batch_size=global_batch_size, dtype=dtype,
-                                      options=options, cache=cache)
-    errors = []
-    for i in rows[failed]:
-        cfg = table.config(int(i))
-        try:
-            step_lower_bound(costs, cluster, cfg, global_batch_size=global_batch_size,
-                             dtype=dtype, options=options, cache=cache)
-        except ValueError as exc:
-            errors.append(f"{cfg.short()}: {exc}")
-    rows, step, work = rows[~failed], step[~failed], work[~failed]
-    first_rank = functools.partial(
-        first_rank_memory, table, units=cache.units,
-        structure_of=functools.partial(_split, costs, cache),
-        activations_of=functools.partial(activation_bytes, loss_kernel=options.loss_kernel),
-        dtype=dtype, global_batch_size=global_batch_size,
-        flash=options.attention_kernel != "math", zero3_cap=options.zero3_max_live_params,
-        memo={})
-
-    def cannot_fit(at: np.ndarray) -> np.ndarray:
-        # a small margin covers the bound summing in another order than the estimate
-        return first_rank(rows[at]) * (1 - BOUND_MARGIN) > usable
-
-    return _Bounds(rows=rows, step=step, work=work, cannot_fit=cannot_fit,
-                   pruned=int(over.sum()), smallest=smallest, errors=tuple(errors))
 
 
 def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype: str,
@@ -624,18 +506,18 @@ def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.nda
            global_batch_size: int, dtype: str, options: EstimateOptions, cache: EvalCache,
            settings: SearchSettings, progress: _Progress
            ) -> tuple[list[Estimate], list[str], int, int]:
-    """Evaluate configs in bound order until the bound exceeds the `top_k_exact`-th best
-    fitting time (`best_times`: the fastest fitting closed-form times, ascending, of this
-    visit and of the mesh orders searched before it; updated); configs `cannot_fit` flags
-    (asked for the next configs in order, in growing batches, as the visit reaches them) are
-    passed over without an evaluation (they cannot fit, so they never change the fitting
-    times the stop depends on: the stop comes at the same config either way). A config's bound is raised, when its turn comes, by what its
-    data-parallel traffic and optimizer step cost at least (`data_parallel_floor`, the
-    traffic less `work`, the busiest rank's forward + backward of a micro-batch, where compute
-    may hide it) and the config goes back in line at the raised bound (lazy A*-style): the
-    visit stays in bound order, so the stop stays exact. Returns (estimates in
-    visit order, errors, configs left after the stop, configs passed over as unable to fit).
-    `done` memoises evaluations across calls."""
+    """Evaluate configs in bound order until the bound exceeds the `top_k_exact`-th best fitting
+    time (`best_times`: the fastest fitting closed-form times, ascending, of this visit and of
+    the mesh orders searched before it; updated); configs `cannot_fit` flags (asked for the next
+    configs in order, in growing batches, as the visit reaches them) are passed over without an
+    evaluation (they cannot fit, so they never change the fitting times the stop depends on: the
+    stop comes at the same config either way). A config's bound is raised, when its turn comes,
+    by what its data-parallel traffic and optimizer step cost at least (`data_parallel_floor`,
+    the traffic less `work`, the busiest rank's forward + backward of a micro-batch, where
+    compute may hide it) and the config goes back in line at the raised bound (lazy A*-style):
+    the visit stays in bound order, so the stop stays exact. Returns (estimates in visit order,
+    errors, configs left after the stop, configs passed over as unable to fit). `done` memoises
+    evaluations across calls."""
     fast: list[Estimate] = []
     errors: list[str] = []
     unfit = 0
@@ -705,13 +587,6 @@ def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.nda
             bisect.insort(best_times, est.step_time_s)
             del best_times[settings.top_k_exact:]
     return fast, errors, 0, unfit
-
-
-def _split(costs: ModelCosts, cache: EvalCache, pp: int, v: int) -> Structure | None:
-    """The Megatron split of the layers on pp x v chunks; None if it cannot be made (more
-    chunks than layers: `evaluate` refuses such a config)."""
-    split = split_structure(costs, cache, pp, v)
-    return None if isinstance(split, str) else split
 
 
 def _no_fit(costs, cluster, fast, smallest, usable, gbs, dtype, options, cache) -> NoPlanFitsError:

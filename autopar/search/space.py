@@ -9,7 +9,7 @@ ep) block at a time with numpy, and the bounds are column arithmetic:
 
 - the memory lower bound from model states of an even share of the parameters, by ZeRO
   stage (`states_lower_bounds`);
-- the step-time lower bound of `autopar.estimate.core.step_lower_bound`, from the busiest
+- the step-time lower bound of `autopar.estimate.bounds.step_lower_bound`, from the busiest
   pipeline rank's and all ranks' work per micro-batch, formed once per (pipeline split x
   micro-batch, tp, cp, ep, SP, recompute) (`step_lower_bounds`);
 - the first pipeline rank's memory (`first_rank_memory`): its model states, the activations

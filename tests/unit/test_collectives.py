@@ -179,7 +179,7 @@ def test_time_is_monotone_in_bytes(group, kind, n1, n2):
 @given(groups(), kinds, sizes, sizes)
 def test_one_collective_of_two_buffers_costs_at_most_two(group, kind, n1, n2):
     # every candidate is affine in the bytes with a non-negative intercept, so the fastest is
-    # subadditive: the search's data-parallel floor (estimate.core.data_parallel_floor)
+    # subadditive: the search's data-parallel floor (estimate.bounds.data_parallel_floor)
     # relies on it
     time_of = _time_of(group, kind)
     assert time_of(n1 + n2) <= (time_of(n1) + time_of(n2)) * (1 + 1e-12)

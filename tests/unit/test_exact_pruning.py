@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar.estimate import EstimateOptions, ModelCosts, evaluate
-from autopar.estimate.core import EvalCache, exact_step_lower_bound
+from autopar.estimate.bounds import exact_step_lower_bound
+from autopar.estimate.core import EvalCache
 from autopar.estimate.layout import simulated_lower_bound
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.search import outer

@@ -17,7 +17,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import StageMemoryError
-from autopar.search import inter_op
+from autopar.search import inter_op, stage_dp
 from autopar.search.inter_op import StagePartition, partition_stages
 from costmodels.pipeline import OpKind, simulate_pipeline
 
@@ -456,7 +456,7 @@ def test_vectorised_descent_equals_the_per_move_loop(monkeypatch):
 
 
 def _cut_on_full_matrices(num, size, cost_of, minimax):
-    """The DP of the module docstring over whole (L+1)^2 cost matrices, row by row: stage s
+    """The DP of stage_dp's docstring over whole (L+1)^2 cost matrices, row by row: stage s
     starts at some s <= i <= L - (num - s); ties go to the smallest start."""
     best = np.full(size, np.inf)
     best[0] = 0.0
@@ -479,7 +479,7 @@ def _cut_on_full_matrices(num, size, cost_of, minimax):
 
 
 def _solve_on_full_matrices(ranges, inflight, budgets):
-    """Steps 1 and 2 of the module docstring over the whole (L+1)^2 matrices."""
+    """Steps 1 and 2 of stage_dp's docstring over the whole (L+1)^2 matrices."""
     def allowed(matrix, s, rows):
         held = ranges.state[rows] + inflight[s] * ranges.act[rows]
         return np.where(held <= budgets[s], matrix[rows], np.inf)
@@ -508,9 +508,9 @@ def test_the_banded_dp_equals_the_dp_over_full_matrices(num, rng):
     total = state.sum() + 4 * act.sum()
     budgets = [rng.choice([math.inf, rng.uniform(0.2, 1.0) * total]) for _ in range(num)]
     edges = [0, *sorted(rng.sample(range(1, layers), num - 1)), layers]
-    expected = _solve_on_full_matrices(inter_op._Ranges(compute, act, state), inflight, budgets)
-    for cap in (math.inf, inter_op._bottleneck(inter_op._Ranges(compute, act, state),
+    expected = _solve_on_full_matrices(stage_dp._Ranges(compute, act, state), inflight, budgets)
+    for cap in (math.inf, stage_dp._bottleneck(stage_dp._Ranges(compute, act, state),
                                                list(itertools.pairwise(edges)))):
-        ranges = inter_op._Ranges(compute, act, state)
+        ranges = stage_dp._Ranges(compute, act, state)
         ranges.cap = cap
-        assert inter_op._solve(ranges, inflight, budgets) == expected
+        assert stage_dp._solve(ranges, inflight, budgets) == expected
