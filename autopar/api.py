@@ -65,6 +65,8 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
                             num_experts=costs.num_experts)
     if limits.cp_layout == "contiguous":
         costs = costs.with_cp_layout("contiguous")
+    if limits.ep_dispatch == "all_gather":
+        costs = costs.with_ep_dispatch("all_gather")
     cache = EvalCache(cluster)  # the search's memo tables, reused by the stage re-cut
     result, error = None, None
     for region in _within_limits(constraints, limits):
@@ -96,7 +98,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
               "ep_within": "dp*cp", "ep": cfg.ep},
         model={"class": graph.model_class, "fingerprint": fingerprint,
                "num_params": graph.num_params, "num_layers": costs.num_layers,
-               "cp_layout": limits.cp_layout,
+               "cp_layout": limits.cp_layout, "ep_dispatch": limits.ep_dispatch,
                **({"fused_projections": fused} if (fused := fused_projections(graph)) else {})},
         cluster={"profile": cluster.name, "num_nodes": cluster.num_nodes,
                  "world_size": cluster.world_size, "fingerprint": cluster.fingerprint()},
@@ -139,7 +141,8 @@ def _within_limits(constraints: dict[str, Any], limits: RuntimeLimits) -> list[d
         keep = [first, second] if not pinned else [pinned[0]]
         regions = [{**r, **{axis: 1 for axis in (second if group is first else first)}}
                    for r in regions for group in keep]
-    return regions
+    unique = {tuple(sorted(r.items())): r for r in regions}  # pairs may repeat a region
+    return list(unique.values())
 
 
 class _PhaseClock:

@@ -160,6 +160,13 @@ class ModelCosts:
                       for u in self.units)
         return replace(self, units=units)
 
+    def with_ep_dispatch(self, dispatch: str) -> "ModelCosts":
+        """These costs with expert parallel moving tokens by ``dispatch``: "all_to_all" or
+        "all_gather" (each ep rank's tokens gathered, the outputs reduce-scattered)."""
+        if dispatch not in ("all_to_all", "all_gather"):
+            raise ValueError(f"ep dispatch {dispatch!r} is not 'all_to_all' or 'all_gather'")
+        return replace(self, units=tuple(replace(u, ep_dispatch=dispatch) for u in self.units))
+
     def units_for(self, micro_batch_size: int) -> tuple[Unit, ...]:
         factor = micro_batch_size / self.traced_batch
         return tuple(u.scaled(factor) for u in self.units)

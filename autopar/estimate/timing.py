@@ -451,8 +451,14 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
 
     ep = 0.0
     if cfg.ep > 1 and unit.moe_dispatch_bytes and groups is not None:
-        tokens = unit.moe_dispatch_bytes / (cfg.cp * (cfg.tp if cfg.sequence_parallel else 1))
-        ep = 2 * cluster.collective_time("all_to_all", tokens, groups.ep)
+        split = cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)
+        if unit.ep_dispatch == "all_gather":  # the layer's input gathered, its output scattered
+            gathered = unit.act_bytes * cfg.ep / split
+            ep = (cluster.collective_time("all_gather", gathered, groups.ep)
+                  + cluster.collective_time("reduce_scatter", gathered, groups.ep))
+        else:
+            ep = 2 * cluster.collective_time("all_to_all", unit.moe_dispatch_bytes / split,
+                                             groups.ep)
 
     if cfg.recompute == "full" and not unit.is_block:
         recompute = 0.0  # checkpointing wraps the blocks (Megatron's layers, the runtime's)

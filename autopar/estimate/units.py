@@ -77,6 +77,9 @@ class Unit:
     loss_logits: int = 0  # elements of its cross-entropy losses' inputs (the logits)
     loss_logit_bytes: int = 0  # the same in their traced dtype
     tail_kernels: int = 0  # kernels of the ops an early-stopping recompute skips (OpCost.tail)
+    # how expert parallel moves tokens: "all_to_all" (dispatch and combine of the routed rows) or
+    # "all_gather" (every ep rank's tokens gathered, outputs reduce-scattered)
+    ep_dispatch: str = "all_to_all"
 
     @property
     def count(self) -> int:

@@ -13,7 +13,8 @@ sequence-sharded DTensors through the model's own forward otherwise (``"contiguo
 gradients are averaged over dp × cp.  Expert parallel
 (``autopar.runtime.expert_parallel``, ep > 1): right after the stage modules are built, each
 MoE layer keeps its ep rank's experts (tp-sharded by the layer itself) and exchanges tokens by
-all-to-all; expert gradients are reduced over their replicas before the dense wrapper, which
+all-to-all (autopar's own MoE layers) or runs on all-gathered tokens (any other,
+``autopar.runtime.expert_gather``); expert gradients are reduced over their replicas before the dense wrapper, which
 leaves them alone (``ignored_params``).
 
 Precision (`precision`): a bf16 plan's forward passes run under bf16 autocast, its weights,
@@ -54,10 +55,12 @@ from autopar.runtime.context_parallel import (
 )
 from autopar.runtime.data_parallel import apply_data_parallel as _apply_data_parallel
 from autopar.runtime.data_parallel import sync_gradients
+from autopar.runtime.expert_gather import apply_gathered_experts
 from autopar.runtime.expert_parallel import (
     apply_expert_parallel,
     check_expert_parallel,
     expert_groups,
+    find_moe_modules,
     shard_expert_params,
     sync_expert_gradients,
 )
@@ -379,7 +382,12 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     ep_groups, expert_params = None, []
     if cfg.ep > 1:  # before tp: the expert-parallel layers shard their own experts on tp
         ep_groups = expert_groups(mesh, plan)
-        expert_params = apply_expert_parallel(modules, plan, ep_groups)
+        if find_moe_modules(model):
+            expert_params = apply_expert_parallel(modules, plan, ep_groups)
+        else:  # MoE layers written otherwise: all-gather dispatch on the layer's own forward
+            example = _example_microbatch(plan, cp if layout == "zigzag" else 1)
+            expert_params = apply_gathered_experts(
+                modules, model, ep_groups, example.to(next(model.parameters()).device))
     if tp > 1:
         for m, sid in zip(modules, ids):
             applied = apply_tensor_parallel(m, plan, mesh["tp"])

@@ -15,7 +15,11 @@ the model's structure or its traced forward, never module names:
   sequence-sharded DTensors (one contiguous chunk per rank: causal attention loads the last
   rank most, as the estimate charges), which excludes tensor and expert parallel in the same
   plan (``exclusive``);
-* expert parallel: the model's MoE layers are ones ``expert_parallel`` can split.
+* expert parallel: the model's MoE layers hold a list of alike experts with a router or a
+  top-k, or parameters with a leading expert dim (``autopar.trace.moe.moe_experts``).
+  autopar's own router/experts/top-k layers run with all-to-all dispatch; others on their own
+  forward with all-gathered tokens (``expert_gather``), which excludes tensor parallel in the
+  same plan.
 """
 
 from __future__ import annotations
@@ -52,11 +56,14 @@ class RuntimeLimits:
     """What the runtime can run for one model: ``axes``, ``{axis: reason}`` for each axis it
     cannot run above 1; ``exclusive``, groups of axes of which one plan may use only one group
     above 1, with the reason; ``cp_layout``, how it runs context parallel ("zigzag" through
-    autopar's attention hook, "contiguous" through the model's own forward)."""
+    autopar's attention hook, "contiguous" through the model's own forward); ``ep_dispatch``,
+    how it runs expert parallel ("all_to_all" for autopar's MoE layers, "all_gather" on the
+    layer's own forward)."""
 
     axes: dict[str, str] = field(default_factory=dict)
     exclusive: tuple[tuple[frozenset[str], frozenset[str], str], ...] = ()
     cp_layout: str = "zigzag"
+    ep_dispatch: str = "all_to_all"  # or "all_gather": MoE layers on their own forward
 
 
 def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool,
@@ -64,6 +71,7 @@ def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool,
     """What this runtime can run for ``model`` (traced as ``graph``; ``attention_hook_calls``:
     the calls of ``autopar.models.common.attention`` during the trace; ``num_experts``: the
     experts the search would split over ep)."""
+    from autopar.runtime.expert_gather import gathered_moe_modules
     from autopar.runtime.expert_parallel import find_moe_modules
 
     limits = {}
@@ -78,15 +86,26 @@ def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool,
     elif any(n.attention and n.attention.dropout_p for n in attention):
         limits["cp"] = ("context parallel in this runtime runs attention without dropout, and "
                         "this model's attention has dropout; set it to 0 to plan with cp")
+    exclusive = []
+    cp_layout, ep_dispatch = "zigzag", "all_to_all"
+    if not attention_hook_calls and "cp" not in limits:
+        cp_layout = "contiguous"
+        exclusive.append((frozenset({"cp"}), frozenset({"tp", "ep"}),
+                          "this model's attention does not go through "
+                          "autopar.models.common.attention, so context parallel runs through its "
+                          "own forward on sequence-sharded DTensors, which this runtime does not "
+                          "combine with tensor or expert parallel"))
     if (num_experts or OpKind.MOE_DISPATCH in kinds) and not find_moe_modules(model):
-        limits["ep"] = ("expert parallel in this runtime splits MoE layers with a router "
-                        "nn.Linear, an nn.ModuleList of experts and a top-k setting it can "
-                        "read; this model's MoE layers are written otherwise")
-    if attention_hook_calls or "cp" in limits:
-        return RuntimeLimits(axes=limits)
-    exclusive = ((frozenset({"cp"}), frozenset({"tp", "ep"}),
-                  "this model's attention does not go through autopar.models.common.attention, "
-                  "so context parallel runs through its own forward on sequence-sharded "
-                  "DTensors, which this runtime does not combine with tensor or expert "
-                  "parallel"),)
-    return RuntimeLimits(axes=limits, exclusive=exclusive, cp_layout="contiguous")
+        if gathered_moe_modules(model):
+            ep_dispatch = "all_gather"
+            exclusive.append((frozenset({"ep"}), frozenset({"tp"}),
+                              "this model's MoE layers are not autopar's router/experts/top-k "
+                              "layers, so expert parallel runs them on their own forward with "
+                              "all-gathered tokens, which this runtime does not combine with "
+                              "tensor parallel"))
+        else:
+            limits["ep"] = ("expert parallel in this runtime splits MoE layers that hold a list "
+                            "of alike experts with a router or a top-k, or parameters with a "
+                            "leading expert dim; this model's MoE layers are written otherwise")
+    return RuntimeLimits(axes=limits, exclusive=tuple(exclusive),
+                         cp_layout=cp_layout, ep_dispatch=ep_dispatch)

@@ -6,7 +6,9 @@ Which modules: any module with a ``router`` (``nn.Linear`` with one output per e
 forward is softmax → top-k → (optionally renormalised) gates → gate-weighted sum of the chosen
 experts' outputs (``autopar.models.mixtral.MoE``).  Before replacing a module its own forward
 is compared with that formula on a few random tokens, so a module that routes differently is
-refused instead of silently computing something else.
+refused instead of silently computing something else.  MoE layers written otherwise run on
+their own forward with an all-gather dispatch (``autopar.runtime.expert_gather``), in the same
+groups and with the same expert gradient reduction.
 
 Groups.  The ``dp·cp`` ranks of one (pp, tp) coordinate, numbered ``i = dp_rank·cp + cp_rank``,
 form ``dp·cp / ep`` ep groups of ``ep`` consecutive ranks (``i // ep`` equal); ep rank
@@ -212,6 +214,7 @@ class ExpertGroups:
     tp: int
     tp_rank: int
     tp_mesh: Any  # DeviceMesh the tp-sharded expert DTensors live on (or None)
+    ep_mesh: Any = None  # 1-D DeviceMesh of the ep group (fused expert rows are Shard(0) on it)
 
 
 def expert_groups(mesh: Any, plan: Any) -> ExpertGroups:
@@ -231,7 +234,7 @@ def expert_groups(mesh: Any, plan: Any) -> ExpertGroups:
                         ep_group=split["autopar_ep"].get_group(),
                         replica_mesh=split["autopar_expert_replica"], num_replicas=d // ep,
                         dp_cp=d, tp=tp, tp_rank=mesh["tp"].get_local_rank() if tp > 1 else 0,
-                        tp_mesh=mesh["tp"] if tp > 1 else None)
+                        tp_mesh=mesh["tp"] if tp > 1 else None, ep_mesh=split["autopar_ep"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,14 +465,18 @@ def check_expert_parallel(model: nn.Module, plan: Any) -> None:
     if d % ep:
         raise ValueError(f"ep={ep} must divide dp*cp = {d}; re-plan with an ep in "
                          f"{[k for k in range(1, d + 1) if d % k == 0]}")
-    fqns = find_moe_modules(model)
-    if not fqns:
+    from autopar.runtime.expert_gather import gathered_moe_modules
+    from autopar.trace.moe import moe_experts
+
+    counts = {fqn: len(model.get_submodule(fqn).experts) for fqn in find_moe_modules(model)}
+    if not counts:
+        counts = {fqn: moe_experts(model.get_submodule(fqn))[2]
+                  for fqn in gathered_moe_modules(model)}
+    if not counts:
         raise ValueError(f"the plan has ep={ep} but the model has no MoE layer this runtime "
-                         f"recognises (a module with a `router` nn.Linear with one output per "
-                         f"expert, an `experts` nn.ModuleList and a `top_k` attribute); re-plan "
-                         f"with ep=1")
-    for fqn in fqns:
-        n = len(model.get_submodule(fqn).experts)
+                         f"recognises (a list of alike experts with a router or a top-k, or "
+                         f"parameters with a leading expert dim); re-plan with ep=1")
+    for fqn, n in counts.items():
         if n % ep:
             raise ValueError(f"{fqn} has {n} experts, which do not split over ep={ep}; re-plan "
                              f"with an ep dividing {n}")
@@ -519,8 +526,12 @@ def shard_expert_params(module: nn.Module, plan: Any, groups: ExpertGroups) -> N
     """Set up the expert gradient reduction of ``module`` (a top-level module the runtime
     steps): FSDP2 over the replica group under ZeRO ≥ 1 with replicas, else the manual
     all-reduce run by ``sync_expert_gradients``.  Call before the dense data-parallel wrapper."""
+    from autopar.runtime.expert_gather import expert_holders
+
     layers = [m for m in module.modules() if isinstance(m, ExpertParallelMoE)]
-    params = [p for m in layers for p in m.experts.parameters()]
+    holders = expert_holders(module)  # layers run by all-gather dispatch
+    params = [p for m in layers for p in m.experts.parameters()] + \
+        [p for _, ps in holders for p in ps]
     if not params:
         return
     zero = plan.config.zero_stage
@@ -535,6 +546,12 @@ def shard_expert_params(module: nn.Module, plan: Any, groups: ExpertGroups) -> N
             fully_shard(expert, mesh=groups.replica_mesh, reshard_after_forward=reshard)
             expert.set_gradient_divide_factor(float(groups.dp_cp))
             expert.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    for holder, mine in holders:
+        others = set(holder.parameters()) - set(mine)
+        fully_shard(holder, mesh=groups.replica_mesh, reshard_after_forward=reshard,
+                    ignored_params=others or None)
+        holder.set_gradient_divide_factor(float(groups.dp_cp))
+        holder.set_force_sum_reduction_for_comms(True)
     log.info("experts: FSDP2 over %d replicas (ZeRO-%d), gradients divided by D=%d",
              groups.num_replicas, zero, groups.dp_cp)
 

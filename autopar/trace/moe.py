@@ -30,7 +30,7 @@ from autopar.errors import TraceError
 from autopar.ir import OpKind
 from autopar.trace.blocks import all_alike
 
-__all__ = ["find_moe", "is_data_dependent", "leaf_forward"]
+__all__ = ["find_moe", "is_data_dependent", "leaf_forward", "moe_experts"]
 
 _TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "topk", "k", "experts_per_token")
 
@@ -68,6 +68,22 @@ def _routes_over_list(module: nn.Module) -> bool:
     has_router = any(isinstance(m, nn.Linear) and m.out_features == len(listed[1])
                      for m in module.children())
     return has_router or any(isinstance(getattr(module, a, None), int) for a in _TOP_K_ATTRS)
+
+
+def moe_experts(module: nn.Module) -> tuple[str, list[str], int] | None:
+    """How ``module`` holds its experts, if it is an MoE layer in one of the two layouts:
+    ``("list", [name of the expert ModuleList], E)`` or ``("fused", [names of its parameters
+    with leading dim E], E)``; None otherwise."""
+    if _routes_over_list(module):
+        name, experts = _expert_list(module)
+        return "list", [name], len(experts)
+    fused = _fused_params(module)
+    if fused:
+        e = fused[0][1].shape[0]
+        names = [n for n, p in module.named_parameters(recurse=False)
+                 if p.dim() >= 2 and p.shape[0] == e]
+        return "fused", names, e
+    return None
 
 
 def find_moe(modules: dict[str, nn.Module], path: str, leaves: set[str]) -> str | None:

@@ -1,0 +1,113 @@
+"""Expert parallel of MoE layers autopar did not write (all-gather dispatch on the layer's own
+forward): which layers it takes, the check that a layer's output is a sum over its experts
+(against the same layer with a shared expert added, which it must refuse), what compile records
+and that the estimate costs the all-gather and reduce-scatter it runs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar import ParallelConfig
+from autopar.estimate import ModelCosts, evaluate
+from autopar.runtime.expert_gather import check_sum_of_experts, gathered_moe_modules
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import corpus  # noqa: E402
+
+
+class _LoopMoE(nn.Module):
+    """Top-2 softmax routing over a list of GELU experts, optionally plus a dense shared expert
+    added to every token's output (DeepSeek style), written independently of the corpus."""
+
+    def __init__(self, dim: int = 16, num_experts: int = 4, shared: bool = False):
+        super().__init__()
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, 32, bias=False), nn.GELU(),
+                                                   nn.Linear(32, dim, bias=False))
+                                     for _ in range(num_experts))
+        self.shared = nn.Linear(dim, dim, bias=False) if shared else None
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(flat).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            out = out.index_add(0, token, expert(flat[token]) * weights[token, slot, None])
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view_as(x)
+
+
+def test_finds_list_and_fused_moe_layers_by_structure():
+    assert gathered_moe_modules(corpus.moe_loop()) == [f"decoder.{i}.moe" for i in range(4)]
+    mixtral = gathered_moe_modules(corpus.hf_mixtral())
+    assert mixtral == [f"model.layers.{i}.mlp.experts" for i in range(4)], mixtral
+    assert gathered_moe_modules(corpus.plain_llama()) == []
+    assert gathered_moe_modules(_LoopMoE(shared=True)) == [""]
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_a_layer_whose_output_sums_its_experts_passes_and_a_shared_expert_is_refused(ep):
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16)
+    layer = _LoopMoE()
+    before = layer(x)
+    assert check_sum_of_experts(layer, "moe", ((x,), {}), ep) == 16  # an expert's width
+    torch.testing.assert_close(layer(x), before)  # every expert is back in place
+    # the shared expert would be added once per ep rank by the reduce-scatter
+    with pytest.raises(ValueError, match="not the sum of its experts' contributions"):
+        check_sum_of_experts(_LoopMoE(shared=True), "moe", ((x,), {}), ep)
+
+
+def test_the_check_splits_fused_expert_weights_too():
+    model = corpus.hf_mixtral()
+    fqn = gathered_moe_modules(model)[0]
+    layer = model.get_submodule(fqn)
+    hidden = torch.randn(6, layer.gate_up_proj.shape[-1])
+    index = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]])
+    weights = torch.rand(6, 2)
+    assert check_sum_of_experts(layer, fqn, ((hidden, index, weights), {}), 2) is None
+
+    class _Biased(type(layer)):  # a term outside the experts breaks the sum
+        def forward(self, *args):
+            return super().forward(*args) + 1.0
+
+    layer.__class__ = _Biased
+    with pytest.raises(ValueError, match="not the sum of its experts' contributions"):
+        check_sum_of_experts(layer, fqn, ((hidden, index, weights), {}), 2)
+
+
+def test_compile_runs_ep_of_other_moe_layers_apart_from_tp():
+    cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=4)
+    kw = dict(global_batch_size=8, seq_len=64, dtype="fp32")
+    plan = autopar.compile(corpus.hf_mixtral(), cluster, constraints={"ep": 2}, **kw)
+    assert plan.model["ep_dispatch"] == "all_gather" and plan.config.tp == 1
+    with pytest.raises(ValueError, match="cannot run together on this model"):
+        autopar.compile(corpus.moe_loop(), cluster, constraints={"ep": 2, "tp": 2}, **kw)
+
+
+def test_the_estimate_costs_the_all_gather_dispatch():
+    with torch.device("meta"):
+        model = corpus.moe_loop()
+    graph = autopar.trace(model, global_batch_size=1, seq_len=128, dtype="bf16")
+    costs = ModelCosts.from_graph(graph)
+    gathered = costs.with_ep_dispatch("all_gather")
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=2)
+    cfg = ParallelConfig(dp=16, ep=4)
+    a2a = evaluate(costs, cluster, cfg, global_batch_size=64)
+    ag = evaluate(gathered, cluster, cfg, global_batch_size=64)
+    # top-2 routing: all-to-all moves 2 rows per token each way, all-gather + reduce-scatter
+    # move every ep rank's tokens: the costs differ, and equal without ep
+    assert ag.step_time_s != a2a.step_time_s
+    one = ParallelConfig(dp=16)
+    assert evaluate(gathered, cluster, one, global_batch_size=64).step_time_s == \
+        evaluate(costs, cluster, one, global_batch_size=64).step_time_s
+    with pytest.raises(ValueError, match="is not 'all_to_all' or 'all_gather'"):
+        costs.with_ep_dispatch("ring")
