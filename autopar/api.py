@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from autopar.cluster import Cluster
@@ -60,7 +61,9 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
             graph = trace(model, example_inputs=example_inputs, dtype=dtype)
     clock.lap("trace")
     costs = ModelCosts.from_graph(graph)
+    one_input = _input_spec(example_inputs)
     limits = runtime_limits(model, graph, token_model=example_inputs is None,
+                            one_input=example_inputs is None or one_input is not None,
                             attention_hook_calls=attention_calls[0],
                             num_experts=costs.num_experts)
     if limits.cp_layout == "contiguous":
@@ -103,6 +106,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
         cluster={"profile": cluster.name, "num_nodes": cluster.num_nodes,
                  "world_size": cluster.world_size, "fingerprint": cluster.fingerprint()},
         training={"global_batch_size": global_batch_size, "seq_len": graph.seq_len,
+                  **({"input": one_input} if one_input else {}),
                   "dtype": dtype, "constraints": dict(sorted(constraints.items())),
                   "options": {k: getattr(options, k) for k in options.__dataclass_fields__}},
         candidates=result.candidates,
@@ -113,6 +117,18 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
                 "seconds": result.seconds,
                 "phase_seconds": clock.laps,
                 "stage_cut": "inter-op DP" if best is not result.best else "even (Megatron)"})
+
+
+def _input_spec(example_inputs: Any) -> dict[str, Any] | None:
+    """``{"shape": [...], "dtype": ...}`` of one sample of a model's single input tensor (the
+    example micro-batch less its batch dim), or None when the model takes token ids or
+    several inputs."""
+    if isinstance(example_inputs, (tuple, list)) and len(example_inputs) == 1:
+        example_inputs = example_inputs[0]
+    if not isinstance(example_inputs, torch.Tensor) or example_inputs.dim() < 1:
+        return None
+    return {"shape": list(example_inputs.shape[1:]),
+            "dtype": str(example_inputs.dtype).removeprefix("torch.")}
 
 
 def _within_limits(constraints: dict[str, Any], limits: RuntimeLimits) -> list[dict[str, Any]]:

@@ -333,13 +333,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _example_microbatch(plan: Any, cp: int) -> torch.Tensor:
-    """One micro-batch of token ids of the plan's shape (this rank's share of the sequence
-    under context parallel), for the pipeline's probe forward."""
-    seq = plan.training.get("seq_len")
-    if not seq:
-        raise ValueError("pipeline parallel in this runtime runs token models (inputs [batch, "
-                         "seq] of token ids); plan this model with pp=1")
-    return torch.zeros(plan.config.micro_batch_size, int(seq) // cp, dtype=torch.long)
+    """One micro-batch of zeros of the plan's input: token ids of its sequence (this rank's
+    share under context parallel), or the one input tensor it was planned with, for the probe
+    forwards of pipeline stages and MoE layers."""
+    seq, spec = plan.training.get("seq_len"), plan.training.get("input")
+    mb = plan.config.micro_batch_size
+    if seq:
+        return torch.zeros(mb, int(seq) // cp, dtype=torch.long)
+    if spec:
+        return torch.zeros(mb, *spec["shape"], dtype=getattr(torch, spec["dtype"]))
+    raise ValueError("this plan records no input shape (it is not a token model and was not "
+                     "planned with one example tensor), so pipeline and expert parallel cannot "
+                     "probe the model; re-plan with autopar.compile(..., example_inputs=tensor) "
+                     "or with pp=1 and ep=1")
 
 
 def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu",

@@ -6,7 +6,8 @@ reason, and the context-parallel layout the runtime will use; ``autopar.compile`
 search to degree 1 on those axes and refuses a pin above 1 with the reason.  Every check reads
 the model's structure or its traced forward, never module names:
 
-* pipeline parallel: the model takes token ids (the stages read each micro-batch's tokens), has
+* pipeline parallel: the model takes one input tensor, token ids or other (every stage reads
+  its micro-batch's input), has
   a block list (``structure.block_slots``) and no parameter shared between a block and
   anything else (no stage split holds it once);
 * context parallel: the model takes token ids and its attention has no dropout.  A model whose
@@ -35,10 +36,10 @@ from autopar.runtime.structure import block_names
 __all__ = ["RuntimeLimits", "runtime_limits"]
 
 
-def _pipeline_limit(model: nn.Module, token_model: bool) -> str | None:
-    if not token_model:
-        return ("pipeline parallel in this runtime runs token models (inputs [batch, seq] of "
-                "token ids), and this model takes other inputs")
+def _pipeline_limit(model: nn.Module, one_input: bool) -> str | None:
+    if not one_input:
+        return ("pipeline parallel in this runtime runs models with one input tensor (token "
+                "ids, or one example tensor such as images), and this model takes several")
     blocks = block_names(model)
     if not blocks:
         return (f"{type(model).__name__} has no block list (a ModuleList, Sequential or "
@@ -66,16 +67,17 @@ class RuntimeLimits:
     ep_dispatch: str = "all_to_all"  # or "all_gather": MoE layers on their own forward
 
 
-def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool,
+def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool, one_input: bool,
                    attention_hook_calls: int, num_experts: int | None) -> RuntimeLimits:
-    """What this runtime can run for ``model`` (traced as ``graph``; ``attention_hook_calls``:
-    the calls of ``autopar.models.common.attention`` during the trace; ``num_experts``: the
-    experts the search would split over ep)."""
+    """What this runtime can run for ``model`` (traced as ``graph``; ``token_model``: it takes
+    token ids; ``one_input``: it takes one input tensor, token ids or other;
+    ``attention_hook_calls``: the calls of ``autopar.models.common.attention`` during the
+    trace; ``num_experts``: the experts the search would split over ep)."""
     from autopar.runtime.expert_gather import gathered_moe_modules
     from autopar.runtime.expert_parallel import find_moe_modules
 
     limits = {}
-    reason = _pipeline_limit(model, token_model)
+    reason = _pipeline_limit(model, one_input)
     if reason:
         limits["pp"] = reason
     kinds = {node.kind for node in graph.nodes}

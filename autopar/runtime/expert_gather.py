@@ -272,6 +272,7 @@ def _install(layer: nn.Module, keep: range, out_features: int | None, groups: An
     def gathered_forward(*args, **kwargs):
         first = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         rows = first.shape[0]
+
         def gather(t: Any) -> Any:
             return _GatherRows.apply(t, group, ep) if _same_rows(t, rows) else t
 
