@@ -30,18 +30,36 @@ _MESH_ORDERS = frozenset(itertools.permutations(DEFAULT_MESH_ORDER))
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
+    """One way to parallelize a training step: the degree of each axis (their product is the
+    world size) and how each is run."""
+
     dp: int = 1
+    """Data-parallel replicas: each trains on its slice of the global batch."""
     tp: int = 1
+    """Tensor-parallel ranks (within a node): each holds a slice of every sharded weight."""
     pp: int = 1
+    """Pipeline stages: each rank group holds a contiguous run of layers."""
     cp: int = 1
+    """Context-parallel ranks: each holds a share of every sequence; attention runs as a ring."""
     ep: int = 1
+    """Expert-parallel ranks, within dp x cp: each holds 1/ep of every MoE layer's experts."""
     zero_stage: int = 0
+    """0: replicated states (DDP); 1: optimizer states sharded over dp x cp; 2: gradients too;
+    3: parameters too, gathered per block (FSDP)."""
     micro_batch_size: int = 1
+    """Sequences (or samples) per micro-batch; global batch / (dp x this) micro-batches a step."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
+    """The pipeline schedule (ignored at pp=1)."""
     virtual_stages: int = 1
+    """Stages per pipeline rank (interleaved-1f1b only)."""
     sequence_parallel: bool = False
+    """Under tp, the activations between sub-layers (norms, dropout, residual adds) are split
+    on the sequence: reduce-scatter and all-gather replace tp's all-reduces."""
     recompute: Literal["none", "selective", "full"] = "none"
-    mesh_order: tuple[str, ...] = DEFAULT_MESH_ORDER  # outer first; also "dp,pp,cp,tp"
+    """Activation recompute: "selective" re-runs the attention core, "full" each block."""
+    mesh_order: tuple[str, ...] = DEFAULT_MESH_ORDER
+    """How the axes are laid over the ranks, outer first (also given as "dp,pp,cp,tp"); by
+    default tp innermost, within a node."""
 
     def __post_init__(self) -> None:
         if type(self.mesh_order) is not tuple or self.mesh_order not in _MESH_ORDERS:

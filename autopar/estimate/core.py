@@ -61,40 +61,45 @@ class EstimateOptions:
     """Properties of the training software, not of the model or the hardware."""
 
     attention_kernel: Literal["flash", "cudnn", "flash3", "triton", "math"] = "flash"
+    """The attention kernel; "math" keeps the score matrix (unfused SDPA)."""
     overlap_dp_comm: bool = True
-    overlap_tp_comm: bool = False  # Megatron --tp-comm-overlap / TE userbuffers
-    # "eager": one kernel per op and GEMMs over the model's own sizes, as PyTorch eager and
-    # autopar's generated code run; "fused": fused-kernel software (Megatron-LM, Transformer
-    # Engine, torch.compile) fuses norms, activations, bias, dropout and residual adds with
-    # their neighbours and pads GEMM widths to aligned sizes (Megatron's vocabulary padding,
-    # inductor's pad_mm)
+    """The data-parallel gradient reduction hides behind backward compute and the parameter
+    all-gathers (ZeRO >= 1) behind forward compute, up to their length; False: all exposed."""
+    overlap_tp_comm: bool = False
+    """tp collectives overlap their GEMMs (Megatron --tp-comm-overlap, TE userbuffers)."""
     kernels: Literal["eager", "fused"] = "eager"
-    # cross-entropy: "eager" upcasts the logits to fp32 (autopar's runtime, Hugging Face);
-    # "megatron" is Megatron-LM's unfused vocab-parallel loss on fp32 logits (memory as
-    # "eager", more passes); "fused" is a fused kernel (flash-attn's CrossEntropyLoss,
-    # llm-foundry's default; torch.compile). Time: costmodels.compute.loss_traffic_bytes
+    """"eager": one kernel per op and GEMMs over the model's own sizes, as PyTorch eager and
+    autopar's generated code run; "fused": fused-kernel software (Megatron-LM, Transformer
+    Engine, torch.compile) fuses norms, activations, bias, dropout and residual adds with their
+    neighbours and pads GEMM widths to aligned sizes (Megatron's vocabulary padding, inductor's
+    pad_mm)."""
     loss_kernel: Literal["eager", "megatron", "fused"] = "eager"
+    """Cross-entropy: "eager" upcasts the logits to fp32 (autopar's runtime, Hugging Face);
+    "megatron" is Megatron-LM's unfused vocab-parallel loss on fp32 logits (memory as "eager",
+    more passes); "fused" is a fused kernel (flash-attn's CrossEntropyLoss, llm-foundry's
+    default; torch.compile). Time: costmodels.compute.loss_traffic_bytes."""
     grad_reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    # ZeRO-3 gathered-parameter buffers: None = FSDP2 per-block units (the running block and
-    # the prefetched next one); a number caps them at that many parameters (DeepSpeed's
-    # stage3_max_live_parameters, default 1e9)
+    """The dtype gradients are reduced in over the data-parallel ranks (fp32 runs: fp32)."""
     zero3_max_live_params: int | None = None
-    # ZeRO-3 parameter gathers: "prefetch" = one all-gather per block, the next block's
-    # prefetched under the running one's compute (FSDP2, DeepSpeed >= 0.5); "sync" = one
-    # all-gather per parameter tensor, waited for and copied out, in every forward,
-    # recompute and backward pass (DeepSpeed before 0.5, 2021: see
-    # costmodels.collectives.ZERO3_SYNC_GATHER_BYTES_PER_S)
+    """ZeRO-3 gathered-parameter buffers: None = FSDP2 per-block units (the running block and
+    the prefetched next one); a number caps them at that many parameters (DeepSpeed's
+    stage3_max_live_parameters, default 1e9)."""
     zero3_gather: Literal["prefetch", "sync"] = "prefetch"
-    # with zero3_gather="sync": a gathered tensor whose next use in the micro-batch's forward
-    # and backward comes after fewer than this many parameter elements of other uses is kept,
-    # not released and gathered again (DeepSpeed's stage3_max_reuse_distance, default 1e9;
-    # with full recompute it keeps a block's last tensors from its recompute to its backward)
+    """ZeRO-3 parameter gathers: "prefetch" = one all-gather per block, the next block's
+    prefetched under the running one's compute (FSDP2, DeepSpeed >= 0.5); "sync" = one
+    all-gather per parameter tensor, waited for and copied out, in every forward, recompute and
+    backward pass (DeepSpeed before 0.5, 2021: see
+    costmodels.collectives.ZERO3_SYNC_GATHER_BYTES_PER_S)."""
     zero3_max_reuse_distance: int = 10**9
-    # full recompute re-runs a block only until every tensor its backward saved is back, not
-    # its last GEMM and residual add: torch.utils.checkpoint non-reentrant (torch >= 2.1, as
-    # autopar's runtime runs it; measured in tests/unit/test_trace.py). False: the whole block
-    # (Megatron's and DeepSpeed's checkpointing, reentrant torch checkpoint)
+    """With zero3_gather="sync": a gathered tensor whose next use in the micro-batch's forward
+    and backward comes after fewer than this many parameter elements of other uses is kept, not
+    released and gathered again (DeepSpeed's stage3_max_reuse_distance, default 1e9; with full
+    recompute it keeps a block's last tensors from its recompute to its backward)."""
     recompute_early_stop: bool = True
+    """Full recompute re-runs a block only until every tensor its backward saved is back, not
+    its last GEMM and residual add: torch.utils.checkpoint non-reentrant (torch >= 2.1, as
+    autopar's runtime runs it; measured in tests/unit/test_trace.py). False: the whole block
+    (Megatron's and DeepSpeed's checkpointing, reentrant torch checkpoint)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -83,24 +83,27 @@ _ORDER_RANK = {o: k for k, o in enumerate(_ALL_ORDERS)}
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SearchSettings:
-    # candidates for the simulated schedule (those that cannot beat a simulated one are
-    # skipped by a bound, see the module docstring)
+    """How far the search looks (none of these changes what a config costs)."""
+
     top_k_exact: int = 16
+    """Candidates for the simulated schedule (a bound skips those that cannot win)."""
     max_micro_batch_size: int = 32
+    """The largest micro-batch size tried."""
     max_virtual_stages: int = 8
+    """The most virtual stages per pipeline rank tried (interleaved-1f1b)."""
     max_cp: int = 16
-    progress: bool = True  # a progress bar once a search has run for a second
-    # Configs whose first pipeline rank alone exceeds memory are skipped without a row in the
-    # candidate table -- unless fewer than this many fitting configs turn up (by default
-    # fewer than the simulator's candidates), in which case the table lists every config
-    # visited, fitting or not, to show the near misses. A saved plan keeps fitting rows
-    # only, so it does not depend on the skip.
+    """The largest context-parallel degree tried."""
+    progress: bool = True
+    """A progress bar once a search has run for a second."""
     list_unfit_below: int = 16
-    # The mesh orders searched (`mesh_orders`): "default" (pp, dp, cp, tp: tp innermost, as
-    # Megatron-LM and torchtitan lay ranks out), "all" (the 24 orders of pp, dp, cp, tp) or a
-    # list of orders. Each config is costed once per placement of its ranks, and in the
-    # orders after the first only where its bound without communication can reach the top.
+    """Configs whose first pipeline rank alone exceeds memory get no row in the candidate
+    table, unless fewer than this many fitting configs turn up: then it lists every config
+    visited, to show the near misses (a saved plan keeps fitting rows only)."""
     mesh_orders: Any = "default"
+    """The mesh orders searched (`mesh_orders`): "default" (pp, dp, cp, tp: tp innermost, as
+    Megatron-LM and torchtitan lay ranks out), "all" (the 24 orders of pp, dp, cp, tp) or a list
+    of orders. Each config is costed once per placement of its ranks, and in the orders after
+    the first only where its bound without communication can reach the top."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,7 +284,7 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
             if free is None:
                 free, _, _ = _step_bounds(costs, cluster, every, np.arange(len(every)),
                                           comm=False, **kw)
-            table = _rows(table, ~(free * (1 - BOUND_MARGIN) > best_times[-1]))
+            table = table.rows(~(free * (1 - BOUND_MARGIN) > best_times[-1]))
             dropped += len(every) - len(table)
         # each config once per placement of its ranks: in the first order giving it
         table = _new_placements(table, orders[:k], cache, placed)
@@ -357,13 +360,7 @@ def _new_placements(table: ConfigTable, earlier: list[tuple[str, ...]], cache: E
 
         mine = key(table.mesh_order)
         new[k] = all(key(o) != mine for o in earlier)
-    return _rows(table, new[index])
-
-
-def _rows(table: ConfigTable, keep: np.ndarray) -> ConfigTable:
-    """The rows of `table` that the mask `keep` selects."""
-    return ConfigTable({name: col[keep] for name, col in table.columns.items()},
-                       table.mesh_order)
+    return table.rows(new[index])
 
 
 @dataclass(frozen=True)

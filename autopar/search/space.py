@@ -69,6 +69,11 @@ class ConfigTable:
     def configs(self) -> Iterator[ParallelConfig]:
         return (self.config(i) for i in range(len(self)))
 
+    def rows(self, keep: np.ndarray) -> "ConfigTable":
+        """The rows that the mask or index array ``keep`` selects."""
+        return ConfigTable({name: col[keep] for name, col in self.columns.items()},
+                           self.mesh_order)
+
     def tie_order(self) -> tuple[np.ndarray, ...]:
         """The columns of the search's tie-break, most significant first: (pp, tp, cp, ep, dp,
         zero_stage, recompute, micro_batch_size, pp_schedule, virtual_stages,
