@@ -61,9 +61,9 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
             graph = trace(model, example_inputs=example_inputs, dtype=dtype)
     clock.lap("trace")
     costs = ModelCosts.from_graph(graph)
-    one_input = _input_spec(example_inputs)
+    input_spec = _input_spec(example_inputs)
     limits = runtime_limits(model, graph, token_model=example_inputs is None,
-                            one_input=example_inputs is None or one_input is not None,
+                            one_input=example_inputs is None or input_spec is not None,
                             attention_hook_calls=attention_calls[0],
                             num_experts=costs.num_experts)
     if limits.cp_layout == "contiguous":
@@ -106,7 +106,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
         cluster={"profile": cluster.name, "num_nodes": cluster.num_nodes,
                  "world_size": cluster.world_size, "fingerprint": cluster.fingerprint()},
         training={"global_batch_size": global_batch_size, "seq_len": graph.seq_len,
-                  **({"input": one_input} if one_input else {}),
+                  **({"input": input_spec} if input_spec else {}),
                   "dtype": dtype, "constraints": dict(sorted(constraints.items())),
                   "options": {k: getattr(options, k) for k in options.__dataclass_fields__}},
         candidates=result.candidates,

@@ -14,8 +14,8 @@ gradients are averaged over dp × cp.  Expert parallel
 (``autopar.runtime.expert_parallel``, ep > 1): right after the stage modules are built, each
 MoE layer keeps its ep rank's experts (tp-sharded by the layer itself) and exchanges tokens by
 all-to-all (autopar's own MoE layers) or runs on all-gathered tokens (any other,
-``autopar.runtime.expert_gather``); expert gradients are reduced over their replicas before the dense wrapper, which
-leaves them alone (``ignored_params``).
+``autopar.runtime.expert_gather``); expert gradients are reduced over their replicas before
+the dense wrapper, which leaves them alone (``ignored_params``).
 
 Precision (`precision`): a bf16 plan's forward passes run under bf16 autocast, its weights,
 gradients and optimizer states in fp32 (the 16 bytes a parameter the plan counts); a plan

@@ -7,9 +7,8 @@ search to degree 1 on those axes and refuses a pin above 1 with the reason.  Eve
 the model's structure or its traced forward, never module names:
 
 * pipeline parallel: the model takes one input tensor, token ids or other (every stage reads
-  its micro-batch's input), has
-  a block list (``structure.block_slots``) and no parameter shared between a block and
-  anything else (no stage split holds it once);
+  its micro-batch's input), has a block list (``structure.block_slots``) and no parameter
+  shared between a block and anything else (no stage split holds it once);
 * context parallel: the model takes token ids and its attention has no dropout.  A model whose
   attention goes through the ``SequenceShard`` hook of ``autopar.models.common.attention``
   runs it load-balanced (zigzag chunks); any other runs it through its own forward on
