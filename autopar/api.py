@@ -13,14 +13,13 @@ import torch.nn as nn
 from autopar.cluster import Cluster
 from autopar.estimate.bounds import BOUND_MARGIN, exact_step_lower_bound
 from autopar.estimate.core import EstimateOptions, EvalCache, ModelCosts, evaluate, layer_costs
-from autopar.estimate.timing import slowest_groups
 from autopar.errors import StageMemoryError
 from autopar.search.inter_op import partition_stages
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES
 from autopar.models.common import count_attention_calls
-from autopar.plan import Plan, fused_projections, megatron_tp_placements, param_placements
+from autopar.plan import Plan, fused_projections, param_placements
 from autopar.runtime.capabilities import RuntimeLimits, runtime_limits
-from autopar.search.intra_op import solve_block
+from autopar.search.tp_layout import tp_layout
 from autopar.search.outer import SearchSettings, check_constraints, search
 
 __all__ = ["compile"]
@@ -89,7 +88,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
                              cache)
     clock.lap("stage_dp")
     cfg = best.config
-    tp_map, intra_op = _tp_placements(model, graph, cluster, cfg, dtype, seq_len, example_inputs)
+    tp_map, intra_op = tp_layout(model, graph, cluster, best, dtype, seq_len, example_inputs)
     clock.lap("intra_op")
     placements, fingerprint = param_placements(graph, cfg, tp_map), graph.fingerprint()
     clock.lap("plan")
@@ -176,73 +175,6 @@ class _PhaseClock:
         now = time.perf_counter()
         self.laps[phase] = now - self._last
         self._last = now
-
-
-def _tp_placements(model, graph, cluster: Cluster, cfg, dtype: str, seq_len, example_inputs
-                   ) -> tuple[dict[str, str], dict[str, Any]]:
-    """Tensor-parallel placement of every parameter: the intra-op ILP solves each unique block
-    at the plan's tp and micro-batch.  Where its layout is Megatron's (the layout the outer
-    search and the estimate cost), the plan takes it; where it differs, the plan keeps
-    Megatron's layout so that its predicted time and memory are those of what it runs, and
-    records the ILP's preferred placements per block (``ilp_placements``) as advice, with
-    the ILP's best execution of Megatron's layout beside it (``megatron_objective_s``,
-    ``megatron_memory_bytes`` against ``ilp_memory_bytes``: the ILP runs without a memory
-    bound, so a faster layout that holds more memory is a trade, not a free win, and is
-    logged at info level only)."""
-    megatron = megatron_tp_placements(graph)
-    if cfg.tp == 1:
-        return megatron, {}
-    from autopar.trace import trace
-
-    mb_graph = graph
-    if example_inputs is None and cfg.micro_batch_size != graph.batch_size:
-        mb_graph = trace(model, global_batch_size=cfg.micro_batch_size, seq_len=seq_len,
-                         dtype=dtype)
-    tp_map = dict(megatron)
-    report: dict[str, Any] = {}
-    # blocks alike in structure (an encoder's and a decoder's stack) solve once
-    cache: dict | None = {} if len(mb_graph.blocks) > 1 else None
-    ranks = slowest_groups(cfg, cluster).tp  # the tp group the estimate costs
-    for block in mb_graph.blocks:
-        sol = solve_block(mb_graph, block.node_names, tp=cfg.tp, cluster=cluster, dtype=dtype,
-                          ranks=ranks, sequence_shards=cfg.cp, cache=cache)
-        placements = dict(sol.param_placements)
-        same = all(megatron.get(f, "R") == p for f, p in sorted(placements.items()))
-        report[block.representative] = {
-            "tp": cfg.tp, "cp": cfg.cp, "optimal": sol.optimal, "compute_s": sol.compute_s,
-            "comm_s": sol.comm_s, "forward_collectives": [list(c) for c in sol.forward_collectives],
-            "backward_collectives": [list(c) for c in sol.backward_collectives],
-            "matches_estimate_layout": same,
-        }
-        if same:
-            tp_map.update(placements)
-            continue
-        entry = report[block.representative]
-        entry["ilp_placements"] = dict(sorted(placements.items()))
-        try:  # the ILP's best execution of Megatron's layout: what it gives up for its own
-            kept = solve_block(mb_graph, block.node_names, tp=cfg.tp, cluster=cluster,
-                               dtype=dtype, ranks=ranks, sequence_shards=cfg.cp, cache=cache,
-                               pinned_params=megatron)
-        except ValueError:  # a node cannot place its parameters as Megatron's layout says
-            kept = None
-        if kept is not None:
-            entry.update(ilp_memory_bytes=sol.memory_bytes,
-                         megatron_objective_s=kept.objective_s,
-                         megatron_memory_bytes=kept.memory_bytes)
-        if kept is not None and sol.memory_bytes > kept.memory_bytes:
-            # e.g. replicated weights with the batch split: the data parallelism the outer
-            # search already weighs against memory on its dp axis
-            log.info("the intra-op ILP's layout for %s at tp=%d is %.3g ms faster per layer "
-                     "than Megatron's but holds %.3g GB more per rank; the plan keeps "
-                     "Megatron's", block.representative, cfg.tp,
-                     1e3 * (kept.objective_s - sol.objective_s),
-                     (sol.memory_bytes - kept.memory_bytes) / 1e9)
-        else:
-            log.warning("the intra-op ILP prefers another tensor-parallel layout than "
-                        "Megatron's for %s at tp=%d; the plan keeps Megatron's, which its "
-                        "estimate costs (the ILP's is in plan.intra_op[...]['ilp_placements'])",
-                        block.representative, cfg.tp)
-    return tp_map, report
 
 
 def _rebalance_stages(costs: ModelCosts, cluster: Cluster, best, global_batch_size: int,

@@ -4,7 +4,8 @@ the given number of AdamW steps next to a one-process reference (a deep copy of 
 the same global batches); writes ``<out>/<plan stem>.<rank>.json`` with the largest relative
 loss difference over the steps, the largest gradient difference after the first backward
 (relative to the largest reference gradient, over the parameters this rank holds), the
-collectives of the second step by kind (``CommDebugMode``; plans without a pipeline), or the
+collectives of the second step by kind (``CommDebugMode``) and each with its bytes in
+``Cluster.collective_time``'s convention (``_CollectiveLog``; plans without a pipeline), or the
 error this rank raised.
 
     torchrun --standalone --nproc_per_node=N runtime_matrix_worker.py OUT_DIR STEPS PLAN.json:FACTORY ...
@@ -23,6 +24,7 @@ from pathlib import Path
 import corpus
 import torch
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar import runtime
 from autopar.plan import load_plan
@@ -44,6 +46,49 @@ def _batch(factory: str, plan, step: int):
     return synthetic_batch(step, 0, size, plan.training["seq_len"], corpus.VOCAB)
 
 
+# collective ops (functional, as DTensor issues them, and c10d's) -> (kind, the tensor that
+# gives its bytes: "in" the local input, "out" the gathered output)
+_COLLECTIVES = {
+    "all_reduce": ("all_reduce", "in"), "allreduce_": ("all_reduce", "in"),
+    "all_gather_into_tensor": ("all_gather", "out"), "_allgather_base_": ("all_gather", "out"),
+    "reduce_scatter_tensor": ("reduce_scatter", "in"),
+    "_reduce_scatter_base_": ("reduce_scatter", "in"),
+    "all_to_all_single": ("all_to_all", "in"), "alltoall_base_": ("all_to_all", "in"),
+    "broadcast_": ("broadcast", "in"),
+}
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return sum(map(_nbytes, x)) if isinstance(x, (list, tuple)) else 0
+
+
+class _CollectiveLog(TorchDispatchMode):
+    """Every collective a rank issues, as ``[kind, nbytes]`` in ``Cluster.collective_time``'s
+    convention (all-gather: the gathered size; reduce-scatter: the input; all-to-all: what a
+    rank sends)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log: list[list] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name
+        namespace, _, op = name.partition("::")
+        if namespace in ("_c10d_functional", "_c10d_functional_autograd", "c10d") \
+                and op in _COLLECTIVES:
+            kind, which = _COLLECTIVES[op]
+            if namespace == "c10d":  # (output, input, ...) or (tensors, ...)
+                tensor = args[0] if which == "out" or op in ("allreduce_", "broadcast_") \
+                    else args[1]
+            else:
+                tensor = out if which == "out" else args[0]
+            self.log.append([kind, _nbytes(tensor)])
+        return out
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -57,7 +102,7 @@ def _run(plan_path: str, factory: str, steps: int) -> dict:
     sharded = runtime.apply_plan(model, plan)
     opt = make_optimizer(sharded.parameters())
     loss_err = grad_err = 0.0
-    comms = CommDebugMode()
+    comms, log = CommDebugMode(), _CollectiveLog()
     for step in range(1, steps + 1):
         x, y = _batch(factory, plan, step)
         want = runtime.lm_loss(ref(x), y)
@@ -65,7 +110,8 @@ def _run(plan_path: str, factory: str, steps: int) -> dict:
         # counted without a pipeline: the dispatch mode upsets the zero-bubble schedule's split
         # backward
         count = step == 2 and plan.config.pp == 1
-        with comms if count else contextlib.nullcontext():
+        with comms if count else contextlib.nullcontext(), \
+                log if count else contextlib.nullcontext():
             got = sharded.train_step(x, y)
         loss_err = max(loss_err, abs(got - float(want)) / max(abs(float(want)), 1e-12))
         if step == 1:
@@ -85,7 +131,7 @@ def _run(plan_path: str, factory: str, steps: int) -> dict:
         opt.step()
         opt.zero_grad()
     return {"loss_err": loss_err, "grad_err": grad_err,
-            "loss_parallel": sharded.loss_parallel,
+            "loss_parallel": sharded.loss_parallel, "collective_bytes": log.log,
             "collectives": {str(k).rpartition(".")[2]: v
                             for k, v in sorted(comms.get_comm_counts().items(), key=str)}}
 

@@ -7,6 +7,7 @@ from autopar.ir.graph import (
     Node,
     OpKind,
     ParamSpec,
+    SEQUENCE_DIM,
     TensorSpec,
     dtype_num_bytes,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "Node",
     "OpKind",
     "ParamSpec",
+    "SEQUENCE_DIM",
     "TensorSpec",
     "dtype_num_bytes",
 ]

@@ -36,11 +36,14 @@ __all__ = [
     "Node",
     "OpKind",
     "ParamSpec",
+    "SEQUENCE_DIM",
     "TensorSpec",
     "dtype_num_bytes",
 ]
 
 IR_VERSION = 1
+SEQUENCE_DIM = 1  # token activations are [batch, seq, ...]: what sequence and context
+# parallelism shard
 
 _DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from autopar.ir.graph import Node, OpKind
 
-__all__ = ["Residual", "fused_chunks", "residual_structure"]
+__all__ = ["Residual", "fused_chunks", "fused_splits", "residual_structure"]
 
 _MIXING = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
                      OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE})
@@ -99,11 +99,25 @@ _SPLITS = ("aten.split", "aten.split_with_sizes", "aten.chunk", "aten.unbind", "
 
 
 def fused_chunks(nodes: Sequence[Node]) -> dict[str, int]:
-    """``{parameter FQN: k}`` for the ``[out, in]`` weight (and bias) of each GEMM whose output features are k equal chunks of head-major
-    features (a fused q/k/v projection): its output is split into k equal parts on the last
-    dim (``qkv.split(h, -1)``), or viewed as ``(k, heads, head_dim)`` with as many heads as an
-    attention of ``nodes`` has.  Column parallelism must then split each chunk, not the whole
-    output, for every rank to hold whole heads of q, k and v."""
+    """``{parameter FQN: k}`` for the ``[out, in]`` weight (and bias) of each GEMM whose output
+    features are k equal chunks of head-major features (a fused q/k/v projection): its output
+    is split into k equal parts on the last dim (``qkv.split(h, -1)``), or viewed as
+    ``(k, heads, head_dim)`` with as many heads as an attention of ``nodes`` has.  Column
+    parallelism must then split each chunk, not the whole output, for every rank to hold
+    whole heads of q, k and v."""
+    return {fqn: k for fqn, (k, _) in _fused(nodes).items()}
+
+
+def fused_splits(nodes: Sequence[Node]) -> dict[str, int]:
+    """``{node name: k}``: the op that cuts a fused projection's output (see ``fused_chunks``)
+    into its k chunks: a split on the last dim, or a view as ``(k, heads, head_dim)``.  A
+    column-parallel split of the projection by chunk hands that op every chunk sharded alike
+    (on the features, or on the heads)."""
+    return {cut: k for k, cut in _fused(nodes).values()}
+
+
+def _fused(nodes: Sequence[Node]) -> dict[str, tuple[int, str]]:
+    """``{parameter FQN: (k, the node that cuts the projection's output into k chunks)}``."""
     heads = {n.attention.num_heads for n in nodes if n.attention is not None}
     consumers: dict[str, list[Node]] = {}
     for node in nodes:
@@ -114,27 +128,29 @@ def fused_chunks(nodes: Sequence[Node]) -> dict[str, int]:
         if node.kind is not OpKind.MATMUL or not node.params or not node.outputs:
             continue
         width = node.outputs[0].shape[-1]
-        k = _chunks(node.name, width, consumers, heads)
+        k, cut = _chunks(node.name, width, consumers, heads)
         # a weight laid out [out_features, in_features] (nn.Linear) and its bias
         if k > 1 and any(len(p.shape) == 2 and p.shape[0] == width for p in node.params):
-            out.update({p.fqn: k for p in node.params if p.shape and p.shape[0] == width})
+            out.update({p.fqn: (k, cut) for p in node.params
+                        if p.shape and p.shape[0] == width})
     return out
 
 
-def _chunks(name: str, width: int, consumers: dict[str, list[Node]], heads: set[int]) -> int:
+def _chunks(name: str, width: int, consumers: dict[str, list[Node]], heads: set[int]
+            ) -> tuple[int, str | None]:
     """The chunk count of ``width`` features seen by the first op after ``name`` that splits
-    them (views that keep the features whole are followed), or 1."""
+    them (views that keep the features whole are followed) and that op, or ``(1, None)``."""
     for nxt in consumers.get(name, ()):
         out = nxt.outputs[0].shape if nxt.outputs else ()
         if nxt.target.startswith(_SPLITS) and len(nxt.outputs) > 1:
             sizes = {o.shape[-1] for o in nxt.outputs}
             if len(sizes) == 1 and sizes.pop() * len(nxt.outputs) == width:
-                return len(nxt.outputs)
-            return 1
+                return len(nxt.outputs), nxt.name
+            return 1, None
         if nxt.target.startswith(_RESHAPES) and out:
             if out[-1] == width:
                 return _chunks(nxt.name, width, consumers, heads)
             if len(out) >= 3 and out[-3] * out[-2] * out[-1] == width and out[-2] in heads \
                     and out[-3] > 1:
-                return out[-3]
-    return 1
+                return out[-3], nxt.name
+    return 1, None

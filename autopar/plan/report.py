@@ -398,15 +398,16 @@ def _placements(plan: Plan) -> Section:
 
 
 def _ilp_advice(info: dict[str, Any]) -> str:
-    """What a block's ILP layout, other than Megatron's, would trade (`_tp_placements`)."""
+    """What a block's ILP layout, other than Megatron's, would trade (`tp_layout`)."""
     kept = "the plan keeps Megatron's, which the estimate costs (the ILP's: intra_op " \
         "'ilp_placements')"
-    if "megatron_memory_bytes" not in info:
+    if "ilp_objective_s" not in info or "memory_bytes" not in info:
         return "prefers another layout than Megatron's; " + kept
-    faster = info["megatron_objective_s"] - info.get("compute_s", 0.0) - info.get("comm_s", 0.0)
-    more = info["ilp_memory_bytes"] - info["megatron_memory_bytes"]
-    trade = (f"{fmt_seconds(faster)} faster per layer than Megatron's"
-             + (f" but holds {fmt_bytes_gb(more)} GB more per rank" if more > 0 else ""))
+    megatron = info.get("compute_s", 0.0) + info.get("comm_s", 0.0) + info.get("state_s", 0.0)
+    more = info["ilp_memory_bytes"] - info["memory_bytes"]
+    trade = (f"{fmt_seconds(megatron - info['ilp_objective_s'])} faster per layer than "
+             f"Megatron's" + (f", holding {fmt_bytes_gb(more)} GB more per rank" if more > 0
+                              else ""))
     return f"prefers another layout ({trade}); " + kept
 
 

@@ -65,6 +65,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from autopar.ir import SEQUENCE_DIM
 from autopar.runtime.pipeline import tied_parameters
 from autopar.runtime.structure import block_slots
 
@@ -75,7 +76,6 @@ log = logging.getLogger(__name__)
 
 _SHARD = re.compile(r"^S\((-?\d+)\)$")
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-SEQUENCE_DIM = 1  # activations are [batch, seq, ...] (batch-first models)
 
 
 def _aliases(module: nn.Module) -> dict[str, str]:

@@ -185,11 +185,8 @@ def _maxima(tables: list[np.ndarray]) -> list[float]:
 
 
 def _node_factors(problem: BlockProblem, weight: int, sizes: list[int]) -> list[_Factor]:
-    values = np.array([weight * (compute + comm) + s
-                       for v in problem.nodes
-                       for s, (compute, comm) in enumerate(zip(problem.compute_units[v],
-                                                               problem.comm_units[v]))],
-                      dtype=np.float64)
+    values = np.array([weight * units + s for v in problem.nodes
+                       for s, units in enumerate(problem.node_units(v))], dtype=np.float64)
     ends = itertools.accumulate(sizes)
     return [_Factor((i,), values[end - n:end]) for i, (n, end) in enumerate(zip(sizes, ends))]
 

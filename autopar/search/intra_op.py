@@ -21,6 +21,8 @@ Shorthand
     w = grad(p) (grad(R)=R, grad(S(d))=S(d), grad(P)=R) except for "R~P" strategies (w = P)
     cost_v(s) = compute_fwd+bwd(v, s) / work_divisor(s) + internal collectives(v, s)
                 + [param replicated and work split] · all_reduce(param gradient)
+                + parameter elements held · step_s_per_param   (the step's reduction
+                  and optimizer step on them, per micro-batch)
 
 Objective
     min  W · ( Σ_v Σ_s cost_v(s) · x[v,s]  +  Σ_T Σ_{a,d} c(a,d) · need[T,a,d] )
@@ -81,7 +83,7 @@ from typing import Mapping, MutableMapping, Sequence
 from autopar.errors import ShardingInfeasibleError
 from autopar.ir import Graph
 from autopar.search.elimination import solve_by_elimination
-from autopar.sharding.placement import reshard_collective
+from autopar.sharding.placement import is_shard, reshard_collective
 from autopar.sharding.problem import (BLOCK_INPUT, BLOCK_OUTPUT, UNITS_PER_S, BlockProblem,
                                       build_problem, internal_collectives, pin_params)
 
@@ -111,6 +113,7 @@ class BlockSharding:
     boundary_placement: str | None
     compute_s: float
     comm_s: float
+    state_s: float  # the held parameters' share of the step's reduction and optimizer step
     memory_bytes: float
     forward_collectives: tuple[tuple[str, float], ...]
     backward_collectives: tuple[tuple[str, float], ...]
@@ -118,7 +121,7 @@ class BlockSharding:
 
     @property
     def objective_s(self) -> float:
-        return self.compute_s + self.comm_s
+        return self.compute_s + self.comm_s + self.state_s
 
 
 class _IntraOpModel:
@@ -136,9 +139,8 @@ class _IntraOpModel:
         self.x = {v: [new_bool(f"x[{v},{s}]") for s in range(len(problem.strategies[v]))]
                   for v in problem.nodes}
         self.cost_terms: list[tuple[int, cp_model.IntVar]] = [
-            (problem.compute_units[v][s] + problem.comm_units[v][s], var)
-            for v in problem.nodes for s, var in enumerate(self.x[v])
-            if problem.compute_units[v][s] + problem.comm_units[v][s]]
+            (units, var) for v in problem.nodes
+            for units, var in zip(problem.node_units(v), self.x[v]) if units]
         for family in FAMILIES:
             if family not in self.skip:
                 getattr(self, f"_{family}")()
@@ -347,7 +349,8 @@ def _signature(graph: Graph, names: Sequence[str]) -> str:
 def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dtype: str,
                 memory_budget_bytes: float | None = None, time_limit_s: float = 10.0,
                 num_workers: int = 1, ranks: Sequence[int] | None = None,
-                bytes_per_param: float = 16.0, boundary: str = "periodic",
+                bytes_per_param: float = 16.0, step_s_per_param: float = 0.0,
+                boundary: str = "periodic",
                 sequence_shards: int = 1, cache: MutableMapping | None = None,
                 method: str = "auto", pinned_params: Mapping[str, str] | None = None
                 ) -> BlockSharding:
@@ -355,8 +358,10 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
 
     ``ranks`` is the tp group (default ``range(tp)``); ``bytes_per_param`` the training state
     per parameter (16: bf16 weight and gradient, fp32 master, Adam m and v -- Rajbhandari et
-    al. 2020, ZeRO §3); ``boundary`` "periodic" lets the hidden state between blocks be
-    sharded, "replicated" pins it to R. ``sequence_shards`` is the context-parallel degree:
+    al. 2020, ZeRO §3) and ``step_s_per_param`` its share of the step's gradient reduction and
+    optimizer step per micro-batch (:func:`~autopar.sharding.problem.build_problem`);
+    ``boundary`` "periodic" lets the hidden state between blocks be sharded, "replicated"
+    pins it to R, "S(d)" to that shard. ``sequence_shards`` is the context-parallel degree:
     the block's activations are costed at one rank's share of the sequence
     (:func:`~autopar.sharding.problem.build_problem`). ``cache`` is a caller-owned dict keyed
     by (block signature, tp, micro-batch shape, ...); a hit returns the stored result (whose
@@ -368,8 +373,9 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     """
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
-    if boundary not in ("periodic", "replicated"):
-        raise ValueError(f"boundary must be 'periodic' or 'replicated', got {boundary!r}")
+    if boundary not in ("periodic", "replicated") and not is_shard(boundary):
+        raise ValueError(f"boundary must be 'periodic', 'replicated' or a shard 'S(d)', got "
+                         f"{boundary!r}")
     names = list(node_names)
     known = {m.name for m in graph.nodes}
     unknown = [n for n in names if n not in known]
@@ -380,13 +386,14 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     if cache is not None:
         key = (_signature(graph, names), tp, (graph.batch_size, graph.seq_len), dtype,
                memory_budget_bytes, cluster.fingerprint(), tuple(ranks or range(tp)),
-               bytes_per_param, boundary, sequence_shards, method,
+               bytes_per_param, step_s_per_param, boundary, sequence_shards, method,
                tuple(sorted(pinned_params.items())) if pinned_params is not None else None)
         if key in cache:
             return cache[key]
     start = time.perf_counter()
     problem = build_problem(graph, names, axis_size=tp, cluster=cluster, dtype=dtype,
-                            ranks=ranks, bytes_per_param=bytes_per_param, boundary=boundary,
+                            ranks=ranks, bytes_per_param=bytes_per_param,
+                            step_s_per_param=step_s_per_param, boundary=boundary,
                             sequence_shards=sequence_shards)
     if pinned_params is not None:
         problem = pin_params(problem, pinned_params)
@@ -417,6 +424,7 @@ def _result(problem: BlockProblem, graph: Graph, choice: Mapping[str, int],
         bwd += b
         comm_units += sum(problem.collective_units(c) for c in f + b)
     compute_units = sum(problem.compute_units[v][choice[v]] for v in real)
+    state_units = sum(problem.state_units[v][choice[v]] for v in real)
     params = {u.fqn: problem.param_placement(u, choice[u.node]) for u in problem.params}
     boundary = (problem.strategies[BLOCK_INPUT][choice[BLOCK_INPUT]].outputs[0]
                 if BLOCK_INPUT in problem.strategies else None)
@@ -427,5 +435,6 @@ def _result(problem: BlockProblem, graph: Graph, choice: Mapping[str, int],
         param_placements=dict(sorted(params.items())),
         output_placements={v: problem.strategies[v][choice[v]].outputs for v in real},
         boundary_placement=boundary, compute_s=compute_units / UNITS_PER_S,
-        comm_s=comm_units / UNITS_PER_S, memory_bytes=problem.memory(choice),
+        comm_s=comm_units / UNITS_PER_S, state_s=state_units / UNITS_PER_S,
+        memory_bytes=problem.memory(choice),
         forward_collectives=tuple(fwd), backward_collectives=tuple(bwd), optimal=optimal)

@@ -28,9 +28,10 @@ from outside come from ``<external:NAME>`` pseudo nodes, replicated, and other t
 outside go to ``<consumer:NAME>`` pseudo nodes that want them (and return their gradients)
 replicated.
 
-Memory of a strategy = parameter bytes × ``bytes_per_param`` (÷ axis size if sharded; a
-parameter is charged at its first user) + the node's saved activation bytes scaled by the
-sharded fraction of its inputs and outputs.
+Memory of a strategy = parameter elements held × ``bytes_per_param`` (÷ axis size if sharded;
+a parameter is charged at its first user) + the node's saved activation bytes scaled by the
+sharded fraction of its inputs and outputs. State work of a strategy (``state_units``) =
+trainable parameter elements held × ``step_s_per_param``.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ from typing import Callable, Mapping, Sequence
 
 from autopar.estimate.timing import BACKWARD_MEMORY_RATIO
 from autopar.ir import Graph, Node, OpKind, TensorSpec, dtype_num_bytes
+from autopar.ir.residual import fused_splits
 from autopar.sharding.placement import (PARTIAL, REPLICATE, is_shard, reshard_collective,
                                         shard, shard_dim)
 from autopar.sharding.rules import signature as rule_signature
 from autopar.sharding.rules import strategies as rule_strategies
-from autopar.sharding.strategy import Collective, Strategy
+from autopar.sharding.strategy import Collective, Strategy, default_input_grads
 from costmodels.compute import activation_memory_time_s, attention_time_s, gemm_time_s
 from costmodels.collectives import LayoutTimer
 
@@ -92,12 +94,20 @@ class BlockProblem:
     strategies: Mapping[str, tuple[Strategy, ...]]
     compute_units: Mapping[str, tuple[int, ...]]
     comm_units: Mapping[str, tuple[int, ...]]
+    # the step's per-parameter work on the parameters a strategy holds (their share of the
+    # data-parallel gradient reduction and the optimizer step), per micro-batch
+    state_units: Mapping[str, tuple[int, ...]]
     memory_bytes: Mapping[str, tuple[float, ...]]
     tensors: tuple[TensorUse, ...]
     params: tuple[ParamUse, ...]
     periodic: bool
     grad_bytes_per_elem: int
     collective_units: Callable[[Collective], int]
+
+    def node_units(self, v: str) -> tuple[int, ...]:
+        """Per strategy of ``v``: its compute, own collectives and parameter state work."""
+        return tuple(map(sum, zip(self.compute_units[v], self.comm_units[v],
+                                  self.state_units[v])))
 
     def out_placement(self, tensor: TensorUse, s: int) -> str:
         return self.strategies[tensor.producer][s].outputs[tensor.output]
@@ -153,8 +163,7 @@ class BlockProblem:
         """Objective (integer ns) of an assignment, ``None`` if it breaks a hard constraint."""
         if not self.feasible(choice):
             return None
-        total = sum(self.compute_units[v][choice[v]] + self.comm_units[v][choice[v]]
-                    for v in self.nodes)
+        total = sum(self.node_units(v)[choice[v]] for v in self.nodes)
         for t in self.tensors:
             fwd, bwd = self.reshards(t, choice)
             total += sum(self.collective_units(c) for c in fwd + bwd)
@@ -226,6 +235,25 @@ def _activation_shares(node: Node, sts: Sequence[Strategy], n: int) -> list[floa
     return shares
 
 
+def _per_chunk(node: Node, n: int) -> tuple[Strategy, ...]:
+    """The op that cuts a fused projection's output into its chunks (``fused_splits``) with
+    the features sharded by chunk, as the projection's column-parallel weight laid out by
+    chunk gives them: a split hands each chunk on sharded on its features, a view as
+    ``(k, heads, head_dim)`` on its heads."""
+    last = len(node.inputs[0].shape) - 1
+    if len(node.outputs) > 1:  # a split
+        outs = tuple((len(t.shape) - 1, t.shape[-1]) for t in node.outputs)
+    else:  # [..., k * heads * head_dim] -> [..., k, heads, head_dim]
+        shape = node.outputs[0].shape
+        outs = ((len(shape) - 2, shape[-2]),)
+    if last < 0 or not all(size % n == 0 for _, size in outs):
+        return ()
+    ins = (shard(last),) + (REPLICATE,) * (len(node.inputs) - 1)
+    return (Strategy(name=f"S({last}) by chunk", inputs=ins,
+                     outputs=tuple(shard(d) for d, _ in outs),
+                     input_grads=default_input_grads(ins, True), work_divisor=n),)
+
+
 def _source_map(by_name: Mapping[str, Node], names: set[str]
                 ) -> dict[tuple[str, int], tuple[str, int]]:
     """(consumer, input index) -> (producer, output index) for node-produced inputs."""
@@ -252,14 +280,22 @@ def _source_map(by_name: Mapping[str, Node], names: set[str]
 
 def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cluster,
                   dtype: str, ranks: Sequence[int] | None = None, bytes_per_param: float = 16.0,
-                  boundary: str = "periodic", sequence_shards: int = 1) -> BlockProblem:
+                  step_s_per_param: float = 0.0, boundary: str = "periodic",
+                  sequence_shards: int = 1) -> BlockProblem:
     """Tables of the sharding problem of ``node_names`` on one axis of ``axis_size`` ranks.
 
+    ``bytes_per_param`` is the training state a rank keeps per parameter element it holds
+    (weights, gradients, optimizer states under the plan's ZeRO stage); ``step_s_per_param``
+    the seconds per micro-batch that each trainable element held costs the step outside the
+    block (its share of the data-parallel gradient reduction and the optimizer step): with
+    both, a replicated weight pays for the memory and the per-step work it takes.
     ``sequence_shards`` (the context-parallel degree) splits every activation along the
     sequence on top: what derives from the model's inputs -- node work, kept activations,
     tensors between nodes -- is costed at 1/sequence_shards, attention included (ring
     attention's share of a rank); parameters, their gradients' all-reduce and an op's own
-    collectives (batch-norm statistics) are not."""
+    collectives (batch-norm statistics) are not. ``boundary``: "periodic" (the hidden state
+    between blocks placed as the ILP chooses), "replicated", or one placement ("S(1)": the
+    sequence shard of sequence parallelism)."""
     if not isinstance(sequence_shards, int) or sequence_shards < 1:
         raise ValueError(f"sequence_shards must be an integer >= 1, got {sequence_shards!r}")
     names = [n for n in node_names]
@@ -295,12 +331,15 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
     external: dict[str, set[int]] = {}
     hidden_in = None
     shared: dict[tuple, tuple[Strategy, ...]] = {}  # nodes the rules cannot tell apart
+    fused = fused_splits([by_name[n] for n in names])
     for name in names:
         node = by_name[name]
         key = rule_signature(node)
         if key not in shared:
             shared[key] = rule_strategies(node, axis_size)
         strategies[name] = shared[key]
+        if name in fused:
+            strategies[name] += _per_chunk(node, axis_size)
         for i, spec in enumerate(node.inputs):
             if (name, i) not in sources:
                 continue
@@ -322,10 +361,13 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
     pseudo: dict[str, tuple[Strategy, ...]] = {}
     periodic = hidden_in is not None and out_node is not None
     if hidden_in is not None:
-        choices = [REPLICATE]
-        if boundary == "periodic":
-            choices += [shard(d) for d, s in enumerate(out_shape)
-                        if s >= axis_size and s % axis_size == 0 and axis_size > 1]
+        shards = [shard(d) for d, s in enumerate(out_shape)
+                  if s >= axis_size and s % axis_size == 0 and axis_size > 1]
+        choices = [REPLICATE] + shards if boundary == "periodic" else \
+            [REPLICATE] if boundary == "replicated" or axis_size == 1 else [boundary]
+        if not set(choices) <= {REPLICATE, *shards}:
+            raise ValueError(f"the block's hidden state {list(out_shape)} cannot be placed "
+                             f"{boundary} on {axis_size} ranks")
         pseudo[BLOCK_INPUT] = tuple(Strategy(name=p, inputs=(), outputs=(p,), input_grads=())
                                     for p in choices)
         if periodic:
@@ -352,16 +394,16 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
     nodes = tuple(sorted(pseudo)) + tuple(names)
     position = {v: k for k, v in enumerate(nodes)}
     strategies.update(pseudo)
-    compute, comm, memory = {}, {}, {}
+    compute, comm, state, memory = {}, {}, {}, {}
     params: list[ParamUse] = []
     charged: set[str] = set()
     # nodes without parameters that the rules and the cost model cannot tell apart (equal
     # strategies, work, shapes and kept bytes) share their tables
-    alike: dict[tuple, tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...]]] = {}
+    alike: dict[tuple, tuple[tuple[int, ...], ...]] = {}
     for name in nodes:
         sts = strategies[name]
         if name in pseudo:
-            compute[name] = comm[name] = tuple(0 for _ in sts)
+            compute[name] = comm[name] = state[name] = tuple(0 for _ in sts)
             memory[name] = tuple(0.0 for _ in sts)
             continue
         node = by_name[name]
@@ -371,7 +413,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
                    node.bytes_written, node.attention, node.saved_bytes, node.inputs,
                    node.outputs, tokens[name])
             if key in alike:
-                compute[name], comm[name], memory[name] = alike[key]
+                compute[name], comm[name], state[name], memory[name] = alike[key]
                 continue
         uses = []
         for i, src in enumerate(node.input_sources):
@@ -392,24 +434,26 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
         saved = node.saved_bytes / split
         mem = [saved * share for share in _activation_shares(node, sts, axis_size)] if saved \
             else [0.0] * len(sts)  # most nodes of a block keep nothing of their own
-        m_units = [0] * len(sts)
+        m_units, s_units = [0] * len(sts), [0] * len(sts)
         for s, st in enumerate(sts):
             if not uses and not st.fwd_collectives and not st.bwd_collectives:
                 continue  # no parameter, no collective of its own
             colls = [*st.fwd_collectives, *st.bwd_collectives]
             for use, trainable in uses:
                 if use.first_use:
-                    sharded = is_shard(st.inputs[use.input_index])
-                    mem[s] += use.numel * bytes_per_param / (axis_size if sharded else 1)
+                    held = use.numel / (axis_size if is_shard(st.inputs[use.input_index])
+                                        else 1)
+                    mem[s] += held * bytes_per_param
+                    s_units[s] += to_units(held * step_s_per_param) if trainable else 0
                 if (trainable and st.inputs[use.input_index] == REPLICATE
                         and st.input_grads[use.input_index] == PARTIAL):
                     colls.append(("all_reduce", float(use.numel * grad_bytes)))
             m_units[s] = sum(map(collective_units, colls)) if colls else 0
         assert not any(map(math.isnan, mem))
         compute[name] = tuple(units_by_divisor[st.work_divisor] for st in sts)
-        comm[name], memory[name] = tuple(m_units), tuple(mem)
+        comm[name], state[name], memory[name] = tuple(m_units), tuple(s_units), tuple(mem)
         if key is not None:
-            alike[key] = compute[name], comm[name], memory[name]
+            alike[key] = compute[name], comm[name], state[name], memory[name]
 
     tensors = tuple(
         TensorUse(producer=key[0], output=key[1],
@@ -417,7 +461,8 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
                   requires_grad=meta[key][1], consumers=tuple(consumers[key]))
         for key in sorted(consumers, key=lambda k: (position[k[0]], k[1])))
     return BlockProblem(axis_size=axis_size, nodes=nodes, strategies=strategies,
-                        compute_units=compute, comm_units=comm, memory_bytes=memory,
+                        compute_units=compute, comm_units=comm, state_units=state,
+                        memory_bytes=memory,
                         tensors=tensors, params=tuple(params), periodic=periodic,
                         grad_bytes_per_elem=grad_bytes, collective_units=collective_units)
 
@@ -445,6 +490,7 @@ def pin_params(problem: BlockProblem, placements: Mapping[str, str]) -> BlockPro
     return dataclasses.replace(problem, strategies=cut(problem.strategies),
                                compute_units=cut(problem.compute_units),
                                comm_units=cut(problem.comm_units),
+                               state_units=cut(problem.state_units),
                                memory_bytes=cut(problem.memory_bytes))
 
 

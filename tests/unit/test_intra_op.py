@@ -97,13 +97,47 @@ def _brute_force(problem, budget=None, pins=None):
 @pytest.mark.parametrize("method", ["cp-sat", "elimination"])
 @pytest.mark.parametrize("make", [_chain, _diamond])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_ilp_matches_brute_force(make, tp, method, cluster):
+@pytest.mark.parametrize("step_s_per_param", [0.0, 2e-11])
+def test_ilp_matches_brute_force(make, tp, method, step_s_per_param, cluster):
     g = make()
     problem = build_problem(g, [n.name for n in g.nodes], axis_size=tp, cluster=cluster,
-                            dtype="bf16")
+                            dtype="bf16", step_s_per_param=step_s_per_param)
     choice, optimal = solve_problem(problem, method=method)
     assert optimal
     assert problem.evaluate(choice) == _brute_force(problem)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_parameter_state_work_is_charged_per_element_held(seed, cluster):
+    """The full price of an assignment is its block price plus, per parameter, the elements
+    one rank holds (all of it replicated, 1/tp sharded) times the per-element step work."""
+    rng, g, rate, tp = random.Random(seed), _diamond(), 3e-11, 4
+    names = [n.name for n in g.nodes]
+    plain = build_problem(g, names, axis_size=tp, cluster=cluster, dtype="bf16")
+    priced = build_problem(g, names, axis_size=tp, cluster=cluster, dtype="bf16",
+                           step_s_per_param=rate)
+    for _ in range(20):
+        choice = {v: rng.randrange(len(plain.strategies[v])) for v in plain.nodes}
+        if plain.evaluate(choice) is None:
+            continue
+        held = {u.fqn: u.numel / (tp if plain.param_placement(u, choice[u.node]) != "R" else 1)
+                for u in plain.params}
+        extra = sum(round(h * rate * 1e9) for h in held.values())
+        assert priced.evaluate(choice) - plain.evaluate(choice) == extra
+
+
+def test_the_step_price_of_replicated_weights_turns_the_layout_to_sharded(cluster):
+    # a narrow MLP at a large batch: split by rows, its weights replicated, it needs no
+    # activation traffic, only its weight gradients all-reduced; charging each replicated
+    # element its share of the optimizer step and data-parallel reduction shards them
+    g = _chain(m=65536, h=1024)
+    names = [n.name for n in g.nodes]
+    free = solve_block(g, names, tp=4, cluster=cluster, dtype="bf16")
+    priced = solve_block(g, names, tp=4, cluster=cluster, dtype="bf16", step_s_per_param=1e-10)
+    assert free.param_placements == {"up.weight": "R", "down.weight": "R"}
+    assert priced.param_placements == {"up.weight": "S(0)", "down.weight": "S(1)"}
+    # rounded to whole nanoseconds per parameter tensor
+    assert priced.state_s == pytest.approx(2 * 4 * 1024 * 1024 / 4 * 1e-10, abs=2e-9)
 
 
 @pytest.mark.parametrize("seed", range(6))

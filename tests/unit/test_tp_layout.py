@@ -1,0 +1,95 @@
+"""The plan's tensor-parallel layout from the intra-op ILP in full price
+(`autopar.search.tp_layout`): models written elsewhere, at widths where replicated states do
+not fit, come out Megatron-shaped from the ILP alone; a fused q/k/v projection is split by
+chunk; the price the ILP sees is the estimate's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autopar
+from autopar.plan import megatron_tp_placements
+from autopar.search.intra_op import solve_block
+from autopar.search.tp_layout import block_budget, layout_price
+from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, state_bytes_per_param
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import corpus  # noqa: E402
+
+NODE = autopar.Cluster.from_profile("dgx-h100", num_nodes=1)
+
+
+def _plain_llama_405b_widths():
+    """Meta-style Llama (hand-written RMSNorm, SwiGLU, grouped-query attention 128/8) at
+    Llama-3-405B's widths, 8 layers."""
+    return corpus.PlainLlama(vocab=128256, dim=16384, n_layers=8, n_heads=128, n_kv_heads=8,
+                             ffn_dim=53248, max_seq=8192)
+
+
+def _nano_gpt_175b_widths():
+    """nanoGPT (fused c_attn split in three, LayerNorm, GELU, biases) at GPT-3 175B's
+    widths, 8 layers."""
+    return corpus.NanoGPT(vocab=50304, block_size=4096, n_layer=8, n_head=96, n_embd=12288)
+
+
+@pytest.mark.parametrize("make, seq_len, column, row", [
+    (_plain_llama_405b_widths, 8192,
+     ("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up"), ("attn.o", "mlp.down")),
+    (_nano_gpt_175b_widths, 4096, ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")),
+])
+def test_models_written_elsewhere_come_out_megatron_shaped_from_the_ilp(make, seq_len, column,
+                                                                        row):
+    with torch.device("meta"):
+        model = make()
+    plan = autopar.compile(model, NODE, global_batch_size=16, seq_len=seq_len,
+                           constraints={"tp": 8})
+    (entry,) = plan.intra_op.values()
+    assert entry["matches_estimate_layout"] and entry["optimal"]  # the ILP's own optimum
+    layer = next(iter(plan.intra_op))
+    for name in column:
+        assert plan.placements[f"{layer}.{name}.weight"]["tp"] == "S(0)", name
+    for name in row:
+        assert plan.placements[f"{layer}.{name}.weight"]["tp"] == "S(1)", name
+    # replicating even the attention's output projection in every layer would hold more
+    # than the rank has free
+    state, _ = layout_price(plan.estimate, "bf16")
+    weights = dict(model.named_parameters())
+    layers = {name.split(".")[-3 - row[0].count(".")] for name in weights
+              if name.endswith(f".{row[0]}.weight")}
+    numel = weights[f"{layer}.{row[0]}.weight"].numel()
+    free = plan.estimate.usable_memory_bytes - plan.estimate.peak_memory_bytes
+    assert len(layers) * numel * (1 - 1 / 8) * state > free
+
+
+def test_a_fused_projection_is_split_by_chunk():
+    # nanoGPT's c_attn output is split into q, k and v: Megatron's layout (c_attn split per
+    # chunk) runs without resharding between the projection and the attention, so the
+    # block's forward has two tp reductions, one per sub-layer, as the estimate charges
+    graph = autopar.trace(corpus.nano_gpt(), global_batch_size=8, seq_len=64)
+    block = graph.blocks[0]
+    sol = solve_block(graph, block.node_names, tp=4, cluster=NODE, dtype="bf16",
+                      boundary="replicated", pinned_params=megatron_tp_placements(graph))
+    assert [kind for kind, _ in sol.forward_collectives] == ["all_reduce", "all_reduce"]
+    assert sol.node_strategies[next(n for n in block.node_names if "split" in n)] \
+        == "S(2) by chunk"
+
+
+def test_the_price_is_the_estimates_state_and_step_work():
+    with torch.device("meta"):
+        model = _plain_llama_405b_widths()
+    plan = autopar.compile(model, NODE, global_batch_size=16, seq_len=8192,
+                           constraints={"tp": 8})
+    est, cfg = plan.estimate, plan.config
+    state, step = layout_price(est, "bf16")
+    assert state == state_bytes_per_param("bf16", cfg.zero_stage, cfg.dp * cfg.cp)
+    params = max(m["_params"] for m in est.memory_by_stage)
+    per_step = est.breakdown["dp_comm"] + est.breakdown["optimizer"]
+    assert step * params * est.num_microbatches == pytest.approx(per_step)
+    layers = autopar.trace(model, global_batch_size=1, seq_len=8192).blocks[0].layer_fqns
+    assert len(layers) == 8 and cfg.pp == 1  # all on the one pipeline rank
+    free = (est.usable_memory_bytes - est.peak_memory_bytes) / (1 + ALLOCATOR_RESERVE_FRACTION)
+    assert block_budget(est, layers, 1e9) == pytest.approx(1e9 + free / 8)
