@@ -23,6 +23,7 @@ from pathlib import Path
 
 import corpus
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -74,6 +75,10 @@ class _CollectiveLog(TorchDispatchMode):
         self.log: list[list] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor first lowers the op to local ops and collectives
         out = func(*args, **(kwargs or {}))
         name = func._schema.name
         namespace, _, op = name.partition("::")

@@ -7,9 +7,10 @@ over cp, and over tp only with sequence parallelism. Communication goes through
 `Cluster.collective_time` on the rank groups of the mesh, each axis's slowest
 (`slowest_groups`: a step waits for its slowest rank), so the topology decides its cost:
 
-- TP: per synchronisation point an all-reduce of the hidden state (all-gather +
-  reduce-scatter with SP), forward and backward; exposed, or hidden behind the unit's GEMMs
-  up to their duration when the software overlaps it.
+- TP: per reduction of the hidden state an all-reduce (with SP a reduce-scatter, and an
+  all-gather the other way), a vocabulary-parallel loss's per-token reductions
+  (`tp_collectives`); exposed, or hidden behind the unit's GEMMs up to their duration when
+  the software overlaps it.
 - CP: ring attention passes K/V (forward) and their gradients (backward) cp-1 times,
   overlapped with the attention computation; only the excess is exposed.
 - EP: all-to-all dispatch and combine of the routed tokens, forward and backward.
@@ -34,7 +35,7 @@ from costmodels.compute import (activation_memory_time_s, attention_time_s, gemm
 
 __all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitCompute", "UnitTimes", "axis_strides",
            "mesh_groups", "op_times", "rank_groups", "replica_axes", "slowest_groups",
-           "unit_compute", "unit_times"]
+           "tp_collectives", "unit_compute", "unit_times"]
 
 # A memory-bound op's backward reads the output gradient and the saved input and writes the
 # input gradient: about twice the forward's traffic (read input, write output).
@@ -366,17 +367,39 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
     return fwd, BACKWARD_MEMORY_RATIO * fwd, 0.0
 
 
-def _tp_time(unit: Unit, cluster: Cluster, cfg: ParallelConfig, groups: RankGroups) -> float:
-    """TP communication of one forward (the backward moves the same bytes)."""
-    if cfg.tp == 1 or unit.tp_points == 0:
-        return 0.0
+LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
+LOSS_REDUCTION_BYTES = 4  # fp32 per token each
+
+
+def tp_collectives(unit: Unit, cfg: ParallelConfig
+                   ) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """The tensor-parallel collectives of one layer of `unit` per micro-batch on one rank,
+    forward and backward, as ``(kind, nbytes)`` in `Cluster.collective_time`'s convention:
+    each reduction of the hidden state (`Unit.tp_reductions`) is an all-reduce, or under
+    sequence parallel a reduce-scatter with an all-gather of the same tensor the other way
+    (the sequence shard gathered for the next sub-layer, or its gradient); a
+    vocabulary-parallel cross-entropy adds its per-token reductions forward."""
+    if cfg.tp == 1:
+        return [], []
     act = unit.act_bytes / cfg.cp
+    forward, backward = unit.tp_reductions
     if cfg.sequence_parallel:
-        per_point = (cluster.collective_time("all_gather", act, groups.tp)
-                     + cluster.collective_time("reduce_scatter", act, groups.tp))
+        fwd = [("reduce_scatter", act)] * forward + [("all_gather", act)] * backward
+        bwd = [("all_gather", act)] * forward + [("reduce_scatter", act)] * backward
     else:
-        per_point = cluster.collective_time("all_reduce", act, groups.tp)
-    return unit.tp_points * per_point
+        fwd, bwd = [("all_reduce", act)] * forward, [("all_reduce", act)] * backward
+    if unit.vocab_loss_tokens:
+        fwd += [("all_reduce", unit.vocab_loss_tokens / cfg.cp * LOSS_REDUCTION_BYTES)] \
+            * LOSS_REDUCTIONS
+    return fwd, bwd
+
+
+def _tp_times(unit: Unit, cluster: Cluster, cfg: ParallelConfig, groups: RankGroups
+              ) -> tuple[float, float]:
+    """Seconds of `tp_collectives` on the tp group, forward and backward."""
+    fwd, bwd = tp_collectives(unit, cfg)
+    return (sum(cluster.collective_time(kind, n, groups.tp) for kind, n in fwd),
+            sum(cluster.collective_time(kind, n, groups.tp) for kind, n in bwd))
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,9 +457,9 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
                                 loss_kernel=loss_kernel)
     fwd, bwd, attn_fwd, attn_bwd = c.fwd, c.bwd, c.attn_fwd, c.attn_bwd
     gap = op_overhead_s(cluster.hardware.device)
-    tp = _tp_time(unit, cluster, cfg, groups) if groups is not None else 0.0
-    tp_fwd, tp_bwd = (max(0.0, tp - c.gemm_fwd), max(0.0, tp - c.gemm_bwd)) if overlap_tp \
-        else (tp, tp)
+    tp_fwd, tp_bwd = _tp_times(unit, cluster, cfg, groups) if groups is not None else (0.0, 0.0)
+    if overlap_tp:
+        tp_fwd, tp_bwd = max(0.0, tp_fwd - c.gemm_fwd), max(0.0, tp_bwd - c.gemm_bwd)
 
     cp_fwd = cp_bwd = 0.0
     if cfg.cp > 1 and unit.attention_kv_bytes and groups is not None:
@@ -463,7 +486,7 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
     if cfg.recompute == "full" and not unit.is_block:
         recompute = 0.0  # checkpointing wraps the blocks (Megatron's layers, the runtime's)
     elif cfg.recompute == "full" and early_stop:
-        points = unit.tp_points
+        points = unit.tp_reductions[0]
         kept = (points - min(c.tail_gemms, points)) / points if points else 1.0
         recompute = fwd - c.tail_fwd - unit.tail_kernels * gap + tp_fwd * kept
     elif cfg.recompute == "full":

@@ -9,10 +9,14 @@ timing and memory models need, per micro-batch of the traced size, unsharded:
 - parameters, split into dense and expert (between an MoE dispatch and its combine);
 - activation bytes saved for backward (all, under selective recompute, and the part saved by
   memory-bound ops, which tensor parallelism shards only with sequence parallelism);
-- the tensor-parallel synchronisation points (one per sub-layer: the all-reduce after a
-  Megatron row-parallel GEMM, found from the dataflow by `autopar.ir.residual`; one per
-  output-channel parallel convolution), the size of the hidden state they move, MoE dispatch bytes
-  and the K/V bytes ring attention passes around.
+- the tensor-parallel reductions of the hidden state, forward and backward (`tp_reductions`:
+  in a block one each way per sub-layer -- the row-parallel GEMM's output forward, found from
+  the dataflow by `autopar.ir.residual`, the column-parallel GEMMs' input gradient backward --
+  and per output-channel parallel convolution; a vocabulary-parallel embedding's output forward
+  only, a vocabulary-parallel head's input gradient backward only), the size of the hidden
+  state they move, the tokens a vocabulary-parallel cross-entropy reduces over, the
+  parameters whose gradients sequence parallelism leaves partial, MoE dispatch bytes and the
+  K/V bytes ring attention passes around.
 
 Pure functions of the IR; no torch import.
 """
@@ -24,7 +28,8 @@ from dataclasses import dataclass, replace
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
 from autopar.ir.residual import residual_structure
 
-__all__ = ["OpCost", "Unit", "recompute_tail", "units_from_graph", "vocab_sizes"]
+__all__ = ["OpCost", "Unit", "recompute_tail", "token_lookup", "units_from_graph",
+           "vocab_sizes"]
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV)
 _FREE_KINDS = (OpKind.VIEW,)
@@ -69,7 +74,8 @@ class Unit:
     saved_bytes_recompute: int
     saved_bytes_memory_ops: int  # saved by norms/elementwise: replicated over tp without SP
     act_bytes: int  # the hidden state entering the unit
-    tp_points: int  # tensor-parallel synchronisations per forward
+    # tensor-parallel reductions of the hidden state per layer: (forward, backward)
+    tp_reductions: tuple[int, int]
     moe_dispatch_bytes: int  # tokens x top-k x hidden, per MoE layer of the unit
     attention_kv_bytes: int  # K and V of all attention ops (what a CP ring passes on)
     attention_score_bytes: int  # what an unfused kernel would keep of the score matrices
@@ -77,6 +83,13 @@ class Unit:
     loss_logits: int = 0  # elements of its cross-entropy losses' inputs (the logits)
     loss_logit_bytes: int = 0  # the same in their traced dtype
     tail_kernels: int = 0  # kernels of the ops an early-stopping recompute skips (OpCost.tail)
+    # tokens of cross-entropies on vocabulary logits: tp shards them by vocabulary, and the loss
+    # all-reduces three fp32 values per token (max, sum of exponentials, target logit)
+    vocab_loss_tokens: int = 0
+    # elements of the tp-replicated parameters of ops on the hidden stream (norms between the
+    # sub-layers, a position table, the final norm): under sequence parallel they see a
+    # sequence shard and their gradients are partial sums over tp, reduced once a step
+    stream_params: int = 0
     # how expert parallel moves tokens: "all_to_all" (dispatch and combine of the routed rows) or
     # "all_gather" (every ep rank's tokens gathered, outputs reduce-scattered)
     ep_dispatch: str = "all_to_all"
@@ -110,7 +123,8 @@ class Unit:
                        attention_kv_bytes=self.attention_kv_bytes * factor,
                        attention_score_bytes=self.attention_score_bytes * factor,
                        loss_logits=self.loss_logits * factor,
-                       loss_logit_bytes=self.loss_logit_bytes * factor)
+                       loss_logit_bytes=self.loss_logit_bytes * factor,
+                       vocab_loss_tokens=self.vocab_loss_tokens * factor)
 
 
 def _aligned(node: Node) -> bool:
@@ -241,38 +255,86 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
             act = act or sum(o.num_bytes for o in node.outputs[:1])
         elif node.kind is OpKind.EMBEDDING and not act:
             act = sum(o.num_bytes for o in node.outputs[:1])
-    # one tp reduction per row-parallel GEMM and per MoE sub-layer (found from the dataflow,
-    # however the norms are written), one gather per output-channel parallel convolution
     residual = residual_structure(nodes)
-    tp_points = len(residual.row_gemms) + sum(
-        n.kind is OpKind.MOE_DISPATCH or (n.kind is OpKind.CONV and bool(n.params))
-        for n in nodes)
     if not act and residual.residual_adds:  # no norm op: the stream's hidden state
         add = next(n for n in nodes if n.name == residual.residual_adds[0])
         act = sum(o.num_bytes for o in add.outputs[:1])
+    names = {n.name for n in nodes}
+    if not act:  # the hidden state handed on by the unit before
+        act = max((t.num_bytes for n in nodes for t, src in zip(n.inputs, n.input_sources)
+                   if src not in names and not src.startswith(("param:", "buffer:", "const",
+                                                               "input:"))), default=0)
     if not act:  # the hidden state is the largest activation input of the unit
         act = max((t.num_bytes for n in nodes for t, src in zip(n.inputs, n.input_sources)
                    if not src.startswith(("param:", "buffer:", "const"))), default=0)
-    if tp_points == 0 and any(op.kind == "gemm" or op.vocab for op in ops):
-        tp_points = 1  # an embedding or head: one vocab-parallel reduction
+    reductions, stream = _tp_reductions(nodes, residual, vocab_dims)
     losses = [n for n in nodes if _is_cross_entropy(n)]
     return Unit(
         name=name, layer_fqns=fqns, ops=tuple(ops), num_kernels=kernels,
         dense_params=dense, expert_params=expert,
         saved_bytes=sum(n.saved_bytes for n in nodes),
         saved_bytes_recompute=sum(n.saved_bytes_recompute for n in nodes),
-        saved_bytes_memory_ops=saved_memory, act_bytes=act, tp_points=tp_points,
+        saved_bytes_memory_ops=saved_memory, act_bytes=act, tp_reductions=reductions,
         moe_dispatch_bytes=dispatch, attention_kv_bytes=kv, attention_score_bytes=scores,
         param_bytes=sum(seen_params.values()),
         loss_logits=sum(n.inputs[0].numel for n in losses),
-        loss_logit_bytes=sum(n.inputs[0].num_bytes for n in losses), tail_kernels=tail_kernels)
+        loss_logit_bytes=sum(n.inputs[0].num_bytes for n in losses), tail_kernels=tail_kernels,
+        vocab_loss_tokens=sum(n.inputs[0].numel // n.inputs[0].shape[-1] for n in losses
+                              if n.inputs[0].shape and n.inputs[0].shape[-1] in vocab_dims),
+        stream_params=sum(p.numel for n in nodes if n.name in stream for p in n.params
+                          if p.requires_grad and p.fqn in seen_params))
+
+
+def _tp_reductions(nodes: list[Node], residual, vocab_dims: set[int]
+                   ) -> tuple[tuple[int, int], set[str]]:
+    """The unit's tensor-parallel reductions of the hidden state (forward, backward) under
+    Megatron's layout, and the nodes on its sequence-sharded stream under sequence parallel.
+
+    A block (a run with residual adds) reduces once each way per sub-layer -- the row-parallel
+    GEMM's output forward, the column-parallel GEMMs' input gradient backward -- and per MoE
+    sub-layer and output-channel parallel convolution; its stream is the residual structure's.
+    Glue reduces a vocabulary-parallel embedding's output forward (its table's gradient needs
+    none), a vocabulary-parallel head's input gradient backward (its logits stay sharded for
+    the parallel loss), and any other GEMM's each way; its stream is every op that is neither a
+    GEMM nor a vocabulary lookup."""
+    if residual.residual_adds:
+        points = len(residual.row_gemms) + sum(
+            n.kind is OpKind.MOE_DISPATCH or (n.kind is OpKind.CONV and bool(n.params))
+            for n in nodes)
+        return (points, points), set(residual.stream)
+    forward = backward = 0
+    stream = set()
+    for node in nodes:
+        vocab = _vocab_sized(node, vocab_dims)
+        if node.kind is OpKind.EMBEDDING and vocab:
+            forward += 1
+        elif node.kind in _GEMM_KINDS and node.params and vocab:
+            backward += 1
+        elif node.kind in _GEMM_KINDS and node.params:
+            forward, backward = forward + 1, backward + 1
+        elif node.kind is not OpKind.EMBEDDING or not vocab:
+            stream.add(node.name)
+    return (forward, backward), stream
 
 
 def vocab_sizes(graph: Graph) -> set[int]:
     """Rows of the embedding tables indexed by the model's token input (not positions)."""
-    return {p.shape[0] for n in graph.nodes if n.kind is OpKind.EMBEDDING
-            and any(src.startswith("input:") for src in n.input_sources)
-            for p in n.params if p.shape}
+    return {p.shape[0] for n in graph.nodes if token_lookup(graph, n) for p in n.params
+            if p.shape}
+
+
+def token_lookup(graph: Graph, node: Node) -> bool:
+    """Whether ``node`` is an embedding lookup of the model's token ids: its indices are a
+    model input, or views of one (``input_ids.view(-1, s)``), not positions made inside."""
+    if node.kind is not OpKind.EMBEDDING:
+        return False
+    by_name = {n.name: n for n in graph.nodes} if graph.nodes else {}
+    for src in node.input_sources:
+        while src in by_name and by_name[src].kind is OpKind.VIEW:
+            src = by_name[src].input_sources[0]
+        if src.startswith("input:"):
+            return True
+    return False
 
 
 def units_from_graph(graph: Graph) -> tuple[Unit, ...]:

@@ -136,7 +136,10 @@ class Node:
     """One op of the traced forward pass.
 
     ``input_sources[i]`` names where ``inputs[i]`` comes from: the producing node's name,
-    ``"param:<fqn>"``, ``"buffer:<fqn>"``, ``"input:<i>"`` or ``"const"``.
+    ``"param:<fqn>"``, ``"buffer:<fqn>"``, ``"input:<i>"`` or ``"const"``. ``transposed``
+    lists the inputs that are a 2-D parameter read transposed (``W.T`` of a weight laid out
+    ``[out, in]``, as nn.Linear reads it; GPT-2's ``[in, out]`` Conv1D weight is read as it
+    is): the one way to tell them apart when the weight is square.
     """
 
     name: str
@@ -158,6 +161,7 @@ class Node:
     module_path: str = ""
     layer_index: int | None = None
     attention: AttentionSpec | None = None
+    transposed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

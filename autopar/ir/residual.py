@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from autopar.ir.graph import Node, OpKind
 
-__all__ = ["Residual", "fused_chunks", "fused_splits", "residual_structure"]
+__all__ = ["MIXING_KINDS", "Residual", "fused_chunks", "fused_splits", "residual_structure"]
 
-_MIXING = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
+MIXING_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
                      OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE})
 _NOT_ACTIVATION = ("param:", "buffer:", "const")
 
@@ -61,7 +61,7 @@ def residual_structure(nodes: Sequence[Node]) -> Residual:
         on_stream = [src in stream or (src not in names and shape == hidden)
                      for src, shape in acts]
         through_mixing = [src in mixed for src, _ in acts]
-        if node.kind in _MIXING:
+        if node.kind in MIXING_KINDS:
             mixed.add(node.name)
         elif acts and all(on_stream):
             stream.add(node.name)
@@ -87,7 +87,7 @@ def residual_structure(nodes: Sequence[Node]) -> Residual:
             for nxt in consumers.get(frontier.pop(), ()):
                 if nxt.name in residual:
                     rows.add(node.name)
-                elif nxt.kind not in _MIXING and nxt.name not in stream and nxt.name not in seen:
+                elif nxt.kind not in MIXING_KINDS and nxt.name not in stream and nxt.name not in seen:
                     seen.add(nxt.name)
                     frontier.append(nxt.name)
     return Residual(stream=frozenset(stream), residual_adds=tuple(adds),
@@ -99,7 +99,7 @@ _SPLITS = ("aten.split", "aten.split_with_sizes", "aten.chunk", "aten.unbind", "
 
 
 def fused_chunks(nodes: Sequence[Node]) -> dict[str, int]:
-    """``{parameter FQN: k}`` for the ``[out, in]`` weight (and bias) of each GEMM whose output
+    """``{parameter FQN: k}`` for the weight (and bias) of each GEMM whose output
     features are k equal chunks of head-major features (a fused q/k/v projection): its output
     is split into k equal parts on the last dim (``qkv.split(h, -1)``), or viewed as
     ``(k, heads, head_dim)`` with as many heads as an attention of ``nodes`` has.  Column
@@ -129,10 +129,10 @@ def _fused(nodes: Sequence[Node]) -> dict[str, tuple[int, str]]:
             continue
         width = node.outputs[0].shape[-1]
         k, cut = _chunks(node.name, width, consumers, heads)
-        # a weight laid out [out_features, in_features] (nn.Linear) and its bias
-        if k > 1 and any(len(p.shape) == 2 and p.shape[0] == width for p in node.params):
-            out.update({p.fqn: (k, cut) for p in node.params
-                        if p.shape and p.shape[0] == width})
+        # a weight laid out [out_features, in_features] (nn.Linear) or [in, out] (GPT-2's
+        # Conv1D), and its bias
+        if k > 1 and any(len(p.shape) == 2 and width in p.shape for p in node.params):
+            out.update({p.fqn: (k, cut) for p in node.params if width in p.shape[:2]})
     return out
 
 

@@ -4,27 +4,27 @@ Tensor-parallel placements come from a map {representative param FQN: placement}
 the intra-op ILP's solution or `megatron_tp_placements` (the layout the estimate assumes):
 in each sub-layer (the nodes up to a residual add, found from the dataflow by
 `autopar.ir.residual`, whatever the norms are written as) the GEMM whose output reaches the
-residual add is row-parallel (weight [out, in] sharded on dim 1, its bias replicated) and the
-other GEMMs are column-parallel (weight and bias sharded on dim 0); embeddings and the vocabulary head
-are vocab-parallel (dim 0); norms stay replicated. In an MoE sub-layer the router is
-replicated and each expert of an experts list is its own column→row run (what the estimate
-costs: expert weights split over tp, one tp reduction per sub-layer). Block representatives
-expand to every layer of their block. The dp axis shards parameters on dim 0 under ZeRO-3 only; expert
-parameters are sharded over ep on their expert dim.
+residual add is row-parallel (weight sharded on its input features, its bias replicated) and
+the other GEMMs are column-parallel (weight and bias sharded on the output features: dim 0 of
+an ``[out, in]`` weight read transposed as nn.Linear's, dim 1 of an ``[in, out]`` one read as
+it is as GPT-2's Conv1D, told apart by how the GEMM reads it); embeddings and the vocabulary
+head are vocab-parallel; norms stay replicated. In an MoE sub-layer the router is
+replicated and each expert's GEMMs are a column→row chain (the last GEMM, fed by another and
+feeding none, is row-parallel: what the estimate costs, expert weights split over tp, one tp
+reduction per sub-layer). Block representatives
+expand to every layer of their block. The dp axis shards parameters on dim 0 under ZeRO-3 only;
+expert parameters (those of the ops between an MoE dispatch and its combine) are sharded over
+ep on their expert dim.
 """
 
 from __future__ import annotations
 
-import re
-
 from autopar.config import ParallelConfig
-from autopar.estimate.units import vocab_sizes
+from autopar.estimate.units import token_lookup, vocab_sizes
 from autopar.ir import Graph, OpKind
-from autopar.ir.residual import fused_chunks, residual_structure
+from autopar.ir.residual import MIXING_KINDS, fused_chunks, residual_structure
 
 __all__ = ["fused_projections", "megatron_tp_placements", "param_placements"]
-
-_EXPERT = re.compile(r"\.experts\.\d+\.")  # one expert of an experts list
 
 
 def megatron_tp_placements(graph: Graph) -> dict[str, str]:
@@ -42,8 +42,8 @@ def megatron_tp_placements(graph: Graph) -> dict[str, str]:
 
     def close(group: list) -> None:
         """One sub-layer (the nodes up to its residual add).  An MoE sub-layer is a replicated
-        router (every rank needs
-        all expert logits to route) and one column→row run per expert."""
+        router (every rank needs all expert logits to route) and a column→row chain per
+        expert."""
         dispatch = next((i for i, n in enumerate(group) if n.kind is OpKind.MOE_DISPATCH), None)
         if dispatch is None:
             close_run(group)
@@ -52,31 +52,28 @@ def megatron_tp_placements(graph: Graph) -> dict[str, str]:
             if node.kind in (OpKind.MATMUL, OpKind.CONV):
                 for p in node.params:
                     out.setdefault(p.fqn, "R")
-        runs: dict[str, list] = {}
-        for node in group[dispatch + 1:]:
-            match = next((_EXPERT.search(p.fqn) for p in node.params if _EXPERT.search(p.fqn)),
-                         None)
-            runs.setdefault(match.group(0) if match else "", []).append(node)
-        for run in runs.values():
-            close_run(run, by_position=True)
+        close_run(group[dispatch + 1:], experts=True)
 
-    def close_run(group: list, by_position: bool = False) -> None:
-        """Column-parallel GEMMs and the row-parallel ones: those the dataflow found, or in an
-        expert (``by_position``) its last GEMM."""
+    def close_run(group: list, experts: bool = False) -> None:
+        """Column-parallel GEMMs and the row-parallel ones: those the dataflow found, or among
+        ``experts`` each expert's last GEMM (one that another GEMM feeds and that feeds none)."""
         gemms = [n for n in group if n.kind in (OpKind.MATMUL, OpKind.CONV) and n.params]
-        for i, node in enumerate(gemms):
-            row = (i == len(gemms) - 1 and len(gemms) > 1) if by_position else node.name in rows
+        chained = _gemm_chains(group) if experts else {}
+        for node in gemms:
+            feeds, fed = chained.get(node.name, (True, False))
+            row = (fed and not feeds) if experts else node.name in rows
             for p in node.params:
-                if p.shape and p.shape[0] in vocab and len(p.shape) == 2:
-                    out.setdefault(p.fqn, "S(0)")
+                features = _output_features_dim(node, p)
+                if p.shape and p.shape[features] in vocab and len(p.shape) == 2:
+                    out.setdefault(p.fqn, f"S({features})")
                 elif len(p.shape) >= 2:
-                    out.setdefault(p.fqn, "S(1)" if row else "S(0)")
+                    out.setdefault(p.fqn, f"S({1 - features})" if row else f"S({features})")
                 else:  # bias
                     out.setdefault(p.fqn, "R" if row else "S(0)")
 
     for node in graph.nodes:
         if node.kind is OpKind.EMBEDDING:
-            tokens = any(src.startswith("input:") for src in node.input_sources)
+            tokens = token_lookup(graph, node)
             for p in node.params:
                 out.setdefault(p.fqn, "S(0)" if tokens and p.shape[0] in vocab else "R")
         sublayer.append(node)
@@ -85,6 +82,38 @@ def megatron_tp_placements(graph: Graph) -> dict[str, str]:
             sublayer = []
     close(sublayer)
     return out
+
+
+def _gemm_chains(nodes: list) -> dict[str, tuple[bool, bool]]:
+    """Per GEMM of ``nodes`` (with parameters): whether its output reaches another such GEMM
+    through ops that mix no features, and whether one reaches it."""
+    gemm = {n.name for n in nodes if n.kind in (OpKind.MATMUL, OpKind.CONV) and n.params}
+    consumers: dict[str, list] = {}
+    for node in nodes:
+        for src in node.input_sources:
+            consumers.setdefault(src, []).append(node)
+    feeds, fed = set(), set()
+    for start in gemm:
+        frontier, seen = [start], {start}
+        while frontier:
+            for nxt in consumers.get(frontier.pop(), ()):
+                if nxt.name in gemm:
+                    feeds.add(start)
+                    fed.add(nxt.name)
+                elif nxt.name not in seen and nxt.kind not in MIXING_KINDS:
+                    seen.add(nxt.name)
+                    frontier.append(nxt.name)
+    return {name: (name in feeds, name in fed) for name in gemm}
+
+
+def _output_features_dim(node, param) -> int:
+    """The dim of a GEMM's 2-D weight that holds its output features: 0 for a weight laid out
+    ``[out, in]`` and read transposed (``x @ W.T``: nn.Linear), 1 for one read as it is
+    (``x @ W``: GPT-2's Conv1D); 0 for anything else (a convolution's ``[out, in, ...]``)."""
+    if node.kind is not OpKind.MATMUL or len(param.shape) != 2:
+        return 0
+    uses = [i for i, src in enumerate(node.input_sources) if src == f"param:{param.fqn}"]
+    return 0 if not uses or any(i in node.transposed for i in uses) else 1
 
 
 def _layer_names(graph: Graph):
@@ -108,12 +137,27 @@ def fused_projections(graph: Graph) -> dict[str, int]:
             for name in sorted(names)}
 
 
+def _expert_params(graph: Graph) -> set[str]:
+    """The parameters of the ops between an MoE dispatch and its combine (the experts; the
+    router before the dispatch and a shared expert beside it are not)."""
+    inside, out = False, set()
+    for node in graph.nodes:
+        if node.kind is OpKind.MOE_DISPATCH:
+            inside = True
+        elif node.kind is OpKind.MOE_COMBINE:
+            inside = False
+        elif inside:
+            out.update(p.fqn for p in node.params)
+    return out
+
+
 def param_placements(graph: Graph, cfg: ParallelConfig, tp_map: dict[str, str]
                      ) -> dict[str, dict[str, str]]:
     """{param FQN: {axis: placement}} for every parameter of the model, sorted by FQN."""
     result: dict[str, dict[str, str]] = {}
+    experts = _expert_params(graph)
     for _, p, names in _layer_names(graph):
-        expert = ".experts" in p.fqn
+        expert = p.fqn in experts
         axes = {"dp": "S(0)" if cfg.zero_stage == 3 else "R",
                 "tp": tp_map.get(p.fqn, "R") if cfg.tp > 1 else "R"}
         if cfg.cp > 1:

@@ -118,11 +118,13 @@ def apply_data_parallel(module: nn.Module, plan: Any, dp_mesh: Any, *, pure_dp: 
 
 
 def _fsdp_placement(param: nn.Parameter) -> Shard | None:
-    """Where FSDP2 shards a parameter over dp: dim 1 for a 2-D weight that tensor parallel
-    placed within chunks (``_StridedShard`` on dim 0, a fused q/k/v projection): FSDP cannot
-    split those rows again without breaking the heads, but their input columns are free.
-    Default (dim 0) otherwise."""
-    if isinstance(param, DTensor) and param.ndim == 2 and any(
-            isinstance(p, _StridedShard) for p in param.placements):
-        return Shard(1)
+    """Where FSDP2 shards a parameter over dp: for a 2-D weight that tensor parallel placed
+    within chunks (``_StridedShard``, a fused q/k/v projection's output features: dim 0 of
+    nn.Linear's ``[out, in]``, dim 1 of GPT-2's ``[in, out]`` Conv1D) the other dim, since
+    FSDP cannot split those features again without breaking the heads while the input
+    features are free. Default (dim 0) otherwise."""
+    if isinstance(param, DTensor) and param.ndim == 2:
+        strided = {p.dim for p in param.placements if isinstance(p, _StridedShard)}
+        if 0 in strided:
+            return Shard(1)
     return None

@@ -25,7 +25,10 @@ What the hooks add, per module that directly holds a tp-sharded parameter:
 Under sequence parallel, each sub-layer (a child of a block that holds tp-sharded parameters:
 attention, MLP, MoE) all-gathers its sequence-sharded input on entry (Megatron's ``g``), so its
 GEMMs read the full sequence rather than DTensor gathering a weight, and token routing sees
-whole sequences; the norms between sub-layers run on the sequence shard.
+whole sequences; the norms between sub-layers run on the sequence shard, and their partial-sum
+weight gradients are all-reduced once a step in one buffer (``settle_gradients``). Without
+it, a sub-layer's replicated input has its gradient all-reduced as it leaves the sub-layer
+(Megatron's ``f``), so the ops before it -- a norm, its weight -- see whole gradients.
 
 Scaled-dot-product attention has no DTensor strategy on CPU: ``LocalAttention`` (a
 ``TorchFunctionMode`` the step runs under) runs ``F.scaled_dot_product_attention`` on the local
@@ -52,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import (
@@ -195,6 +199,14 @@ def _gather_sequence(t: Any, mesh: Any) -> Any:
     return t
 
 
+def _reduce_gradient(t: Any, mesh: Any) -> Any:
+    """A replicated DTensor input behind a ``to_local`` / ``from_local`` pair: its gradient,
+    partial sums from the sub-layer's column-parallel GEMMs, is all-reduced there."""
+    if isinstance(t, DTensor) and t.requires_grad and t.placements == (Replicate(),):
+        return DTensor.from_local(t.to_local(), mesh, (Replicate(),), run_check=False)
+    return t
+
+
 def _to_local_replicated(t: Any) -> Any:
     if isinstance(t, DTensor):
         return t.redistribute(t.device_mesh, (Replicate(),)).to_local()
@@ -232,11 +244,11 @@ def _distribute(module: nn.Module, mesh: Any, dims: dict[str, int], own: list[st
                 raise ValueError(f"{fqn} {tuple(p.shape)}: the plan shards dim {dim} over "
                                  f"tp={mesh.size()}, which does not divide it; re-plan with a "
                                  f"tp that divides it (or tp=1)")
-            k = chunks.get(fqn, 1) if dim == 0 else 1
+            k = chunks.get(fqn, 1) if dim is not None else 1
             if k > 1 and p.dim() == 1 and replicate_fused_bias:
                 placement = (Replicate(),)
-            elif k > 1 and p.shape[0] % (k * mesh.size()) == 0:
-                placement = (_StridedShard(0, split_factor=k),)
+            elif k > 1 and p.shape[dim] % (k * mesh.size()) == 0:
+                placement = (_StridedShard(dim, split_factor=k),)
             else:
                 placement = (Replicate(),) if dim is None else (Shard(dim),)
             new = nn.Parameter(distribute_tensor(p.detach(), mesh, placement),
@@ -268,12 +280,12 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any) -> TensorP
         mod.__class__ = _CHANNEL_PARALLEL[type(mod)]
     seq = (Shard(SEQUENCE_DIM),) if sp else (Replicate(),)
     holders = {fqn.rpartition(".")[0] for fqn in dims} - set(convs)
-    if sp:
-        gather = lambda _m, args, kwargs: (  # noqa: E731
-            tree_map(lambda t: _gather_sequence(t, tp_mesh), args),
-            tree_map(lambda t: _gather_sequence(t, tp_mesh), kwargs))
-        for name in sorted(_sublayer_entries(module, holders)):
-            module.get_submodule(name).register_forward_pre_hook(gather, with_kwargs=True)
+    enter = _gather_sequence if sp else _reduce_gradient
+    entry = lambda _m, args, kwargs: (  # noqa: E731
+        tree_map(lambda t: enter(t, tp_mesh), args),
+        tree_map(lambda t: enter(t, tp_mesh), kwargs))
+    for name in sorted(_sublayer_entries(module, holders)):
+        module.get_submodule(name).register_forward_pre_hook(entry, with_kwargs=True)
     for name in sorted(holders):
         module.get_submodule(name).register_forward_hook(
             lambda _m, _args, out: tree_map(
@@ -484,8 +496,23 @@ def _local_sdpa(func, query, key, value, attn_mask=None, *args, enable_gqa=False
 def settle_gradients(params: Iterator[nn.Parameter]) -> None:
     """Give every DTensor gradient its parameter's placements (a replicated parameter used on
     sharded activations gets a partial-sum gradient; the optimizer and the data-parallel
-    reduction want it whole)."""
+    reduction want it whole). Partial sums of replicated parameters on one mesh are
+    all-reduced together, in one flat buffer per dtype, as Megatron-LM reduces the
+    sequence-parallel norms' gradients."""
+    pending: dict[tuple, list[nn.Parameter]] = {}
     for p in params:
         g = p.grad
-        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+        if not isinstance(g, DTensor) or not isinstance(p, DTensor) or \
+                g.placements == p.placements:
+            continue
+        if p.placements == (Replicate(),) and len(g.placements) == 1 and \
+                g.placements[0].is_partial("sum"):
+            pending.setdefault((g.device_mesh, g.dtype), []).append(p)
+        else:
             p.grad = g.redistribute(p.device_mesh, p.placements)
+    for (mesh, _), group in pending.items():
+        local = [p.grad.to_local() for p in group]
+        flat = torch.cat([t.reshape(-1) for t in local])
+        dist.all_reduce(flat, group=mesh.get_group())
+        for p, t, part in zip(group, local, flat.split([t.numel() for t in local])):
+            p.grad = DTensor.from_local(part.view_as(t), mesh, (Replicate(),), run_check=False)

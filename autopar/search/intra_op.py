@@ -20,7 +20,8 @@ Shorthand
     c(a, ("fwd", q)) = time(reshard p → q)      c(a, ("bwd", g)) = time(reshard g → w)
     w = grad(p) (grad(R)=R, grad(S(d))=S(d), grad(P)=R) except for "R~P" strategies (w = P)
     cost_v(s) = compute_fwd+bwd(v, s) / work_divisor(s) + internal collectives(v, s)
-                + [param replicated and work split] · all_reduce(param gradient)
+                + [param replicated and work split] · (all_reduce(param gradient)
+                  - all_reduce(empty)) / microbatches   (one coalesced all-reduce a step)
                 + parameter elements held · step_s_per_param   (the step's reduction
                   and optimizer step on them, per micro-batch)
 
@@ -65,8 +66,8 @@ Scope: the tensor-parallel axis only. Rules are per axis and :func:`autopar.shar
 forms N-D strategies; a second (sequence) axis would add its own x variables per N-D strategy
 and the same families. Costs are per micro-batch, forward plus backward, for one copy of the
 block on one rank (under context parallelism, its share of the sequence: ``sequence_shards``);
-a replicated parameter's gradient all-reduce is charged per micro-batch (conservative under
-gradient accumulation). Determinism: one worker, a fixed seed, a deterministic tie-break;
+a replicated parameter's partial gradient is charged its share of the step's one all-reduce of
+such gradients, per micro-batch (``microbatches``). Determinism: one worker, a fixed seed, a deterministic tie-break;
 when the time limit is hit the best plan so far is returned with a warning.
 """
 
@@ -117,6 +118,8 @@ class BlockSharding:
     memory_bytes: float
     forward_collectives: tuple[tuple[str, float], ...]
     backward_collectives: tuple[tuple[str, float], ...]
+    # the partial gradients of replicated parameters, all-reduced together once a step
+    gradient_collectives: tuple[tuple[str, float], ...]
     optimal: bool
 
     @property
@@ -351,7 +354,8 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
                 num_workers: int = 1, ranks: Sequence[int] | None = None,
                 bytes_per_param: float = 16.0, step_s_per_param: float = 0.0,
                 boundary: str = "periodic",
-                sequence_shards: int = 1, cache: MutableMapping | None = None,
+                sequence_shards: int = 1, microbatches: int = 1,
+                cache: MutableMapping | None = None,
                 method: str = "auto", pinned_params: Mapping[str, str] | None = None
                 ) -> BlockSharding:
     """Choose a tensor-parallel sharding for every node of a block (see the module docstring).
@@ -363,7 +367,8 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     ``boundary`` "periodic" lets the hidden state between blocks be sharded, "replicated"
     pins it to R, "S(d)" to that shard. ``sequence_shards`` is the context-parallel degree:
     the block's activations are costed at one rank's share of the sequence
-    (:func:`~autopar.sharding.problem.build_problem`). ``cache`` is a caller-owned dict keyed
+    (:func:`~autopar.sharding.problem.build_problem`); ``microbatches`` per step share its
+    one all-reduce of partial parameter gradients. ``cache`` is a caller-owned dict keyed
     by (block signature, tp, micro-batch shape, ...); a hit returns the stored result (whose
     node names are those of the block first solved). ``method`` picks the solver
     (:func:`solve_problem`). ``pinned_params`` ({param FQN: placement}; an unlisted parameter
@@ -386,7 +391,8 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     if cache is not None:
         key = (_signature(graph, names), tp, (graph.batch_size, graph.seq_len), dtype,
                memory_budget_bytes, cluster.fingerprint(), tuple(ranks or range(tp)),
-               bytes_per_param, step_s_per_param, boundary, sequence_shards, method,
+               bytes_per_param, step_s_per_param, boundary, sequence_shards, microbatches,
+               method,
                tuple(sorted(pinned_params.items())) if pinned_params is not None else None)
         if key in cache:
             return cache[key]
@@ -394,7 +400,7 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     problem = build_problem(graph, names, axis_size=tp, cluster=cluster, dtype=dtype,
                             ranks=ranks, bytes_per_param=bytes_per_param,
                             step_s_per_param=step_s_per_param, boundary=boundary,
-                            sequence_shards=sequence_shards)
+                            sequence_shards=sequence_shards, microbatches=microbatches)
     if pinned_params is not None:
         problem = pin_params(problem, pinned_params)
     choice, optimal = solve_problem(problem, memory_budget_bytes=memory_budget_bytes,
@@ -413,10 +419,12 @@ def _result(problem: BlockProblem, graph: Graph, choice: Mapping[str, int],
     real = [v for v in problem.nodes if not v.startswith("<")]
     fwd, bwd = [], []
     comm_units = 0
+    grads = []
     for v in real:
-        f, b = internal_collectives(problem, graph, v, choice[v])
+        f, b, g = internal_collectives(problem, graph, v, choice[v])
         fwd += f
         bwd += b
+        grads += g
         comm_units += problem.comm_units[v][choice[v]]
     for t in problem.tensors:
         f, b = problem.reshards(t, choice)
@@ -437,4 +445,5 @@ def _result(problem: BlockProblem, graph: Graph, choice: Mapping[str, int],
         boundary_placement=boundary, compute_s=compute_units / UNITS_PER_S,
         comm_s=comm_units / UNITS_PER_S, state_s=state_units / UNITS_PER_S,
         memory_bytes=problem.memory(choice),
-        forward_collectives=tuple(fwd), backward_collectives=tuple(bwd), optimal=optimal)
+        forward_collectives=tuple(fwd), backward_collectives=tuple(bwd),
+        gradient_collectives=tuple(grads), optimal=optimal)

@@ -72,8 +72,8 @@ def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: 
     """Tensor-parallel placement of every parameter, ``{FQN: placement}``, and the ILP's
     report per block (see the module docstring): the plan's tp and cp, and for the layout the
     plan takes, whether its solve is proven optimal, its compute, communication and
-    parameter-state seconds per micro-batch, its memory by the ILP's model and its forward
-    and backward collectives; ``matches_estimate_layout`` whether the ILP's optimum is that
+    parameter-state seconds per micro-batch, its memory by the ILP's model, its forward and
+    backward collectives and the partial parameter gradients it all-reduces once a step; ``matches_estimate_layout`` whether the ILP's optimum is that
     layout. Where it is not, ``ilp_placements`` holds the ILP's layout, ``ilp_objective_s``
     and ``ilp_memory_bytes`` its price."""
     megatron = megatron_tp_placements(graph)
@@ -93,7 +93,8 @@ def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: 
     cache: dict | None = {} if len(mb_graph.blocks) > 1 else None
     common = dict(tp=cfg.tp, cluster=cluster, dtype=dtype, cache=cache,
                   ranks=slowest_groups(cfg, cluster).tp,  # the tp group the estimate costs
-                  sequence_shards=cfg.cp, bytes_per_param=bytes_per_param,
+                  sequence_shards=cfg.cp, microbatches=estimate.num_microbatches,
+                  bytes_per_param=bytes_per_param,
                   # the hidden state between blocks as the runtime places it
                   boundary=f"S({SEQUENCE_DIM})" if cfg.sequence_parallel else "replicated",
                   step_s_per_param=step_s_per_param)
@@ -117,6 +118,7 @@ def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: 
             "comm_s": runs.comm_s, "state_s": runs.state_s, "memory_bytes": runs.memory_bytes,
             "forward_collectives": [list(c) for c in runs.forward_collectives],
             "backward_collectives": [list(c) for c in runs.backward_collectives],
+            "gradient_collectives": [list(c) for c in runs.gradient_collectives],
             "matches_estimate_layout": same,
         }
         if same:

@@ -17,8 +17,10 @@ ILP and the oracle add the very same numbers.
 Node cost = forward + backward compute (GEMMs and convolutions on the GEMM roofline,
 attention on the fused-attention model, everything else memory bound with the estimate's
 ``BACKWARD_MEMORY_RATIO``; views are free) divided by the strategy's work divisor, plus the
-strategy's internal collectives, plus an all-reduce of a replicated parameter's gradient when
-the strategy splits the work (the gradient is then partial on the axis).
+strategy's internal collectives, plus, when the strategy splits the work of a replicated
+parameter (its gradient is then partial on the axis), that gradient's share of the one
+all-reduce a step that reduces all such gradients together (its bytes' time beyond an empty
+all-reduce's, over ``microbatches``).
 
 Boundary: the hidden state entering the block (a tensor from outside that needs a gradient,
 shaped like the block's output) is produced by a pseudo node ``<block-input>`` whose placement
@@ -281,7 +283,7 @@ def _source_map(by_name: Mapping[str, Node], names: set[str]
 def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cluster,
                   dtype: str, ranks: Sequence[int] | None = None, bytes_per_param: float = 16.0,
                   step_s_per_param: float = 0.0, boundary: str = "periodic",
-                  sequence_shards: int = 1) -> BlockProblem:
+                  sequence_shards: int = 1, microbatches: int = 1) -> BlockProblem:
     """Tables of the sharding problem of ``node_names`` on one axis of ``axis_size`` ranks.
 
     ``bytes_per_param`` is the training state a rank keeps per parameter element it holds
@@ -293,7 +295,8 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
     sequence on top: what derives from the model's inputs -- node work, kept activations,
     tensors between nodes -- is costed at 1/sequence_shards, attention included (ring
     attention's share of a rank); parameters, their gradients' all-reduce and an op's own
-    collectives (batch-norm statistics) are not. ``boundary``: "periodic" (the hidden state
+    collectives (batch-norm statistics) are not. ``microbatches`` a step runs shares the
+    step's one all-reduce of partial parameter gradients among them. ``boundary``: "periodic" (the hidden state
     between blocks placed as the ILP chooses), "replicated", or one placement ("S(1)": the
     sequence shard of sequence parallelism)."""
     if not isinstance(sequence_shards, int) or sequence_shards < 1:
@@ -311,6 +314,12 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
         if c not in times:
             times[c] = max(1, to_units(timer.time_s(c[0], c[1])))
         return times[c]
+
+    def gradient_units(nbytes: float) -> int:
+        """A replicated parameter's partial gradient, all-reduced with the others in one
+        buffer once a step: the bytes' share of that all-reduce, per micro-batch."""
+        alone = collective_units(("all_reduce", nbytes)) - collective_units(("all_reduce", 1.0))
+        return max(0, round(alone / microbatches))
 
     by_name = {n.name: n for n in graph.nodes}
     req = _requires_grad(graph)
@@ -422,6 +431,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
             spec = next(p for p in node.params if p.fqn == src[6:])
             shape = node.inputs[i].shape
             transposed = (node.kind is OpKind.MATMUL and len(shape) == 2
+                          and (i in node.transposed or shape[0] != shape[1])
                           and tuple(reversed(shape)) == spec.shape)
             use = ParamUse(fqn=spec.fqn, node=name, input_index=i, transposed=transposed,
                            numel=spec.numel, first_use=spec.fqn not in charged)
@@ -439,6 +449,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
             if not uses and not st.fwd_collectives and not st.bwd_collectives:
                 continue  # no parameter, no collective of its own
             colls = [*st.fwd_collectives, *st.bwd_collectives]
+            grads = 0
             for use, trainable in uses:
                 if use.first_use:
                     held = use.numel / (axis_size if is_shard(st.inputs[use.input_index])
@@ -447,8 +458,8 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
                     s_units[s] += to_units(held * step_s_per_param) if trainable else 0
                 if (trainable and st.inputs[use.input_index] == REPLICATE
                         and st.input_grads[use.input_index] == PARTIAL):
-                    colls.append(("all_reduce", float(use.numel * grad_bytes)))
-            m_units[s] = sum(map(collective_units, colls)) if colls else 0
+                    grads += gradient_units(float(use.numel * grad_bytes))
+            m_units[s] = sum(map(collective_units, colls)) + grads
         assert not any(map(math.isnan, mem))
         compute[name] = tuple(units_by_divisor[st.work_divisor] for st in sts)
         comm[name], state[name], memory[name] = tuple(m_units), tuple(s_units), tuple(mem)
@@ -495,15 +506,16 @@ def pin_params(problem: BlockProblem, placements: Mapping[str, str]) -> BlockPro
 
 
 def internal_collectives(problem: BlockProblem, graph: Graph, name: str, s: int
-                         ) -> tuple[list[Collective], list[Collective]]:
-    """Forward and backward collectives a node's strategy runs itself (incl. grad sync)."""
+                         ) -> tuple[list[Collective], list[Collective], list[Collective]]:
+    """Forward and backward collectives a node's strategy runs itself, and the all-reduces of
+    the partial gradients of replicated parameters it leaves (reduced once a step)."""
     st = problem.strategies[name][s]
-    fwd, bwd = list(st.fwd_collectives), list(st.bwd_collectives)
+    fwd, bwd, grads = list(st.fwd_collectives), list(st.bwd_collectives), []
     for use in problem.params:
         if use.node != name:
             continue
         spec = next(p for p in graph.node(name).params if p.fqn == use.fqn)
         if (spec.requires_grad and st.inputs[use.input_index] == REPLICATE
                 and st.input_grads[use.input_index] == PARTIAL):
-            bwd.append(("all_reduce", float(use.numel * problem.grad_bytes_per_elem)))
-    return fwd, bwd
+            grads.append(("all_reduce", float(use.numel * problem.grad_bytes_per_elem)))
+    return fwd, bwd, grads

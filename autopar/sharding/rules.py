@@ -14,7 +14,8 @@ NORM         any non-normalised dim; batch norm also its channel dim (params sha
              its batch dim (statistics all-reduced: 2 · C fp32 forward and backward)
 ELEMENTWISE  any output dim, inputs following by right-aligned broadcasting (a broadcast or
 DROPOUT      a differently-sized input dim stays replicated / excludes the dim); linear ops
-             (add, sub, neg, cat, clone) also pass partial sums through
+             (add, sub, neg, cat, clone, stack) also pass partial sums through; ``stack``
+             any input dim, moved past the new dim
 SOFTMAX      any dim but the last (the softmax dim in every traced model)
 REDUCE       any kept dim; sum/mean also a reduced dim, giving a partial output
 VIEW         a shard of an input dim that maps 1:1 to an output dim (:mod:`.views`); R and
@@ -122,7 +123,24 @@ def _pointwise(node: Node, n: int, excluded: set[int] = frozenset()) -> list[Str
     return found
 
 
+def _stacked(node: Node, n: int) -> list[Strategy]:
+    """``stack`` of equal-shape inputs on a new dim: any input dim, sharded alike in every
+    input, is the output dim it moves to (the new dim is found from the shapes: the one whose
+    removal leaves the inputs' shape and whose size is their count)."""
+    x, out = node.inputs[0].shape, node.outputs[0].shape
+    new = [k for k in range(len(out)) if out[k] == len(node.inputs)
+           and tuple(out[:k] + out[k + 1:]) == tuple(x)]
+    if len(new) != 1 or any(t.shape != x for t in node.inputs):
+        return []
+    k = new[0]
+    return [_make(f"S({d})", [shard(d)] * len(node.inputs), [shard(d if d < k else d + 1)], n)
+            for d in range(len(x)) if _ok(x[d], n)]
+
+
 def _elementwise(node: Node, n: int) -> list[Strategy]:
+    if op_name(node.target) == "stack":
+        return _stacked(node, n) + [_make("P", [PARTIAL] * len(node.inputs), [PARTIAL], n,
+                                          split=False)]
     found = _pointwise(node, n)
     if op_name(node.target) in _LINEAR and node.outputs[0].shape:
         found.append(_make("P", [PARTIAL] * len(node.inputs), [PARTIAL] * len(node.outputs),

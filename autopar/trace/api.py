@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
@@ -278,9 +279,11 @@ def _hooks(module, path, recorder, shapes):
 
 
 def _logits(out):
+    """The logits in a model's output: the tensor, its ``logits`` attribute or key (a Hugging
+    Face ``ModelOutput``, a dict), or the first element of a tuple or list."""
     if isinstance(out, torch.Tensor):
         return out
-    logits = getattr(out, "logits", None)
+    logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
     if isinstance(logits, torch.Tensor):
         return logits
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):

@@ -223,6 +223,9 @@ class Recorder:
         saved_from = tuple(sorted({v.source for v in saved_values if not v.state}
                                   | ({name} if extra_saved_bytes else set()))) if grad else ()
         params = tuple(v.param for v in ins if v.param is not None)
+        transposed = tuple(i for i, (t, v) in enumerate(zip(in_tensors, ins))
+                           if v.param is not None and t.dim() == 2 and t.shape[0] > 1
+                           and t.stride() == (1, t.shape[0]))  # W.T of a contiguous W
         moves = kind is not OpKind.VIEW
         node = Node(
             name=name, kind=kind, target=target,
@@ -233,6 +236,7 @@ class Recorder:
             bytes_written=sum(v.spec.num_bytes for v in outs) if moves else 0,
             params=params, saved_bytes=saved, saved_bytes_recompute=kept,
             saved_from=saved_from, module_path=path, layer_index=layer, attention=attention,
+            transposed=transposed,
         )
         self.nodes.append(node)
         return node

@@ -17,14 +17,20 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from benchmarks import runtime_matrix as rm  # noqa: E402
 
-MODELS = ["plain_llama", "nano_gpt", "moe_loop", "hf_llama", "hf_mixtral", "vit_encoder"]
+MODELS = ["plain_llama", "nano_gpt", "moe_loop", "hf_llama", "hf_mixtral", "hf_gpt2",
+          "vit_encoder"]
 PLANS = ["tp", "tp_sp", "pp_zero_bubble", "tp_zero3", "tp_sp_pp", "cp", "cp_pp", "ep",
          "ep_zero3"]
 
 
 @pytest.fixture(scope="module")
-def cells(tmp_path_factory):
-    return rm.run_matrix(MODELS, PLANS, tmp_path_factory.mktemp("matrix"))
+def plan_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("matrix")
+
+
+@pytest.fixture(scope="module")
+def cells(plan_dir):
+    return rm.run_matrix(MODELS, PLANS, plan_dir)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -69,3 +75,66 @@ def test_tensor_parallel_issues_megatrons_collectives(cells):
     re-layout."""
     by = {(c.model, c.plan): c for c in cells}
     assert by["nano_gpt", "tp"].detail["collectives"] == {"all_reduce": 21, "allreduce_": 1}
+
+
+def _primitives(collectives) -> list[tuple[str, int]]:
+    """Collectives as reduce-scatters and all-gathers, sorted: an all-reduce of a tensor is a
+    reduce-scatter and an all-gather of it (the ILP may reduce a sequence-parallel sub-layer's
+    partial sums with one all-reduce where the runtime reduce-scatters and gathers, at one
+    cost)."""
+    out = []
+    for kind, n in collectives:
+        kinds = ("reduce_scatter", "all_gather") if kind == "all_reduce" else (kind,)
+        out += [(k, round(n)) for k in kinds]
+    return sorted(out)
+
+
+@pytest.mark.parametrize("plan_name", ["tp", "tp_sp"])
+def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(cells, plan_dir,
+                                                                             plan_name):
+    """One layout, three readers: on the dense token models (a hand-written Llama, nanoGPT
+    with its fused q/k/v and tied head, Hugging Face Llama and GPT-2 with its [in, out] Conv1D
+    weights) under tensor parallel (tp=2, without and with sequence parallel), the
+    collectives the runtime issued in a training step (rank 0, each kind with its bytes;
+    less the scalar all-reduce of the reported loss) are the ones the estimate charges
+    (`tp_step_collectives`), and each block's in the plan (`plan.intra_op`, the ILP's
+    solution of the layout the plan runs) are the estimate's for one layer, as reduce-scatters
+    and all-gathers (`_primitives`). Not yet so for
+    MoE layers (the runtime reduces each expert's rows, or gathers fused expert weights,
+    where the estimate charges one reduction per layer) and the ViT (its fused q/k/v viewed as
+    (3, heads, head_dim) and permuted is gathered)."""
+    import torch
+
+    import autopar
+    from autopar.estimate import ModelCosts
+    from autopar.estimate.core import tp_step_collectives
+    from autopar.estimate.timing import tp_collectives
+    from autopar.plan import load_plan
+
+    corpus = rm._corpus()
+    checked = []
+    for cell in (c for c in cells if c.plan == plan_name and c.loss_err is not None
+                 and c.model not in ("moe_loop", "hf_mixtral", "vit_encoder")):
+        plan = load_plan(plan_dir / f"{cell.model}.{plan_name}.json")
+        with torch.device("meta"):
+            model = getattr(corpus, cell.model)()
+        if cell.model in corpus.IMAGE_MODELS:
+            shape = {"example_inputs": (torch.empty(plan.config.micro_batch_size,
+                                                    *corpus.IMAGE_SHAPE, device="meta"),)}
+        else:
+            shape = {"global_batch_size": plan.config.micro_batch_size,
+                     "seq_len": plan.training["seq_len"]}
+        costs = ModelCosts.from_graph(autopar.trace(model, dtype=plan.training["dtype"],
+                                                    **shape))
+        issued = [(kind, int(n)) for kind, n in cell.detail["collective_bytes"]]
+        issued.remove(("all_reduce", 4))  # the reported loss, summed over the ranks
+        charged = [(kind, round(n)) for kind, n in tp_step_collectives(
+            costs, plan.config, global_batch_size=plan.training["global_batch_size"])]
+        assert sorted(issued) == sorted(charged), cell.model
+        for block, entry in plan.intra_op.items():
+            unit = next(u for u in costs.units if u.name == block)
+            fwd, bwd = tp_collectives(unit, plan.config)
+            in_plan = entry["forward_collectives"] + entry["backward_collectives"]
+            assert _primitives(in_plan) == _primitives(fwd + bwd), (cell.model, block)
+        checked.append(cell.model)
+    assert set(checked) == {"plain_llama", "nano_gpt", "hf_llama", "hf_gpt2"}, checked

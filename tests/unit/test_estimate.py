@@ -1,7 +1,8 @@
 """`autopar.estimate` term by term against closed forms, and the properties issue 4 names.
 
 Closed forms: Megatron's tensor-parallel communication (two all-reduces of the hidden state per
-transformer layer forward and two backward, one each for the vocab-parallel embedding and head),
+transformer layer forward and two backward, the vocab-parallel embedding's forward and head's
+backward, the parallel loss's reductions),
 the data-parallel gradient all-reduce of every local parameter, the ZeRO paper's state bytes
 (16 per parameter, sharded by stage), MFU as 3 x forward FLOPs over peak, and the pipeline
 makespan of uniform stages.
@@ -39,13 +40,20 @@ def run(nodes=1, gbs=16, profile="dgx-h100", options=EstimateOptions(), gpus=8, 
 def test_tp_communication_is_megatrons_four_all_reduces_per_layer():
     cluster, est = run(dp=1, tp=8, micro_batch_size=2)
     act = 2 * SEQ * DIM * 2  # micro-batch x seq x hidden, bf16
-    points = 2 * LAYERS + 2  # two per layer, one for the embedding, one for the head
-    per_mb = 2 * points * cluster.collective_time("all_reduce", act, range(8))
+    t = functools.partial(cluster.collective_time, ranks=range(8))
+    # forward: two per layer and the vocab-parallel embedding's output, and the parallel
+    # loss's max, sum and target logit (fp32 per token); backward: two per layer and the
+    # vocab-parallel head's input gradient
+    loss = 3 * t("all_reduce", 2 * SEQ * 4)
+    per_mb = 2 * (2 * LAYERS + 1) * t("all_reduce", act) + loss
     assert est.breakdown["tp_comm"] == pytest.approx(est.num_microbatches * per_mb)
     _, sp = run(dp=1, tp=8, micro_batch_size=2, sequence_parallel=True)
-    per_mb_sp = 2 * points * (cluster.collective_time("all_gather", act, range(8))
-                              + cluster.collective_time("reduce_scatter", act, range(8)))
-    assert sp.breakdown["tp_comm"] == pytest.approx(sp.num_microbatches * per_mb_sp)
+    per_mb_sp = 2 * (2 * LAYERS + 1) * (t("all_gather", act) + t("reduce_scatter", act)) + loss
+    # once a step, the gradients of the norms on the sequence-sharded stream (two per layer
+    # and the final one, weight and bias) and of the position table, in one all-reduce
+    stream = (2 * LAYERS + 1) * 2 * DIM + SEQ * DIM
+    assert sp.breakdown["tp_comm"] == pytest.approx(sp.num_microbatches * per_mb_sp
+                                                    + t("all_reduce", 2 * stream))
 
 
 def test_dp_gradient_all_reduce_moves_every_parameter_in_fp32():
@@ -290,10 +298,10 @@ def test_tensor_parallel_groups_straddling_nodes_pay_for_it():
     _, straddling = run(nodes=2, gpus=6, dp=3, tp=4, micro_batch_size=2, gbs=12)
     _, inside = run(nodes=1, gpus=12, dp=3, tp=4, micro_batch_size=2, gbs=12)
     act = 2 * SEQ * DIM * 2
-    points = 2 * LAYERS + 2
     two_nodes = autopar.Cluster.from_profile("dgx-h100", num_nodes=2, gpus_per_node=6)
-    expected = straddling.num_microbatches * 2 * points * two_nodes.collective_time(
-        "all_reduce", act, (4, 5, 6, 7))
+    t = functools.partial(two_nodes.collective_time, ranks=(4, 5, 6, 7))
+    expected = straddling.num_microbatches * (2 * (2 * LAYERS + 1) * t("all_reduce", act)
+                                              + 3 * t("all_reduce", 2 * SEQ * 4))
     assert straddling.breakdown["tp_comm"] == pytest.approx(expected)
     assert straddling.breakdown["tp_comm"] > 2 * inside.breakdown["tp_comm"]
 
@@ -480,10 +488,10 @@ def _unit(name: str, count: int) -> "Unit":
 
     zero = dict.fromkeys(("num_kernels", "dense_params", "expert_params", "saved_bytes",
                           "saved_bytes_recompute", "saved_bytes_memory_ops", "act_bytes",
-                          "tp_points", "moe_dispatch_bytes", "attention_kv_bytes",
+                          "moe_dispatch_bytes", "attention_kv_bytes",
                           "attention_score_bytes", "param_bytes"), 0)
     fqns = tuple(f"{name}.{i}" for i in range(count)) if count > 1 else (name,)
-    return Unit(name=name, layer_fqns=fqns, ops=(), **zero)
+    return Unit(name=name, layer_fqns=fqns, ops=(), tp_reductions=(0, 0), **zero)
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 3, 4, 5, 7, 9])

@@ -91,7 +91,8 @@ def test_a_hand_written_norm_costs_the_same_tensor_parallel_traffic_as_the_libra
         return next(u for u in units if u.name == "blocks.0")
 
     hand, library = block_unit(_HandNorm), block_unit(nn.RMSNorm)
-    assert hand.tp_points == library.tp_points == 2
+    assert hand.tp_reductions == library.tp_reductions == (2, 2)
+    assert hand.stream_params == library.stream_params == 2 * 16  # the two norms' weights
     assert hand.act_bytes == library.act_bytes
 
 
@@ -100,19 +101,27 @@ def test_a_hand_written_norm_costs_the_same_tensor_parallel_traffic_as_the_libra
     ("hf_llama", {"self_attn.o_proj", "mlp.down_proj"}),
     ("litgpt_style", {"attn.proj", "mlp.proj"}),
     ("nano_gpt", {"attn.c_proj", "mlp.c_proj"}),
+    ("hf_gpt2", {"attn.c_proj", "mlp.c_proj"}),
+    ("moe_loop", {"self_attn.out", *(f"moe.experts.{e}.w_down" for e in range(4))}),
 ])
 def test_models_written_elsewhere_come_out_megatron_shaped(factory, rows):
     """Hand-written RMSNorm (plain_llama, Hugging Face Llama), a parallel residual (lit-gpt),
-    fused q/k/v (nanoGPT): the GEMMs feeding the residual adds are row-parallel, all others
-    column-parallel."""
+    fused q/k/v (nanoGPT), GPT-2's Conv1D (weights laid out [in, out], read as they are), a
+    loop over a list of experts: the GEMMs feeding the residual adds -- in an expert, its
+    last GEMM -- are row-parallel (sharded on their input features), the others
+    column-parallel (on their output features), the router replicated."""
     with torch.device("meta"):
         model = getattr(corpus, factory)()
     graph = _trace(model)
     block = graph.blocks[0].representative
     tp = megatron_tp_placements(graph)
+    conv1d = factory == "hf_gpt2"  # output features on dim 1
     for name, p in model.named_parameters():
         if not name.startswith(block + ".") or p.dim() != 2:
             continue
         local = name[len(block) + 1:].rsplit(".", 1)[0]
-        want = "S(1)" if local in rows else "S(0)"
+        if local == "moe.gate":
+            assert tp[name] == "R"
+            continue
+        want = "S(1)" if (local in rows) != conv1d else "S(0)"
         assert tp[name] == want, (name, tp[name])
