@@ -11,18 +11,20 @@ compile time. A last table gives the median wall time of each phase of compile
 (`plan.search["phase_seconds"]`: trace, search, stage_dp, intra_op, plan) for the two depths.
 The garbage of building each model is collected before its compile is timed (a full collection
 it brings due costs ~0.1 s with a 128-layer model alive and landed in the trace of some rounds).
-On the host of 2026-11-25 (three runs of 21 rounds) the 128-layer compile took ~0.025 s more:
-its winner (tp=4, pp=4, interleaved x8) needs the intra-op problem of its block (intra_op,
-~0.009 s, the same at any depth), the inter-op stage DP's check of its 4 x 8 stages over 130
-layers (stage_dp, ~0.002 s) and, within the search (+0.010-0.011 s), the simulation of the one
-candidate that a bound on the simulated step cannot rule out (~0.003 s); the 32-layer winner
-(tp=1, pp=1) needs none of it. The rest of the search's growth is the 31 % larger space (more
-pipeline degrees and virtual-stage splits); the outer search visits configs in order of a step
-bound from each pipeline rank's work, a config's bound raised by its data-parallel traffic and
-optimizer floor when its turn comes, evaluating 20 (32 layers) and 16 (128 layers) of 30-39
-thousand. The trace's +0.003 s is the repeated-block check over 4x the layers (the layers
-compared column by column), and the plan phase's +0.001-0.002 s every layer's parameter
-placements and fingerprint entries. The search column separates the outer search. On a shared
+On the host of 2026-11-26 (five rounds) the 128-layer compile took ~0.03 s more (1.50x): its
+winner (tp=4, pp=4, interleaved x8) needs the intra-op problem of its block (intra_op, ~0.019
+s, the same at any depth: the ILP in full price prefers to run the MLP whole on each rank's
+sequence shard, which holds more than the rank has free, so it also solves Megatron's layout
+pinned and the problem within the rank's free memory by Lagrangian relaxation), the
+inter-op stage DP's check of its 4 x 8 stages over 130 layers (stage_dp, ~0.001 s) and, within
+the search (+0.009 s), the simulation of the one candidate that a bound on the simulated step
+cannot rule out; the 32-layer winner (tp=1, pp=1) needs none of it. The rest of the search's
+growth is the 31 % larger space (more pipeline degrees and virtual-stage splits); the outer
+search visits configs in order of a step bound from each pipeline rank's work, a config's
+bound raised by its data-parallel traffic and optimizer floor when its turn comes. The
+trace's +0.002 s is the repeated-block check over 4x the layers (the layers compared column
+by column), and the plan phase's +0.0003 s every layer's parameter placements and
+fingerprint entries. The search column separates the outer search. On a shared
 machine the wall times swing; the CPU column is the steadier one, and the per-round ratios (the
 two depths back to back) show the spread.
 

@@ -7,7 +7,8 @@ step under the plan's data parallelism (`layout_price`): the training state of e
 it holds (weights, gradients and optimizer states under the ZeRO stage, over the dp x cp
 replicas) and each element's share of the step's exposed gradient reduction and optimizer
 step, per micro-batch. The rank's free memory bounds what a layout may hold beyond the one
-the estimate costs (`block_budget`). A replicated weight is then chosen only where its saved
+the estimate costs (`block_budget`): within it the ILP takes the best layout Lagrangian
+relaxation finds (proven optimal where the relaxation's bound meets it). A replicated weight is then chosen only where its saved
 communication pays for its memory and per-step work, and where it fits.
 
 Where the ILP's layout is Megatron-LM's (the one the outer search and the estimate cost:
@@ -73,8 +74,10 @@ def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: 
     report per block (see the module docstring): the plan's tp and cp, and for the layout the
     plan takes, whether its solve is proven optimal, its compute, communication and
     parameter-state seconds per micro-batch, its memory by the ILP's model, its forward and
-    backward collectives and the partial parameter gradients it all-reduces once a step; ``matches_estimate_layout`` whether the ILP's optimum is that
-    layout. Where it is not, ``ilp_placements`` holds the ILP's layout, ``ilp_objective_s``
+    backward collectives and the partial parameter gradients it all-reduces once a step;
+    ``matches_estimate_layout`` whether the ILP's optimum is that layout, and
+    ``memory_budget_bytes`` the bound it was solved within when its unbounded optimum held
+    more. Where it is not, ``ilp_placements`` holds the ILP's layout, ``ilp_objective_s``
     and ``ilp_memory_bytes`` its price."""
     megatron = megatron_tp_placements(graph)
     cfg = estimate.config
@@ -100,7 +103,7 @@ def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: 
                   step_s_per_param=step_s_per_param)
     for block in mb_graph.blocks:
         sol = solve_block(mb_graph, block.node_names, **common)
-        kept = None
+        kept = bound = None
         if not _same(sol.param_placements, megatron):
             try:  # the ILP's best execution of Megatron's layout
                 kept = solve_block(mb_graph, block.node_names, pinned_params=megatron, **common)
@@ -109,8 +112,11 @@ def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: 
             budget = block_budget(estimate, block.layer_fqns, kept.memory_bytes) \
                 if kept is not None else None
             if budget is not None and sol.memory_bytes > budget:
+                # the best layout Lagrangian relaxation finds within the budget, optimal
+                # where it proves it (exact solving is ~0.2 s a block: too slow for compile)
                 sol = solve_block(mb_graph, block.node_names, memory_budget_bytes=budget,
-                                  **common)
+                                  method="lagrangian", **common)
+                bound = budget
         same = _same(sol.param_placements, megatron)
         runs = sol if same or kept is None else kept  # the layout the plan takes
         report[block.representative] = entry = {
@@ -120,6 +126,7 @@ def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: 
             "backward_collectives": [list(c) for c in runs.backward_collectives],
             "gradient_collectives": [list(c) for c in runs.gradient_collectives],
             "matches_estimate_layout": same,
+            **({"memory_budget_bytes": bound} if bound is not None else {}),
         }
         if same:
             tp_map.update(sol.param_placements)

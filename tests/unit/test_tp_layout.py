@@ -48,15 +48,26 @@ def test_models_written_elsewhere_come_out_megatron_shaped_from_the_ilp(make, se
     plan = autopar.compile(model, NODE, global_batch_size=16, seq_len=seq_len,
                            constraints={"tp": 8})
     (entry,) = plan.intra_op.values()
-    assert entry["matches_estimate_layout"] and entry["optimal"]  # the ILP's own optimum
+    assert entry["matches_estimate_layout"]  # the ILP's own choice
     layer = next(iter(plan.intra_op))
+    # and its proven optimum: CP-SAT on the same problem (the price and the rank's free
+    # memory) places the parameters alike
+    graph = autopar.trace(model, global_batch_size=plan.config.micro_batch_size,
+                          seq_len=seq_len, dtype="bf16")
+    state, step = layout_price(plan.estimate, "bf16")
+    exact = solve_block(graph, graph.blocks[0].node_names, tp=8, cluster=NODE, dtype="bf16",
+                        bytes_per_param=state, step_s_per_param=step, boundary="S(1)",
+                        microbatches=plan.estimate.num_microbatches,
+                        memory_budget_bytes=entry.get("memory_budget_bytes"), method="cp-sat")
+    assert plan.config.sequence_parallel and exact.optimal
+    megatron = megatron_tp_placements(graph)
+    assert all(megatron.get(fqn, "R") == p for fqn, p in exact.param_placements.items())
     for name in column:
         assert plan.placements[f"{layer}.{name}.weight"]["tp"] == "S(0)", name
     for name in row:
         assert plan.placements[f"{layer}.{name}.weight"]["tp"] == "S(1)", name
     # replicating even the attention's output projection in every layer would hold more
     # than the rank has free
-    state, _ = layout_price(plan.estimate, "bf16")
     weights = dict(model.named_parameters())
     layers = {name.split(".")[-3 - row[0].count(".")] for name in weights
               if name.endswith(f".{row[0]}.weight")}
