@@ -7,13 +7,14 @@ from autopar import models
 from autopar.api import compile
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
-from autopar.errors import NoPlanFitsError
+from autopar.errors import InvalidConfigError, NoPlanFitsError
 from autopar.estimate import Estimate, EstimateOptions, estimate
 from autopar.plan import Plan, load_plan
 from autopar.plan.explain import diff
 from autopar.search.outer import SearchSettings
 from autopar.trace import trace
 
-__all__ = ["Cluster", "Estimate", "EstimateOptions", "NoPlanFitsError", "ParallelConfig", "Plan",
-           "SearchSettings", "compile", "diff", "estimate", "load_plan", "models", "trace"]
+__all__ = ["Cluster", "Estimate", "EstimateOptions", "InvalidConfigError", "NoPlanFitsError",
+           "ParallelConfig", "Plan", "SearchSettings", "compile", "diff", "estimate", "load_plan",
+           "models", "trace"]
 __version__ = "0.1.0"

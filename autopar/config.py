@@ -19,6 +19,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from autopar.errors import InvalidConfigError
+
 __all__ = ["ParallelConfig", "check_config", "divisors", "placed_order", "DEFAULT_MESH_ORDER",
            "PP_SCHEDULES", "RECOMPUTE_POLICIES"]
 
@@ -137,24 +139,25 @@ def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int
                  num_layers: int, num_heads: int | None = None,
                  num_kv_heads: int | None = None, num_experts: int | None = None,
                  seq_len: int | None = None) -> int:
-    """Raise ValueError when `cfg` cannot run; return the number of micro-batches per step."""
+    """Raise InvalidConfigError when `cfg` cannot run; return the number of micro-batches per
+    step."""
     if cfg.world_size != world_size:
         rest = cfg.tp * cfg.pp * cfg.cp
         hint = (f"dp={world_size // rest} would match" if world_size % rest == 0 else
                 f"tp*pp*cp = {rest} must divide it (divisors: {divisors(world_size)})")
-        raise ValueError(f"dp*tp*pp*cp = {cfg.dp}*{cfg.tp}*{cfg.pp}*{cfg.cp} = {cfg.world_size}, "
+        raise InvalidConfigError(f"dp*tp*pp*cp = {cfg.dp}*{cfg.tp}*{cfg.pp}*{cfg.cp} = {cfg.world_size}, "
                          f"but the cluster has {world_size} GPUs; {hint}")
     if num_heads is not None and num_heads % cfg.tp:
-        raise ValueError(f"tp={cfg.tp} must divide the {num_heads} attention heads; allowed tp: "
+        raise InvalidConfigError(f"tp={cfg.tp} must divide the {num_heads} attention heads; allowed tp: "
                          f"{[d for d in divisors(num_heads) if world_size % d == 0]}")
     if num_kv_heads is not None and num_kv_heads % cfg.tp:
         # K and V are column-parallel by head, as Megatron-LM (num_query_groups) and torchtitan
         # shard them: a rank cannot hold part of a head
-        raise ValueError(f"tp={cfg.tp} must divide the {num_kv_heads} key/value heads (K and V "
+        raise InvalidConfigError(f"tp={cfg.tp} must divide the {num_kv_heads} key/value heads (K and V "
                          f"are split by head); allowed tp: "
                          f"{[d for d in divisors(num_kv_heads) if world_size % d == 0]}")
     if (cfg.dp * cfg.cp) % cfg.ep:
-        raise ValueError(f"ep={cfg.ep} must divide dp*cp = {cfg.dp * cfg.cp}; allowed ep: "
+        raise InvalidConfigError(f"ep={cfg.ep} must divide dp*cp = {cfg.dp * cfg.cp}; allowed ep: "
                          f"{divisors(cfg.dp * cfg.cp)}")
     if cfg.ep > 1 and cfg.dp > 1 and cfg.cp > 1:
         # ep groups are runs of ep replicas, the (dp, cp) ranks flattened outer first; with an
@@ -163,38 +166,38 @@ def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int
         between = [a for a in cfg.mesh_order[i + 1:j] if getattr(cfg, a) > 1]
         inner, n = cfg.mesh_order[j], getattr(cfg, cfg.mesh_order[j])
         if between and n % cfg.ep and cfg.ep % n:
-            raise ValueError(f"ep={cfg.ep} groups would cross {inner}={n} in mesh_order "
+            raise InvalidConfigError(f"ep={cfg.ep} groups would cross {inner}={n} in mesh_order "
                              f"{','.join(cfg.mesh_order)}, where {','.join(between)} lies "
                              f"between dp and cp (no DeviceMesh slice holds them): use an ep "
                              f"that divides {n} or is a multiple of it, or put dp next to cp")
     if num_experts is not None and cfg.ep > 1 and num_experts % cfg.ep:
-        raise ValueError(f"ep={cfg.ep} must divide the {num_experts} experts; allowed ep: "
+        raise InvalidConfigError(f"ep={cfg.ep} must divide the {num_experts} experts; allowed ep: "
                          f"{[d for d in divisors(num_experts) if (cfg.dp * cfg.cp) % d == 0]}")
     if cfg.ep > 1 and not num_experts:
-        raise ValueError(f"ep={cfg.ep} needs a model with experts (MoE); this model has none")
+        raise InvalidConfigError(f"ep={cfg.ep} needs a model with experts (MoE); this model has none")
     if seq_len is not None and seq_len % (2 * cfg.cp) and cfg.cp > 1:
-        raise ValueError(f"cp={cfg.cp} needs seq_len divisible by 2*cp = {2 * cfg.cp} (causal "
+        raise InvalidConfigError(f"cp={cfg.cp} needs seq_len divisible by 2*cp = {2 * cfg.cp} (causal "
                          f"load balancing splits the sequence in 2*cp chunks); seq_len={seq_len}")
     per_replica = cfg.dp * cfg.micro_batch_size
     if global_batch_size % per_replica:
         ok = divisors(global_batch_size // cfg.dp) if global_batch_size % cfg.dp == 0 else []
-        raise ValueError(
+        raise InvalidConfigError(
             f"global_batch_size={global_batch_size} is not a multiple of dp*micro_batch_size = "
             f"{cfg.dp}*{cfg.micro_batch_size}" + (f"; micro_batch_size could be one of {ok}" if ok
                                                    else f"; dp must divide {global_batch_size}"))
     num_microbatches = global_batch_size // per_replica
     stages = cfg.pp * cfg.virtual_stages
     if stages > num_layers:
-        raise ValueError(f"pp*virtual_stages = {stages} stages for {num_layers} layers: every "
+        raise InvalidConfigError(f"pp*virtual_stages = {stages} stages for {num_layers} layers: every "
                          f"stage needs at least one layer")
     if cfg.pp > 1 and num_microbatches < cfg.pp:
         # PyTorch's pipelining 1F1B schedule refuses it, and the runtime refuses it for every
         # schedule (a step with idle pipeline ranks is never worth running)
-        raise ValueError(f"pp={cfg.pp} needs at least {cfg.pp} micro-batches per step, one per "
+        raise InvalidConfigError(f"pp={cfg.pp} needs at least {cfg.pp} micro-batches per step, one per "
                          f"pipeline rank; global_batch_size / (dp*micro_batch_size) = "
                          f"{global_batch_size} / ({cfg.dp}*{cfg.micro_batch_size}) = "
                          f"{num_microbatches}: lower micro_batch_size, dp or pp")
     if cfg.pp_schedule == "interleaved-1f1b" and cfg.pp > 1 and num_microbatches % cfg.pp:
-        raise ValueError(f"interleaved-1f1b needs the {num_microbatches} micro-batches to be a "
+        raise InvalidConfigError(f"interleaved-1f1b needs the {num_microbatches} micro-batches to be a "
                          f"multiple of pp={cfg.pp}")
     return num_microbatches

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["NoPlanFitsError", "TraceError"]
+__all__ = ["InvalidConfigError", "NoPlanFitsError", "TraceError"]
 
 
 class TraceError(ValueError):
@@ -22,6 +22,14 @@ class TraceError(ValueError):
         self.module_path = module_path
         self.op = op
         self.hint = hint
+
+
+class InvalidConfigError(ValueError):
+    """A parallel configuration that cannot run this model on this cluster: a degree that
+    does not divide what it splits (heads, experts, the world, the batch, the sequence), more
+    pipeline stages than layers, a schedule's micro-batch count. The message says what is
+    allowed. The search skips such configurations by this class alone, so an unrelated
+    ValueError is never mistaken for one."""
 
 
 class NoPlanFitsError(ValueError):

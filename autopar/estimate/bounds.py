@@ -18,6 +18,7 @@ from autopar.estimate.core import (EstimateOptions, EvalCache, ModelCosts, _chec
                                    _unit_times, split_structure)
 from autopar.estimate.data_parallel import GatherUnit, dp_comm
 from autopar.estimate.layout import rank_work_extremes, simulated_lower_bound
+from autopar.errors import InvalidConfigError
 
 # relative margin for comparing a bound with the number it bounds: a bound summed in another
 # order than the estimate or the simulation may differ from a tight case in its last bits
@@ -36,11 +37,11 @@ def step_lower_bound(costs: ModelCosts, cluster: Cluster, config: ParallelConfig
     m·max W_r + (p-1)·max(0, max_r (F + B - W)_r) for ZB-H1, sum W_r + (m-1)·max W_r for
     GPipe/1F1B (Alpa's bound with stage = rank), m·W for p = 1. The search computes the same
     numbers for all configs at once (`autopar.search.space`); this is the one-config form.
-    Raises ValueError when the config's unit times or its split cannot be made."""
+    Raises InvalidConfigError when the config's split cannot be made."""
     work, tail = unit_work(costs, cache, config, dtype, options)
     split = split_structure(costs, cache, config.pp, config.virtual_stages)
     if isinstance(split, str):
-        raise ValueError(split)
+        raise InvalidConfigError(split)
     busiest, total = (float(x[0, 0]) for x in rank_work_extremes([split], work[None]))
     m, p = global_batch_size // (config.dp * config.micro_batch_size), config.pp
     if config.pp_schedule == "interleaved-1f1b":
@@ -134,7 +135,7 @@ def data_parallel_floor(costs: ModelCosts, cache: EvalCache, config: ParallelCon
     if any(u.expert_params for u in costs.units):
         split = split_structure(costs, cache, config.pp, config.virtual_stages)
         if isinstance(split, str):
-            raise ValueError(split)
+            raise InvalidConfigError(split)
         dense = split.rank_counts @ np.array([u.dense_params for u in costs.units], float) \
             / config.tp
         expert = split.rank_counts @ np.array([u.expert_params for u in costs.units], float) \

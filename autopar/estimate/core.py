@@ -42,8 +42,10 @@ from autopar.estimate.layout import (Layout, Structure, UnitVectors, analytic_in
                                      unit_vectors)
 from autopar.estimate.memory import activation_bytes, stage_memory
 from autopar.estimate.timing import (RankGroups, UnitCompute, UnitTimes, slowest_groups,
-                                     tp_collectives, unit_compute, unit_times)
+                                     unit_compute, unit_times)
+from autopar.estimate.tp_comm import stream_gradient_sync
 from autopar.estimate.units import Unit, units_from_graph
+from autopar.errors import InvalidConfigError
 from autopar.ir import Graph, OpKind
 from costmodels.collectives import GroupLayout, LayoutTimer
 from costmodels.compute import optimizer_time_s
@@ -53,8 +55,7 @@ from costmodels.pipeline import PipelineTimeline, simulate_pipeline
 log = logging.getLogger(__name__)
 
 __all__ = ["Estimate", "EstimateOptions", "EvalCache", "ModelCosts", "estimate",
-           "estimate_graph", "evaluate", "layer_costs", "split_structure", "order_key",
-           "tp_step_collectives"]
+           "estimate_graph", "evaluate", "layer_costs", "split_structure", "order_key"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -355,7 +356,7 @@ class _Prepared:
     expert: float
     heavy_sums: dict[str, float]
     units_here: list["GatherUnit"]
-    tp_grad_sync: float  # seconds a step: `_stream_gradient_sync`
+    tp_grad_sync: float  # seconds a step: `tp_comm.stream_gradient_sync`
     pipeline: dict = field(default_factory=dict)
     data_parallel: dict = field(default_factory=dict)
     timelines: dict = field(default_factory=dict)
@@ -461,7 +462,7 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
     units = cache.units[config.micro_batch_size]
     split = split_structure(costs, cache, config.pp, config.virtual_stages, boundaries)
     if isinstance(split, str):
-        raise ValueError(split)
+        raise InvalidConfigError(split)
     tkey = _times_key(cache, config, dtype, options)
     if tkey not in cache.vectors:
         cache.vectors[tkey] = unit_vectors(units, times, config,
@@ -480,51 +481,8 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
         lay=lay, groups=groups, p2p=p2p, dense=lay.rank_dense[heavy],
         expert=lay.rank_expert[heavy],
         heavy_sums=lay.attr_sums(heavy), units_here=units_here,
-        tp_grad_sync=_stream_gradient_sync(cache, units, lay, config, groups))
+        tp_grad_sync=stream_gradient_sync(cache, units, lay, config, groups))
     return prep
-
-
-def _stream_gradient_bytes(unit: Unit) -> float:
-    """Bytes of one layer's gradients on the sequence-sharded stream (`Unit.stream_params`,
-    in the parameters' traced dtype)."""
-    return unit.stream_params * unit.param_bytes / max(1, unit.dense_params + unit.expert_params)
-
-
-def _stream_gradient_sync(cache: EvalCache, units, lay: Layout, config: ParallelConfig,
-                          groups: RankGroups) -> float:
-    """Under sequence parallel, the all-reduce over tp, once a step, of the gradients of the
-    parameters on the sequence-sharded stream (`Unit.stream_params`: each rank saw its shard
-    of the sequence, so each holds a partial sum), coalesced into one buffer as Megatron-LM
-    and the runtime do, on the pipeline rank with the most of them."""
-    if config.tp == 1 or not config.sequence_parallel:
-        return 0.0
-    per_layer = np.array([_stream_gradient_bytes(u) for u in units])
-    nbytes = float((lay.rank_counts @ per_layer).max())
-    return cache.collective_time("all_reduce", nbytes, groups.tp) if nbytes > 0 else 0.0
-
-
-def tp_step_collectives(costs: ModelCosts, config: ParallelConfig, *, global_batch_size: int
-                        ) -> list[tuple[str, float]]:
-    """Every tensor-parallel collective the estimate charges for one step of the whole model
-    (all pipeline stages together) on one tp group, as ``(kind, nbytes)``: each layer's
-    `tp_collectives` forward and backward, per micro-batch, and under sequence parallel the
-    one all-reduce of the stream's gradients. What a runtime's recorded collectives are
-    checked against."""
-    if config.tp == 1:
-        return []
-    m, rest = divmod(global_batch_size, config.dp * config.micro_batch_size)
-    if rest or not m:
-        raise ValueError(f"global batch {global_batch_size} is not a multiple of dp x "
-                         f"micro-batch = {config.dp * config.micro_batch_size}")
-    out: list[tuple[str, float]] = []
-    units = costs.units_for(config.micro_batch_size)
-    for unit in units:
-        fwd, bwd = tp_collectives(unit, config)
-        out += (fwd + bwd) * (unit.count * m)
-    if config.sequence_parallel:
-        nbytes = sum(_stream_gradient_bytes(u) * u.count for u in units)
-        out += [("all_reduce", nbytes)] if nbytes else []
-    return out
 
 
 def split_structure(costs: ModelCosts, cache: EvalCache, pp: int, v: int,
@@ -536,7 +494,7 @@ def split_structure(costs: ModelCosts, cache: EvalCache, pp: int, v: int,
     if key not in cache.structures:
         try:
             cache.structures[key] = structure(costs.units, pp, v, boundaries)
-        except ValueError as exc:
+        except InvalidConfigError as exc:
             cache.structures[key] = str(exc)
     return cache.structures[key]
 

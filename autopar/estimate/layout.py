@@ -25,6 +25,7 @@ from autopar.estimate.memory import activation_bytes
 from autopar.estimate.stages import Boundaries, check_boundaries, megatron_boundaries
 from autopar.estimate.timing import UnitTimes
 from autopar.estimate.units import Unit
+from autopar.errors import InvalidConfigError
 from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
                                CUDA_CONTEXT_BYTES, state_bytes_per_param)
 
@@ -148,7 +149,7 @@ def structure(units: tuple[Unit, ...], pp: int, v: int,
     else:
         check_boundaries(len(fqns), boundaries)
         if len(boundaries) != pp * v:
-            raise ValueError(f"{len(boundaries)} stage boundaries for pp x virtual stages = "
+            raise InvalidConfigError(f"{len(boundaries)} stage boundaries for pp x virtual stages = "
                              f"{pp} x {v} chunks")
         cuts = np.array(boundaries, dtype=np.int64)
     # a unit's layers are consecutive in the sequence: chunk [a, b) holds the overlap of

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from autopar.estimate.units import Unit
+from autopar.errors import InvalidConfigError
 
 __all__ = ["Boundaries", "megatron_boundaries", "check_boundaries", "layer_sequence"]
 
@@ -29,7 +30,7 @@ def megatron_boundaries(units: tuple[Unit, ...], num_chunks: int) -> np.ndarray:
     first, end = (body[0][0], body[-1][1]) if body else (0, start)
     n_body = end - first
     if n_body < num_chunks:
-        raise ValueError(f"{num_chunks} pipeline stages for {n_body} layers: every stage "
+        raise InvalidConfigError(f"{num_chunks} pipeline stages for {n_body} layers: every stage "
                          f"needs at least one layer; lower pp or virtual_stages")
     base, extra = divmod(n_body, num_chunks)
     chunk = np.arange(num_chunks, dtype=np.int64)
@@ -50,5 +51,5 @@ def check_boundaries(num_layers: int, boundaries: Boundaries) -> None:
     """Raise unless `boundaries` cut `num_layers` layers into contiguous non-empty ranges."""
     if boundaries[0][0] != 0 or boundaries[-1][1] != num_layers or any(
             a[1] != b[0] or a[0] >= a[1] for a, b in zip(boundaries, boundaries[1:])):
-        raise ValueError(f"stage boundaries {boundaries} do not cut the {num_layers} layers "
+        raise InvalidConfigError(f"stage boundaries {boundaries} do not cut the {num_layers} layers "
                          f"into contiguous non-empty ranges")

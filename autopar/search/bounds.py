@@ -27,6 +27,7 @@ from autopar.estimate.bounds import BOUND_MARGIN, step_lower_bound, unit_work
 from autopar.estimate.core import EstimateOptions, EvalCache, ModelCosts, order_key, split_structure
 from autopar.estimate.layout import Structure, rank_work_extremes
 from autopar.estimate.memory import activation_bytes
+from autopar.errors import InvalidConfigError
 from autopar.search.space import (TIME_KEY_COLUMNS, ConfigTable, first_rank_memory, key_groups,
                                   states_lower_bounds, step_lower_bounds)
 
@@ -71,7 +72,7 @@ def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_b
         try:
             step_lower_bound(costs, cluster, cfg, global_batch_size=global_batch_size,
                              dtype=dtype, options=options, cache=cache)
-        except ValueError as exc:
+        except InvalidConfigError as exc:
             errors.append(f"{cfg.short()}: {exc}")
     rows, step, work = rows[~failed], step[~failed], work[~failed]
     first_rank = functools.partial(
@@ -113,7 +114,7 @@ def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: 
         try:
             work[k], tail[k] = unit_work(costs, cache, table.config(int(rows[first[k]])),
                                          dtype, options, comm)
-        except ValueError:
+        except InvalidConfigError:
             pass
     s_first, s_index = key_groups(table, rows, ("pp", "virtual_stages"))
     busiest, total, longest = (np.full((len(s_first), len(first)), np.nan) for _ in range(3))

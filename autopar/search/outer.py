@@ -58,7 +58,7 @@ import pandas as pd
 from costmodels.compute import peak_flops
 from autopar.cluster import Cluster
 from autopar.config import DEFAULT_MESH_ORDER, PP_SCHEDULES, ParallelConfig
-from autopar.errors import NoPlanFitsError
+from autopar.errors import InvalidConfigError, NoPlanFitsError
 from autopar.estimate.bounds import (BOUND_MARGIN, DataParallelFloor, data_parallel_floor,
                                      exact_step_lower_bound)
 from autopar.estimate.core import (Estimate, EstimateOptions, EvalCache, ModelCosts, evaluate,
@@ -560,7 +560,7 @@ def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.nda
                     try:
                         floors[key] = data_parallel_floor(costs, cache, table.config(row),
                                                           dtype, options)
-                    except ValueError:  # the evaluation says why
+                    except InvalidConfigError:  # the evaluation says why
                         floors[key] = None
                 floor = floors[key]
                 if floor is not None:
@@ -573,10 +573,10 @@ def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.nda
             try:
                 done[j] = evaluate(costs, cluster, cfg, global_batch_size=global_batch_size,
                                    dtype=dtype, options=options, cache=cache, exact=False)
-            except ValueError as exc:  # e.g. a head/expert divisibility the enumeration let by
-                done[j] = ValueError(f"{cfg.short()}: {exc}")
+            except InvalidConfigError as exc:  # a divisibility the enumeration let by
+                done[j] = InvalidConfigError(f"{cfg.short()}: {exc}")
         est = done[j]
-        if isinstance(est, ValueError):
+        if isinstance(est, InvalidConfigError):
             errors.append(str(est))
             continue
         fast.append(est)

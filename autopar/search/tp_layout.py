@@ -8,14 +8,17 @@ it holds (weights, gradients and optimizer states under the ZeRO stage, over the
 replicas) and each element's share of the step's exposed gradient reduction and optimizer
 step, per micro-batch. The rank's free memory bounds what a layout may hold beyond the one
 the estimate costs (`block_budget`): within it the ILP takes the best layout Lagrangian
-relaxation finds (proven optimal where the relaxation's bound meets it). A replicated weight is then chosen only where its saved
-communication pays for its memory and per-step work, and where it fits.
+relaxation finds (proven optimal where the relaxation's bound meets it). A replicated weight
+is then chosen only where its saved communication pays for its memory and per-step work, and
+where it fits.
 
 Where the ILP's layout is Megatron-LM's (the one the outer search and the estimate cost:
 column-parallel GEMMs into each sub-layer, row-parallel into the residual add, from the
-dataflow), the plan takes it. Where it is another, the plan keeps Megatron's, so that its
-predicted time and memory are those of what the runtime runs, and records the ILP's layout
-per block as advice with both objectives.
+dataflow), the plan takes it. Where it is another, the plan keeps Megatron's -- the runtime
+places activations by DTensor's propagation from the parameters' placements, which need not
+be the ILP's execution of another layout -- so that its predicted time and memory are those
+of what the runtime runs, and records the ILP's layout per block as advice with both
+objectives.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(cel
 
     import autopar
     from autopar.estimate import ModelCosts
-    from autopar.estimate.core import tp_step_collectives
+    from autopar.estimate.tp_comm import tp_step_collectives
     from autopar.estimate.timing import tp_collectives
     from autopar.plan import load_plan
 

@@ -51,3 +51,15 @@ def test_short_label():
 def test_divisors_equal_trial_division():
     for n in list(range(1, 1200)) + [4096, 16384, 3 * 5 * 7 * 11 * 13, 317 ** 2]:
         assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+
+
+def test_a_config_that_cannot_run_raises_invalid_config_error():
+    """What the search skips a configuration for is its own class (a ValueError, so callers
+    catching ValueError still do): an unrelated ValueError is never taken for one."""
+    from autopar import InvalidConfigError
+    from autopar.config import check_config
+
+    cfg = ParallelConfig(dp=2, tp=3)
+    with pytest.raises(InvalidConfigError, match="tp=3 must divide the 8 attention heads"):
+        check_config(cfg, world_size=6, global_batch_size=8, num_layers=4, num_heads=8)
+    assert issubclass(InvalidConfigError, ValueError)

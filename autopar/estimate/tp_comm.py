@@ -1,0 +1,64 @@
+"""Tensor-parallel traffic beyond one layer's (`timing.tp_collectives`): the all-reduce, once a
+step, of the partial gradients sequence parallelism leaves on the stream's parameters, and
+every tensor-parallel collective of a step as a list -- what a runtime's recorded collectives
+are checked against."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from autopar.config import ParallelConfig
+from autopar.estimate.layout import Layout
+from autopar.estimate.timing import RankGroups, tp_collectives
+from autopar.estimate.units import Unit
+
+if TYPE_CHECKING:
+    from autopar.estimate.core import ModelCosts
+
+__all__ = ["stream_gradient_bytes", "stream_gradient_sync", "tp_step_collectives"]
+
+
+def stream_gradient_bytes(unit: Unit) -> float:
+    """Bytes of one layer's gradients on the sequence-sharded stream (`Unit.stream_params`,
+    in the parameters' traced dtype)."""
+    return unit.stream_params * unit.param_bytes / max(1, unit.dense_params + unit.expert_params)
+
+
+def stream_gradient_sync(cache, units: tuple[Unit, ...], lay: Layout, config: ParallelConfig,
+                         groups: RankGroups) -> float:
+    """Seconds a step (`cache`: an EvalCache or a Cluster) of the all-reduce over tp, under
+    sequence parallel, of the gradients of the parameters on the sequence-sharded stream
+    (`Unit.stream_params`: each rank saw its shard of the sequence, so each holds a partial
+    sum), coalesced into one buffer as Megatron-LM and the runtime do, on the pipeline rank
+    with the most of them."""
+    if config.tp == 1 or not config.sequence_parallel:
+        return 0.0
+    per_layer = np.array([stream_gradient_bytes(u) for u in units])
+    nbytes = float((lay.rank_counts @ per_layer).max())
+    return cache.collective_time("all_reduce", nbytes, groups.tp) if nbytes > 0 else 0.0
+
+
+def tp_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_batch_size: int
+                        ) -> list[tuple[str, float]]:
+    """Every tensor-parallel collective the estimate charges for one step of the whole model
+    (all pipeline stages together) on one tp group, as ``(kind, nbytes)``: each layer's
+    `tp_collectives` forward and backward, per micro-batch, and under sequence parallel the
+    one all-reduce of the stream's gradients. What a runtime's recorded collectives are
+    checked against."""
+    if config.tp == 1:
+        return []
+    m, rest = divmod(global_batch_size, config.dp * config.micro_batch_size)
+    if rest or not m:
+        raise ValueError(f"global batch {global_batch_size} is not a multiple of dp x "
+                         f"micro-batch = {config.dp * config.micro_batch_size}")
+    out: list[tuple[str, float]] = []
+    units = costs.units_for(config.micro_batch_size)
+    for unit in units:
+        fwd, bwd = tp_collectives(unit, config)
+        out += (fwd + bwd) * (unit.count * m)
+    if config.sequence_parallel:
+        nbytes = sum(stream_gradient_bytes(u) * u.count for u in units)
+        out += [("all_reduce", nbytes)] if nbytes else []
+    return out
