@@ -3,7 +3,8 @@
 separate q/k/v, tied and untied heads, MoE layers written as a loop and as batched experts, a
 ViT, and Hugging Face Llama, Mistral, Qwen2, Mixtral and GPT-2 built from small configs) times
 plans pinned at compile time (dp, ZeRO-1/2/3, tp, tp+sp, pp with each schedule, cp, ep, and
-their 3-D/4-D combinations on 2-8 CPU ranks with gloo).
+their 3-D/4-D combinations on 2-8 CPU ranks with gloo). autopar's own models run too, by their
+names in ``tests/distributed/tiny_models.py`` (``--models tiny_llama,tiny_gpt``).
 
 Each cell is compiled by ``autopar.compile`` for the cpu-gloo profile, applied with
 ``autopar.runtime.apply_plan`` under ``torchrun`` and trained for 3 AdamW steps next to a
@@ -89,6 +90,18 @@ def _corpus():
     return corpus
 
 
+def factory(name: str):
+    """The model factory called ``name``: a corpus model's, or one of autopar's own models in
+    ``tests/distributed/tiny_models.py``."""
+    corpus = _corpus()
+    if hasattr(corpus, name):
+        return getattr(corpus, name)
+    sys.path.insert(0, str(TESTS / "distributed"))
+    import tiny_models
+
+    return getattr(tiny_models, name)
+
+
 def compile_cell(model_name: str, plan_name: str, out_dir: Path) -> tuple[Cell, Path | None]:
     """Compile one cell's plan; the cell says why when compile refuses it."""
     import torch
@@ -102,7 +115,7 @@ def compile_cell(model_name: str, plan_name: str, out_dir: Path) -> tuple[Cell, 
         cell.status = "n/a (dense)"
         return cell, None
     with torch.device("meta"):
-        model = getattr(corpus, model_name)()
+        model = factory(model_name)()
     cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=ranks)
     if model_name in corpus.IMAGE_MODELS:
         shape = {"example_inputs": (torch.empty(GLOBAL_BATCH, *corpus.IMAGE_SHAPE,

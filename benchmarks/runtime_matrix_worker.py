@@ -23,13 +23,14 @@ from pathlib import Path
 
 import corpus
 import torch
+from runtime_matrix import factory
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar import runtime
 from autopar.plan import load_plan
-from autopar.runtime.train import make_optimizer, synthetic_batch, synthetic_images
+from autopar.runtime.train import make_optimizer, synthetic_batch, synthetic_images, vocab_size
 
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "module.")
 
@@ -40,11 +41,11 @@ def _clean(fqn: str) -> str:
     return fqn
 
 
-def _batch(factory: str, plan, step: int):
+def _batch(model_name: str, model, plan, step: int):
     size = plan.training["global_batch_size"]
-    if factory in corpus.IMAGE_MODELS:
+    if model_name in corpus.IMAGE_MODELS:
         return synthetic_images(step, 0, size, corpus.IMAGE_SHAPE, corpus.NUM_CLASSES)
-    return synthetic_batch(step, 0, size, plan.training["seq_len"], corpus.VOCAB)
+    return synthetic_batch(step, 0, size, plan.training["seq_len"], vocab_size(model))
 
 
 # collective ops (functional, as DTensor issues them, and c10d's) -> (kind, the tensor that
@@ -98,9 +99,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _run(plan_path: str, factory: str, steps: int) -> dict:
+def _run(plan_path: str, model_name: str, steps: int) -> dict:
     torch.manual_seed(0)
-    model = getattr(corpus, factory)()
+    model = factory(model_name)()
     plan = load_plan(plan_path, model=model)
     ref = copy.deepcopy(model)
     ref_opt = make_optimizer(ref.parameters())
@@ -109,7 +110,7 @@ def _run(plan_path: str, factory: str, steps: int) -> dict:
     loss_err = grad_err = 0.0
     comms, log = CommDebugMode(), _CollectiveLog()
     for step in range(1, steps + 1):
-        x, y = _batch(factory, plan, step)
+        x, y = _batch(model_name, ref, plan, step)
         want = runtime.lm_loss(ref(x), y)
         want.backward()
         # counted without a pipeline: the dispatch mode upsets the zero-bubble schedule's split
@@ -146,9 +147,9 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, _, _ = runtime.init_distributed(timeout_s=60)
     for spec in sys.argv[3:]:
-        plan_path, factory = spec.rsplit(":", 1)
+        plan_path, model_name = spec.rsplit(":", 1)
         try:
-            result = _run(plan_path, factory, steps)
+            result = _run(plan_path, model_name, steps)
         except Exception as exc:  # recorded per cell; the launch goes on to the next one
             last = traceback.format_exc().strip().splitlines()[-1]
             if os.environ.get("AUTOPAR_MATRIX_TRACEBACK"):

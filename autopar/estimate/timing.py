@@ -367,30 +367,27 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
     return fwd, BACKWARD_MEMORY_RATIO * fwd, 0.0
 
 
-LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
-LOSS_REDUCTION_BYTES = 4  # fp32 per token each
-
-
 def tp_collectives(unit: Unit, cfg: ParallelConfig
                    ) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
     """The tensor-parallel collectives of one layer of `unit` per micro-batch on one rank,
-    forward and backward, as ``(kind, nbytes)`` in `Cluster.collective_time`'s convention:
-    each reduction of the hidden state (`Unit.tp_reductions`) is an all-reduce, or under
-    sequence parallel a reduce-scatter with an all-gather of the same tensor the other way
-    (the sequence shard gathered for the next sub-layer, or its gradient); a
-    vocabulary-parallel cross-entropy adds its per-token reductions forward."""
+    forward and backward, as ``(kind, nbytes)`` in `Cluster.collective_time`'s convention,
+    from its synchronisations (`Unit.tp_syncs`, each over one rank's share of the sequence
+    under cp): a partial sum is all-reduced, or under sequence parallel reduce-scattered with
+    an all-gather of the same tensor the other way (the sequence shard gathered for the next
+    sub-layer, or its gradient); a split output is all-gathered; a parallel loss's per-row
+    values are all-reduced."""
+    fwd: list[tuple[str, float]] = []
+    bwd: list[tuple[str, float]] = []
     if cfg.tp == 1:
-        return [], []
-    act = unit.act_bytes / cfg.cp
-    forward, backward = unit.tp_reductions
-    if cfg.sequence_parallel:
-        fwd = [("reduce_scatter", act)] * forward + [("all_gather", act)] * backward
-        bwd = [("all_gather", act)] * forward + [("reduce_scatter", act)] * backward
-    else:
-        fwd, bwd = [("all_reduce", act)] * forward, [("all_reduce", act)] * backward
-    if unit.vocab_loss_tokens:
-        fwd += [("all_reduce", unit.vocab_loss_tokens / cfg.cp * LOSS_REDUCTION_BYTES)] \
-            * LOSS_REDUCTIONS
+        return fwd, bwd
+    for direction, kind, nbytes in unit.tp_syncs:
+        here, other = (fwd, bwd) if direction == "forward" else (bwd, fwd)
+        n = nbytes / cfg.cp
+        if kind == "reduce" and cfg.sequence_parallel:
+            here.append(("reduce_scatter", n))
+            other.append(("all_gather", n))
+        else:
+            here.append(("all_gather" if kind == "gather" else "all_reduce", n))
     return fwd, bwd
 
 

@@ -28,7 +28,10 @@ from dataclasses import dataclass, replace
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
 from autopar.ir.residual import residual_structure
 
-__all__ = ["OpCost", "Unit", "recompute_tail", "token_lookup", "units_from_graph",
+LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
+LOSS_REDUCTION_BYTES = 4  # fp32 per row each
+
+__all__ = ["LOSS_REDUCTIONS", "LOSS_REDUCTION_BYTES", "OpCost", "Unit", "recompute_tail", "token_lookup", "units_from_graph",
            "vocab_sizes"]
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV)
@@ -74,8 +77,12 @@ class Unit:
     saved_bytes_recompute: int
     saved_bytes_memory_ops: int  # saved by norms/elementwise: replicated over tp without SP
     act_bytes: int  # the hidden state entering the unit
-    # tensor-parallel reductions of the hidden state per layer: (forward, backward)
-    tp_reductions: tuple[int, int]
+    # tensor-parallel synchronisations per layer under Megatron's layout: (direction
+    # "forward"/"backward", kind, nbytes at the traced batch); kind "reduce" (a partial sum:
+    # an all-reduce, or with sequence parallel a reduce-scatter and an all-gather the other
+    # way), "gather" (a split output gathered) or "loss" (a parallel cross-entropy's per-row
+    # all-reduce)
+    tp_syncs: tuple[tuple[str, str, float], ...]
     moe_dispatch_bytes: int  # tokens x top-k x hidden, per MoE layer of the unit
     attention_kv_bytes: int  # K and V of all attention ops (what a CP ring passes on)
     attention_score_bytes: int  # what an unfused kernel would keep of the score matrices
@@ -83,9 +90,6 @@ class Unit:
     loss_logits: int = 0  # elements of its cross-entropy losses' inputs (the logits)
     loss_logit_bytes: int = 0  # the same in their traced dtype
     tail_kernels: int = 0  # kernels of the ops an early-stopping recompute skips (OpCost.tail)
-    # tokens of cross-entropies on vocabulary logits: tp shards them by vocabulary, and the loss
-    # all-reduces three fp32 values per token (max, sum of exponentials, target logit)
-    vocab_loss_tokens: int = 0
     # elements of the tp-replicated parameters of ops on the hidden stream (norms between the
     # sub-layers, a position table, the final norm): under sequence parallel they see a
     # sequence shard and their gradients are partial sums over tp, reduced once a step
@@ -97,6 +101,12 @@ class Unit:
     @property
     def count(self) -> int:
         return len(self.layer_fqns)
+
+    @property
+    def tp_reductions(self) -> tuple[int, int]:
+        """Partial sums reduced per layer, forward and backward (`tp_syncs`)."""
+        return (sum(d == "forward" and k == "reduce" for d, k, _ in self.tp_syncs),
+                sum(d == "backward" and k == "reduce" for d, k, _ in self.tp_syncs))
 
     @property
     def is_block(self) -> bool:
@@ -124,7 +134,7 @@ class Unit:
                        attention_score_bytes=self.attention_score_bytes * factor,
                        loss_logits=self.loss_logits * factor,
                        loss_logit_bytes=self.loss_logit_bytes * factor,
-                       vocab_loss_tokens=self.vocab_loss_tokens * factor)
+                       tp_syncs=tuple((d, k, n * factor) for d, k, n in self.tp_syncs))
 
 
 def _aligned(node: Node) -> bool:
@@ -267,54 +277,76 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     if not act:  # the hidden state is the largest activation input of the unit
         act = max((t.num_bytes for n in nodes for t, src in zip(n.inputs, n.input_sources)
                    if not src.startswith(("param:", "buffer:", "const"))), default=0)
-    reductions, stream = _tp_reductions(nodes, residual, vocab_dims)
+    syncs, stream = _tp_syncs(nodes, residual, act, vocab_dims)
     losses = [n for n in nodes if _is_cross_entropy(n)]
     return Unit(
         name=name, layer_fqns=fqns, ops=tuple(ops), num_kernels=kernels,
         dense_params=dense, expert_params=expert,
         saved_bytes=sum(n.saved_bytes for n in nodes),
         saved_bytes_recompute=sum(n.saved_bytes_recompute for n in nodes),
-        saved_bytes_memory_ops=saved_memory, act_bytes=act, tp_reductions=reductions,
+        saved_bytes_memory_ops=saved_memory, act_bytes=act, tp_syncs=syncs,
         moe_dispatch_bytes=dispatch, attention_kv_bytes=kv, attention_score_bytes=scores,
         param_bytes=sum(seen_params.values()),
         loss_logits=sum(n.inputs[0].numel for n in losses),
         loss_logit_bytes=sum(n.inputs[0].num_bytes for n in losses), tail_kernels=tail_kernels,
-        vocab_loss_tokens=sum(n.inputs[0].numel // n.inputs[0].shape[-1] for n in losses
-                              if n.inputs[0].shape and n.inputs[0].shape[-1] in vocab_dims),
         stream_params=sum(p.numel for n in nodes if n.name in stream for p in n.params
                           if p.requires_grad and p.fqn in seen_params))
 
 
-def _tp_reductions(nodes: list[Node], residual, vocab_dims: set[int]
-                   ) -> tuple[tuple[int, int], set[str]]:
-    """The unit's tensor-parallel reductions of the hidden state (forward, backward) under
-    Megatron's layout, and the nodes on its sequence-sharded stream under sequence parallel.
+def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]
+              ) -> tuple[tuple[tuple[str, str, float], ...], set[str]]:
+    """The unit's tensor-parallel synchronisations under Megatron's layout, per layer, as
+    ``(direction, kind, nbytes)`` (`Unit.tp_syncs`), and the nodes on its sequence-sharded
+    stream under sequence parallel.
 
-    A block (a run with residual adds) reduces once each way per sub-layer -- the row-parallel
-    GEMM's output forward, the column-parallel GEMMs' input gradient backward -- and per MoE
-    sub-layer and output-channel parallel convolution; its stream is the residual structure's.
-    Glue reduces a vocabulary-parallel embedding's output forward (its table's gradient needs
-    none), a vocabulary-parallel head's input gradient backward (its logits stay sharded for
-    the parallel loss), and any other GEMM's each way; its stream is every op that is neither a
-    GEMM nor a vocabulary lookup."""
+    A block (a run with residual adds) reduces the hidden state once each way per sub-layer --
+    the row-parallel GEMM's output forward, the column-parallel GEMMs' input gradient backward
+    -- and per MoE sub-layer and output-channel parallel convolution; its stream is the
+    residual structure's. In the glue each op says what it moves: a vocabulary-parallel lookup
+    reduces its output forward (its table's gradient needs none); a GEMM's weight is split on
+    its outputs, so its input gradient is reduced backward (when the input needs one), and its
+    output is gathered forward unless a cross-entropy reads it (its logits stay sharded for
+    the parallel loss, which reduces three fp32 values per row forward); a convolution's
+    output channels are gathered likewise. The glue's stream is every other op."""
     if residual.residual_adds:
         points = len(residual.row_gemms) + sum(
             n.kind is OpKind.MOE_DISPATCH or (n.kind is OpKind.CONV and bool(n.params))
             for n in nodes)
-        return (points, points), set(residual.stream)
-    forward = backward = 0
+        return ((("forward", "reduce", act),) * points + (("backward", "reduce", act),) * points,
+                set(residual.stream))
+    consumers: dict[str, list[Node]] = {}
+    for node in nodes:
+        for src in node.input_sources:
+            consumers.setdefault(src, []).append(node)
+
+    def read_by_loss(name: str) -> Node | None:
+        for nxt in consumers.get(name, ()):
+            if _is_cross_entropy(nxt):
+                return nxt
+            if nxt.kind in _FREE_KINDS and (found := read_by_loss(nxt.name)) is not None:
+                return found
+        return None
+
+    syncs: list[tuple[str, str, float]] = []
     stream = set()
     for node in nodes:
-        vocab = _vocab_sized(node, vocab_dims)
-        if node.kind is OpKind.EMBEDDING and vocab:
-            forward += 1
-        elif node.kind in _GEMM_KINDS and node.params and vocab:
-            backward += 1
+        if node.kind is OpKind.EMBEDDING and _vocab_sized(node, vocab_dims):
+            syncs.append(("forward", "reduce", node.outputs[0].num_bytes))
         elif node.kind in _GEMM_KINDS and node.params:
-            forward, backward = forward + 1, backward + 1
-        elif node.kind is not OpKind.EMBEDDING or not vocab:
+            source, spec = next(((src, t) for src, t in zip(node.input_sources, node.inputs)
+                                 if not src.startswith(("param:", "buffer:", "const"))),
+                                ("input:", None))
+            if not source.startswith("input:"):  # the input needs its gradient
+                syncs.append(("backward", "reduce", spec.num_bytes))
+            loss = read_by_loss(node.name) if node.kind is OpKind.MATMUL else None
+            if loss is None:
+                syncs.append(("forward", "gather", node.outputs[0].num_bytes))
+            else:
+                rows = loss.inputs[0].numel // max(1, loss.inputs[0].shape[-1])
+                syncs += [("forward", "loss", rows * LOSS_REDUCTION_BYTES)] * LOSS_REDUCTIONS
+        else:
             stream.add(node.name)
-    return (forward, backward), stream
+    return tuple(syncs), stream
 
 
 def vocab_sizes(graph: Graph) -> set[int]:

@@ -370,11 +370,13 @@ class LocalAttention(TorchFunctionMode):
     ``F.scaled_dot_product_attention`` on DTensor q/k/v as local attention over this rank's
     heads (dim 1 of ``[batch, heads, seq, head_dim]``): q sharded on the heads, k/v sharded
     likewise or replicated (then sliced to the kv heads the local query heads read); any other
-    layout is gathered and attention runs replicated.  A function DTensor has no sharding
-    strategy for (``adaptive_avg_pool2d``), or a view it cannot keep sharded (a fused q/k/v
-    projection viewed as ``(3, heads, head_dim)`` whose shards do not hold whole heads), runs on
-    gathered local tensors, replicated (an op without a strategy is remembered, so its later
-    calls in the step go there directly).
+    layout is gathered and attention runs replicated.  A fused projection's output, sharded
+    within each of its k chunks, split into the chunks or viewed as ``(k, heads, head_dim)``,
+    is cut locally (``_split_chunks``, ``_view_chunks``: sharded on the features or the heads,
+    where DTensor would gather it).  A function DTensor has no sharding strategy for
+    (``adaptive_avg_pool2d``), or a view it cannot keep sharded, runs on gathered local
+    tensors, replicated (an op without a strategy is remembered, so its later calls in the
+    step go there directly).
     The numbers are the reference's; the layout costs the gathers."""
 
     def __init__(self):
@@ -391,6 +393,10 @@ class LocalAttention(TorchFunctionMode):
             pieces = _split_chunks(func, *args, **kwargs)
             if pieces is not None:
                 return pieces
+        if func in _VIEWS and isinstance(args[0], DTensor) and not kwargs:
+            heads = _view_chunks(args[0], args[1:])
+            if heads is not None:
+                return heads
         if func in self._replicated:
             return _replicated_call(func, args, kwargs)
         try:
@@ -427,6 +433,34 @@ def _split_chunks(func, t: DTensor, size_or_chunks=None, dim: int = 0, **named) 
         return None
     return tuple(DTensor.from_local(piece, t.device_mesh, (Shard(dim),), run_check=False)
                  for piece in t.to_local().chunk(k, dim=dim))
+
+
+_VIEWS = (torch.Tensor.view, torch.Tensor.reshape)
+
+
+def _view_chunks(t: DTensor, shape: tuple) -> DTensor | None:
+    """A fused projection's output (``_StridedShard`` of its last dim into k chunks) viewed as
+    ``(..., k, heads, head_dim)``: this rank's piece viewed as ``(..., k, heads / tp,
+    head_dim)``, sharded on the heads (DTensor would gather the whole output first).  None for
+    any other view."""
+    if len(t.placements) != 1 or not isinstance(t.placements[0], _StridedShard):
+        return None
+    placement, last = t.placements[0], t.dim() - 1
+    shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list,
+                                                                          torch.Size)) else shape
+    if placement.dim != last or len(shape) != t.dim() + 2 or \
+            tuple(shape[:last]) != tuple(t.shape[:last]) or shape[last] != placement.split_factor:
+        return None
+    n = t.device_mesh.size()
+    k, heads, head_dim = shape[last], shape[last + 1], shape[last + 2]
+    if head_dim == -1:
+        head_dim = t.shape[last] // (k * heads)
+    if heads == -1:
+        heads = t.shape[last] // (k * head_dim)
+    if k * heads * head_dim != t.shape[last] or heads % n:
+        return None
+    local = t.to_local().view(*t.to_local().shape[:last], k, heads // n, head_dim)
+    return DTensor.from_local(local, t.device_mesh, (Shard(last + 1),), run_check=False)
 
 
 def _no_strategy(exc: Exception) -> bool:

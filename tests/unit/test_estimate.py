@@ -491,7 +491,7 @@ def _unit(name: str, count: int) -> "Unit":
                           "moe_dispatch_bytes", "attention_kv_bytes",
                           "attention_score_bytes", "param_bytes"), 0)
     fqns = tuple(f"{name}.{i}" for i in range(count)) if count > 1 else (name,)
-    return Unit(name=name, layer_fqns=fqns, ops=(), tp_reductions=(0, 0), **zero)
+    return Unit(name=name, layer_fqns=fqns, ops=(), tp_syncs=(), **zero)
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 3, 4, 5, 7, 9])
