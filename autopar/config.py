@@ -145,17 +145,20 @@ def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int
         rest = cfg.tp * cfg.pp * cfg.cp
         hint = (f"dp={world_size // rest} would match" if world_size % rest == 0 else
                 f"tp*pp*cp = {rest} must divide it (divisors: {divisors(world_size)})")
-        raise InvalidConfigError(f"dp*tp*pp*cp = {cfg.dp}*{cfg.tp}*{cfg.pp}*{cfg.cp} = {cfg.world_size}, "
-                         f"but the cluster has {world_size} GPUs; {hint}")
+        raise InvalidConfigError(
+            f"dp*tp*pp*cp = {cfg.dp}*{cfg.tp}*{cfg.pp}*{cfg.cp} = {cfg.world_size}, "
+            f"but the cluster has {world_size} GPUs; {hint}")
     if num_heads is not None and num_heads % cfg.tp:
-        raise InvalidConfigError(f"tp={cfg.tp} must divide the {num_heads} attention heads; allowed tp: "
-                         f"{[d for d in divisors(num_heads) if world_size % d == 0]}")
+        raise InvalidConfigError(
+            f"tp={cfg.tp} must divide the {num_heads} attention heads; allowed tp: "
+            f"{[d for d in divisors(num_heads) if world_size % d == 0]}")
     if num_kv_heads is not None and num_kv_heads % cfg.tp:
         # K and V are column-parallel by head, as Megatron-LM (num_query_groups) and torchtitan
         # shard them: a rank cannot hold part of a head
-        raise InvalidConfigError(f"tp={cfg.tp} must divide the {num_kv_heads} key/value heads (K and V "
-                         f"are split by head); allowed tp: "
-                         f"{[d for d in divisors(num_kv_heads) if world_size % d == 0]}")
+        raise InvalidConfigError(
+            f"tp={cfg.tp} must divide the {num_kv_heads} key/value heads (K and V "
+            f"are split by head); allowed tp: "
+            f"{[d for d in divisors(num_kv_heads) if world_size % d == 0]}")
     if (cfg.dp * cfg.cp) % cfg.ep:
         raise InvalidConfigError(f"ep={cfg.ep} must divide dp*cp = {cfg.dp * cfg.cp}; allowed ep: "
                          f"{divisors(cfg.dp * cfg.cp)}")
@@ -174,10 +177,12 @@ def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int
         raise InvalidConfigError(f"ep={cfg.ep} must divide the {num_experts} experts; allowed ep: "
                          f"{[d for d in divisors(num_experts) if (cfg.dp * cfg.cp) % d == 0]}")
     if cfg.ep > 1 and not num_experts:
-        raise InvalidConfigError(f"ep={cfg.ep} needs a model with experts (MoE); this model has none")
+        raise InvalidConfigError(
+            f"ep={cfg.ep} needs a model with experts (MoE); this model has none")
     if seq_len is not None and seq_len % (2 * cfg.cp) and cfg.cp > 1:
-        raise InvalidConfigError(f"cp={cfg.cp} needs seq_len divisible by 2*cp = {2 * cfg.cp} (causal "
-                         f"load balancing splits the sequence in 2*cp chunks); seq_len={seq_len}")
+        raise InvalidConfigError(
+            f"cp={cfg.cp} needs seq_len divisible by 2*cp = {2 * cfg.cp} (causal "
+            f"load balancing splits the sequence in 2*cp chunks); seq_len={seq_len}")
     per_replica = cfg.dp * cfg.micro_batch_size
     if global_batch_size % per_replica:
         ok = divisors(global_batch_size // cfg.dp) if global_batch_size % cfg.dp == 0 else []
@@ -188,16 +193,19 @@ def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int
     num_microbatches = global_batch_size // per_replica
     stages = cfg.pp * cfg.virtual_stages
     if stages > num_layers:
-        raise InvalidConfigError(f"pp*virtual_stages = {stages} stages for {num_layers} layers: every "
-                         f"stage needs at least one layer")
+        raise InvalidConfigError(
+            f"pp*virtual_stages = {stages} stages for {num_layers} layers: every "
+            f"stage needs at least one layer")
     if cfg.pp > 1 and num_microbatches < cfg.pp:
         # PyTorch's pipelining 1F1B schedule refuses it, and the runtime refuses it for every
         # schedule (a step with idle pipeline ranks is never worth running)
-        raise InvalidConfigError(f"pp={cfg.pp} needs at least {cfg.pp} micro-batches per step, one per "
-                         f"pipeline rank; global_batch_size / (dp*micro_batch_size) = "
-                         f"{global_batch_size} / ({cfg.dp}*{cfg.micro_batch_size}) = "
-                         f"{num_microbatches}: lower micro_batch_size, dp or pp")
+        raise InvalidConfigError(
+            f"pp={cfg.pp} needs at least {cfg.pp} micro-batches per step, one per "
+            f"pipeline rank; global_batch_size / (dp*micro_batch_size) = "
+            f"{global_batch_size} / ({cfg.dp}*{cfg.micro_batch_size}) = "
+            f"{num_microbatches}: lower micro_batch_size, dp or pp")
     if cfg.pp_schedule == "interleaved-1f1b" and cfg.pp > 1 and num_microbatches % cfg.pp:
-        raise InvalidConfigError(f"interleaved-1f1b needs the {num_microbatches} micro-batches to be a "
-                         f"multiple of pp={cfg.pp}")
+        raise InvalidConfigError(
+            f"interleaved-1f1b needs the {num_microbatches} micro-batches to be a "
+            f"multiple of pp={cfg.pp}")
     return num_microbatches

@@ -149,8 +149,9 @@ def structure(units: tuple[Unit, ...], pp: int, v: int,
     else:
         check_boundaries(len(fqns), boundaries)
         if len(boundaries) != pp * v:
-            raise InvalidConfigError(f"{len(boundaries)} stage boundaries for pp x virtual stages = "
-                             f"{pp} x {v} chunks")
+            raise InvalidConfigError(
+                f"{len(boundaries)} stage boundaries for pp x virtual stages = "
+                f"{pp} x {v} chunks")
         cuts = np.array(boundaries, dtype=np.int64)
     # a unit's layers are consecutive in the sequence: chunk [a, b) holds the overlap of
     # [a, b) with each unit's span [start, end)

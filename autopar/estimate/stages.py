@@ -51,5 +51,6 @@ def check_boundaries(num_layers: int, boundaries: Boundaries) -> None:
     """Raise unless `boundaries` cut `num_layers` layers into contiguous non-empty ranges."""
     if boundaries[0][0] != 0 or boundaries[-1][1] != num_layers or any(
             a[1] != b[0] or a[0] >= a[1] for a, b in zip(boundaries, boundaries[1:])):
-        raise InvalidConfigError(f"stage boundaries {boundaries} do not cut the {num_layers} layers "
-                         f"into contiguous non-empty ranges")
+        raise InvalidConfigError(
+            f"stage boundaries {boundaries} do not cut the {num_layers} layers "
+            f"into contiguous non-empty ranges")

@@ -493,4 +493,5 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
     else:
         recompute = 0.0
     return UnitTimes(compute_fwd=fwd, compute_bwd=bwd, compute_wgrad=c.wgrad, recompute=recompute,
-                     tp_fwd=tp_fwd, tp_bwd=tp_bwd, cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep, ep_bwd=ep)
+                     tp_fwd=tp_fwd, tp_bwd=tp_bwd, cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep,
+                     ep_bwd=ep)

@@ -9,14 +9,12 @@ timing and memory models need, per micro-batch of the traced size, unsharded:
 - parameters, split into dense and expert (between an MoE dispatch and its combine);
 - activation bytes saved for backward (all, under selective recompute, and the part saved by
   memory-bound ops, which tensor parallelism shards only with sequence parallelism);
-- the tensor-parallel reductions of the hidden state, forward and backward (`tp_reductions`:
-  in a block one each way per sub-layer -- the row-parallel GEMM's output forward, found from
-  the dataflow by `autopar.ir.residual`, the column-parallel GEMMs' input gradient backward --
-  and per output-channel parallel convolution; a vocabulary-parallel embedding's output forward
-  only, a vocabulary-parallel head's input gradient backward only), the size of the hidden
-  state they move, the tokens a vocabulary-parallel cross-entropy reduces over, the
-  parameters whose gradients sequence parallelism leaves partial, MoE dispatch bytes and the
-  K/V bytes ring attention passes around.
+- the tensor-parallel synchronisations of one layer, forward and backward (`tp_syncs`: in a
+  block one reduction of the hidden state each way per sub-layer -- the row-parallel GEMM's
+  output forward, found from the dataflow by `autopar.ir.residual`, the column-parallel GEMMs'
+  input gradient backward; in the glue what each op moves, as `_tp_syncs` says), the size of
+  the hidden state, the parameters whose gradients sequence parallelism leaves partial, MoE
+  dispatch bytes and the K/V bytes ring attention passes around.
 
 Pure functions of the IR; no torch import.
 """
@@ -31,8 +29,8 @@ from autopar.ir.residual import residual_structure
 LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
 LOSS_REDUCTION_BYTES = 4  # fp32 per row each
 
-__all__ = ["LOSS_REDUCTIONS", "LOSS_REDUCTION_BYTES", "OpCost", "Unit", "recompute_tail", "token_lookup", "units_from_graph",
-           "vocab_sizes"]
+__all__ = ["LOSS_REDUCTIONS", "LOSS_REDUCTION_BYTES", "OpCost", "Unit", "recompute_tail",
+           "token_lookup", "units_from_graph", "vocab_sizes"]
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV)
 _FREE_KINDS = (OpKind.VIEW,)

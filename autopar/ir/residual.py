@@ -87,7 +87,8 @@ def residual_structure(nodes: Sequence[Node]) -> Residual:
             for nxt in consumers.get(frontier.pop(), ()):
                 if nxt.name in residual:
                     rows.add(node.name)
-                elif nxt.kind not in MIXING_KINDS and nxt.name not in stream and nxt.name not in seen:
+                elif nxt.kind not in MIXING_KINDS and nxt.name not in seen \
+                        and nxt.name not in stream:
                     seen.add(nxt.name)
                     frontier.append(nxt.name)
     return Residual(stream=frozenset(stream), residual_adds=tuple(adds),

@@ -69,8 +69,9 @@ forms N-D strategies; a second (sequence) axis would add its own x variables per
 and the same families. Costs are per micro-batch, forward plus backward, for one copy of the
 block on one rank (under context parallelism, its share of the sequence: ``sequence_shards``);
 a replicated parameter's partial gradient is charged its share of the step's one all-reduce of
-such gradients, per micro-batch (``microbatches``). Determinism: one worker, a fixed seed, a deterministic tie-break;
-when the time limit is hit the best plan so far is returned with a warning.
+such gradients, per micro-batch (``microbatches``). Determinism: one worker, a fixed seed, a
+deterministic tie-break; when the time limit is hit the best plan so far is returned with a
+warning.
 """
 
 from __future__ import annotations

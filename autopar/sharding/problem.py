@@ -295,10 +295,10 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
     sequence on top: what derives from the model's inputs -- node work, kept activations,
     tensors between nodes -- is costed at 1/sequence_shards, attention included (ring
     attention's share of a rank); parameters, their gradients' all-reduce and an op's own
-    collectives (batch-norm statistics) are not. ``microbatches`` a step runs shares the
-    step's one all-reduce of partial parameter gradients among them. ``boundary``: "periodic" (the hidden state
-    between blocks placed as the ILP chooses), "replicated", or one placement ("S(1)": the
-    sequence shard of sequence parallelism)."""
+    collectives (batch-norm statistics) are not. ``microbatches`` a step runs share the
+    step's one all-reduce of partial parameter gradients. ``boundary``: "periodic" (the
+    hidden state between blocks placed as the ILP chooses), "replicated", or one placement
+    ("S(1)": the sequence shard of sequence parallelism)."""
     if not isinstance(sequence_shards, int) or sequence_shards < 1:
         raise ValueError(f"sequence_shards must be an integer >= 1, got {sequence_shards!r}")
     names = [n for n in node_names]

@@ -101,14 +101,14 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
     """One layout, three readers: on the dense models (a hand-written Llama, nanoGPT with its
     fused q/k/v and tied head, Hugging Face Llama and GPT-2 with its [in, out] Conv1D weights,
     autopar's own Llama and GPT with q/k/v viewed as (3, heads, head_dim), a ViT with its
-    channel-split patch convolution and class head) under tensor parallel (tp=2, without and with sequence parallel), the
-    collectives the runtime issued in a training step (rank 0, each kind with its bytes;
-    less the scalar all-reduce of the reported loss) are the ones the estimate charges
-    (`tp_step_collectives`), and each block's in the plan (`plan.intra_op`, the ILP's
-    solution of the layout the plan runs) are the estimate's for one layer, as reduce-scatters
-    and all-gathers (`_primitives`). Not yet so for
-    MoE layers (the runtime reduces each expert's rows, or gathers fused expert weights,
-    where the estimate charges one reduction per layer)."""
+    channel-split patch convolution and class head) under tensor parallel (tp=2, without and
+    with sequence parallel), the collectives the runtime issued in a training step (rank 0,
+    each kind with its bytes; less the scalar all-reduce of the reported loss) are the ones
+    the estimate charges (`tp_step_collectives`), and each block's in the plan
+    (`plan.intra_op`, the ILP's solution of the layout the plan runs) are the estimate's for
+    one layer, as reduce-scatters and all-gathers (`_primitives`). Not yet so for MoE layers
+    (the runtime reduces each expert's rows, or gathers fused expert weights, where the
+    estimate charges one reduction per layer)."""
     import torch
 
     import autopar
