@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
-from autopar.ir.residual import residual_structure
+from autopar.ir.residual import consumers, residual_structure
 
 LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
 LOSS_REDUCTION_BYTES = 4  # fp32 per row each
@@ -312,13 +312,10 @@ def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]
             for n in nodes)
         return ((("forward", "reduce", act),) * points + (("backward", "reduce", act),) * points,
                 set(residual.stream))
-    consumers: dict[str, list[Node]] = {}
-    for node in nodes:
-        for src in node.input_sources:
-            consumers.setdefault(src, []).append(node)
+    readers = consumers(nodes)
 
     def read_by_loss(name: str) -> Node | None:
-        for nxt in consumers.get(name, ()):
+        for nxt in readers.get(name, ()):
             if _is_cross_entropy(nxt):
                 return nxt
             if nxt.kind in _FREE_KINDS and (found := read_by_loss(nxt.name)) is not None:
@@ -358,7 +355,7 @@ def token_lookup(graph: Graph, node: Node) -> bool:
     model input, or views of one (``input_ids.view(-1, s)``), not positions made inside."""
     if node.kind is not OpKind.EMBEDDING:
         return False
-    by_name = {n.name: n for n in graph.nodes} if graph.nodes else {}
+    by_name = {n.name: n for n in graph.nodes}
     for src in node.input_sources:
         while src in by_name and by_name[src].kind is OpKind.VIEW:
             src = by_name[src].input_sources[0]

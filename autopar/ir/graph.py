@@ -163,6 +163,17 @@ class Node:
     attention: AttentionSpec | None = None
     transposed: tuple[int, ...] = ()
 
+    def reads_transposed(self, i: int) -> bool:
+        """Whether input ``i`` is a 2-D parameter this node reads transposed: recorded by the
+        trace (``transposed``), or told by its shape when the weight is not square (a graph
+        built by hand records nothing)."""
+        src = self.input_sources[i]
+        spec = next((p for p in self.params if src == f"param:{p.fqn}"), None)
+        shape = self.inputs[i].shape
+        if spec is None or len(shape) != 2 or tuple(reversed(shape)) != tuple(spec.shape):
+            return False
+        return i in self.transposed or shape[0] != shape[1]
+
 
 @dataclass(frozen=True, kw_only=True)
 class Block:

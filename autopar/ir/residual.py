@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from autopar.ir.graph import Node, OpKind
 
-__all__ = ["MIXING_KINDS", "Residual", "fused_chunks", "fused_splits", "residual_structure"]
+__all__ = ["MIXING_KINDS", "Residual", "consumers", "fused_chunks", "fused_splits",
+           "residual_structure"]
 
 MIXING_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
                      OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE})
@@ -36,6 +37,15 @@ class Residual:
     stream: frozenset[str]
     residual_adds: tuple[str, ...]  # in node order
     row_gemms: frozenset[str]
+
+
+def consumers(nodes: Sequence[Node]) -> dict[str, list[Node]]:
+    """``{value name: the nodes of ``nodes`` that read it}``, in node order."""
+    out: dict[str, list[Node]] = {}
+    for node in nodes:
+        for src in node.input_sources:
+            out.setdefault(src, []).append(node)
+    return out
 
 
 def _is_add(node: Node) -> bool:
@@ -71,10 +81,7 @@ def residual_structure(nodes: Sequence[Node]) -> Residual:
             adds.append(node.name)
         elif any(through_mixing):
             mixed.add(node.name)
-    consumers: dict[str, list[Node]] = {}
-    for node in nodes:
-        for src, _ in _activations(node):
-            consumers.setdefault(src, []).append(node)
+    readers = consumers(nodes)
     residual = set(adds)
     rows = set()
     for node in nodes:
@@ -84,7 +91,7 @@ def residual_structure(nodes: Sequence[Node]) -> Residual:
             continue  # read straight off the stream: a sub-layer of one GEMM stays column-wise
         frontier, seen = [node.name], set()
         while frontier:
-            for nxt in consumers.get(frontier.pop(), ()):
+            for nxt in readers.get(frontier.pop(), ()):
                 if nxt.name in residual:
                     rows.add(node.name)
                 elif nxt.kind not in MIXING_KINDS and nxt.name not in seen \
@@ -120,16 +127,13 @@ def fused_splits(nodes: Sequence[Node]) -> dict[str, int]:
 def _fused(nodes: Sequence[Node]) -> dict[str, tuple[int, str]]:
     """``{parameter FQN: (k, the node that cuts the projection's output into k chunks)}``."""
     heads = {n.attention.num_heads for n in nodes if n.attention is not None}
-    consumers: dict[str, list[Node]] = {}
-    for node in nodes:
-        for src, _ in _activations(node):
-            consumers.setdefault(src, []).append(node)
+    readers = consumers(nodes)
     out = {}
     for node in nodes:
         if node.kind is not OpKind.MATMUL or not node.params or not node.outputs:
             continue
         width = node.outputs[0].shape[-1]
-        k, cut = _chunks(node.name, width, consumers, heads)
+        k, cut = _chunks(node.name, width, readers, heads)
         # a weight laid out [out_features, in_features] (nn.Linear) or [in, out] (GPT-2's
         # Conv1D), and its bias
         if k > 1 and any(len(p.shape) == 2 and width in p.shape for p in node.params):
@@ -137,11 +141,11 @@ def _fused(nodes: Sequence[Node]) -> dict[str, tuple[int, str]]:
     return out
 
 
-def _chunks(name: str, width: int, consumers: dict[str, list[Node]], heads: set[int]
+def _chunks(name: str, width: int, readers: dict[str, list[Node]], heads: set[int]
             ) -> tuple[int, str | None]:
     """The chunk count of ``width`` features seen by the first op after ``name`` that splits
     them (views that keep the features whole are followed) and that op, or ``(1, None)``."""
-    for nxt in consumers.get(name, ()):
+    for nxt in readers.get(name, ()):
         out = nxt.outputs[0].shape if nxt.outputs else ()
         if nxt.target.startswith(_SPLITS) and len(nxt.outputs) > 1:
             sizes = {o.shape[-1] for o in nxt.outputs}
@@ -150,7 +154,7 @@ def _chunks(name: str, width: int, consumers: dict[str, list[Node]], heads: set[
             return 1, None
         if nxt.target.startswith(_RESHAPES) and out:
             if out[-1] == width:
-                return _chunks(nxt.name, width, consumers, heads)
+                return _chunks(nxt.name, width, readers, heads)
             if len(out) >= 3 and out[-3] * out[-2] * out[-1] == width and out[-2] in heads \
                     and out[-3] > 1:
                 return out[-3], nxt.name

@@ -22,7 +22,7 @@ from __future__ import annotations
 from autopar.config import ParallelConfig
 from autopar.estimate.units import token_lookup, vocab_sizes
 from autopar.ir import Graph, OpKind
-from autopar.ir.residual import MIXING_KINDS, fused_chunks, residual_structure
+from autopar.ir.residual import MIXING_KINDS, consumers, fused_chunks, residual_structure
 
 __all__ = ["fused_projections", "megatron_tp_placements", "param_placements"]
 
@@ -88,15 +88,12 @@ def _gemm_chains(nodes: list) -> dict[str, tuple[bool, bool]]:
     """Per GEMM of ``nodes`` (with parameters): whether its output reaches another such GEMM
     through ops that mix no features, and whether one reaches it."""
     gemm = {n.name for n in nodes if n.kind in (OpKind.MATMUL, OpKind.CONV) and n.params}
-    consumers: dict[str, list] = {}
-    for node in nodes:
-        for src in node.input_sources:
-            consumers.setdefault(src, []).append(node)
+    readers = consumers(nodes)
     feeds, fed = set(), set()
     for start in gemm:
         frontier, seen = [start], {start}
         while frontier:
-            for nxt in consumers.get(frontier.pop(), ()):
+            for nxt in readers.get(frontier.pop(), ()):
                 if nxt.name in gemm:
                     feeds.add(start)
                     fed.add(nxt.name)
@@ -113,7 +110,7 @@ def _output_features_dim(node, param) -> int:
     if node.kind is not OpKind.MATMUL or len(param.shape) != 2:
         return 0
     uses = [i for i, src in enumerate(node.input_sources) if src == f"param:{param.fqn}"]
-    return 0 if not uses or any(i in node.transposed for i in uses) else 1
+    return 0 if not uses or any(node.reads_transposed(i) for i in uses) else 1
 
 
 def _layer_names(graph: Graph):

@@ -429,10 +429,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
             if not src.startswith("param:"):
                 continue
             spec = next(p for p in node.params if p.fqn == src[6:])
-            shape = node.inputs[i].shape
-            transposed = (node.kind is OpKind.MATMUL and len(shape) == 2
-                          and (i in node.transposed or shape[0] != shape[1])
-                          and tuple(reversed(shape)) == spec.shape)
+            transposed = node.kind is OpKind.MATMUL and node.reads_transposed(i)
             use = ParamUse(fqn=spec.fqn, node=name, input_index=i, transposed=transposed,
                            numel=spec.numel, first_use=spec.fqn not in charged)
             charged.add(spec.fqn)
