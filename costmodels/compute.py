@@ -35,6 +35,7 @@ __all__ = [
     "fused_attention_fraction", "ATTENTION_SEQ_HALF", "MEMORY_OP_TRAFFIC_FACTOR", "KERNEL_STYLES",
     "UNALIGNED_GEMM_FRACTION", "unaligned_gemm_slowdown", "activation_memory_time_s",
     "LOSS_KERNELS", "loss_traffic_bytes", "loss_time_s",
+    "FP8_RECIPES", "FP8_CAST_BYTES", "FP8_CAST_TRAFFIC_FACTOR", "fp8_cast_time_s",
 ]
 
 # Size at which a GEMM reaches half the large-GEMM efficiency. From H100 SXM torch.matmul bf16:
@@ -202,6 +203,60 @@ OPTIMIZER_PASS_BYTES = {"adam": 28.0, "grad_norm": 4.0, "master_copy": 6.0}
 OPTIMIZER_BANDWIDTH_FRACTION = 0.89
 
 
+# FP8 training (Transformer Engine's fp8 autocast, torchao's float8 Linear) runs the GEMMs of
+# the model's Linear layers in float8 -- e4m3 inputs and weights, e5m2 (or e4m3) output
+# gradients, bf16 results -- and everything else in bf16: attention, norms, elementwise ops, the
+# loss, the vocabulary projection (excluded by Megatron-Core and by torchtitan's float8
+# converter), and every tensor handed between ops. Each fp8 GEMM first quantises its operands:
+# a memory-bound pass over each bf16 tensor per micro-batch. Bytes moved per element of each
+# operand by scaling recipe, (forward input, forward weight, backward input, backward weight,
+# backward output gradient):
+# - "delayed" (Transformer Engine's DelayedScaling, Megatron-Core's --fp8-recipe delayed): the
+#   scale comes from earlier steps' amax history, so one fused cast-transpose kernel reads the
+#   bf16 tensor (2 B) and writes it in fp8 and transposed in fp8 for the other GEMM (2 x 1 B);
+#   backward reuses the saved transposes;
+# - "tensorwise" (dynamic current scaling: torchao's default, TE's Float8CurrentScaling): an
+#   amax reduction pass (2 B read) before the cast-transpose (4 B);
+# - "rowwise" (torchao's rowwise, per-row scales): the amax of a row fuses into its cast (3 B),
+#   and backward quantises the saved bf16 input and the weight again along the other axis (3 B
+#   each) and the output gradient along both (6 B).
+FP8_RECIPES = ("delayed", "tensorwise", "rowwise")
+FP8_CAST_BYTES = {"delayed": (4.0, 4.0, 0.0, 0.0, 4.0),
+                  "tensorwise": (6.0, 6.0, 0.0, 0.0, 6.0),
+                  "rowwise": (3.0, 3.0, 3.0, 3.0, 6.0)}
+# Time those passes take over the time their bytes take at the memory bandwidth. "eager"
+# (PyTorch ops one by one: abs, amax, scale, clamp, cast -- each its own pass) is measured on an
+# H200 (tests/data/h200_kernels.json, "fp8_cast", 2026-11-26: dynamic per-tensor e4m3 casts of
+# 8192x4096, 16384x8192 and 8192x14336 bf16 tensors, with and without the transposed copy,
+# against a bf16 copy of the same tensor): 8.6-9.7x, median 9.1. A cast compiled alone
+# (torch.compile: a split amax reduction, then one cast kernel) took 1.5-3.5x, but in fused-
+# kernel software the casts fuse into the ops producing their operands (the norm before a
+# projection, the activation before the down projection, the elementwise backward before a
+# gradient's cast; Transformer Engine's LayerNormLinear likewise): "fused" is from the same
+# file's "fp8_step" (four Llama-3-8B-wide blocks, 8192 tokens, forward and backward under
+# torch.compile: bf16 73.6 ms, fp8 55.5 ms): the fp8 step less the bf16 step scaled by this
+# model's fp8/bf16 ratio without casts (0.702), over the casts' time per unit of the factor
+# (5.3 ms), is 0.72. The eager steps of that file (77.4 and 100.7 ms) check the "eager" factor:
+# this model gives their ratio as 1.27, measured 1.30.
+FP8_CAST_TRAFFIC_FACTOR = {"eager": 9.1, "fused": 0.72}
+
+
+def fp8_cast_time_s(device: DeviceSpec, recipe: str, kernels: str, *, inputs: float,
+                    weights: float, outputs: float) -> tuple[float, float]:
+    """(forward, backward) seconds quantising the operands of one fp8 GEMM over `inputs`,
+    `weights` and `outputs` elements (its activation input, weight and output) per micro-batch
+    (FP8_CAST_BYTES, FP8_CAST_TRAFFIC_FACTOR)."""
+    if recipe not in FP8_CAST_BYTES:
+        raise ValueError(f"fp8_recipe={recipe!r} is not known; use one of {', '.join(FP8_RECIPES)}")
+    if kernels not in FP8_CAST_TRAFFIC_FACTOR:
+        raise ValueError(f"kernels={kernels!r} is not known; use one of "
+                         f"{', '.join(FP8_CAST_TRAFFIC_FACTOR)}")
+    f_in, f_w, b_in, b_w, b_out = FP8_CAST_BYTES[recipe]
+    factor = FP8_CAST_TRAFFIC_FACTOR[kernels]
+    return (memory_time_s(device, factor * (f_in * inputs + f_w * weights)),
+            memory_time_s(device, factor * (b_in * inputs + b_w * weights + b_out * outputs)))
+
+
 def peak_flops(device: DeviceSpec, dtype: str) -> float:
     """Dense peak FLOP/s x achievable GEMM efficiency x sustained fraction for `dtype`."""
     if dtype not in device.peak_flops:
@@ -252,6 +307,8 @@ def gemm_time_s(device: DeviceSpec, dtype: str, flops: float, num_bytes: float) 
     if flops <= 0:
         return memory_time_s(device, num_bytes)
     half = device.gemm_half_efficiency_flops or GEMM_HALF_EFFICIENCY_FLOPS
+    if dtype == "fp8" and "bf16" in device.peak_flops:  # the same small-GEMM time floor: at a
+        half *= peak_flops(device, "fp8") / peak_flops(device, "bf16")  # higher rate, more FLOPs
     rate = peak_flops(device, dtype) * flops / (flops + half)
     return max(flops / rate, memory_time_s(device, num_bytes))
 

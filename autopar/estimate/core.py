@@ -97,6 +97,11 @@ class EstimateOptions:
     and backward comes after fewer than this many parameter elements of other uses is kept, not
     released and gathered again (DeepSpeed's stage3_max_reuse_distance, default 1e9; with full
     recompute it keeps a block's last tensors from its recompute to its backward)."""
+    fp8_recipe: Literal["delayed", "tensorwise", "rowwise"] = "tensorwise"
+    """How fp8 training scales the operands of its fp8 GEMMs (dtype "fp8" only): "delayed"
+    (Transformer Engine's amax history), "tensorwise" (dynamic per-tensor scales: torchao's
+    default, TE's current scaling) or "rowwise" (torchao's per-row scales). Costed by
+    costmodels.compute.fp8_cast_time_s."""
     recompute_early_stop: bool = True
     """Full recompute re-runs a block only until every tensor its backward saved is back, not
     its last GEMM and residual add: torch.utils.checkpoint non-reentrant (torch >= 2.1, as
@@ -408,7 +413,8 @@ def placement_key(cache: EvalCache, config: ParallelConfig) -> tuple:
 def _degrees_key(config: ParallelConfig, dtype: str, options: EstimateOptions) -> tuple:
     return (config.micro_batch_size, config.tp, config.cp, config.ep, config.sequence_parallel,
             config.recompute, options.attention_kernel, options.overlap_tp_comm,
-            options.kernels, options.loss_kernel, options.recompute_early_stop, dtype)
+            options.kernels, options.loss_kernel, options.recompute_early_stop, dtype,
+            options.fp8_recipe)
 
 
 def _times_key(cache: EvalCache, config: ParallelConfig, dtype: str,
@@ -437,7 +443,8 @@ def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dty
             compute = cache.compute[base] = {
                 u.name: unit_compute(u, cluster=cache, dtype=dtype, cfg=config,
                                      attention_kernel=options.attention_kernel,
-                                     kernels=options.kernels, loss_kernel=options.loss_kernel)
+                                     kernels=options.kernels, loss_kernel=options.loss_kernel,
+                                     fp8_recipe=options.fp8_recipe)
                 for u in cache.units[mbs]}
         times = cache.times[key] = {
             u.name: unit_times(u, cluster=cache, dtype=dtype, cfg=config, groups=groups,

@@ -30,8 +30,9 @@ from autopar.cluster import Cluster
 from autopar.config import DEFAULT_MESH_ORDER, ParallelConfig
 from autopar.estimate.units import OpCost, Unit
 from costmodels.collectives import GroupLayout, estimate_on_layout, group_layout
-from costmodels.compute import (activation_memory_time_s, attention_time_s, gemm_time_s,
-                                loss_time_s, op_overhead_s, unaligned_gemm_slowdown)
+from costmodels.compute import (activation_memory_time_s, attention_time_s, fp8_cast_time_s,
+                                gemm_time_s, loss_time_s, op_overhead_s,
+                                unaligned_gemm_slowdown)
 
 __all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitCompute", "UnitTimes", "axis_strides",
            "mesh_groups", "op_times", "rank_groups", "replica_axes", "slowest_groups",
@@ -337,12 +338,17 @@ def cp_attention_load(cp: int, *, causal: bool, balanced: bool) -> float:
 
 
 def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
-             kernel: str, kernels: str = "eager", loss_kernel: str = "eager"
-             ) -> tuple[float, float, float]:
+             kernel: str, kernels: str = "eager", loss_kernel: str = "eager",
+             fp8_recipe: str = "tensorwise") -> tuple[float, float, float]:
     """(forward, backward, weight-grad part of backward) seconds of one op on one rank. A
-    cross-entropy runs on logits sharded over tp (vocabulary-parallel) and cp."""
+    cross-entropy runs on logits sharded over tp (vocabulary-parallel) and cp. Under fp8
+    training only the Linear layers' GEMMs (`OpCost.fp8_elements`) run in fp8, with their
+    operands' casts by `fp8_recipe`; every other op runs in bf16."""
     device = cluster.hardware.device
     tp, cp = cfg.tp, cfg.cp
+    fp8 = dtype == "fp8" and op.kind == "gemm" and bool(op.fp8_elements)
+    if dtype == "fp8" and not fp8:
+        dtype = "bf16"
     if op.kind == "gemm":
         scale = tp * cp
         fwd = gemm_time_s(device, dtype, op.flops_fwd / scale, op.bytes_fwd / scale)
@@ -350,7 +356,14 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         if not op.aligned and kernels == "eager":  # fused-kernel software pads the sizes
             fwd *= unaligned_gemm_slowdown(device, dtype, backward=False)
             bwd *= unaligned_gemm_slowdown(device, dtype, backward=True)
-        return fwd, bwd, bwd / 2 if op.flops_bwd >= 2 * op.flops_fwd else 0.0
+        wgrad = bwd / 2 if op.flops_bwd >= 2 * op.flops_fwd else 0.0
+        if fp8:
+            inputs, weights, outputs = op.fp8_elements
+            cast_fwd, cast_bwd = fp8_cast_time_s(device, fp8_recipe, kernels,
+                                                 inputs=inputs / scale, weights=weights / tp,
+                                                 outputs=outputs / scale)
+            fwd, bwd = fwd + cast_fwd, bwd + cast_bwd
+        return fwd, bwd, wgrad
     if op.kind == "attention":
         scale = tp * cp / cp_attention_load(cp, causal=op.causal, balanced=op.cp_balanced)
         common = dict(io_bytes=op.bytes_fwd / scale, score_bytes=op.score_bytes / scale,
@@ -416,14 +429,15 @@ class UnitCompute:
 
 
 def unit_compute(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
-                 attention_kernel: str, kernels: str = "eager",
-                 loss_kernel: str = "eager") -> UnitCompute:
+                 attention_kernel: str, kernels: str = "eager", loss_kernel: str = "eager",
+                 fp8_recipe: str = "tensorwise") -> UnitCompute:
     """`UnitCompute` of `unit` (it depends on the micro-batch, tp, cp, SP, dtype and kernels,
     not on where the groups lie)."""
     fwd = bwd = wgrad = attn_fwd = attn_bwd = gemm_fwd = gemm_bwd = tail_fwd = 0.0
     tail_gemms = 0
     for op in unit.ops:
-        f, b, w = op_times(op, cluster, dtype, cfg, attention_kernel, kernels, loss_kernel)
+        f, b, w = op_times(op, cluster, dtype, cfg, attention_kernel, kernels, loss_kernel,
+                           fp8_recipe)
         fwd, bwd, wgrad = fwd + f, bwd + b, wgrad + w
         if op.tail:
             tail_fwd += f

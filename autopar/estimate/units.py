@@ -61,6 +61,10 @@ class OpCost:
     tail: bool = False
     logits: float = 0.0  # a cross-entropy: elements of its logits (timed by `loss_time_s`)
     logit_bytes: int = 0  # bytes of one logit in its traced dtype
+    # a Linear layer's GEMM, which fp8 training runs in fp8: elements of its activation input,
+    # weight and output, whose fp8 casts it pays (costmodels.compute.fp8_cast_time_s); (): a GEMM
+    # that stays in 16 bits (no weight, a convolution, the vocabulary projection)
+    fp8_elements: tuple[float, float, float] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,7 +125,8 @@ class Unit:
         ops = tuple(op if op.batch_free else
                     replace(op, flops_fwd=op.flops_fwd * factor, flops_bwd=op.flops_bwd * factor,
                             bytes_fwd=op.fixed_bytes + (op.bytes_fwd - op.fixed_bytes) * factor,
-                            score_bytes=op.score_bytes * factor, logits=op.logits * factor)
+                            score_bytes=op.score_bytes * factor, logits=op.logits * factor,
+                            fp8_elements=_scaled_fp8(op.fp8_elements, factor))
                     for op in self.ops)
         return replace(self, ops=ops, saved_bytes=self.saved_bytes * factor,
                        saved_bytes_recompute=self.saved_bytes_recompute * factor,
@@ -133,6 +138,26 @@ class Unit:
                        loss_logits=self.loss_logits * factor,
                        loss_logit_bytes=self.loss_logit_bytes * factor,
                        tp_syncs=tuple((d, k, n * factor) for d, k, n in self.tp_syncs))
+
+
+def _scaled_fp8(elements: tuple[float, ...], factor: float) -> tuple[float, ...]:
+    """`OpCost.fp8_elements` at `factor` times the batch: the activations scale, the weight
+    does not."""
+    if not elements:
+        return elements
+    inputs, weights, outputs = elements
+    return inputs * factor, weights, outputs * factor
+
+
+def _fp8_elements(node: Node, vocab: bool) -> tuple[float, float, float] | tuple[()]:
+    """`OpCost.fp8_elements` of a GEMM node: a matmul reading a parameter weight, not over the
+    vocabulary."""
+    if node.kind is not OpKind.MATMUL or not node.params or vocab:
+        return ()
+    params = {f"param:{p.fqn}" for p in node.params}
+    inputs = sum(t.numel for t, src in zip(node.inputs, node.input_sources) if src not in params)
+    return (float(inputs), float(sum(p.numel for p in node.params)),
+            float(sum(t.numel for t in node.outputs[:1])))
 
 
 def _aligned(node: Node) -> bool:
@@ -233,10 +258,11 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         weights = sum(p.num_bytes for p in node.params)
         fixed = dict(fixed_bytes=_fixed_bytes(node, derived), batch_free=not derived[node.name])
         if node.kind in _GEMM_KINDS:
+            vocab = _vocab_sized(node, vocab_dims)
             ops.append(OpCost(kind="gemm", flops_fwd=node.flops_fwd, flops_bwd=node.flops_bwd,
-                              bytes_fwd=io, param_bytes=weights, expert=in_moe,
-                              vocab=_vocab_sized(node, vocab_dims), aligned=_aligned(node),
-                              tail=node.name in tail, **fixed))
+                              bytes_fwd=io, param_bytes=weights, expert=in_moe, vocab=vocab,
+                              aligned=_aligned(node), tail=node.name in tail,
+                              fp8_elements=_fp8_elements(node, vocab), **fixed))
         elif node.kind is OpKind.ATTENTION and node.attention is not None:
             a = node.attention
             score = a.batch * a.num_heads * a.seq_q * a.seq_kv * node.inputs[0].num_bytes \

@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 __all__ = ["trace"]
 
 _MAX_ATTEMPTS = 16
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
+# fp8 training keeps weights and every tensor between ops in bf16 and casts a Linear's operands
+# to fp8 inside its GEMM (costmodels.compute.FP8_CAST_BYTES): its graph is the bf16 one
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
 
 
 def trace(
@@ -58,7 +60,7 @@ def trace(
     token ids; the graph covers that many sequences). Other models: pass ``example_inputs``
     (a tensor, a tuple of them, or a dict of keyword inputs; one micro-batch; meta is fine).
     ``dtype`` ("bf16", "fp16", "fp8", "fp32") costs every floating tensor in that precision
-    instead of the model's own. ``moe_capacity_factor`` scales the tokens each expert gets
+    instead of the model's own (bf16 for "fp8", whose tensors between ops are bf16). ``moe_capacity_factor`` scales the tokens each expert gets
     under uniform top-k routing.
     """
     if not isinstance(model, nn.Module):
