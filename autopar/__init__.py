@@ -9,12 +9,13 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.errors import InvalidConfigError, NoPlanFitsError
 from autopar.estimate import Estimate, EstimateOptions, estimate
+from autopar.estimate.software import SOFTWARE
 from autopar.plan import Plan, load_plan
 from autopar.plan.explain import diff
 from autopar.search.outer import SearchSettings
 from autopar.trace import trace
 
 __all__ = ["Cluster", "Estimate", "EstimateOptions", "InvalidConfigError", "NoPlanFitsError",
-           "ParallelConfig", "Plan", "SearchSettings", "compile", "diff", "estimate", "load_plan",
-           "models", "trace"]
+           "ParallelConfig", "Plan", "SOFTWARE", "SearchSettings", "compile", "diff", "estimate",
+           "load_plan", "models", "trace"]
 __version__ = "0.1.0"

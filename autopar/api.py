@@ -13,7 +13,8 @@ import torch.nn as nn
 from autopar.cluster import Cluster
 from autopar.estimate.bounds import BOUND_MARGIN, exact_step_lower_bound
 from autopar.estimate.core import EstimateOptions, EvalCache, ModelCosts, evaluate, layer_costs
-from autopar.errors import StageMemoryError
+from autopar.estimate.software import preset_of, software_options
+from autopar.errors import NoPlanFitsError, StageMemoryError
 from autopar.search.inter_op import partition_stages
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES
 from autopar.models.common import count_attention_calls
@@ -31,18 +32,21 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
             seq_len: int | None = None, example_inputs: Any = None, dtype: str = "bf16",
             constraints: dict[str, Any] | None = None,
             options: EstimateOptions = EstimateOptions(),
-            settings: SearchSettings = SearchSettings()) -> Plan:
+            settings: SearchSettings = SearchSettings(),
+            software: str | None = None) -> Plan:
     """The fastest plan that fits for `model` on `cluster` at this training shape.
 
     Token models take `global_batch_size` (sequences) and `seq_len`; other models take
     `example_inputs` for one micro-batch. `constraints` pins any ParallelConfig field, e.g.
     {"tp": 2, "pp": 2} or {"mesh_order": "dp,pp,cp,tp"}; `settings.mesh_orders` searches
-    other mesh orders than the default. Raises NoPlanFitsError when nothing fits, saying by
-    how much.
+    other mesh orders than the default. `software` names the engine's preset the plans are
+    costed with (`autopar.SOFTWARE`), or `options` sets each field. Raises NoPlanFitsError
+    when nothing fits, saying by how much.
     """
     from autopar.trace import trace
 
     constraints = check_constraints(constraints)  # as the plan records them
+    options = software_options(software, options)
 
     if not isinstance(cluster, Cluster):
         raise ValueError(f"cluster must be an autopar.Cluster, got {type(cluster).__name__}")
@@ -69,26 +73,30 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
         costs = costs.with_cp_layout("contiguous")
     if limits.ep_dispatch == "all_gather":
         costs = costs.with_ep_dispatch("all_gather")
-    cache = EvalCache(cluster)  # the search's memo tables, reused by the stage re-cut
-    result, error = None, None
-    for region in _within_limits(constraints, limits):
-        try:
-            found = search(costs, cluster, global_batch_size=global_batch_size, dtype=dtype,
-                           constraints=region, options=options, settings=settings,
-                           cache=cache)
-        except ValueError as exc:  # NoPlanFitsError too: the other region may hold a plan
-            error = error or exc
-            continue
-        if result is None or found.best.step_time_s < result.best.step_time_s:
-            result = found
+    regions = _within_limits(constraints, limits)
+    # plans fill the device less the headroom, or where nothing fits there the whole device
+    planned = cluster.with_memory_headroom(settings.memory_headroom)
+    cache = EvalCache(planned)  # the search's memo tables, reused by the stage re-cut
+    kw = dict(global_batch_size=global_batch_size, dtype=dtype, options=options,
+              settings=settings)
+    result, error = _search_regions(costs, planned, regions, cache=cache, **kw)
+    headroom_kept = result is not None or not settings.memory_headroom
+    if not headroom_kept and isinstance(error, NoPlanFitsError):
+        planned, cache = cluster, EvalCache(cluster)
+        result, error = _search_regions(costs, planned, regions, cache=cache, **kw)
+        if result is not None:
+            log.warning("no plan fits within the %g%% memory headroom (SearchSettings."
+                        "memory_headroom); returning the best that fits the whole device, "
+                        "its peak %.1f%% of device memory", 100 * settings.memory_headroom,
+                        100 * result.best.peak_memory_bytes / result.best.usable_memory_bytes)
     if result is None:
         raise error
     clock.lap("search")
-    best = _rebalance_stages(costs, cluster, result.best, global_batch_size, dtype, options,
+    best = _rebalance_stages(costs, planned, result.best, global_batch_size, dtype, options,
                              cache)
     clock.lap("stage_dp")
     cfg = best.config
-    tp_map, intra_op = tp_layout(model, graph, cluster, best, dtype, seq_len, example_inputs)
+    tp_map, intra_op = tp_layout(model, graph, planned, best, dtype, seq_len, example_inputs)
     clock.lap("intra_op")
     placements, fingerprint = param_placements(graph, cfg, tp_map), graph.fingerprint()
     clock.lap("plan")
@@ -107,6 +115,10 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
         training={"global_batch_size": global_batch_size, "seq_len": graph.seq_len,
                   **({"input": input_spec} if input_spec else {}),
                   "dtype": dtype, "constraints": dict(sorted(constraints.items())),
+                  "memory_headroom": settings.memory_headroom,
+                  "memory_headroom_kept": headroom_kept,
+                  "device_memory_bytes": cluster.hardware.device.memory_bytes,
+                  "software": software or preset_of(options),
                   "options": {k: getattr(options, k) for k in options.__dataclass_fields__}},
         candidates=result.candidates,
         search={"num_considered": result.num_considered,
@@ -116,6 +128,21 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
                 "seconds": result.seconds,
                 "phase_seconds": clock.laps,
                 "stage_cut": "inter-op DP" if best is not result.best else "even (Megatron)"})
+
+
+def _search_regions(costs: ModelCosts, cluster: Cluster, regions: list[dict[str, Any]], *,
+                    cache: EvalCache, **kw: Any) -> tuple[Any, Exception | None]:
+    """(the fastest search result over the regions, or None; the first region's error)."""
+    result, error = None, None
+    for region in regions:
+        try:
+            found = search(costs, cluster, constraints=region, cache=cache, **kw)
+        except ValueError as exc:  # NoPlanFitsError too: the other region may hold a plan
+            error = error or exc
+            continue
+        if result is None or found.best.step_time_s < result.best.step_time_s:
+            result = found
+    return result, error
 
 
 def _input_spec(example_inputs: Any) -> dict[str, Any] | None:

@@ -130,7 +130,7 @@ def _plan(console: Console, args: argparse.Namespace) -> None:
     cluster = _cluster(args)
     plan = autopar.compile(model, cluster, global_batch_size=args.global_batch,
                            seq_len=args.seq_len, dtype=args.dtype,
-                           constraints=_parse_pins(args.pin),
+                           constraints=_parse_pins(args.pin), software=args.software,
                            settings=autopar.SearchSettings(mesh_orders=args.mesh_orders))
     phases = plan.search["phase_seconds"]
     console.print(f"autopar plan: {args.model} on {cluster.describe()} "
@@ -188,6 +188,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     plan.add_argument("--seq-len", type=int, required=True)
     plan.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp8", "fp32"))
+    plan.add_argument("--software", default=None,
+                      choices=("autopar", "megatron", "torchtitan", "torchtitan-compile",
+                               "deepspeed"),
+                      help="cost with this engine's software preset (autopar.SOFTWARE); "
+                           "default: autopar's runtime")
     plan.add_argument("--pin", action="append", metavar="FIELD=VALUE",
                       help="pin a ParallelConfig field, e.g. --pin tp=8 or --pin "
                            "mesh_order=dp,pp,cp,tp")

@@ -7,7 +7,7 @@ model itself is in `costmodels.collectives`; this class only fixes the world and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -68,6 +68,18 @@ class Cluster:
         if Path(path).suffix != ".toml":
             raise ValueError(f"from_toml takes a path to a .toml profile, got {str(path)!r}")
         return cls(hardware=HardwareProfile.load(Path(path), **overrides), num_nodes=num_nodes)
+
+    def with_memory_headroom(self, fraction: float) -> "Cluster":
+        """This cluster with `fraction` of each device's memory held back: the memory a plan
+        may fill (`SearchSettings.memory_headroom`). Only the memory changes."""
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+                or not 0 <= fraction < 1:
+            raise ValueError(f"memory headroom must be a fraction in [0, 1), got {fraction!r}")
+        if fraction == 0:
+            return self
+        device = replace(self.hardware.device,
+                         memory_bytes=self.hardware.device.memory_bytes * (1 - fraction))
+        return replace(self, hardware=replace(self.hardware, device=device))
 
     @property
     def gpus_per_node(self) -> int:

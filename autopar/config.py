@@ -135,6 +135,14 @@ def divisors(n: int) -> list[int]:
     return small + [n // d for d in reversed(small) if d * d != n]
 
 
+# Schedules that run with fewer micro-batches than pipeline ranks: GPipe (every rank runs all
+# forwards, then all backwards; PyTorch's ScheduleGPipe takes any number) and 1F1B as
+# Megatron-LM and DeepSpeed run it (the warm-up capped at the micro-batches; PyTorch's
+# Schedule1F1B refuses it, so autopar's runtime runs such a plan in GPipe's order and the
+# search offers GPipe there)
+FEW_MICROBATCHES = ("gpipe", "1f1b")
+
+
 def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int,
                  num_layers: int, num_heads: int | None = None,
                  num_kv_heads: int | None = None, num_experts: int | None = None,
@@ -196,14 +204,14 @@ def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int
         raise InvalidConfigError(
             f"pp*virtual_stages = {stages} stages for {num_layers} layers: every "
             f"stage needs at least one layer")
-    if cfg.pp > 1 and num_microbatches < cfg.pp:
-        # PyTorch's pipelining 1F1B schedule refuses it, and the runtime refuses it for every
-        # schedule (a step with idle pipeline ranks is never worth running)
+    if cfg.pp > 1 and num_microbatches < cfg.pp and cfg.pp_schedule not in FEW_MICROBATCHES:
         raise InvalidConfigError(
-            f"pp={cfg.pp} needs at least {cfg.pp} micro-batches per step, one per "
-            f"pipeline rank; global_batch_size / (dp*micro_batch_size) = "
-            f"{global_batch_size} / ({cfg.dp}*{cfg.micro_batch_size}) = "
-            f"{num_microbatches}: lower micro_batch_size, dp or pp")
+            f"pp_schedule={cfg.pp_schedule} with pp={cfg.pp} needs at least {cfg.pp} "
+            f"micro-batches per step, one per pipeline rank; global_batch_size / "
+            f"(dp*micro_batch_size) = {global_batch_size} / ({cfg.dp}*{cfg.micro_batch_size}) "
+            f"= {num_microbatches}: lower micro_batch_size, dp or pp, or use "
+            f"{' or '.join(FEW_MICROBATCHES)} (they run fewer micro-batches than ranks, "
+            f"with a larger bubble)")
     if cfg.pp_schedule == "interleaved-1f1b" and cfg.pp > 1 and num_microbatches % cfg.pp:
         raise InvalidConfigError(
             f"interleaved-1f1b needs the {num_microbatches} micro-batches to be a "

@@ -559,12 +559,18 @@ def estimate_graph(graph: Graph, cluster: Cluster, config: ParallelConfig, *,
 def estimate(model: nn.Module | Graph, cluster: Cluster, config: ParallelConfig, *,
              global_batch_size: int, seq_len: int | None = None, dtype: str = "bf16",
              example_inputs: Any = None,
-             options: EstimateOptions = EstimateOptions()) -> Estimate:
+             options: EstimateOptions = EstimateOptions(),
+             software: str | None = None) -> Estimate:
     """Predict step time, breakdown and memory per rank of `config` for `model` on `cluster`.
 
     Token models take `global_batch_size` (sequences) and `seq_len`; other models take
-    `example_inputs` for one micro-batch. `dtype` is the training precision.
+    `example_inputs` for one micro-batch. `dtype` is the training precision. `software`
+    names the engine's preset (`autopar.SOFTWARE`: "autopar", "megatron", "torchtitan",
+    "torchtitan-compile", "deepspeed"), or `options` sets each field.
     """
+    from autopar.estimate.software import software_options
+
+    options = software_options(software, options)
     if not isinstance(cluster, Cluster):
         raise ValueError(f"cluster must be an autopar.Cluster, got {type(cluster).__name__}")
     if not isinstance(config, ParallelConfig):

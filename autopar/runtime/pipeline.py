@@ -48,6 +48,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from autopar.config import FEW_MICROBATCHES
 from autopar.runtime.structure import block_slots
 
 __all__ = ["SCHEDULES", "ModelLayout", "build_stage_modules", "install_stage_io",
@@ -502,10 +503,15 @@ def make_schedule(plan: Any, stages: list[Any], n_microbatches: int, loss_fn: An
     if name not in SCHEDULES:
         raise NotImplementedError(f"pipeline schedule {name!r} is not in this runtime yet "
                                   f"(runs: {', '.join(SCHEDULES)}); pin pp_schedule when compiling")
-    cls = getattr(schedules, SCHEDULES[name])
     if n_microbatches < plan.config.pp:
-        raise ValueError(f"{n_microbatches} micro-batches is fewer than the {plan.config.pp} "
-                         f"pipeline ranks; lower micro_batch_size")
+        if name not in FEW_MICROBATCHES:
+            raise ValueError(f"{n_microbatches} micro-batches is fewer than the "
+                             f"{plan.config.pp} pipeline ranks, which {name} cannot run; lower "
+                             f"micro_batch_size")
+        # PyTorch's Schedule1F1B refuses it; 1F1B with its warm-up capped at the
+        # micro-batches differs from GPipe's order on the last ranks alone
+        name = "gpipe"
+    cls = getattr(schedules, SCHEDULES[name])
     if name in MULTI_STAGE:
         schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
     elif len(stages) != 1:

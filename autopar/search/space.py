@@ -45,6 +45,7 @@ COLUMNS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "micro_batch_size", "pp_s
 # the columns per-unit times depend on (the key of `EvalCache.times`, less the options)
 TIME_KEY_COLUMNS = ("micro_batch_size", "tp", "cp", "ep", "sequence_parallel", "recompute")
 _INTERLEAVED = PP_SCHEDULES.index("interleaved-1f1b")
+_GPIPE = PP_SCHEDULES.index("gpipe")
 _ZERO_BUBBLE = PP_SCHEDULES.index("zero-bubble")
 
 
@@ -179,17 +180,18 @@ def _block(gbs: int, constraints: dict[str, Any], grids: _Grids, *, dp: int, pp:
            max_mbs: int, max_v: int) -> dict[str, np.ndarray] | None:
     """The ZeRO, micro-batch, schedule, virtual-stage, SP and recompute columns of the rows
     of one (tp, cp, pp, dp, ep): the product micro-batch x recompute x SP x schedule x ZeRO
-    in that nesting (C order), micro-batch sizes that leave at least pp micro-batches, less
-    interleaved rows whose micro-batch count is not a multiple of pp. SP is searched `with_sp` (tp > 1 and the model has a sequence: CNNs have
+    in that nesting (C order), less the rows with fewer micro-batches than pp unless GPipe
+    and interleaved rows whose micro-batch count is not a multiple of pp. SP is searched `with_sp` (tp > 1 and the model has a sequence: CNNs have
     no token dimension to split), ZeRO `with_zero` (dp * cp > 1)."""
     zeros = _allowed("zero_stage", [0, 1, 2, 3] if with_zero else [0], constraints)
     sps = _allowed("sequence_parallel", [False, True] if with_sp else [False], constraints)
     # with a fused kernel selective recompute equals none
     recomputes = _allowed("recompute", ["none", "selective", "full"] if math_attention
                           else ["none", "full"], constraints)
-    # a pipeline needs a micro-batch per rank at least (`check_config`)
-    mbss = _allowed("micro_batch_size", [b for b in divisors(gbs // dp)
-                                         if b <= max_mbs and gbs // (dp * b) >= pp], constraints)
+    # fewer micro-batches than pipeline ranks: GPipe alone (`check_config`; the runtime's
+    # 1F1B needs one per rank)
+    mbss = _allowed("micro_batch_size", [b for b in divisors(gbs // dp) if b <= max_mbs],
+                    constraints)
     if pp == 1:
         schedules = [("1f1b", 1)]
     else:
@@ -214,8 +216,11 @@ def _block(gbs: int, constraints: dict[str, Any], grids: _Grids, *, dp: int, pp:
         "sequence_parallel": grids.array(tuple(int(x) for x in sps))[i_sp],
         "recompute": grids.array(tuple(RECOMPUTE_POLICIES.index(r) for r in recomputes))[i_rc],
     }
-    if pp > 1 and any(s == "interleaved-1f1b" for s, _ in schedules):
-        keep = ~((sched == _INTERLEAVED) & ((gbs // (dp * mbs)) % pp != 0))
+    if pp > 1:
+        m = gbs // (dp * mbs)
+        keep = (m >= pp) | (sched == _GPIPE)
+        if any(s == "interleaved-1f1b" for s, _ in schedules):
+            keep &= ~((sched == _INTERLEAVED) & (m % pp != 0))
         if not keep.all():
             out = {name: col[keep] for name, col in out.items()}
     return out

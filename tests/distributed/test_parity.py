@@ -40,6 +40,9 @@ CONFIGS = [
     ("tp_sp", 2, "tiny_llama_wide", {"tp": 2, "sequence_parallel": True}),
     ("pp_1f1b", 2, "tiny_llama", {"pp": 2, "pp_schedule": "1f1b", "micro_batch_size": 2}),
     ("pp_gpipe", 2, "tiny_llama", {"pp": 2, "pp_schedule": "gpipe", "micro_batch_size": 2}),
+    # fewer micro-batches (1) than pipeline ranks: GPipe runs it
+    ("pp_gpipe_one_microbatch", 2, "tiny_llama", {"pp": 2, "pp_schedule": "gpipe",
+                                                  "micro_batch_size": 8}),
     ("tp_pp", 4, "tiny_llama_wide", {"tp": 2, "pp": 2, "pp_schedule": "1f1b",
                                      "micro_batch_size": 2, "sequence_parallel": False}),
     ("pp_interleaved", 2, "tiny_llama", {"pp": 2, "pp_schedule": "interleaved-1f1b",

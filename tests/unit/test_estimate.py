@@ -132,14 +132,29 @@ def test_pipeline_bubble_shrinks_like_p_minus_1_over_m(schedule):
     assert shares[0] > shares[1] > shares[2]
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_fewer_micro_batches_than_pipeline_ranks_pay_the_larger_bubble(schedule):
+    """m = 2 micro-batches on pp = 4 ranks (Megatron-LM and DeepSpeed run it; GPipe in any
+    runtime): every rank idles (p - 1) of the m + p - 1 slots of its pipelined work, a larger
+    share of the step than with m = p."""
+    _, few = run(dp=2, pp=4, gbs=16, micro_batch_size=4, pp_schedule=schedule)
+    _, enough = run(dp=2, pp=4, gbs=16, micro_batch_size=2, pp_schedule=schedule)
+    assert (few.num_microbatches, enough.num_microbatches) == (2, 4)
+    m, p = 2, 4
+    assert few.breakdown["bubble"] / few.step_time_s >= 0.5 * (p - 1) / (m + p - 1)
+    assert few.breakdown["bubble"] / few.step_time_s > \
+        enough.breakdown["bubble"] / enough.step_time_s
+
+
 @pytest.mark.parametrize("cfg,match", [
     (dict(dp=4), r"dp\*tp\*pp\*cp = 4\*1\*1\*1 = 4, but the cluster has 8 GPUs; dp=8"),
     (dict(dp=2, tp=4, micro_batch_size=3), "not a multiple of dp\\*micro_batch_size"),
     (dict(dp=1, tp=8, ep=2), "ep=2 must divide dp\\*cp = 1"),
     (dict(dp=8, ep=2), "needs a model with experts"),
     (dict(dp=1, pp=8), "8 pipeline stages for 4 layers|pp\\*virtual_stages = 8 stages"),
-    (dict(dp=2, pp=4, micro_batch_size=4), r"pp=4 needs at least 4 micro-batches per step, one "
-                                           r"per pipeline rank; .* = 16 / \(2\*4\) = 2: lower"),
+    (dict(dp=2, pp=4, micro_batch_size=4, pp_schedule="zero-bubble"),
+     r"pp_schedule=zero-bubble with pp=4 needs at least 4 micro-batches per step, one per "
+     r"pipeline rank; .* = 16 / \(2\*4\) = 2: lower .* or use gpipe or 1f1b"),
 ])
 def test_bad_configs_say_what_is_wrong_and_what_would_work(cfg, match):
     with pytest.raises(ValueError, match=match):

@@ -87,8 +87,7 @@ def _oracle_configs(costs, cluster, *, global_batch_size, constraints, options, 
                             [("interleaved-1f1b", v) for v in vs]
                     for mbs in allowed("micro_batch_size",
                                        [b for b in divisors(gbs // dp)
-                                        if b <= settings.max_micro_batch_size
-                                        and gbs // (dp * b) >= pp]):
+                                        if b <= settings.max_micro_batch_size]):
                         m = gbs // (dp * mbs)
                         for rc in allowed("recompute", rcs):
                             for sp in allowed("sequence_parallel", sps):
@@ -97,6 +96,8 @@ def _oracle_configs(costs, cluster, *, global_batch_size, constraints, options, 
                                             constraints.get("virtual_stages", v) != v:
                                         continue
                                     if sched == "interleaved-1f1b" and m % pp:
+                                        continue
+                                    if m < pp and sched != "gpipe":  # GPipe alone runs it
                                         continue
                                     for zero in allowed("zero_stage", zeros):
                                         yield ParallelConfig(
