@@ -32,7 +32,7 @@ __all__ = [
     "KERNEL_GAP_S", "OPTIMIZER_PASS_BYTES", "OPTIMIZER_BANDWIDTH_FRACTION",
     "optimizer_bytes_per_param", "SUSTAINED_COMPUTE_FRACTION", "sustained_fraction",
     "op_overhead_s", "peak_flops", "gemm_time_s", "memory_time_s", "attention_time_s", "optimizer_time_s",
-    "fused_attention_fraction", "ATTENTION_SEQ_HALF", "MEMORY_OP_TRAFFIC_FACTOR", "KERNEL_STYLES",
+    "fused_attention_fraction", "ATTENTION_SEQ_HALF", "ATTENTION_CALL_FLOOR_S", "MEMORY_OP_TRAFFIC_FACTOR", "KERNEL_STYLES",
     "UNALIGNED_GEMM_FRACTION", "unaligned_gemm_slowdown", "activation_memory_time_s",
     "LOSS_KERNELS", "loss_traffic_bytes", "loss_time_s",
     "FP8_RECIPES", "FP8_CAST_BYTES", "FP8_CAST_TRAFFIC_FACTOR", "fp8_cast_time_s",
@@ -69,6 +69,18 @@ FUSED_ATTENTION_PEAK_FRACTION = {
     ("cudnn", "hopper"): 0.59,
     ("flash3", "hopper"): 0.56,
 }
+
+# A fused attention call takes at least this long however little it computes: its kernels'
+# launch and prologue, and the host's dispatch of the call when the device outruns it (ring
+# attention under context parallelism makes several calls per layer on short chunks). Forward:
+# measured on an H200 (tests/data/h200_kernels.json, "cp_attention", 2026-11-26: flash
+# attention through SDPA, head dim 128, one sequence, the calls with the least work -- 8 heads
+# on 256-1024 tokens and 32 heads on 256-512 -- took 30-51 us, median 47 us, where the plateau
+# rate would take 1-11 us). Backward: twice that (an assumption: flash's backward launches two
+# kernels more, the dot(dO, O) pre-pass and the dQ conversion; the measured 0.2-0.5 ms of the
+# smallest fwd+bwd less fwd include autograd's start of each backward call, which a ring's
+# backward, calling the kernel inside one autograd node, does not pay per call).
+ATTENTION_CALL_FLOOR_S = {"fwd": 47e-6, "bwd": 94e-6}
 
 # Key/value length at which a fused kernel reaches half its long-sequence fraction, forward and
 # backward (the backward pipelines five GEMMs per tile and needs longer rows to fill the
@@ -342,11 +354,13 @@ def fused_attention_fraction(device: DeviceSpec, kernel: str) -> float:
 def attention_time_s(device: DeviceSpec, dtype: str, *, flops: float, io_bytes: float,
                      score_bytes: float, causal: bool, kernel: str, backward: bool,
                      seq_kv: float = 0.0, kernels: str = "eager",
-                     dropout: bool = False) -> float:
+                     dropout: bool = False, calls: int = 1) -> float:
     """One attention op. `flops` count the full (non-causal) score matrix, as the IR does;
     `score_bytes` is the size of the b·a·s_q·s_kv matrix in the compute dtype; `seq_kv` the
     key/value length one kernel call sees (0: long enough to reach the plateau); `dropout`:
-    dropout on the attention probabilities (its own kernel unless the attention is fused)."""
+    dropout on the attention probabilities (its own kernel unless the attention is fused);
+    `calls`: the fused kernel calls the work is split over (a context-parallel ring's blocks),
+    each taking at least ATTENTION_CALL_FLOOR_S."""
     if kernel != "math":
         work = flops * (0.5 if causal else 1.0)
         frac = fused_attention_fraction(device, kernel)
@@ -355,7 +369,9 @@ def attention_time_s(device: DeviceSpec, dtype: str, *, flops: float, io_bytes: 
             frac *= seq_kv / (seq_kv + half)
         rate = device.peak_flops[dtype if dtype in device.peak_flops else "bf16"] \
             * frac * sustained_fraction(device.arch)
-        return max(work / rate, memory_time_s(device, io_bytes))
+        floor = ATTENTION_CALL_FLOOR_S["bwd" if backward else "fwd"] if device.arch != "cpu" \
+            else 0.0
+        return max(work / rate, memory_time_s(device, io_bytes), calls * floor)
     passes = MATH_ATTENTION_SCORE_PASSES[(kernels, causal, "bwd" if backward else "fwd")]
     if dropout:
         passes += MATH_ATTENTION_DROPOUT_PASSES

@@ -35,8 +35,8 @@ from costmodels.compute import (activation_memory_time_s, attention_time_s, fp8_
                                 unaligned_gemm_slowdown)
 
 __all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitCompute", "UnitTimes", "axis_strides",
-           "mesh_groups", "op_times", "rank_groups", "replica_axes", "slowest_groups",
-           "tp_collectives", "unit_compute", "unit_times"]
+           "cp_attention_blocks", "mesh_groups", "op_times", "rank_groups", "replica_axes",
+           "slowest_groups", "tp_collectives", "unit_compute", "unit_times"]
 
 # A memory-bound op's backward reads the output gradient and the saved input and writes the
 # input gradient: about twice the forward's traffic (read input, write output).
@@ -337,6 +337,20 @@ def cp_attention_load(cp: int, *, causal: bool, balanced: bool) -> float:
     return 1.0 if balanced or not causal or cp == 1 else 2.0 - 1.0 / cp
 
 
+def cp_attention_blocks(cp: int, seq_kv: float, *, balanced: bool, causal: bool
+                        ) -> tuple[int, float]:
+    """(kernel calls, key length of each) of one attention on the busiest rank of a cp ring
+    (autopar.runtime.context_parallel's blocks). Zigzag chunks (two of seq/(2cp) per rank): a
+    causal mask leaves three of the four blocks of the first step and two of every later one,
+    2cp + 1 calls; without a mask all four, 4cp. One contiguous chunk per rank: one block per
+    step, cp calls on the last rank under a causal mask."""
+    if cp == 1:
+        return 1, seq_kv
+    if balanced:
+        return (2 * cp + 1 if causal else 4 * cp), seq_kv / (2 * cp)
+    return cp, seq_kv / cp
+
+
 def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
              kernel: str, kernels: str = "eager", loss_kernel: str = "eager",
              fp8_recipe: str = "tensorwise") -> tuple[float, float, float]:
@@ -366,9 +380,11 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         return fwd, bwd, wgrad
     if op.kind == "attention":
         scale = tp * cp / cp_attention_load(cp, causal=op.causal, balanced=op.cp_balanced)
+        calls, block = cp_attention_blocks(cp, op.seq_kv, balanced=op.cp_balanced,
+                                           causal=op.causal)
         common = dict(io_bytes=op.bytes_fwd / scale, score_bytes=op.score_bytes / scale,
-                      causal=op.causal, kernel=kernel, seq_kv=op.seq_kv / cp, kernels=kernels,
-                      dropout=op.dropout)
+                      causal=op.causal, kernel=kernel, seq_kv=block, kernels=kernels,
+                      dropout=op.dropout, calls=calls)
         fwd = attention_time_s(device, dtype, flops=op.flops_fwd / scale, backward=False, **common)
         bwd = attention_time_s(device, dtype, flops=op.flops_bwd / scale, backward=True, **common)
         return fwd, bwd, 0.0

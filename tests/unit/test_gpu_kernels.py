@@ -1,9 +1,10 @@
-"""The fp8 cost model against what an H200 measured, and one-GPU scripts of models written
-outside autopar's zoo against their plans.
+"""The fp8 cost model and ring-step attention against what an H200 measured, and one-GPU
+scripts of models written outside autopar's zoo against their plans.
 
 tests/data/h200_kernels.json was written by benchmarks/gpu_kernels.py on one H200 SXM
 (2026-11-26): fp8 and bf16 GEMMs at Llama-3 layer shapes, fp8 casts, a Float8 training step of
-Llama-3-8B-wide blocks, and `autopar codegen` scripts of benchmarks/gpu_models.py's models. A
+Llama-3-8B-wide blocks, flash attention at the chunk lengths of context-parallel ring steps,
+and `autopar codegen` scripts of benchmarks/gpu_models.py's models. A
 change to the cost model that breaks agreement with that measurement fails here.
 """
 
@@ -18,8 +19,8 @@ import autopar
 from autopar.config import ParallelConfig
 from autopar.estimate.timing import op_times, unit_compute
 from autopar.estimate.units import units_from_graph
-from costmodels.compute import (FP8_CAST_TRAFFIC_FACTOR, SUSTAINED_COMPUTE_FRACTION,
-                                gemm_time_s)
+from costmodels.compute import (ATTENTION_CALL_FLOOR_S, FP8_CAST_TRAFFIC_FACTOR,
+                                SUSTAINED_COMPUTE_FRACTION, attention_time_s, gemm_time_s)
 
 DATA = json.loads((Path(__file__).parents[1] / "data" / "h200_kernels.json").read_text())
 H200 = autopar.Cluster.from_profile("dgx-h200", num_nodes=1, gpus_per_node=1)
@@ -143,3 +144,49 @@ def test_generated_scripts_of_outside_models_against_their_plans(row):
     peak = row["peak_allocated_mib"] * 2**20
     assert est.tensor_memory_bytes <= peak <= min(est.peak_memory_bytes,
                                                   1.1 * est.tensor_memory_bytes)
+
+
+def test_attention_call_floor_is_the_measured_median_of_the_smallest_calls():
+    """The forward calls with the least work (8 heads on 256-1024 tokens, 32 heads on 256-512,
+    one sequence): 30-51 us whatever their FLOPs."""
+    small = [r["fwd_ms"] / 1e3 for r in DATA["cp_attention"]
+             if r["chunk"] <= (1024 if r["heads"] == 8 else 512)]
+    assert len(small) == 10
+    assert statistics.median(small) == pytest.approx(ATTENTION_CALL_FLOOR_S["fwd"], rel=0.05)
+
+
+def test_ring_step_attention_at_every_measured_chunk_length(monkeypatch):
+    """One ring step's flash attention (a chunk's queries against a chunk's keys), 256 to 32K
+    tokens, 8 and 32 heads, causal and not: the model's forward at full clocks over the
+    measured one lies within 0.6-1.6 (the per-call floor keeps the short chunks from being
+    predicted up to 30x too fast)."""
+    monkeypatch.setitem(SUSTAINED_COMPUTE_FRACTION, "hopper", 1.0)
+    device = H200.hardware.device
+    ratios = []
+    for r in DATA["cp_attention"]:
+        c, h = r["chunk"], r["heads"]
+        modelled = attention_time_s(device, "bf16", flops=4.0 * h * c * c * 128,
+                                    io_bytes=4 * h * c * 128 * 2, score_bytes=0,
+                                    causal=r["causal"], kernel="flash", backward=False,
+                                    seq_kv=c)
+        ratios.append(modelled * 1e3 / r["fwd_ms"])
+    assert 0.6 <= min(ratios) and max(ratios) <= 1.6, sorted(ratios)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_calls_are_the_runtimes_blocks(cp, layout, causal):
+    """The estimate's kernel calls per attention on the busiest cp rank equal the blocks the
+    runtime's ring computes there, and their key length the runtime's chunk."""
+    from autopar.estimate.timing import cp_attention_blocks
+    from autopar.runtime.context_parallel import _Ring
+
+    seq = 64 * cp
+    chunk = seq // (2 * cp) if layout == "zigzag" else seq // cp
+    rings = [_Ring(group=None, rank=r, size=cp, chunk=chunk, device=torch.device("cpu"),
+                   layout=layout, causal=causal) for r in range(cp)]
+    blocks = max(sum(1 for i in range(cp) for _ in ring.blocks((ring.rank - i) % cp))
+                 for ring in rings)
+    assert cp_attention_blocks(cp, seq, balanced=layout == "zigzag", causal=causal) == \
+        (blocks, chunk)

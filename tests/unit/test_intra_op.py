@@ -369,13 +369,13 @@ def test_gpt_mlp_is_column_then_row(cluster):
 
 
 def test_context_parallel_costs_one_ranks_share_of_the_sequence(cluster):
-    # cp=2 at 2,048 tokens: every tensor between the block's nodes and every kept activation
-    # is that of 1,024 tokens (a trace at half the sequence is the oracle); attention's work
+    # cp=2 at 8,192 tokens: every tensor between the block's nodes and every kept activation
+    # is that of 4,096 tokens (a trace at half the sequence is the oracle); attention's work
     # is half the full sequence's, more than the half-length trace's quarter (ring attention
     # covers the whole sequence)
-    model = build(preset("gpt3-1.3b", n_layers=2))
+    model = build(preset("gpt3-1.3b", n_layers=2, max_seq_len=8192))
     full, half = (autopar.trace(model, global_batch_size=1, seq_len=s, dtype="bf16")
-                  for s in (2048, 1024))
+                  for s in (8192, 4096))
     kw = dict(tp=4, cluster=cluster, dtype="bf16")
     shared = solve_block(full, full.blocks[0].node_names, sequence_shards=2, **kw)
     short = solve_block(half, half.blocks[0].node_names, **kw)
