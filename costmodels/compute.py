@@ -36,6 +36,7 @@ __all__ = [
     "UNALIGNED_GEMM_FRACTION", "unaligned_gemm_slowdown", "activation_memory_time_s",
     "LOSS_KERNELS", "loss_traffic_bytes", "loss_time_s",
     "FP8_RECIPES", "FP8_CAST_BYTES", "FP8_CAST_TRAFFIC_FACTOR", "fp8_cast_time_s",
+    "SCATTER_ADD_TRAFFIC_FACTOR",
 ]
 
 # Size at which a GEMM reaches half the large-GEMM efficiency. From H100 SXM torch.matmul bf16:
@@ -251,6 +252,17 @@ FP8_CAST_BYTES = {"delayed": (4.0, 4.0, 0.0, 0.0, 4.0),
 # (5.3 ms), is 0.72. The eager steps of that file (77.4 and 100.7 ms) check the "eager" factor:
 # this model gives their ratio as 1.27, measured 1.30.
 FP8_CAST_TRAFFIC_FACTOR = {"eager": 9.1, "fused": 0.72}
+
+
+# An eager MoE layer combines its experts' outputs by adding each routed row into its token's
+# row by index (index_add_ / scatter_add: atomic adds, several rows onto one token under top-k
+# routing), far below the memory bandwidth. Time over the IR's bytes (routed rows read, token
+# rows written) at the profile's bandwidth, measured on an H200 (tests/data/h200_kernels.json,
+# "moe", 2026-11-26, index_add_ of bf16 rows): top-2 over 16,384 tokens of 4,096 (32,768 rows)
+# 12.2x, top-8 over 16,384 of 7,168 (131,072 rows) 15.2x; 13.6 is their geometric mean,
+# within 12% of both. Fused-kernel software (Megatron-Core's and Transformer Engine's unpermute) gathers the
+# rows and sums them per token instead, at the fused memory-bound rate.
+SCATTER_ADD_TRAFFIC_FACTOR = 13.6
 
 
 def fp8_cast_time_s(device: DeviceSpec, recipe: str, kernels: str, *, inputs: float,

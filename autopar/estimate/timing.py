@@ -30,9 +30,9 @@ from autopar.cluster import Cluster
 from autopar.config import DEFAULT_MESH_ORDER, ParallelConfig
 from autopar.estimate.units import OpCost, Unit
 from costmodels.collectives import GroupLayout, estimate_on_layout, group_layout
-from costmodels.compute import (activation_memory_time_s, attention_time_s, fp8_cast_time_s,
-                                gemm_time_s, loss_time_s, op_overhead_s,
-                                unaligned_gemm_slowdown)
+from costmodels.compute import (SCATTER_ADD_TRAFFIC_FACTOR, activation_memory_time_s,
+                                attention_time_s, fp8_cast_time_s, gemm_time_s, loss_time_s,
+                                memory_time_s, op_overhead_s, unaligned_gemm_slowdown)
 
 __all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitCompute", "UnitTimes", "axis_strides",
            "cp_attention_blocks", "mesh_groups", "op_times", "rank_groups", "replica_axes",
@@ -393,7 +393,10 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         return fwd, bwd, 0.0
     split = cp * (tp if cfg.sequence_parallel or op.vocab or op.expert else 1)
     fwd = activation_memory_time_s(device, op.bytes_fwd / split, kernels)
-    return fwd, BACKWARD_MEMORY_RATIO * fwd, 0.0
+    bwd = BACKWARD_MEMORY_RATIO * fwd  # a scatter-add's backward gathers: no atomics
+    if op.scatter_add and kernels == "eager":
+        fwd = memory_time_s(device, op.bytes_fwd / split * SCATTER_ADD_TRAFFIC_FACTOR)
+    return fwd, bwd, 0.0
 
 
 def tp_collectives(unit: Unit, cfg: ParallelConfig

@@ -65,6 +65,9 @@ class OpCost:
     # weight and output, whose fp8 casts it pays (costmodels.compute.fp8_cast_time_s); (): a GEMM
     # that stays in 16 bits (no weight, a convolution, the vocabulary projection)
     fp8_elements: tuple[float, float, float] = ()
+    # an MoE combine: routed rows added into their tokens' rows by index (in eager software an
+    # atomic scatter-add, costmodels.compute.SCATTER_ADD_TRAFFIC_FACTOR)
+    scatter_add: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -283,7 +286,8 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
                               and _vocab_sized(node, vocab_dims), tail=node.name in tail,
                               logits=node.inputs[0].numel if loss else 0.0,
                               logit_bytes=node.inputs[0].num_bytes // max(1, node.inputs[0].numel)
-                              if loss else 0, **fixed))
+                              if loss else 0, scatter_add=node.kind is OpKind.MOE_COMBINE,
+                              **fixed))
             saved_memory += node.saved_bytes
         if node.kind is OpKind.NORM:
             act = act or sum(o.num_bytes for o in node.outputs[:1])
