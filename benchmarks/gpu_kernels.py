@@ -208,6 +208,26 @@ class _Block(torch.nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
+def _timed_steps(step, count: int) -> tuple[float, int, int]:
+    """(median ms of `count` CUDA-event-timed calls of `step` after two untimed ones, bytes
+    allocated before them -- weights and, once a backward has run, gradients -- and the peak
+    allocated above that over the timed calls)."""
+    step()
+    step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(count):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), base, torch.cuda.max_memory_allocated() - base
+
+
 def measure_fp8_step(*, layers: int = 4, batch: int = 2, seq: int = 4096) -> list[dict]:
     rows = []
     for mode in ("bf16", "fp8", "bf16-compiled", "fp8-compiled"):
@@ -228,22 +248,8 @@ def measure_fp8_step(*, layers: int = 4, batch: int = 2, seq: int = 4096) -> lis
         row = {"mode": mode, "layers": layers, "tokens": batch * seq}
         t0 = time.time()
         try:
-            step()
-            step()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            times = []
-            for _ in range(6):
-                s = torch.cuda.Event(enable_timing=True)
-                e = torch.cuda.Event(enable_timing=True)
-                s.record()
-                step()
-                e.record()
-                torch.cuda.synchronize()
-                times.append(s.elapsed_time(e))
-            row.update(step_ms=statistics.median(times), saved_bytes=saved["bytes"],
-                       peak_above_base_bytes=torch.cuda.max_memory_allocated() - base)
+            step_ms, _, peak = _timed_steps(step, 6)
+            row.update(step_ms=step_ms, saved_bytes=saved["bytes"], peak_above_base_bytes=peak)
         except Exception as err:  # noqa: BLE001  (keep the other modes)
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
         rows.append(row)
@@ -400,23 +406,9 @@ def measure_recompute(*, layers: int = 4, seq: int = 8192, mb: int = 1) -> list[
                "micro_batch": mb}
         t0 = time.time()
         try:
-            step()
-            step()  # gradients now allocated: the base below holds weights and gradients
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            times = []
-            for _ in range(4):
-                s = torch.cuda.Event(enable_timing=True)
-                e = torch.cuda.Event(enable_timing=True)
-                s.record()
-                step()
-                e.record()
-                torch.cuda.synchronize()
-                times.append(s.elapsed_time(e))
-            row.update(step_ms=statistics.median(times), held_after_forward_bytes=held["bytes"],
-                       peak_above_base_bytes=torch.cuda.max_memory_allocated() - base,
-                       base_bytes=base)
+            step_ms, base, peak = _timed_steps(step, 4)
+            row.update(step_ms=step_ms, held_after_forward_bytes=held["bytes"],
+                       peak_above_base_bytes=peak, base_bytes=base)
         except Exception as err:  # noqa: BLE001  (keep the other modes)
             row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
         rows.append(row)
