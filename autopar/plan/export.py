@@ -111,7 +111,7 @@ class _Shape:
 
     world_size: int
     global_batch_size: int
-    seq_len: int
+    seq_len: int | None  # None: a model traced from example inputs (no token sequence)
     dtype: str
     num_microbatches: int
     layers_per_stage: tuple[int, ...]  # repeated blocks per (virtual) stage, in model order
@@ -163,10 +163,11 @@ def _shape(plan: Any) -> _Shape:
     modules = [tuple(m for entry in stage
                      for m in ([entry] if _is_block(entry) else _glue_modules(entry)))
                for stage in plan.stages]
+    seq = training.get("seq_len")
     return _Shape(
         world_size=int(plan.cluster["world_size"]),
-        global_batch_size=int(training["global_batch_size"]), seq_len=int(training["seq_len"]),
-        dtype=str(training["dtype"]),
+        global_batch_size=int(training["global_batch_size"]),
+        seq_len=None if seq is None else int(seq), dtype=str(training["dtype"]),
         num_microbatches=int(training["global_batch_size"]) // (cfg.dp * cfg.micro_batch_size),
         layers_per_stage=tuple(sum(_is_block(n) for n in stage) for stage in plan.stages),
         modules_per_stage=tuple(modules), middle_glue=middle, glue_parents=parents,
@@ -207,8 +208,12 @@ def _megatron(plan: Any) -> tuple[str, list[str], list[str]]:
     if cfg.zero_stage >= 1:
         flags.append(["--use-distributed-optimizer"])
     flags += [["--micro-batch-size", str(cfg.micro_batch_size)],
-              ["--global-batch-size", str(shape.global_batch_size)],
-              ["--seq-length", str(shape.seq_len)]]
+              ["--global-batch-size", str(shape.global_batch_size)]]
+    if shape.seq_len is not None:
+        flags.append(["--seq-length", str(shape.seq_len)])
+    else:
+        notes.append("no token sequence: Megatron-LM's trainers train on token sequences "
+                     "(--seq-length); this model takes other inputs")
     flags += _DTYPE_FLAGS.get(shape.dtype, [])
     if shape.dtype == "fp8":
         recipe = opts.get("fp8_recipe", "delayed")
@@ -334,7 +339,8 @@ def _torchtitan(plan: Any) -> tuple[str, list[str], list[str]]:
     training: dict[str, Any] = {
         "local_batch_size": (shape.global_batch_size // cfg.dp if cfg.pp > 1
                              else cfg.micro_batch_size),
-        "global_batch_size": shape.global_batch_size, "seq_len": shape.seq_len,
+        "global_batch_size": shape.global_batch_size,
+        **({"seq_len": shape.seq_len} if shape.seq_len is not None else {}),
         "mixed_precision_param": "float32" if shape.dtype == "fp32" else "bfloat16",
         "mixed_precision_reduce": "float32",
     }
@@ -343,8 +349,11 @@ def _torchtitan(plan: Any) -> tuple[str, list[str], list[str]]:
     parallelism: dict[str, Any] = {
         "data_parallel_replicate_degree": 1 if sharded else cfg.dp,
         "data_parallel_shard_degree": cfg.dp if sharded else 1,
-        "fsdp_reshard_after_forward": ("never" if sharded and cfg.pp > 1
-                                       and cfg.pp_schedule == "zero-bubble" else "default"),
+        # ZeRO-3 re-gathers each micro-batch's parameters for its backward, as costed;
+        # torchtitan's "default" keeps them gathered under pipeline parallel
+        "fsdp_reshard_after_forward": (("never" if cfg.pp_schedule == "zero-bubble"
+                                        else "always") if sharded and cfg.pp > 1
+                                       else "default"),
         "tensor_parallel_degree": cfg.tp, "enable_async_tensor_parallel": async_tp,
         "pipeline_parallel_degree": cfg.pp,
         "context_parallel_degree": cfg.cp, "expert_parallel_degree": cfg.ep,
@@ -381,6 +390,9 @@ def _torchtitan(plan: Any) -> tuple[str, list[str], list[str]]:
 
 def _torchtitan_notes(cfg: Any, shape: _Shape, opts: dict[str, Any]) -> list[str]:
     notes = []
+    if shape.seq_len is None:
+        notes.append("no token sequence: torchtitan trains language models on token sequences "
+                     "([training] seq_len); this model takes other inputs")
     if cfg.zero_stage in (1, 2) and cfg.cp == 1 and cfg.dp > 1:
         notes.append(f"zero_stage {cfg.zero_stage}: torchtitan has no optimizer-state-only or "
                      f"gradient-only sharding; the config uses DDP (data_parallel_replicate_degree"

@@ -266,6 +266,11 @@ def test_torchtitan_toml_parses_back_to_the_plan(plans, name):
         assert training["global_batch_size"] // (train["local_batch_size"] * dp) == microbatches
         assert "pipeline_parallel_schedule" not in par
     assert toml["activation_checkpoint"]["mode"] == cfg.recompute
+    reshard = par["fsdp_reshard_after_forward"]
+    if cfg.zero_stage == 3 and cfg.pp > 1:  # re-gathered per micro-batch, as costed
+        assert reshard == ("never" if cfg.pp_schedule == "zero-bubble" else "always")
+    else:
+        assert reshard == "default"
     assert train["mixed_precision_param"] == "bfloat16"
     assert par["enable_async_tensor_parallel"] == \
         (plan.training["options"]["overlap_tp_comm"] and cfg.tp > 1)
