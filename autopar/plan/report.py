@@ -246,16 +246,18 @@ def _target_lines(plan: Plan) -> tuple[str, ...]:
                 "model",)
     engine = TARGETS[name].engine if name in TARGETS else name
     free = plan.training.get("unrestricted") or {}
-    lines = [f"target   {name}: only what {engine} runs (autopar.targets), costed with the "
-             f"{plan.training.get('software') or 'given'} software options"]
+    software = plan.training.get("software")
+    lines = [f"target   {name}: only what {engine} runs (autopar.targets), costed with "
+             + (f"the {software} software preset" if software else "the options below")]
     mine, theirs = free.get("step_time_s"), plan.estimate.step_time_s
     if mine is None:
         lines.append("restriction cost: no plan for autopar's runtime to compare with ("
                      + free.get("reason", "none recorded") + ")")
     else:
-        lines.append(f"restriction cost: best for autopar's runtime {fmt_seconds(mine)} "
-                     f"({free.get('config', '?')}) vs best for {name} {fmt_seconds(theirs)} "
-                     f"({100 * (theirs / mine - 1):+.1f}%)")
+        lines.append(f"restriction cost {100 * (theirs / mine - 1):+.1f}%: best for autopar's "
+                     f"runtime {fmt_seconds(mine)} vs best for {name} {fmt_seconds(theirs)}")
+        lines.append(f"         (autopar's runtime: {free.get('config', '?')}, same pins and "
+                     f"software)")
     return tuple(lines)
 
 

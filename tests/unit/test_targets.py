@@ -178,9 +178,11 @@ def test_the_restriction_cost_is_the_best_plan_for_autopars_runtime_with_the_sam
     assert free.training["target"] == "autopar" and "unrestricted" not in free.training
     report = plan.report()
     assert "target   deepspeed: only what DeepSpeed 0.16.4 runs" in report
-    assert (f"restriction cost: best for autopar's runtime {fmt_seconds(free.estimate.step_time_s)}"
-            f" ({free.config.short()}) vs best for deepspeed "
+    cost = 100 * (plan.estimate.step_time_s / free.estimate.step_time_s - 1)
+    assert (f"restriction cost {cost:+.1f}%: best for autopar's runtime "
+            f"{fmt_seconds(free.estimate.step_time_s)} vs best for deepspeed "
             f"{fmt_seconds(plan.estimate.step_time_s)}") in report
+    assert f"(autopar's runtime: {free.config.short()}, same pins and software)" in report
     # software chosen by the caller costs the plan; the target still restricts it
     mine = autopar.compile(model, cluster, target="deepspeed", software="autopar", **kw)
     assert mine.training["software"] == "autopar" and mine.config.tp == mine.config.cp == 1
