@@ -38,14 +38,15 @@ from typing import Any
 import numpy as np
 
 from autopar.config import DEFAULT_MESH_ORDER, FEW_MICROBATCHES, ParallelConfig
-from autopar.errors import TargetRuleError
+from autopar.errors import InvalidConfigError, TargetRuleError
 from autopar.estimate.core import EstimateOptions, ModelCosts
 from autopar.estimate.stages import megatron_boundaries
 from autopar.estimate.units import Unit
 from autopar.plan.export import glue_layout, is_block_entry
 from autopar.search.space import ConfigTable, encode
 
-__all__ = ["Allowed", "EngineTarget", "Facts", "Requires", "Setting", "TARGETS", "get_target"]
+__all__ = ["AUTOPAR", "Allowed", "DEEPSPEED", "EngineTarget", "Facts", "MEGATRON", "Requires",
+           "Setting", "TARGETS", "TORCHTITAN", "get_target"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +90,7 @@ class Facts:
             return ()
         try:
             cuts = megatron_boundaries(self.units, chunks)
-        except ValueError:  # fewer blocks than chunks
+        except InvalidConfigError:  # fewer blocks than chunks
             return ()
         return tuple(sum(is_block_entry(n) for n in self.layers[a:b]) for a, b in cuts.tolist())
 
