@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,7 +13,8 @@ import torch.nn as nn
 
 from autopar.cluster import Cluster
 from autopar.estimate.bounds import BOUND_MARGIN, exact_step_lower_bound
-from autopar.estimate.core import EstimateOptions, EvalCache, ModelCosts, evaluate, layer_costs
+from autopar.estimate.core import (Estimate, EstimateOptions, EvalCache, ModelCosts, evaluate,
+                                   layer_costs)
 from autopar.estimate.software import preset_of, software_options
 from autopar.errors import NoPlanFitsError, StageMemoryError
 from autopar.search.inter_op import partition_stages
@@ -21,7 +23,8 @@ from autopar.models.common import count_attention_calls
 from autopar.plan import Plan, fused_projections, param_placements
 from autopar.runtime.capabilities import RuntimeLimits, runtime_limits
 from autopar.search.tp_layout import tp_layout
-from autopar.search.outer import SearchSettings, check_constraints, search
+from autopar.search.outer import SearchResult, SearchSettings, check_constraints, search
+from autopar.targets import AUTOPAR, EngineTarget, Facts, get_target
 
 __all__ = ["compile"]
 
@@ -33,19 +36,27 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
             constraints: dict[str, Any] | None = None,
             options: EstimateOptions = EstimateOptions(),
             settings: SearchSettings = SearchSettings(),
-            software: str | None = None) -> Plan:
+            software: str | None = None, target: str = "autopar") -> Plan:
     """The fastest plan that fits for `model` on `cluster` at this training shape.
 
     Token models take `global_batch_size` (sequences) and `seq_len`; other models take
     `example_inputs` for one micro-batch. `constraints` pins any ParallelConfig field, e.g.
     {"tp": 2, "pp": 2} or {"mesh_order": "dp,pp,cp,tp"}; `settings.mesh_orders` searches
-    other mesh orders than the default. `software` names the engine's preset the plans are
-    costed with (`autopar.SOFTWARE`), or `options` sets each field. Raises NoPlanFitsError
-    when nothing fits, saying by how much.
+    other mesh orders than the default. `target` names the engine that will run the plan
+    (`autopar.targets`): "autopar" (its own runtime), "megatron", "torchtitan" or
+    "deepspeed"; the search then keeps to what that engine runs, and a pin, precision or
+    option outside it is refused with the engine's rule. `software` names the preset the
+    plans are costed with (`autopar.SOFTWARE`), or `options` sets each field; with neither,
+    the target's own preset. A target other than autopar also costs the best plan for
+    autopar's runtime with the same software (`plan.training["unrestricted"]`: what the
+    engine's rules cost). Raises NoPlanFitsError when nothing fits, saying by how much.
     """
     from autopar.trace import trace
 
     constraints = check_constraints(constraints)  # as the plan records them
+    engine = get_target(target)
+    if software is None and options == EstimateOptions():
+        software = engine.software  # the target's preset unless the caller chose the costs
     options = software_options(software, options)
 
     if not isinstance(cluster, Cluster):
@@ -65,36 +76,17 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
     clock.lap("trace")
     costs = ModelCosts.from_graph(graph)
     input_spec = _input_spec(example_inputs)
-    limits = runtime_limits(model, graph, token_model=example_inputs is None,
-                            one_input=example_inputs is None or input_spec is not None,
-                            attention_hook_calls=attention_calls[0],
-                            num_experts=costs.num_experts)
-    if limits.cp_layout == "contiguous":
-        costs = costs.with_cp_layout("contiguous")
-    if limits.ep_dispatch == "all_gather":
-        costs = costs.with_ep_dispatch("all_gather")
-    regions = _within_limits(constraints, limits)
-    # plans fill the device less the headroom, or where nothing fits there the whole device
-    planned = cluster.with_memory_headroom(settings.memory_headroom)
-    cache = EvalCache(planned)  # the search's memo tables, reused by the stage re-cut
+    engine.check(constraints, Facts.of(costs, dtype, options))
     kw = dict(global_batch_size=global_batch_size, dtype=dtype, options=options,
               settings=settings)
-    result, error = _search_regions(costs, planned, regions, cache=cache, **kw)
-    headroom_kept = result is not None or not settings.memory_headroom
-    if not headroom_kept and isinstance(error, NoPlanFitsError):
-        planned, cache = cluster, EvalCache(cluster)
-        result, error = _search_regions(costs, planned, regions, cache=cache, **kw)
-        if result is not None:
-            log.warning("no plan fits within the %g%% memory headroom (SearchSettings."
-                        "memory_headroom); returning the best that fits the whole device, "
-                        "its peak %.1f%% of device memory", 100 * settings.memory_headroom,
-                        100 * result.best.peak_memory_bytes / result.best.usable_memory_bytes)
-    if result is None:
-        raise error
-    clock.lap("search")
-    best = _rebalance_stages(costs, planned, result.best, global_batch_size, dtype, options,
-                             cache)
-    clock.lap("stage_dp")
+    runtime = dict(model=model, graph=graph, example_inputs=example_inputs,
+                   input_spec=input_spec, attention_calls=attention_calls[0])
+    found = _best(engine, constraints, cluster, costs, runtime, clock=clock, **kw)
+    result, best, planned, limits = found.result, found.best, found.planned, found.limits
+    unrestricted = None
+    if engine.restricts:
+        unrestricted = _unrestricted(constraints, cluster, costs, runtime, **kw)
+        clock.lap("unrestricted")
     cfg = best.config
     tp_map, intra_op = tp_layout(model, graph, planned, best, dtype, seq_len, example_inputs)
     clock.lap("intra_op")
@@ -116,10 +108,12 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
                   **({"input": input_spec} if input_spec else {}),
                   "dtype": dtype, "constraints": dict(sorted(constraints.items())),
                   "memory_headroom": settings.memory_headroom,
-                  "memory_headroom_kept": headroom_kept,
+                  "memory_headroom_kept": found.headroom_kept,
                   "device_memory_bytes": cluster.hardware.device.memory_bytes,
                   "software": software or preset_of(options),
-                  "options": {k: getattr(options, k) for k in options.__dataclass_fields__}},
+                  "options": {k: getattr(options, k) for k in options.__dataclass_fields__},
+                  "target": engine.name,
+                  **({"unrestricted": unrestricted} if unrestricted is not None else {})},
         candidates=result.candidates,
         search={"num_considered": result.num_considered,
                 "num_pruned_by_memory": result.num_pruned_by_memory,
@@ -128,6 +122,77 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
                 "seconds": result.seconds,
                 "phase_seconds": clock.laps,
                 "stage_cut": "inter-op DP" if best is not result.best else "even (Megatron)"})
+
+
+@dataclass(frozen=True)
+class _Found:
+    """The best plan's estimate for one target, and how it was found."""
+
+    result: SearchResult  # the outer search's
+    best: Estimate  # the search's winner, or its stages re-cut
+    planned: Cluster  # the cluster planned within (less the memory headroom if it was kept)
+    headroom_kept: bool
+    limits: RuntimeLimits
+
+
+def _best(engine: EngineTarget, constraints: dict[str, Any], cluster: Cluster,
+          costs: ModelCosts, runtime: dict[str, Any], *, global_batch_size: int, dtype: str,
+          options: EstimateOptions, settings: SearchSettings,
+          clock: _PhaseClock | None = None) -> _Found:
+    """The fastest plan `engine` runs under `constraints`: autopar's runtime keeps to its
+    limits for the model (and costs context and expert parallel as it runs them); an engine
+    runs its own implementation of the model, within its rules. Plans fill the device less
+    the memory headroom, or, where nothing fits there, the whole device. `clock` times the
+    search and the stage re-cut."""
+    clock = clock or _PhaseClock()
+    graph = runtime["graph"]
+    limits = RuntimeLimits()
+    if engine.runtime_limits:
+        example_inputs = runtime["example_inputs"]
+        limits = runtime_limits(runtime["model"], graph, token_model=example_inputs is None,
+                                one_input=example_inputs is None
+                                or runtime["input_spec"] is not None,
+                                attention_hook_calls=runtime["attention_calls"],
+                                num_experts=costs.num_experts)
+        if limits.cp_layout == "contiguous":
+            costs = costs.with_cp_layout("contiguous")
+        if limits.ep_dispatch == "all_gather":
+            costs = costs.with_ep_dispatch("all_gather")
+    regions = _within_limits(constraints, limits)
+    planned = cluster.with_memory_headroom(settings.memory_headroom)
+    cache = EvalCache(planned)  # the search's memo tables, reused by the stage re-cut
+    kw = dict(global_batch_size=global_batch_size, dtype=dtype, options=options,
+              settings=settings, target=engine)
+    result, error = _search_regions(costs, planned, regions, cache=cache, **kw)
+    headroom_kept = result is not None or not settings.memory_headroom
+    if not headroom_kept and isinstance(error, NoPlanFitsError):
+        planned, cache = cluster, EvalCache(cluster)
+        result, error = _search_regions(costs, planned, regions, cache=cache, **kw)
+        if result is not None:
+            log.warning("no plan fits within the %g%% memory headroom (SearchSettings."
+                        "memory_headroom); returning the best that fits the whole device, "
+                        "its peak %.1f%% of device memory", 100 * settings.memory_headroom,
+                        100 * result.best.peak_memory_bytes / result.best.usable_memory_bytes)
+    if result is None:
+        raise error
+    clock.lap("search")
+    best = result.best
+    if engine.uneven_stages:
+        best = _rebalance_stages(costs, planned, best, global_batch_size, dtype, options, cache)
+    clock.lap("stage_dp")
+    return _Found(result=result, best=best, planned=planned, headroom_kept=headroom_kept,
+                  limits=limits)
+
+
+def _unrestricted(constraints: dict[str, Any], cluster: Cluster, costs: ModelCosts,
+                  runtime: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    """The best plan for autopar's runtime under the same pins and software: its step time
+    and config (`plan.training["unrestricted"]`), or why there is none."""
+    try:
+        found = _best(AUTOPAR, constraints, cluster, costs, runtime, **kw)
+    except ValueError as exc:  # e.g. a pin this runtime cannot run for the model
+        return {"step_time_s": None, "reason": str(exc)}
+    return {"step_time_s": float(found.best.step_time_s), "config": found.best.config.short()}
 
 
 def _search_regions(costs: ModelCosts, cluster: Cluster, regions: list[dict[str, Any]], *,

@@ -131,6 +131,7 @@ def _plan(console: Console, args: argparse.Namespace) -> None:
     plan = autopar.compile(model, cluster, global_batch_size=args.global_batch,
                            seq_len=args.seq_len, dtype=args.dtype,
                            constraints=_parse_pins(args.pin), software=args.software,
+                           target=args.target,
                            settings=autopar.SearchSettings(mesh_orders=args.mesh_orders))
     phases = plan.search["phase_seconds"]
     console.print(f"autopar plan: {args.model} on {cluster.describe()} "
@@ -167,8 +168,17 @@ def _export(args: argparse.Namespace) -> None:
     from autopar.plan import load_plan
     from autopar.plan.export import export_plan
 
-    result = export_plan(load_plan(args.plan), args.format)
+    plan = load_plan(args.plan)
+    result = export_plan(plan, args.format)
     sys.stdout.write(result.text if result.text.endswith("\n") else result.text + "\n")
+    for step in result.setup:
+        print(f"setup: {step}", file=sys.stderr)
+    target = plan.training.get("target", "autopar")
+    if result.notes and target != args.format:
+        print(f"note: this plan was made for target {target}, not {args.format}: the notes "
+              f"below name the choices {args.format} cannot take as planned; re-plan with "
+              f"`autopar plan --target {args.format}` for a plan it runs as is",
+              file=sys.stderr)
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
 
@@ -188,11 +198,17 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     plan.add_argument("--seq-len", type=int, required=True)
     plan.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp8", "fp32"))
+    plan.add_argument("--target", default="autopar",
+                      choices=("autopar", "megatron", "torchtitan", "deepspeed"),
+                      help="the engine that will run the plan: search only what it runs "
+                           "(autopar.targets), cost with its software preset, and report what "
+                           "the restriction costs against autopar's runtime; default: autopar's "
+                           "runtime")
     plan.add_argument("--software", default=None,
                       choices=("autopar", "megatron", "torchtitan", "torchtitan-compile",
                                "deepspeed"),
                       help="cost with this engine's software preset (autopar.SOFTWARE); "
-                           "default: autopar's runtime")
+                           "default: the target's preset")
     plan.add_argument("--pin", action="append", metavar="FIELD=VALUE",
                       help="pin a ParallelConfig field, e.g. --pin tp=8 or --pin "
                            "mesh_order=dp,pp,cp,tp")

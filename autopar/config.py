@@ -187,6 +187,13 @@ def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int
     if cfg.ep > 1 and not num_experts:
         raise InvalidConfigError(
             f"ep={cfg.ep} needs a model with experts (MoE); this model has none")
+    if cfg.sequence_parallel and cfg.tp > 1 and seq_len is not None \
+            and seq_len % (cfg.tp * cfg.cp):
+        raise InvalidConfigError(
+            f"sequence_parallel with tp={cfg.tp} splits each context-parallel rank's "
+            f"{seq_len} / cp={cfg.cp} tokens over tp, which must divide them; use a tp that "
+            f"divides {seq_len // cfg.cp if seq_len % cfg.cp == 0 else seq_len}, or "
+            f"sequence_parallel=False")
     if seq_len is not None and seq_len % (2 * cfg.cp) and cfg.cp > 1:
         raise InvalidConfigError(
             f"cp={cfg.cp} needs seq_len divisible by 2*cp = {2 * cfg.cp} (causal "

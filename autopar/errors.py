@@ -69,3 +69,12 @@ class ShardingInfeasibleError(ValueError):
 
 
 __all__ += ["ShardingInfeasibleError"]
+
+
+class TargetRuleError(ValueError):
+    """A pin, precision or software option the compile target (an engine at a stated version,
+    `autopar.targets`) cannot run; the message names the rule, its source and what is
+    allowed."""
+
+
+__all__ += ["TargetRuleError"]

@@ -7,9 +7,11 @@ pins on up to every ParallelConfig field, then compiles. Checks on every plan: i
 pins hold, and -- when its stages are Megatron's even cut -- `autopar.estimate` of its config
 (traced at the plan's micro-batch) gives the plan's step time. Prints a table of outcomes
 (plans, explained errors by kind, anything else with its message), the largest relative
-plan-vs-estimate difference per model family and the slowest compile.
+plan-vs-estimate difference per model family and the slowest compile. With --target ENGINE the
+plans are made for that engine (`autopar.targets`), and a plan whose export to it has a note
+counts as an other outcome.
 
-Run: python benchmarks/compile_fuzz.py [--seed N] [--count N] [--pin-rate P]
+Run: python benchmarks/compile_fuzz.py [--seed N] [--count N] [--pin-rate P] [--target ENGINE]
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.errors import NoPlanFitsError, TraceError  # noqa: E402
+from autopar.errors import NoPlanFitsError, TargetRuleError, TraceError  # noqa: E402
 from autopar.models.registry import build, list_presets, preset  # noqa: E402
+from autopar.plan.export import export_plan  # noqa: E402
+from autopar.targets import TARGETS  # noqa: E402
 
 PROFILES = ("dgx-a100-40g", "dgx-a100-80g", "dgx-b200", "dgx-h100", "dgx-h200", "dgx-v100",
             "gb200-nvl72", "h100-pcie-roce", "hgx-h800", "mi300x-8")
@@ -66,6 +70,8 @@ def _kind(error: Exception) -> str:
         return "no plan fits (smallest footprint named)"
     if "compute (profile lists" in text:
         return "precision the device lacks"
+    if isinstance(error, TargetRuleError) or "(target=" in text:
+        return "the target engine's rule named"
     if "no configuration satisfies" in text and any(
             why in text for why in (": no ", "each pin", "must equal")):
         return "empty space (binding pin or limit named)"
@@ -82,6 +88,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=300)
     parser.add_argument("--pin-rate", type=float, default=0.08,
                         help="chance that each ParallelConfig field is pinned")
+    parser.add_argument("--target", default="autopar", choices=tuple(TARGETS))
     args = parser.parse_args()
     rng = random.Random(args.seed)
     settings = autopar.SearchSettings(progress=False)
@@ -97,7 +104,7 @@ def main() -> None:
         start = time.perf_counter()
         try:
             plan = autopar.compile(model, cluster, dtype=dtype, constraints=pins or None,
-                                   settings=settings, **shape)
+                                   settings=settings, target=args.target, **shape)
         except ValueError as error:  # the library's errors are ValueErrors
             outcomes[_kind(error)] += 1
             continue
@@ -108,6 +115,10 @@ def main() -> None:
         if bad or not plan.estimate.fits:
             outcomes[f"OTHER plan breaks pins {bad} or does not fit: {label}"] += 1
             continue
+        notes = export_plan(plan, args.target).notes if args.target != "autopar" else ()
+        if notes:
+            outcomes[f"OTHER export to {args.target} has notes {notes}: {label}"] += 1
+            continue
         outcomes["plan"] += 1
         if plan.search["stage_cut"] != "even (Megatron)":
             continue
@@ -115,12 +126,14 @@ def main() -> None:
         if "example_inputs" in traced:
             traced["example_inputs"] = torch.empty(cfg.micro_batch_size, 3, 224, 224,
                                                    device="meta")
-        est = autopar.estimate(model, cluster, cfg, dtype=dtype, **traced)
+        est = autopar.estimate(model, cluster, cfg, dtype=dtype,
+                               software=TARGETS[args.target].software, **traced)
         gap = abs(est.step_time_s / plan.estimate.step_time_s - 1)
         family = name.split("-")[0]
         if gap >= apart.get(family, (-1.0, ""))[0]:
             apart[family] = (gap, f"{label}: {cfg.short()}")
-    print(f"{args.count} problems, seed {args.seed}, pin rate {args.pin_rate}\n")
+    print(f"{args.count} problems, seed {args.seed}, pin rate {args.pin_rate}, target "
+          f"{args.target}\n")
     print(f"{'outcome':<60} {'count':>6}")
     for kind, n in sorted(outcomes.items(), key=lambda kv: (-kv[1], kv[0])):
         print(f"{kind:<60} {n:>6}")

@@ -1,12 +1,12 @@
 """Why this plan and not another: `explain` ("why not tp=16?") and `diff` of two plans.
 
 `explain(plan, model, cluster, tp=16)` re-runs the search for the plan's own training shape
-(global batch, sequence length, dtype) and software options under the plan's recorded pins
-merged with the new ones, and compares the best plan found with the original term by term.
-A plan file holds no model and no cluster object, only their fingerprints, so both must be
-passed again; they are checked against the plan's fingerprints. The pins a plan was compiled
-with are read from `plan.training["constraints"]` when the plan records them; a plan without
-that entry is treated as unpinned. When no plan exists under the pins (a degree that does not
+(global batch, sequence length, dtype), software options and target engine under the plan's
+recorded pins merged with the new ones, and compares the best plan found with the original
+term by term. A plan file holds no model and no cluster object, only their fingerprints, so
+both must be passed again; they are checked against the plan's fingerprints. The pins a plan
+was compiled with are read from `plan.training["constraints"]` when the plan records them; a
+plan without that entry is treated as unpinned. When no plan exists under the pins (a degree that does not
 divide the world, nothing fits in memory) the explanation carries the search's own message.
 
 `diff(plan_a, plan_b)` renders the same comparison for any two plans: step time, tokens/s,
@@ -208,6 +208,7 @@ def explain(plan: Plan, model: Any, cluster: Cluster, *, example_inputs: Any = N
     """
     from autopar.api import compile as compile_plan
     from autopar.estimate.core import EstimateOptions
+    from autopar.estimate.software import SOFTWARE
     from autopar.plan.plan import check_plan
     from autopar.search.outer import CONFIG_FIELDS, SearchSettings
 
@@ -224,12 +225,17 @@ def explain(plan: Plan, model: Any, cluster: Cluster, *, example_inputs: Any = N
     options = EstimateOptions(**{k: v for k, v in plan.training.get("options", {}).items()
                                  if k in known})
     training = plan.training
+    # the plan's preset by name, so that a target's own preset does not replace it
+    software = training.get("software")
+    costs = ({"software": software} if software in SOFTWARE
+             and SOFTWARE[software].options == options else {"options": options})
     try:
         alternative = compile_plan(
             model, cluster, global_batch_size=training["global_batch_size"],
             seq_len=None if example_inputs is not None else training.get("seq_len"),
             example_inputs=example_inputs, dtype=training["dtype"], constraints=constraints,
-            options=options, settings=settings or SearchSettings(progress=False))
+            settings=settings or SearchSettings(progress=False),
+            target=training.get("target", "autopar"), **costs)
     except ValueError as exc:
         check_plan(plan, model=model)  # another model would be the real reason
         return Explanation(plan=plan, pins=dict(pins), constraints=constraints,

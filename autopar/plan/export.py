@@ -1,8 +1,11 @@
 """Export a `Plan` to the settings of other trainers: Megatron-LM, torchtitan and DeepSpeed.
 
 `export_plan(plan, fmt)` returns an `ExportResult` whose `text` is what the user passes to the
-target (command-line flags, a TOML job config, a JSON config) and whose `notes` name, one per
-line, each thing in the plan the target cannot express exactly, with what to do instead.
+target (command-line flags, a TOML job config, a JSON config), whose `notes` name, one per
+line, each thing in the plan the target cannot express exactly, with what to do instead, and
+whose `setup` lists what the engine needs besides the text (how to launch it, what to build in
+the model) for choices it does take. A plan compiled for the engine (`compile(...,
+target=fmt)`, `autopar.targets`) exports with no notes.
 Every value comes from the plan: degrees, batch shape, precision, schedule, recompute policy,
 stage boundaries and the software options the estimate assumed (`plan.training["options"]`).
 
@@ -24,8 +27,8 @@ Option names, with the files they were read from (names and semantics only):
   --seq-length, --bf16, --fp16, --fp8-format, --grad-reduce-in-bf16, --recompute-granularity,
   --recompute-method, --recompute-num-layers, --overlap-grad-reduce, --overlap-param-gather,
   --tp-comm-overlap, --use-tp-pp-dp-mapping (``megatron/training/initialize.py``: ranks in the
-  order tp-cp-ep-dp-pp, inner first, or tp-pp-dp with the flag, which takes neither cp nor
-  ep), --attention-backend (values from ``megatron/core/transformer/enums.py``
+  order tp-cp-ep-dp-pp, inner first, or tp-pp-dp with the flag, which the export writes only
+  without cp and ep), --fp8-recipe, --attention-backend (values from ``megatron/core/transformer/enums.py``
   AttnBackend). The layout grammar (E embedding, t decoder layer, L loss, ``|`` between
   stages, ``x*n`` repeats) is from ``megatron/core/transformer/pipeline_parallel_layer_layout.py``.
   Megatron-LM itself has no zero-bubble schedule (sail-sg/zero-bubble-pipeline-parallelism is a
@@ -38,7 +41,8 @@ Option names, with the files they were read from (names and semantics only):
   releases: pipeline_parallel_split_points), pipeline_parallel_schedule,
   pipeline_parallel_microbatch_size, context_parallel_degree, context_parallel_rotate_method,
   expert_parallel_degree; [activation_checkpoint] mode, selective_ac_option; [model]
-  converters. Schedule names are PyTorch's ``torch.distributed.pipelining.schedules``
+  converters ("quantize.linear.float8"), [quantize.linear.float8] recipe_name (the release of
+  2025-09-30, commit 37e536d, that `autopar.targets` states). Schedule names are PyTorch's ``torch.distributed.pipelining.schedules``
   ``get_schedule_class`` keys (GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble,
   ZBVZeroBubble). ``torchtitan/config/configs/parallelism.py`` (newer) has
   enable_sequence_parallel.
@@ -84,16 +88,18 @@ class ExportResult:
     format: str
     text: str  # the flags / file content
     notes: tuple[str, ...] = ()  # one per thing the target cannot express exactly
+    setup: tuple[str, ...] = ()  # what the engine needs besides `text` for choices it takes
 
 
 def export_plan(plan: Any, fmt: str) -> ExportResult:
-    """The plan as `fmt` ("megatron", "torchtitan" or "deepspeed") settings, with notes."""
-    exporters: dict[str, Callable[[Any], tuple[str, list[str]]]] = {
+    """The plan as `fmt` ("megatron", "torchtitan" or "deepspeed") settings, with notes and
+    set-up steps."""
+    exporters: dict[str, Callable[[Any], tuple[str, list[str], list[str]]]] = {
         "megatron": _megatron, "torchtitan": _torchtitan, "deepspeed": _deepspeed}
     if fmt not in exporters:
         raise ValueError(f"unknown export format {fmt!r}; allowed: {', '.join(EXPORT_FORMATS)}")
-    text, notes = exporters[fmt](plan)
-    return ExportResult(format=fmt, text=text, notes=tuple(notes))
+    text, notes, setup = exporters[fmt](plan)
+    return ExportResult(format=fmt, text=text, notes=tuple(notes), setup=tuple(setup))
 
 
 # ---------------------------------------------------------------------------------- the plan
@@ -105,7 +111,7 @@ class _Shape:
 
     world_size: int
     global_batch_size: int
-    seq_len: int
+    seq_len: int | None  # None: a model traced from example inputs (no token sequence)
     dtype: str
     num_microbatches: int
     layers_per_stage: tuple[int, ...]  # repeated blocks per (virtual) stage, in model order
@@ -123,37 +129,48 @@ class _Shape:
         return len(set(self.layers_per_stage)) == 1 and self.layers_per_stage[0] > 0
 
 
-def _is_block(name: str) -> bool:
+def is_block_entry(name: str) -> bool:
+    """Whether a stage entry of `Plan.stages` is a repeated block (not glue)."""
     return "+" not in name and _BLOCK.fullmatch(name) is not None
+
+
+_is_block = is_block_entry
+
+
+def _glue_modules(entry: str) -> list[str]:
+    """The module paths a glue entry names (none for glue that owns no module)."""
+    return [m for m in entry.split("+") if not _SYNTHETIC_GLUE.fullmatch(m)]
+
+
+def glue_layout(layers: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Of a model's stage entries in order (`Plan.stages` flattened): the glue between the
+    blocks (not before the first or after the last), and the glue module names that are a
+    parent module of the blocks, sorted."""
+    blocks = [i for i, name in enumerate(layers) if is_block_entry(name)]
+    first, last = (blocks[0], blocks[-1]) if blocks else (len(layers), -1)
+    middle = tuple(name for i, name in enumerate(layers)
+                   if first < i < last and not is_block_entry(name))
+    parents = {module for name in layers if not is_block_entry(name)
+               for module in _glue_modules(name)
+               if any(layers[i].startswith(module + ".") for i in blocks)}
+    return middle, tuple(sorted(parents))
 
 
 def _shape(plan: Any) -> _Shape:
     cfg, training = plan.config, plan.training
     flat = [name for stage in plan.stages for name in stage]
-    blocks = [i for i, name in enumerate(flat) if _is_block(name)]
-    first, last = (blocks[0], blocks[-1]) if blocks else (len(flat), -1)
-    middle = tuple(name for i, name in enumerate(flat) if first < i < last and not _is_block(name))
-    modules, parents = [], set()
-    for stage in plan.stages:
-        names: list[str] = []
-        for entry in stage:
-            if _is_block(entry):
-                names.append(entry)
-                continue
-            for module in entry.split("+"):
-                if _SYNTHETIC_GLUE.fullmatch(module):
-                    continue
-                names.append(module)
-                if any(flat[i].startswith(module + ".") for i in blocks):
-                    parents.add(module)
-        modules.append(tuple(names))
+    middle, parents = glue_layout(flat)
+    modules = [tuple(m for entry in stage
+                     for m in ([entry] if _is_block(entry) else _glue_modules(entry)))
+               for stage in plan.stages]
+    seq = training.get("seq_len")
     return _Shape(
         world_size=int(plan.cluster["world_size"]),
-        global_batch_size=int(training["global_batch_size"]), seq_len=int(training["seq_len"]),
-        dtype=str(training["dtype"]),
+        global_batch_size=int(training["global_batch_size"]),
+        seq_len=None if seq is None else int(seq), dtype=str(training["dtype"]),
         num_microbatches=int(training["global_batch_size"]) // (cfg.dp * cfg.micro_batch_size),
         layers_per_stage=tuple(sum(_is_block(n) for n in stage) for stage in plan.stages),
-        modules_per_stage=tuple(modules), middle_glue=middle, glue_parents=tuple(sorted(parents)),
+        modules_per_stage=tuple(modules), middle_glue=middle, glue_parents=parents,
         options=dict(training.get("options") or {}))
 
 
@@ -174,7 +191,7 @@ def _order_note(cfg: Any, theirs: str) -> str:
             f"mesh_order={','.join(DEFAULT_MESH_ORDER)})")
 
 
-def _megatron(plan: Any) -> tuple[str, list[str]]:
+def _megatron(plan: Any) -> tuple[str, list[str], list[str]]:
     cfg, shape = plan.config, _shape(plan)
     opts, notes = shape.options, []
     flags: list[list[str]] = [
@@ -191,9 +208,21 @@ def _megatron(plan: Any) -> tuple[str, list[str]]:
     if cfg.zero_stage >= 1:
         flags.append(["--use-distributed-optimizer"])
     flags += [["--micro-batch-size", str(cfg.micro_batch_size)],
-              ["--global-batch-size", str(shape.global_batch_size)],
-              ["--seq-length", str(shape.seq_len)]]
+              ["--global-batch-size", str(shape.global_batch_size)]]
+    if shape.seq_len is not None:
+        flags.append(["--seq-length", str(shape.seq_len)])
+    else:
+        notes.append("no token sequence: Megatron-LM's trainers train on token sequences "
+                     "(--seq-length); this model takes other inputs")
     flags += _DTYPE_FLAGS.get(shape.dtype, [])
+    if shape.dtype == "fp8":
+        recipe = opts.get("fp8_recipe", "delayed")
+        if recipe in ("delayed", "tensorwise"):
+            flags.append(["--fp8-recipe", recipe])
+        else:
+            notes.append(f"fp8_recipe {recipe}: Megatron-LM's --fp8-recipe is tensorwise, "
+                         f"delayed, mxfp8 or blockwise, with no {recipe} scaling; its default "
+                         f"(delayed) is left to run")
     if cfg.recompute == "full":
         flags += [["--recompute-granularity", "full"], ["--recompute-method", "uniform"],
                   ["--recompute-num-layers", "1"]]
@@ -207,9 +236,9 @@ def _megatron(plan: Any) -> tuple[str, list[str]]:
             notes.append(_order_note(cfg, "Megatron-LM lays the ranks out tp-cp-ep-dp-pp, inner "
                                           "first (tp-pp-dp with --use-tp-pp-dp-mapping, which "
                                           "takes neither cp nor ep)"))
-    notes.insert(0, f"data parallelism is not a flag: Megatron-LM derives dp = world size / "
-                    f"(tp*pp*cp) = {shape.world_size} / ({cfg.tp}*{cfg.pp}*{cfg.cp}) = {cfg.dp}, "
-                    f"so launch on {shape.world_size} GPUs")
+    setup = [f"data parallelism is not a flag: Megatron-LM derives dp = world size / "
+             f"(tp*pp*cp) = {shape.world_size} / ({cfg.tp}*{cfg.pp}*{cfg.cp}) = {cfg.dp}, "
+             f"so launch on {shape.world_size} GPUs"]
     notes += _megatron_zero_notes(cfg)
     if cfg.pp > 1 and cfg.pp_schedule == "gpipe":
         notes.append("pp_schedule gpipe: Megatron-LM has no GPipe schedule and runs 1F1B, which "
@@ -218,7 +247,7 @@ def _megatron(plan: Any) -> tuple[str, list[str]]:
         notes.append("pp_schedule zero-bubble: Megatron-LM has no zero-bubble flag and runs 1F1B "
                      "(a larger bubble than planned); the ZB-H1 schedule lives in the "
                      "sail-sg/zero-bubble-pipeline-parallelism fork of Megatron-LM")
-    return "\n".join(shlex.join(f) for f in flags) + "\n", notes
+    return "\n".join(shlex.join(f) for f in flags) + "\n", notes, setup
 
 
 def _megatron_stages(cfg: Any, shape: _Shape, notes: list[str]) -> list[list[str]]:
@@ -302,7 +331,7 @@ def _toml(sections: dict[str, dict[str, Any]], comments: dict[str, list[str]]) -
     return "\n".join(lines)
 
 
-def _torchtitan(plan: Any) -> tuple[str, list[str]]:
+def _torchtitan(plan: Any) -> tuple[str, list[str], list[str]]:
     cfg, shape = plan.config, _shape(plan)
     opts, notes = shape.options, []
     sharded = cfg.zero_stage == 3
@@ -310,7 +339,8 @@ def _torchtitan(plan: Any) -> tuple[str, list[str]]:
     training: dict[str, Any] = {
         "local_batch_size": (shape.global_batch_size // cfg.dp if cfg.pp > 1
                              else cfg.micro_batch_size),
-        "global_batch_size": shape.global_batch_size, "seq_len": shape.seq_len,
+        "global_batch_size": shape.global_batch_size,
+        **({"seq_len": shape.seq_len} if shape.seq_len is not None else {}),
         "mixed_precision_param": "float32" if shape.dtype == "fp32" else "bfloat16",
         "mixed_precision_reduce": "float32",
     }
@@ -319,8 +349,11 @@ def _torchtitan(plan: Any) -> tuple[str, list[str]]:
     parallelism: dict[str, Any] = {
         "data_parallel_replicate_degree": 1 if sharded else cfg.dp,
         "data_parallel_shard_degree": cfg.dp if sharded else 1,
-        "fsdp_reshard_after_forward": ("never" if sharded and cfg.pp > 1
-                                       and cfg.pp_schedule == "zero-bubble" else "default"),
+        # ZeRO-3 re-gathers each micro-batch's parameters for its backward, as costed;
+        # torchtitan's "default" keeps them gathered under pipeline parallel
+        "fsdp_reshard_after_forward": (("never" if cfg.pp_schedule == "zero-bubble"
+                                        else "always") if sharded and cfg.pp > 1
+                                       else "default"),
         "tensor_parallel_degree": cfg.tp, "enable_async_tensor_parallel": async_tp,
         "pipeline_parallel_degree": cfg.pp,
         "context_parallel_degree": cfg.cp, "expert_parallel_degree": cfg.ep,
@@ -340,17 +373,26 @@ def _torchtitan(plan: Any) -> tuple[str, list[str]]:
         checkpoint["selective_ac_option"] = "op"
     sections = {"training": training, "parallelism": parallelism,
                 "activation_checkpoint": checkpoint}
+    setup = []
     if shape.dtype == "fp8":
-        sections["model"] = {"converters": ["float8"]}
+        sections["model"] = {"converters": ["quantize.linear.float8"]}
+        recipe = opts.get("fp8_recipe", "tensorwise")
+        if recipe in ("tensorwise", "rowwise"):
+            sections["quantize.linear.float8"] = {"recipe_name": recipe}
+        setup.append("dtype fp8: the quantize.linear.float8 converter swaps the Linear layers "
+                     "for torchao's Float8Linear (install torchao)")
     notes += _torchtitan_notes(cfg, shape, opts)
     if not _same_layout(cfg, DEFAULT_MESH_ORDER):
         notes.append(_order_note(cfg, "torchtitan builds its mesh as pp, dp_replicate, dp_shard, "
                                       "cp, tp, outer first"))
-    return _toml(sections, comments), notes
+    return _toml(sections, comments), notes, setup
 
 
 def _torchtitan_notes(cfg: Any, shape: _Shape, opts: dict[str, Any]) -> list[str]:
     notes = []
+    if shape.seq_len is None:
+        notes.append("no token sequence: torchtitan trains language models on token sequences "
+                     "([training] seq_len); this model takes other inputs")
     if cfg.zero_stage in (1, 2) and cfg.cp == 1 and cfg.dp > 1:
         notes.append(f"zero_stage {cfg.zero_stage}: torchtitan has no optimizer-state-only or "
                      f"gradient-only sharding; the config uses DDP (data_parallel_replicate_degree"
@@ -358,6 +400,11 @@ def _torchtitan_notes(cfg: Any, shape: _Shape, opts: dict[str, Any]) -> list[str
                      f" than planned). The nearest sharded setting is data_parallel_shard_degree "
                      f"= {cfg.dp} with fsdp_reshard_after_forward = \"never\" (FSDP2 in ZeRO-2 "
                      f"style: parameters stay gathered from forward to backward)")
+    elif cfg.zero_stage == 0 and cfg.cp == 1 and cfg.dp > 1 and (cfg.tp > 1 or cfg.pp > 1):
+        notes.append(f"zero_stage 0 with tp or pp: torchtitan runs DDP (data_parallel_replicate"
+                     f"_degree = {cfg.dp}) only as the sole parallelism (\"DDP has not supported "
+                     f"> 1D parallelism\"); the nearest setting is data_parallel_shard_degree = "
+                     f"{cfg.dp} (FSDP2, ZeRO-3)")
     elif cfg.zero_stage < 3 and cfg.cp > 1:
         notes.append(f"zero_stage {cfg.zero_stage}: with context_parallel_degree = {cfg.cp} "
                      f"torchtitan applies FSDP over the context-parallel ranks, so parameters, "
@@ -371,9 +418,11 @@ def _torchtitan_notes(cfg: Any, shape: _Shape, opts: dict[str, Any]) -> list[str
     if shape.dtype == "fp16":
         notes.append("dtype fp16: torchtitan's mixed_precision_param is bfloat16 or float32; "
                      "bfloat16 is set")
-    if shape.dtype == "fp8":
-        notes.append("dtype fp8: set through the float8 model converter (needs torchao); the "
-                     "float8 recipe (tensorwise or rowwise scaling) is not part of the plan")
+    if shape.dtype == "fp8" and opts.get("fp8_recipe", "tensorwise") not in ("tensorwise",
+                                                                              "rowwise"):
+        notes.append(f"fp8_recipe {opts['fp8_recipe']}: torchtitan's float8 recipes are "
+                     f"tensorwise and rowwise (torchao's dynamic scaling); none is set, so it "
+                     f"runs tensorwise")
     if opts.get("grad_reduce_dtype", "fp32") != "fp32":
         notes.append(f"grad_reduce_dtype {opts['grad_reduce_dtype']}: torchtitan reduces "
                      f"gradients in float32 (mixed_precision_reduce)")
@@ -392,12 +441,13 @@ def _torchtitan_notes(cfg: Any, shape: _Shape, opts: dict[str, Any]) -> list[str
                      "all-to-all (context_parallel_rotate_method); the plan costed a ring that "
                      "passes K/V to the next rank")
     shard_ranks = (cfg.dp if cfg.zero_stage == 3 else 1) * cfg.cp
-    if cfg.ep > 1 and not cfg.cp <= cfg.ep <= shard_ranks:
+    if cfg.ep > 1 and (cfg.ep % cfg.cp or shard_ranks % cfg.ep):
         notes.append(f"expert parallel {cfg.ep}: torchtitan takes expert-parallel ranks from "
-                     f"the FSDP-shard x context-parallel ranks (cp <= ep <= "
-                     f"data_parallel_shard_degree * cp = {shard_ranks} here); with ZeRO "
-                     f"{cfg.zero_stage} mapped to replication that range does not hold; use "
-                     f"data_parallel_shard_degree = {cfg.dp} (ZeRO-3)")
+                     f"the FSDP-shard x context-parallel ranks (ep a multiple of cp and a "
+                     f"divisor of data_parallel_shard_degree * cp = {shard_ranks} here)"
+                     + (f"; with ZeRO {cfg.zero_stage} mapped to replication that does not "
+                        f"hold: use data_parallel_shard_degree = {cfg.dp} (ZeRO-3)"
+                        if cfg.zero_stage < 3 else ""))
     if shape.glue_parents:
         notes.append(f"module_fqns_per_model_part lists {', '.join(shape.glue_parents)}, a parent"
                      f" of the transformer layers (the plan groups the embedding and the final "
@@ -411,9 +461,9 @@ def _torchtitan_notes(cfg: Any, shape: _Shape, opts: dict[str, Any]) -> list[str
 # ---------------------------------------------------------------------------------- DeepSpeed
 
 
-def _deepspeed(plan: Any) -> tuple[str, list[str]]:
+def _deepspeed(plan: Any) -> tuple[str, list[str], list[str]]:
     cfg, shape = plan.config, _shape(plan)
-    opts, notes = shape.options, []
+    opts, notes, setup = shape.options, [], []
     zero: dict[str, Any] = {"stage": cfg.zero_stage,
                             "overlap_comm": bool(opts.get("overlap_dp_comm", False))}
     if cfg.zero_stage == 3 and opts.get("zero3_max_live_params") is not None:
@@ -435,15 +485,15 @@ def _deepspeed(plan: Any) -> tuple[str, list[str]]:
     if cfg.recompute == "full":
         config["activation_checkpointing"] = {"partition_activations": False,
                                               "number_checkpoints": max(shape.layers_per_stage)}
-    notes += _deepspeed_model_notes(cfg, shape)
-    notes += _deepspeed_pipeline_notes(cfg, shape)
+    notes += _deepspeed_model_notes(cfg, shape, setup)
+    notes += _deepspeed_pipeline_notes(cfg, shape, setup)
     if not _same_layout(cfg, DEFAULT_MESH_ORDER):
         notes.append(_order_note(cfg, "DeepSpeed lays the ranks out as pipe, data, model, outer "
                                       "first"))
-    return json.dumps(config, indent=2) + "\n", notes
+    return json.dumps(config, indent=2) + "\n", notes, setup
 
 
-def _deepspeed_model_notes(cfg: Any, shape: _Shape) -> list[str]:
+def _deepspeed_model_notes(cfg: Any, shape: _Shape, setup: list[str]) -> list[str]:
     notes = []
     if cfg.tp > 1:
         notes.append(f"tensor parallel {cfg.tp}: set as tensor_parallel.autotp_size (DeepSpeed "
@@ -464,10 +514,13 @@ def _deepspeed_model_notes(cfg: Any, shape: _Shape) -> list[str]:
                      f"Megatron-DeepSpeed --ds-sequence-parallel-size {cfg.cp}, or "
                      f"deepspeed.sequence.layer.DistributedAttention on a {cfg.cp}-rank group")
     if cfg.ep > 1:
-        notes.append(f"expert parallel {cfg.ep}: not a config key; build the MoE layers as "
+        setup.append(f"expert parallel {cfg.ep}: not a config key; build the MoE layers as "
                      f"deepspeed.moe.layer.MoE(..., ep_size={cfg.ep})")
+        if cfg.zero_stage == 3:
+            notes.append("expert parallel with zero_stage 3: DeepSpeed's MoE layers refuse "
+                         "ZeRO-3 (\"MoE not supported with Stage 3\"); use ZeRO-2")
     if cfg.recompute == "full":
-        notes.append("recompute full: the config only tunes checkpointing; the model must wrap "
+        setup.append("recompute full: the config only tunes checkpointing; the model must wrap "
                      "each layer in deepspeed.checkpointing.checkpoint (with PipelineModule: "
                      "activation_checkpoint_interval=1)")
     elif cfg.recompute == "selective":
@@ -475,19 +528,21 @@ def _deepspeed_model_notes(cfg: Any, shape: _Shape) -> list[str]:
                      "recompute; wrap the attention core in deepspeed.checkpointing.checkpoint "
                      "in the model")
     if shape.dtype == "fp8":
-        notes.append("dtype fp8: DeepSpeed has no fp8 precision key; bf16 is set, fp8 GEMMs "
+        setup.append("dtype fp8: DeepSpeed has no fp8 precision key; bf16 is set, fp8 GEMMs "
                      "need Transformer Engine layers in the model")
     return notes
 
 
-def _deepspeed_pipeline_notes(cfg: Any, shape: _Shape) -> list[str]:
+def _deepspeed_pipeline_notes(cfg: Any, shape: _Shape, setup: list[str]) -> list[str]:
     if cfg.pp == 1:
         return []
     counts = list(shape.layers_per_stage)
-    notes = [(f"pipeline parallel {cfg.pp}: not a config key; build the model as "
-              f"deepspeed.pipe.PipelineModule(layers=..., num_stages={cfg.pp}, "
-              f"partition_method=\"uniform\"); gradient_accumulation_steps = "
-              f"{shape.num_microbatches} micro-batches flow through the pipeline per step")]
+    setup.append(f"pipeline parallel {cfg.pp}: not a config key; build the model as "
+                 f"deepspeed.pipe.PipelineModule(layers=..., num_stages={cfg.pp}, "
+                 f"partition_method=\"type:<transformer layer class>\", which gives each "
+                 f"stage as many of those layers); gradient_accumulation_steps = "
+                 f"{shape.num_microbatches} micro-batches flow through the pipeline per step")
+    notes = []
     if cfg.virtual_stages == 1 and not shape.uniform:
         notes.append(f"stage boundaries: the plan puts {counts} transformer layers on the "
                      f"stages; DeepSpeed's partition methods (parameters, uniform, type:regex) "

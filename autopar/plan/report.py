@@ -1,7 +1,8 @@
 """The human-readable report of a `Plan`: why this configuration, what it costs, what it assumes.
 
 `render_report(plan, fmt)` lays the plan out in sections -- model, cluster and batch; the
-chosen configuration; the prediction; the step-time breakdown; memory per pipeline rank by
+chosen configuration with the engine it was made for and what keeping to that engine's rules
+costs; the prediction; the step-time breakdown; memory per pipeline rank by
 category against device memory; layers per stage; tensor/data-parallel placements summarised
 per module kind; the next candidates and what made each slower; the assumptions (software
 options, the named cost-model constants with their values, the overlap rules, the hardware
@@ -227,8 +228,37 @@ def _configuration(plan: Plan) -> Section:
     rows.append(("mesh", " x ".join(f"{a}={s}" for a, s in zip(mesh["axes"], mesh["sizes"]))
                  + (f" (ep={mesh['ep']} within {mesh.get('ep_within', 'dp*cp')})"
                     if mesh.get("ep", 1) > 1 else "")))
-    return Section(title="Chosen configuration", lines=(cfg.short(),),
+    return Section(title="Chosen configuration", lines=(cfg.short(), *_target_lines(plan)),
                    tables=(Table(columns=("field", "value"), rows=tuple(rows)),))
+
+
+def _target_lines(plan: Plan) -> tuple[str, ...]:
+    """The engine the plan was made for and, for an engine other than autopar's runtime, what
+    keeping to its rules costs: the best plan for autopar's runtime (same pins and software)
+    against the plan. Plans saved before targets existed record none."""
+    from autopar.targets import TARGETS
+
+    name = plan.training.get("target")
+    if name is None:
+        return ()
+    if name == "autopar":
+        return ("target   autopar: autopar's runtime, every configuration it runs for this "
+                "model",)
+    engine = TARGETS[name].engine if name in TARGETS else name
+    free = plan.training.get("unrestricted") or {}
+    software = plan.training.get("software")
+    lines = [f"target   {name}: only what {engine} runs (autopar.targets), costed with "
+             + (f"the {software} software preset" if software else "the options below")]
+    mine, theirs = free.get("step_time_s"), plan.estimate.step_time_s
+    if mine is None:
+        lines.append("restriction cost: no plan for autopar's runtime to compare with ("
+                     + free.get("reason", "none recorded") + ")")
+    else:
+        lines.append(f"restriction cost {100 * (theirs / mine - 1):+.1f}%: best for autopar's "
+                     f"runtime {fmt_seconds(mine)} vs best for {name} {fmt_seconds(theirs)}")
+        lines.append(f"         (autopar's runtime: {free.get('config', '?')}, same pins and "
+                     f"software)")
+    return tuple(lines)
 
 
 # Above this share of device memory the report says how far the estimate's memory has erred

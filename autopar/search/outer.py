@@ -65,6 +65,7 @@ from autopar.estimate.core import (Estimate, EstimateOptions, EvalCache, ModelCo
                                    placement_key)
 from autopar.search.bounds import _bounds, _step_bounds
 from autopar.search.space import ConfigTable, config_table, key_groups
+from autopar.targets import AUTOPAR, EngineTarget, Facts
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,9 @@ def _rank_key(est: Estimate) -> tuple:
 
 def _table(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
            constraints: dict[str, Any], options: EstimateOptions,
-           settings: SearchSettings) -> ConfigTable:
+           settings: SearchSettings, target: EngineTarget = AUTOPAR) -> ConfigTable:
+    """The space before the target's rules (`EngineTarget.allows`), with the schedules the
+    target runs with fewer micro-batches than pipeline ranks."""
     return config_table(
         world=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
         num_layers=costs.num_layers, body_layers=max(u.count for u in costs.units),
@@ -154,27 +157,32 @@ def _table(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
         math_attention=options.attention_kernel == "math" or any(
             u.saved_bytes_recompute < u.saved_bytes for u in costs.units),
         max_micro_batch_size=settings.max_micro_batch_size,
-        max_virtual_stages=settings.max_virtual_stages, max_cp=settings.max_cp)
+        max_virtual_stages=settings.max_virtual_stages, max_cp=settings.max_cp,
+        few_microbatches=target.few_microbatches)
 
 
 def enumerate_configs(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
                       constraints: dict[str, Any], options: EstimateOptions,
-                      settings: SearchSettings) -> Iterator[ParallelConfig]:
-    """Every candidate config, in a fixed order (validity is checked by `evaluate`); the
-    search itself works on the columns (`autopar.search.space.config_table`)."""
-    return _table(costs, cluster, global_batch_size=global_batch_size, constraints=constraints,
-                  options=options, settings=settings).configs()
+                      settings: SearchSettings, dtype: str = "bf16",
+                      target: EngineTarget = AUTOPAR) -> Iterator[ParallelConfig]:
+    """Every candidate config the target runs, in a fixed order (validity is checked by
+    `evaluate`); the search itself works on the columns (`autopar.search.space.config_table`)."""
+    table = _table(costs, cluster, global_batch_size=global_batch_size, constraints=constraints,
+                   options=options, settings=settings, target=target)
+    if target.restricts:
+        table = table.rows(target.allows(table, Facts.of(costs, dtype, options)))
+    return table.configs()
 
 
 def _why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
                constraints: dict[str, Any], options: EstimateOptions,
-               settings: SearchSettings) -> str:
+               settings: SearchSettings, target: EngineTarget = AUTOPAR) -> str:
     """Why the space under `constraints` is empty: each pinned value that no config holds even
     without the pins (with the values configs do hold), a pinned dp·tp·pp·cp that cannot
     factor the GPUs, or else that the pins are possible one by one but not together; then
     the enumeration's rules for the pinned fields and for dp and pp."""
     free = _table(costs, cluster, global_batch_size=global_batch_size, constraints={},
-                  options=options, settings=settings)
+                  options=options, settings=settings, target=target)
     if not len(free):
         return (f": no dp·tp·pp·cp factoring of the {cluster.world_size} GPUs has a dp that "
                 f"divides the global batch ({global_batch_size}) with tp within a node, pp at "
@@ -264,8 +272,9 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
            constraints: dict[str, Any] | None = None,
            options: EstimateOptions = EstimateOptions(),
            settings: SearchSettings = SearchSettings(),
-           cache: EvalCache | None = None) -> SearchResult:
-    """The fastest fitting config of the space (see the module docstring). `cache`, an
+           cache: EvalCache | None = None, target: EngineTarget = AUTOPAR) -> SearchResult:
+    """The fastest fitting config of the space (see the module docstring) that `target` runs
+    (`autopar.targets`: its rules mask the rows of the space, in each mesh order). `cache`, an
     `EvalCache` of this model and cluster that the caller keeps, lets the work that follows
     the search (re-cutting the winner's stages, its layer costs) reuse the search's unit
     times and collective times."""
@@ -282,7 +291,15 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     kw = dict(global_batch_size=global_batch_size, dtype=dtype, options=options, cache=cache)
     # the configs are the same in every order: one table, relabelled per order
     every = _table(costs, cluster, global_batch_size=global_batch_size,
-                   constraints=constraints, options=options, settings=settings)
+                   constraints=constraints, options=options, settings=settings, target=target)
+    facts = Facts.of(costs, dtype, options)
+    if target.restricts and len(every):
+        target.check(constraints, facts)
+        keep = target.allows(every, facts)
+        if not keep.any():
+            raise ValueError(f"no configuration satisfies the constraints {constraints} on "
+                             f"{cluster.world_size} GPUs: {target.why_empty(every, facts)}")
+        every = every.rows(keep)
     progress = _Progress(settings.progress)
     best_times: list[float] = []  # the top_k_exact fastest fitting closed-form times so far
     free = None  # each config's step bound without communication: a bound in every order
@@ -298,13 +315,20 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
                                           comm=False, **kw)
             table = table.rows(~(free * (1 - BOUND_MARGIN) > best_times[-1]))
             dropped += len(every) - len(table)
+        if target.restricts and order != every.mesh_order:  # rules may read the order
+            keep = target.allows(table, facts)
+            if not k and not keep.any():
+                raise ValueError(f"no configuration satisfies the constraints {constraints} "
+                                 f"on {cluster.world_size} GPUs in mesh order "
+                                 f"{','.join(order)}: {target.why_empty(table, facts)}")
+            table = table.rows(keep)
         # each config once per placement of its ranks: in the first order giving it
         table = _new_placements(table, orders[:k], cache, placed)
         if k and not len(table):
             continue
         try:
             found.append(_collect(costs, cluster, table, best_times, constraints=constraints,
-                                  settings=settings, progress=progress, **kw))
+                                  settings=settings, progress=progress, target=target, **kw))
         except ValueError as exc:  # NoPlanFitsError too
             if not k:  # the first order's space is every config: its error is the search's
                 raise
@@ -388,7 +412,7 @@ class _Found:
 def _collect(costs: ModelCosts, cluster: Cluster, table: ConfigTable, best_times: list[float],
              *, global_batch_size: int, dtype: str, constraints: dict[str, Any],
              options: EstimateOptions, settings: SearchSettings, cache: EvalCache,
-             progress: _Progress) -> _Found:
+             progress: _Progress, target: EngineTarget = AUTOPAR) -> _Found:
     """The closed-form estimates of the configs of `table` (all in one mesh order) that can
     enter the top `top_k_exact` by time, `best_times` (the fastest fitting times found in
     the orders before, updated) included."""
@@ -410,7 +434,8 @@ def _collect(costs: ModelCosts, cluster: Cluster, table: ConfigTable, best_times
         detail = f" (first rejection: {errors[0]})" if errors else ""
         if not len(table):
             detail = _why_empty(costs, cluster, global_batch_size=global_batch_size,
-                                constraints=constraints, options=options, settings=settings)
+                                constraints=constraints, options=options, settings=settings,
+                                target=target)
         raise ValueError(f"no configuration satisfies the constraints {constraints} on "
                          f"{cluster.world_size} GPUs{detail}")
     return _Found(fast=fast, pruned=b.pruned + unfit, smallest=b.smallest, skipped=skipped)

@@ -28,7 +28,7 @@ becomes a `ParallelConfig` only when the search evaluates it (`ConfigTable.confi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from autopar.config import (DEFAULT_MESH_ORDER, PP_SCHEDULES, RECOMPUTE_POLICIES
 from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
                                CUDA_CONTEXT_BYTES, state_bytes_split)
 
-__all__ = ["ConfigTable", "config_table", "key_groups", "states_lower_bounds",
+__all__ = ["ConfigTable", "config_table", "encode", "key_groups", "states_lower_bounds",
            "step_lower_bounds", "first_rank_memory", "TIME_KEY_COLUMNS"]
 
 COLUMNS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "micro_batch_size", "pp_schedule",
@@ -45,7 +45,6 @@ COLUMNS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "micro_batch_size", "pp_s
 # the columns per-unit times depend on (the key of `EvalCache.times`, less the options)
 TIME_KEY_COLUMNS = ("micro_batch_size", "tp", "cp", "ep", "sequence_parallel", "recompute")
 _INTERLEAVED = PP_SCHEDULES.index("interleaved-1f1b")
-_GPIPE = PP_SCHEDULES.index("gpipe")
 _ZERO_BUBBLE = PP_SCHEDULES.index("zero-bubble")
 
 
@@ -70,6 +69,16 @@ class ConfigTable:
     def configs(self) -> Iterator[ParallelConfig]:
         return (self.config(i) for i in range(len(self)))
 
+    @classmethod
+    def of(cls, configs: Sequence[ParallelConfig]) -> "ConfigTable":
+        """The table of `configs` (one mesh order, or the default for none): the inverse of
+        `config`."""
+        orders = {cfg.mesh_order for cfg in configs}
+        assert len(orders) <= 1, "a table holds configs of one mesh order"
+        columns = {name: np.array([encode(name, getattr(cfg, name)) for cfg in configs],
+                                  dtype=np.int64) for name in COLUMNS}
+        return cls(columns, orders.pop() if orders else DEFAULT_MESH_ORDER)
+
     def rows(self, keep: np.ndarray) -> "ConfigTable":
         """The rows that the mask or index array ``keep`` selects."""
         return ConfigTable({name: col[keep] for name, col in self.columns.items()},
@@ -86,6 +95,15 @@ class ConfigTable:
                                           "sequence_parallel"))
 
 
+def encode(name: str, value: Any) -> int:
+    """A config field's value as its table column holds it."""
+    if name == "pp_schedule":
+        return PP_SCHEDULES.index(value)
+    if name == "recompute":
+        return RECOMPUTE_POLICIES.index(value)
+    return int(value)
+
+
 def _allowed(name: str, values: list, constraints: dict[str, Any]) -> list:
     if name in constraints:
         return [v for v in values if v == constraints[name]]
@@ -96,12 +114,12 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
                  num_heads: int | None, num_kv_heads: int | None, seq_len: int | None,
                  num_experts: int | None, global_batch_size: int, constraints: dict[str, Any],
                  math_attention: bool, max_micro_batch_size: int, max_virtual_stages: int,
-                 max_cp: int) -> ConfigTable:
+                 max_cp: int, few_microbatches: tuple[str, ...] = ("gpipe",)) -> ConfigTable:
     """Every candidate config (validity is checked by `evaluate`), in the order: tp, cp, pp,
     ep ascending; then micro-batch size, recompute, SP, schedule (gpipe, 1f1b, zero-bubble,
     interleaved by virtual stages), ZeRO stage. tp stays within a node and divides the heads
     and the key/value heads;
-    sequence parallelism needs a sequence (``seq_len``);
+    sequence parallelism needs a sequence (``seq_len``) whose cp shards tp divides;
     cp needs a sequence divisible by 2·cp; pp is at most the layer count and the micro-batches
     per step at least pp; interleaving needs the body layers to split evenly into pp·v chunks
     and the micro-batches to be a multiple of pp."""
@@ -126,13 +144,16 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
                     continue
                 eps = [e for e in divisors(dp * cp)
                        if num_experts and num_experts % e == 0] or [1]
-                # tp and cp shape a block only through whether SP and ZeRO apply
-                key = (dp, pp, tp > 1 and bool(seq_len), dp * cp > 1)
+                # tp and cp shape a block only through whether SP and ZeRO apply; SP splits
+                # each cp rank's tokens over tp
+                key = (dp, pp, tp > 1 and bool(seq_len) and seq_len % (tp * cp) == 0,
+                       dp * cp > 1)
                 if key not in blocks:
                     blocks[key] = _block(gbs, constraints, grids, dp=dp, pp=pp,
                                          with_sp=key[2], with_zero=key[3],
                                          body_layers=body_layers, math_attention=math_attention,
-                                         max_mbs=max_micro_batch_size, max_v=max_virtual_stages)
+                                         max_mbs=max_micro_batch_size, max_v=max_virtual_stages,
+                                         few=few_microbatches)
                 block = blocks[key]
                 if block is None:
                     continue
@@ -177,19 +198,19 @@ class _Grids:
 
 def _block(gbs: int, constraints: dict[str, Any], grids: _Grids, *, dp: int, pp: int,
            with_sp: bool, with_zero: bool, body_layers: int, math_attention: bool,
-           max_mbs: int, max_v: int) -> dict[str, np.ndarray] | None:
+           max_mbs: int, max_v: int, few: tuple[str, ...]) -> dict[str, np.ndarray] | None:
     """The ZeRO, micro-batch, schedule, virtual-stage, SP and recompute columns of the rows
     of one (tp, cp, pp, dp, ep): the product micro-batch x recompute x SP x schedule x ZeRO
-    in that nesting (C order), less the rows with fewer micro-batches than pp unless GPipe
-    and interleaved rows whose micro-batch count is not a multiple of pp. SP is searched `with_sp` (tp > 1 and the model has a sequence: CNNs have
-    no token dimension to split), ZeRO `with_zero` (dp * cp > 1)."""
+    in that nesting (C order), less the rows with fewer micro-batches than pp unless their
+    schedule is one of `few`, and interleaved rows whose micro-batch count is not a multiple
+    of pp. SP is searched `with_sp` (tp > 1 and the model has a sequence: CNNs have no token
+    dimension to split), ZeRO `with_zero` (dp * cp > 1)."""
     zeros = _allowed("zero_stage", [0, 1, 2, 3] if with_zero else [0], constraints)
     sps = _allowed("sequence_parallel", [False, True] if with_sp else [False], constraints)
     # with a fused kernel selective recompute equals none
     recomputes = _allowed("recompute", ["none", "selective", "full"] if math_attention
                           else ["none", "full"], constraints)
-    # fewer micro-batches than pipeline ranks: GPipe alone (`check_config`; the runtime's
-    # 1F1B needs one per rank)
+    # fewer micro-batches than pipeline ranks: the schedules `few` (`check_config`)
     mbss = _allowed("micro_batch_size", [b for b in divisors(gbs // dp) if b <= max_mbs],
                     constraints)
     if pp == 1:
@@ -218,7 +239,8 @@ def _block(gbs: int, constraints: dict[str, Any], grids: _Grids, *, dp: int, pp:
     }
     if pp > 1:
         m = gbs // (dp * mbs)
-        keep = (m >= pp) | (sched == _GPIPE)
+        keep = (m >= pp) | np.isin(sched, grids.array(tuple(PP_SCHEDULES.index(s)
+                                                             for s in few)))
         if any(s == "interleaved-1f1b" for s, _ in schedules):
             keep &= ~((sched == _INTERLEAVED) & (m % pp != 0))
         if not keep.all():

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,9 +41,26 @@ def test_plan_report_export_and_explain(plan_file):
     assert autopar("report", str(plan_file), "--format", "md").stdout.count("|") > 20
     flags = autopar("export", str(plan_file), "--format", "megatron")
     assert "--pipeline-model-parallel-size 2" in flags.stdout
-    assert "note:" in flags.stderr
+    assert "setup: data parallelism is not a flag" in flags.stderr
     why = autopar("explain", str(plan_file), "--model", "cli_models:tiny_gpt", "--pin", "tp=2")
     assert "why not tp=2?" in why.stdout
+
+
+def test_a_plan_for_an_engine_exports_to_it_without_notes_and_reports_its_cost(tmp_path):
+    path = tmp_path / "megatron.json"
+    proc = autopar("plan", "--model", "cli_models:tiny_gpt", "--cluster", "dgx-h100",
+                   "--global-batch", "32", "--seq-len", "512", "--pin", "pp=2",
+                   "--pin", "zero_stage=1", "--target", "megatron", "-o", str(path))
+    assert "target   megatron: only what Megatron-LM core_r0.13.0 runs" in proc.stdout
+    assert re.search(r"restriction cost [+-]\d+\.\d%: best for autopar's runtime .* vs best for "
+                     r"megatron ", proc.stdout)
+    assert json.loads(path.read_text())["training"]["target"] == "megatron"
+    flags = autopar("export", str(path), "--format", "megatron")
+    assert "--use-distributed-optimizer" in flags.stdout and "note:" not in flags.stderr
+    titan = autopar("export", str(path), "--format", "torchtitan")
+    notes = [line for line in titan.stderr.splitlines() if line.startswith("note:")]
+    assert "made for target megatron, not torchtitan" in notes[0]
+    assert any(line.startswith("note: zero_stage 1:") for line in notes[1:])
 
 
 @pytest.mark.parametrize("args,message", [
@@ -52,6 +70,9 @@ def test_plan_report_export_and_explain(plan_file):
       "--seq-len", "128"], "unknown hardware profile 'dgx-h900'"),
     (["plan", "--model", "gpt2", "--cluster", "dgx-h100", "--global-batch", "8",
       "--seq-len", "128", "--pin", "tp=3"], "no configuration satisfies the constraints"),
+    (["plan", "--model", "gpt2", "--cluster", "dgx-h100", "--global-batch", "8",
+      "--seq-len", "128", "--target", "deepspeed", "--pin", "tp=2"],
+     "tp=2 cannot run on DeepSpeed 0.16.4 (target='deepspeed')"),
     (["report", "/nonexistent/plan.json"], "cannot read plan"),
     (["collective", "--size", "lots"], "cannot read size 'lots'"),
 ])

@@ -101,6 +101,7 @@ def _megatron_parser() -> argparse.ArgumentParser:
     parser.add_argument("--recompute-granularity", choices=["full", "selective"])
     parser.add_argument("--recompute-method", choices=["uniform", "block"])
     parser.add_argument("--fp8-format", choices=["e4m3", "hybrid"])
+    parser.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "mxfp8", "blockwise"])
     parser.add_argument("--attention-backend",
                         choices=["flash", "fused", "unfused", "local", "auto"])
     return parser
@@ -171,22 +172,24 @@ def test_megatron_flags_parse_back_to_the_plan(plans, name):
 
 
 MEGATRON_NOTES = {
-    "tp2_pp4_interleaved_zero3_full": ["data parallelism is not a flag", "zero_stage 3"],
-    "tp4_pp2_cp2_zero1_selective": ["data parallelism is not a flag"],
-    "dp8_cp2_fp16": ["data parallelism is not a flag"],
-    "tp2_pp4_zero_bubble_zero2_no_sp": ["data parallelism is not a flag", "overlap_tp_comm",
-                                        "pp_schedule zero-bubble", "zero_stage 2"],
-    "pp2_gpipe_zero3": ["data parallelism is not a flag", "pp_schedule gpipe", "zero_stage 3"],
-    "moe_ep4_cp2_zero1": ["data parallelism is not a flag"],
+    "tp2_pp4_interleaved_zero3_full": ["zero_stage 3"],
+    "tp4_pp2_cp2_zero1_selective": [],
+    "dp8_cp2_fp16": [],
+    "tp2_pp4_zero_bubble_zero2_no_sp": ["overlap_tp_comm", "pp_schedule zero-bubble",
+                                        "zero_stage 2"],
+    "pp2_gpipe_zero3": ["pp_schedule gpipe", "zero_stage 3"],
+    "moe_ep4_cp2_zero1": [],
 }
 
 
 @pytest.mark.parametrize("name", sorted(PINS))
 def test_megatron_notes_name_exactly_what_it_cannot_express(plans, name):
-    notes = export_plan(plans[name], "megatron").notes
-    assert _topics(notes) == MEGATRON_NOTES[name]
+    result = export_plan(plans[name], "megatron")
+    assert _topics(result.notes) == MEGATRON_NOTES[name]
     if plans[name].config.zero_stage == 3:
-        assert any("--use-megatron-fsdp" in n for n in notes)
+        assert any("--use-megatron-fsdp" in n for n in result.notes)
+    assert _topics(result.setup) == ["data parallelism is not a flag"]
+    assert "dp = world size / (tp*pp*cp) = 16 / " in result.setup[0]
 
 
 def _with_stages(plan, counts: list[int]):
@@ -263,6 +266,11 @@ def test_torchtitan_toml_parses_back_to_the_plan(plans, name):
         assert training["global_batch_size"] // (train["local_batch_size"] * dp) == microbatches
         assert "pipeline_parallel_schedule" not in par
     assert toml["activation_checkpoint"]["mode"] == cfg.recompute
+    reshard = par["fsdp_reshard_after_forward"]
+    if cfg.zero_stage == 3 and cfg.pp > 1:  # re-gathered per micro-batch, as costed
+        assert reshard == ("never" if cfg.pp_schedule == "zero-bubble" else "always")
+    else:
+        assert reshard == "default"
     assert train["mixed_precision_param"] == "bfloat16"
     assert par["enable_async_tensor_parallel"] == \
         (plan.training["options"]["overlap_tp_comm"] and cfg.tp > 1)
@@ -309,26 +317,33 @@ def test_deepspeed_json_parses_back_to_the_plan(plans, name):
 
 DEEPSPEED_NOTES = {
     "tp2_pp4_interleaved_zero3_full": [
-        "pipeline parallel 4", "pp_schedule interleaved-1f1b with 2 virtual stages",
-        "recompute full", "sequence_parallel", "tensor parallel 2",
-        "zero_stage 3", "zero_stage 3 with tensor parallelism"],
-    "tp4_pp2_cp2_zero1_selective": ["context parallel 2", "pipeline parallel 2",
-                                    "recompute selective", "sequence_parallel",
-                                    "tensor parallel 4"],
+        "pp_schedule interleaved-1f1b with 2 virtual stages", "sequence_parallel",
+        "tensor parallel 2", "zero_stage 3", "zero_stage 3 with tensor parallelism"],
+    "tp4_pp2_cp2_zero1_selective": ["context parallel 2", "recompute selective",
+                                    "sequence_parallel", "tensor parallel 4"],
     "dp8_cp2_fp16": ["context parallel 2"],
-    "tp2_pp4_zero_bubble_zero2_no_sp": ["pipeline parallel 4", "pp_schedule zero-bubble",
-                                        "tensor parallel 2", "zero_stage 2"],
-    "pp2_gpipe_zero3": ["pipeline parallel 2", "pp_schedule gpipe", "zero_stage 3"],
-    "moe_ep4_cp2_zero1": ["context parallel 2", "expert parallel 4"],
+    "tp2_pp4_zero_bubble_zero2_no_sp": ["pp_schedule zero-bubble", "tensor parallel 2",
+                                        "zero_stage 2"],
+    "pp2_gpipe_zero3": ["pp_schedule gpipe", "zero_stage 3"],
+    "moe_ep4_cp2_zero1": ["context parallel 2"],
+}
+DEEPSPEED_SETUP = {
+    "tp2_pp4_interleaved_zero3_full": ["pipeline parallel 4", "recompute full"],
+    "tp4_pp2_cp2_zero1_selective": ["pipeline parallel 2"],
+    "dp8_cp2_fp16": [],
+    "tp2_pp4_zero_bubble_zero2_no_sp": ["pipeline parallel 4"],
+    "pp2_gpipe_zero3": ["pipeline parallel 2"],
+    "moe_ep4_cp2_zero1": ["expert parallel 4"],
 }
 
 
 @pytest.mark.parametrize("name", sorted(PINS))
 def test_deepspeed_notes_name_exactly_what_it_cannot_express(plans, name):
-    notes = export_plan(plans[name], "deepspeed").notes
-    assert _topics(notes) == DEEPSPEED_NOTES[name]
+    result = export_plan(plans[name], "deepspeed")
+    assert _topics(result.notes) == DEEPSPEED_NOTES[name]
+    assert _topics(result.setup) == DEEPSPEED_SETUP[name]
     if plans[name].config.pp > 1:
-        assert any(f"num_stages={plans[name].config.pp}" in n for n in notes)
+        assert any(f"num_stages={plans[name].config.pp}" in n for n in result.setup)
 
 
 # ---------------------------------------------------------------------------------- common
@@ -373,3 +388,45 @@ def test_exports_of_a_saved_plan_match_the_original(plans, tmp_path):
 def test_unknown_format_is_refused_naming_the_allowed_ones(plans):
     with pytest.raises(ValueError, match="'nemo'.*allowed: megatron, torchtitan, deepspeed"):
         export_plan(plans["dp8_cp2_fp16"], "nemo")
+
+
+def _with_config(plan, **fields):
+    return dataclasses.replace(plan, config=dataclasses.replace(plan.config, **fields))
+
+
+def test_torchtitan_runs_ddp_only_as_the_sole_parallelism(plans):
+    base = plans["tp2_pp4_interleaved_zero3_full"]  # dp=2 under tp=2, pp=4
+    assert "zero_stage 0 with tp or pp" in _topics(
+        export_plan(_with_config(base, zero_stage=0), "torchtitan").notes)
+    alone = plans["dp8_cp2_fp16"]
+    ddp = _with_config(alone, cp=1, dp=16)  # DDP over every rank: no note on it
+    assert not [n for n in export_plan(ddp, "torchtitan").notes if n.startswith("zero_stage")]
+
+
+@pytest.mark.parametrize("recipe,titan,megatron", [
+    ("tensorwise", "tensorwise", "tensorwise"), ("rowwise", "rowwise", None),
+    ("delayed", None, "delayed")])
+def test_fp8_recipes_reach_the_engines_that_have_them(plans, recipe, titan, megatron):
+    base = plans["pp2_gpipe_zero3"]
+    plan = dataclasses.replace(base, training={
+        **base.training, "dtype": "fp8", "options": {**base.training["options"],
+                                                      "fp8_recipe": recipe}})
+    titan_export = export_plan(plan, "torchtitan")
+    toml = tomllib.loads(titan_export.text)
+    assert toml["model"]["converters"] == ["quantize.linear.float8"]
+    assert toml.get("quantize", {}).get("linear", {}).get("float8", {}).get("recipe_name") == titan
+    assert (f"fp8_recipe {recipe}" in _topics(titan_export.notes)) == (titan is None)
+    megatron_export = export_plan(plan, "megatron")
+    flags = shlex.split(megatron_export.text)
+    assert ("--fp8-recipe" in flags) == (megatron is not None)
+    if megatron:
+        assert flags[flags.index("--fp8-recipe") + 1] == megatron
+    assert (f"fp8_recipe {recipe}" in _topics(megatron_export.notes)) == (megatron is None)
+
+
+def test_deepspeed_moe_layers_refuse_zero3(plans):
+    moe = plans["moe_ep4_cp2_zero1"]
+    topics = _topics(export_plan(_with_config(moe, zero_stage=3), "deepspeed").notes)
+    assert "expert parallel with zero_stage 3" in topics
+    assert "expert parallel with zero_stage 3" not in _topics(
+        export_plan(moe, "deepspeed").notes)
