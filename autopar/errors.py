@@ -69,3 +69,12 @@ class ShardingInfeasibleError(ValueError):
 
 
 __all__ += ["ShardingInfeasibleError"]
+
+
+class CalibrationError(ValueError):
+    """`autopar calibrate` cannot measure: it was not started under torchrun, a rank did not
+    join or stopped answering (the message names the ranks), or the ranks do not fill the
+    nodes evenly. The message says what to check or change."""
+
+
+__all__ += ["CalibrationError"]
