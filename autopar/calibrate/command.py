@@ -3,7 +3,7 @@ prints and writes (the profile, and the table beside it as NAME.calibration.txt 
 
     torchrun --nnodes N --nproc_per_node G -m autopar calibrate --base dgx-h100 -o mine.toml
 
-Sizes: 8 B to --max-size (1 GiB; 32 MiB for --quick on CPU), every factor of 2 (--quick: 4).
+Sizes: 8 B to --max-size (1 GiB; 32 MiB for --quick on CPU), every factor of 2 (--quick: 8).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import hwprofiles
-from autopar.calibrate import measure
+from autopar.calibrate import compute, measure
 from autopar.calibrate.profile import calibrate_profile, profile_toml, with_ranks_per_node
 from autopar.calibrate.records import Measurements, held_out_sizes, size_grid
 from autopar.calibrate.table import render_table, summary_lines, table_csv, table_rows
@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", required=True, help="the calibrated profile (.toml) "
                         "to write; the table goes beside it (.calibration.txt and .csv)")
     parser.add_argument("--name", help="the profile's name (default: the output file's stem)")
-    parser.add_argument("--quick", action="store_true", help="fewer sizes (every factor of 4) "
+    parser.add_argument("--quick", action="store_true", help="fewer sizes (every factor of 8) "
                         "and rounds: under 2 minutes per node")
     parser.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS",
                         help="how long any rank waits for the others (start-up, each "
@@ -73,15 +73,15 @@ def _checked(args: argparse.Namespace) -> tuple[dict[str, Any], Path, int]:
 
 def _memory_cap(limit: int, ranks_per_node: int) -> tuple[int, str | None]:
     """On CPU the ranks' buffers (2 x the largest, each) share the host's RAM: keep them under
-    a quarter of it."""
+    half of it."""
     if torch.cuda.is_available():
         return limit, None
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cap = ram // 4 // (2 * ranks_per_node)
+    cap = ram // 2 // (2 * ranks_per_node)
     if limit <= cap:
         return limit, None
     return cap, (f"collective sizes capped at {cap >> 20} MiB: {ranks_per_node} ranks' "
-                 f"buffers must fit a quarter of the host's {ram / 1e9:.1f} GB")
+                 f"buffers must fit half of the host's {ram / 1e9:.1f} GB")
 
 
 class _Progress:
@@ -125,23 +125,26 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         limit, cap_note = _memory_cap(limit, world.ranks_per_node)
-        sizes = size_grid(limit, 4 if args.quick else 2)
+        sizes = size_grid(limit, 8 if args.quick else 2)
         schedule = measure.QUICK if args.quick else measure.FULL
         if args.rounds:
             schedule = dataclasses.replace(schedule, min_rounds=args.rounds,
                                            max_rounds=max(args.rounds, schedule.max_rounds))
         points = measure.measure_collectives(world, sizes, schedule=schedule, seed=args.seed,
                                              progress=progress)
-        computed = measure.measure_compute(world, sorted(base["device"]["peak_tflops"]),
+        computed = compute.measure_compute(world, sorted(base["device"]["peak_tflops"]),
                                            quick=args.quick, progress=progress)
         measure.checkpoint(world, "the end of the measurements")
         if world.rank == 0:
             progress.stop()
             notes = ((cap_note,) if cap_note else ()) + computed.notes
+            if world.world_size == 1:
+                notes += ("one rank: no collective to time; the collective fields are the "
+                          "base profile's",)
             record = Measurements(
                 date=time.strftime("%Y-%m-%d"), num_nodes=world.num_nodes,
                 ranks_per_node=world.ranks_per_node, backend=world.backend,
-                device_name=measure.device_name(world), torch_version=torch.__version__,
+                device_name=compute.device_name(world), torch_version=torch.__version__,
                 quick=args.quick, collectives=tuple(points), gemms=computed.gemms,
                 copies=computed.copies, attention=computed.attention,
                 memory_bytes=computed.memory_bytes, memory_how=computed.memory_how,

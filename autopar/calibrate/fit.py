@@ -8,7 +8,9 @@ estimate_on_layout`), so the fitted profile predicts the measurements with the v
     Σ_i ( log(predicted_i / measured_i) )²
 
 over the fit sizes (held-out sizes never enter it), by Levenberg-Marquardt on the logarithms
-of the fields (`least_squares`), in two stages:
+of the fields (`least_squares`); for collectives the squares are softened beyond 10%
+(soft-L1, `_ROBUST_SCALE`), so one size that runs another way does not pull the rest. Two
+stages:
 
 1. shared fields, jointly over every collective: the effective scale-up bandwidth
    (fabric_gb_per_s x fabric_efficiency) and the fabric hop latency (the protocol table
@@ -210,6 +212,18 @@ class CollectiveFit:
     held_out_error: float
 
 
+# Scale of the soft-L1 loss on log-ratios: errors well under it count as squares, larger
+# ones grow linearly, so a size that a library runs another way (gloo's one-element-per-rank
+# all-reduce runs at half the latency of two) or a noisy spell does not pull the rest
+_ROBUST_SCALE = 0.1
+
+
+def _soft_l1(residuals: np.ndarray) -> np.ndarray:
+    """Residuals whose sum of squares is the soft-L1 loss 2·s²·Σ(sqrt(1 + (r/s)²) - 1)."""
+    s = _ROBUST_SCALE
+    return np.sign(residuals) * s * np.sqrt(2.0 * (np.sqrt(1.0 + (residuals / s) ** 2) - 1.0))
+
+
 def _fit_knobs(doc: Doc, knobs: Sequence[Knob], points: Sequence[CollectivePoint],
                start: Sequence[float]) -> Doc:
     """`doc` with `knobs` set to their least-squares values over `points`."""
@@ -219,7 +233,7 @@ def _fit_knobs(doc: Doc, knobs: Sequence[Knob], points: Sequence[CollectivePoint
     def residuals(x: np.ndarray) -> np.ndarray:
         for knob, value in zip(knobs, np.exp(x)):
             knob.write(work, float(value))
-        return np.log(predict_collectives(work, points)) - measured
+        return _soft_l1(np.log(predict_collectives(work, points)) - measured)
 
     best = least_squares(residuals, np.log(start), np.log([k.lower for k in knobs]),
                          np.log([k.upper for k in knobs]))

@@ -1,4 +1,5 @@
-"""Measuring a cluster for `autopar calibrate`, on every rank of a torchrun job.
+"""Timing collectives for `autopar calibrate`, on every rank of a torchrun job (compute is
+`autopar.calibrate.compute`).
 
 Start-up (`connect`): every rank checks in on the rendezvous store before the process group
 starts, so a rank that never comes is named instead of waited for; the process group (gloo on
@@ -10,16 +11,18 @@ fp32 buffers over the groups a plan uses -- "intra" (the ranks of one node; ever
 at once), "inter" (one rank per node; every such rail at once, as data parallelism runs them)
 and "world" (all ranks, several nodes only) -- and send/recv between two ranks of a node and
 of two nodes (a ping-pong, half the round trip). A size is rounded up to a whole fp32 element
-per rank. Each (collective, group, size) is one item; a warm-up pass times one call of each
-and sets how many back-to-back calls make a sample (about `sample_s`, the same count on every
-rank); then every round times each item once, in an order shuffled anew each round (the same
-on every rank, so slow spells and cache state fall on random items, not on neighbouring sizes),
-after a barrier. The time of an item is the median over rounds of the slowest rank's mean call
-(as benchmarks/gloo_probe.py and nccl-tests' "max over ranks").
-
-Compute (`measure_compute`): every rank at once (the ranks of a node share what they share in
-training, a CPU's cores), the median over ranks: GEMMs per dtype at transformer shapes,
-a memory copy, the eager cost of a tiny op (CPU), usable memory, and fused attention (CUDA).
+per rank. Each (collective, group, size) is one item. A warm-up pass times one call of each
+(after an untimed one that sets up connections and communicators); from it each item gets the
+back-to-back calls that make a sample of about `Schedule.sample_s` (at most `_MAX_CALLS`, the
+same count on every rank) and the rounds that fit its time budget `Schedule.item_s` (within
+`min_rounds` .. `max_rounds`, spread evenly over the run). Every round times its items once,
+each after a barrier (and, for calls under `_LEAD_IN_S`, after one untimed call that lines the
+ranks up), in an order shuffled anew each round and the same on every rank, so slow spells
+and cache state fall on random items rather than on neighbouring sizes. The time of an item is
+the median over its rounds of the slowest rank's mean call (benchmarks/gloo_probe.py's and
+nccl-tests' "max over ranks"); its relative standard error (`median_rse`) is kept with it: on
+a host whose ranks outnumber its cores a small message waits on the scheduler, and the error
+says how far a repeat may land.
 """
 
 from __future__ import annotations
@@ -36,17 +39,16 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.calibrate.records import (AttentionPoint, CollectivePoint, CopyPoint, GemmPoint,
-                                       held_out_sizes)
+from autopar.calibrate.records import CollectivePoint, held_out_sizes, median_rse
 from autopar.errors import CalibrationError
 
-__all__ = ["World", "Progress", "ComputeRecords", "connect", "checkpoint", "close",
-           "measure_collectives", "measure_compute", "device_name", "COLLECTIVE_KINDS",
-           "gemm_shapes"]
+__all__ = ["World", "Progress", "Schedule", "QUICK", "FULL", "connect", "checkpoint", "close",
+           "tick", "measure_collectives", "COLLECTIVE_KINDS"]
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total), called on rank 0
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
-_MAX_CALLS = 100  # back-to-back calls in one sample at most
+_MAX_CALLS = 10  # back-to-back calls in one sample at most
+_LEAD_IN_S = 0.01  # calls shorter than this are timed after an untimed one
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -259,10 +261,13 @@ def _call(world: World, item: _Item, inp: torch.Tensor, out: torch.Tensor
     return pong_ping
 
 
-def _sample_s(world: World, item: _Item, fn: Callable[[], None], calls: int) -> float:
+def _sample_s(world: World, item: _Item, fn: Callable[[], None], calls: int,
+              lead_in: bool) -> float:
     """Mean seconds of one call over `calls` back-to-back calls (a send/recv: half a round
-    trip), after one untimed call that lines the ranks up after the barrier."""
-    fn()
+    trip); with `lead_in`, after one untimed call that lines the ranks up after the barrier
+    (short calls, which the ranks' skew leaving the barrier would distort)."""
+    if lead_in:
+        fn()
     world.sync()
     start = time.perf_counter()
     for _ in range(calls):
@@ -289,10 +294,10 @@ def _stalled(world: World, step: int) -> str:
     return f"rank(s) {', '.join(map(str, behind))} never reached this step"
 
 
-def _run_item(world: World, item: _Item, fn: Callable[[], None], calls: int, step: int
-              ) -> float:
+def _run_item(world: World, item: _Item, fn: Callable[[], None], calls: int, step: int,
+              lead_in: bool = True) -> float:
     try:
-        return _sample_s(world, item, fn, calls)
+        return _sample_s(world, item, fn, calls, lead_in)
     except RuntimeError as err:
         raise CalibrationError(
             f"rank {world.rank}: {item.kind} of {item.nbytes} B over ranks "
@@ -313,21 +318,23 @@ class Schedule:
     max_rounds: int
 
 
-QUICK = Schedule(sample_s=0.005, item_s=0.25, min_rounds=5, max_rounds=31)
-FULL = Schedule(sample_s=0.01, item_s=1.0, min_rounds=7, max_rounds=61)
+QUICK = Schedule(sample_s=0.03, item_s=0.9, min_rounds=7, max_rounds=31)
+FULL = Schedule(sample_s=0.05, item_s=2.0, min_rounds=7, max_rounds=41)
 
 
 def measure_collectives(world: World, sizes: Sequence[int], *, schedule: Schedule, seed: int,
                         progress: Progress) -> list[CollectivePoint]:
     """Time every (collective, group, size); rank 0 gets the records, other ranks []."""
     items = _items(world, sizes)
+    if not items:  # one rank: no group to time
+        return []
     samples = _timed_rounds(world, items, schedule=schedule, seed=seed, progress=progress)
     if world.rank != 0:
         return []
     held = held_out_sizes(list(sizes))
     return [CollectivePoint(kind=item.kind, group=item.group.name, ranks=item.group.ranks,
                             nbytes=item.nbytes, time_s=statistics.median(samples[j]),
-                            held_out=item.size in held)
+                            held_out=item.size in held, rse=median_rse(samples[j]))
             for j, item in enumerate(items)]
 
 
@@ -356,7 +363,7 @@ def _timed_rounds(world: World, items: Sequence[_Item], *, schedule: Schedule, s
         _report_progress(world, j)
         if fn is not None:  # the untimed call sets up connections and communicators
             once[j] = _run_item(world, item, fn, 1, j)
-        _tick(world, progress, "collectives (warm-up)", j + 1, len(items))
+        tick(world, progress, "collectives (warm-up)", j + 1, len(items))
     dist.all_reduce(once, op=dist.ReduceOp.MAX, group=world.control)
     calls, timed_in = _plan_rounds(once.tolist(), schedule)
     rounds = max(max(r) for r in timed_in) + 1
@@ -371,194 +378,14 @@ def _timed_rounds(world: World, items: Sequence[_Item], *, schedule: Schedule, s
             _report_progress(world, len(items) + step)
             if calls_fn[j] is not None:
                 samples[j, r] = _run_item(world, items[j], calls_fn[j], calls[j],
-                                          len(items) + step)
+                                          len(items) + step, lead_in=once[j] < _LEAD_IN_S)
             step += 1
-            _tick(world, progress, "collectives", step, total)
+            tick(world, progress, "collectives", step, total)
     dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=world.control)
     table = samples.tolist()
     return [[table[j][r] for r in sorted(timed_in[j])] for j in range(len(items))]
 
 
-def _tick(world: World, progress: Progress, phase: str, done: int, total: int) -> None:
+def tick(world: World, progress: Progress, phase: str, done: int, total: int) -> None:
     if world.rank == 0:
         progress(phase, done, total)
-
-
-# -- compute ----------------------------------------------------------------------------------
-
-_TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16,
-                 "bf16": torch.bfloat16}
-
-
-def gemm_shapes(device_type: str, quick: bool) -> list[tuple[int, int, int]]:
-    """(m, k, n) of a transformer layer's GEMMs -- q/k/v, attention output, MLP up and down
-    -- at `tokens` rows for a few hidden sizes, plus the MLP's up projection at a few rows
-    (decode-like), where GEMMs run below their large-size rate."""
-    if device_type == "cuda":
-        hidden, tokens, few = ((1024, 8192) if quick else (1024, 4096, 8192)), 4096, 256
-    else:
-        hidden, tokens, few = ((256, 512) if quick else (256, 1024, 2048)), 1024, 16
-    shapes = set()
-    for h in hidden:
-        shapes |= {(tokens, h, 3 * h), (tokens, h, h), (tokens, h, 4 * h), (tokens, 4 * h, h),
-                   (few, h, 4 * h)}
-    return sorted(shapes)
-
-
-def _median_time_s(world: World, fn: Callable[[], Any], *, reps: int, sample_s: float) -> float:
-    fn()
-    world.sync()
-    start = time.perf_counter()
-    fn()
-    world.sync()
-    calls = max(1, min(1000, int(sample_s / max(time.perf_counter() - start, 1e-9))))
-    times = []
-    for _ in range(reps):
-        world.sync()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        world.sync()
-        times.append((time.perf_counter() - start) / calls)
-    return statistics.median(times)
-
-
-def _gemm_times(world: World, dtypes: Sequence[str], quick: bool, progress: Progress
-                ) -> list[tuple[str, int, int, int, float]]:
-    shapes = gemm_shapes(world.device.type, quick)
-    rows, done = [], 0
-    for dtype in dtypes:
-        torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
-        for m, k, n in shapes:
-            a = torch.randn(m, k, device=world.device).to(_TORCH_DTYPES[dtype])
-            b = torch.randn(k, n, device=world.device).to(_TORCH_DTYPES[dtype])
-            dist.barrier(group=world.control)
-            t = _median_time_s(world, lambda: torch.matmul(a, b), reps=3, sample_s=0.02)
-            rows.append((dtype, m, k, n, t))
-            done += 1
-            _tick(world, progress, "compute", done, len(dtypes) * len(shapes) + 3)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    return rows
-
-
-def _copy_time_s(world: World, nbytes: int) -> float:
-    src = torch.ones(nbytes // 4, device=world.device)
-    dst = torch.empty_like(src)
-    dist.barrier(group=world.control)
-    return _median_time_s(world, lambda: dst.copy_(src), reps=5, sample_s=0.05)
-
-
-def _op_overhead_s() -> float:
-    """Eager forward cost of one tiny autograd op: a chain of 200 one-element multiplies,
-    median of 7 (as benchmarks/gloo_probe.py measures the cpu-gloo figure)."""
-    times = []
-    for _ in range(8):
-        x = torch.ones(1, requires_grad=True)
-        start = time.perf_counter()
-        y = x
-        for _ in range(200):
-            y = y * 1.0001
-        times.append((time.perf_counter() - start) / 200)
-    return statistics.median(times[1:])
-
-
-def _usable_memory(world: World) -> tuple[float, str]:
-    """Usable memory of one device: on CUDA what the allocator can hand out after the CUDA
-    context and the communicators took theirs (allocated in 256 MiB blocks until it fails);
-    on CPU the host's RAM over the ranks of this node."""
-    if world.device.type != "cuda":
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return ram / world.ranks_per_node, (f"host RAM {ram / 1e9:.2f} GB (sysconf) over the "
-                                            f"{world.ranks_per_node} ranks of a node")
-    block, blocks = 256 << 20, []
-    free, total = torch.cuda.mem_get_info(world.device)
-    try:
-        while len(blocks) * block < free:
-            blocks.append(torch.empty(block, dtype=torch.uint8, device=world.device))
-    except torch.cuda.OutOfMemoryError:
-        pass
-    usable = len(blocks) * block + torch.cuda.memory_allocated(world.device)
-    del blocks
-    torch.cuda.empty_cache()
-    return usable, (f"allocated in 256 MiB blocks until the allocator refused, of "
-                    f"{total / 1e9:.2f} GB on the device")
-
-
-def _attention_times(world: World) -> list[tuple[int, int, int, int, bool, float]]:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    rows = []
-    for batch, seq in ((4, 2048), (1, 8192)):
-        q, k, v = (torch.randn(batch, 16, seq, 128, device=world.device, dtype=torch.bfloat16)
-                   for _ in range(3))
-        dist.barrier(group=world.control)
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            t = _median_time_s(world, lambda: torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True), reps=5, sample_s=0.02)
-        rows.append((batch, 16, seq, 128, True, t))
-    return rows
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ComputeRecords:
-    gemms: tuple[GemmPoint, ...]
-    copies: tuple[CopyPoint, ...]
-    attention: tuple[AttentionPoint, ...]
-    memory_bytes: float
-    memory_how: str
-    op_overhead_s: float | None
-    notes: tuple[str, ...]
-
-
-def measure_compute(world: World, dtypes: Sequence[str], *, quick: bool, progress: Progress
-                    ) -> ComputeRecords | None:
-    """Time compute on every rank at once; rank 0 gets the medians over ranks, others None."""
-    checkpoint(world, "the compute measurements")
-    notes = []
-    measurable = [d for d in dtypes if d in _TORCH_DTYPES
-                  and (d != "tf32" or world.device.type == "cuda")]
-    notes += [f"{d} GEMMs not measured (kept from the base profile)" for d in dtypes
-              if d not in measurable]
-    memory, memory_how = _usable_memory(world)
-    gemms = _gemm_times(world, measurable, quick, progress)
-    copy_bytes = (1 << 30) if world.device.type == "cuda" else ((64 << 20) if quick else 256 << 20)
-    copy_s = _copy_time_s(world, copy_bytes)
-    overhead = _op_overhead_s() if world.device.type == "cpu" else None
-    attention = _attention_times(world) if world.device.type == "cuda" else []
-    if world.device.type != "cuda":
-        notes.append("attention not measured on CPU (no fused kernel; the profile has no "
-                     "field for it)")
-    mine = (gemms, copy_s, overhead, attention, memory)
-    gathered: list[Any] = [None] * world.world_size
-    dist.all_gather_object(gathered, mine, group=world.control)
-    _tick(world, progress, "compute", 1, 1)
-    if world.rank != 0:
-        return None
-
-    def median_of(get: Callable[[Any], float]) -> float:
-        return statistics.median(get(g) for g in gathered)
-
-    return ComputeRecords(
-        gemms=tuple(GemmPoint(dtype=d, m=m, k=k, n=n, time_s=median_of(lambda g: g[0][i][4]))
-                    for i, (d, m, k, n, _) in enumerate(gemms)),
-        copies=(CopyPoint(nbytes=copy_bytes, time_s=median_of(lambda g: g[1])),),
-        attention=tuple(AttentionPoint(batch=b, heads=h, seq_len=s, head_dim=d, causal=c,
-                                       time_s=median_of(lambda g: g[3][i][5]))
-                        for i, (b, h, s, d, c, _) in enumerate(attention)),
-        memory_bytes=min(g[4] for g in gathered), memory_how=memory_how,
-        op_overhead_s=median_of(lambda g: g[2]) if overhead is not None else None,
-        notes=tuple(notes))
-
-
-def device_name(world: World) -> str:
-    if world.device.type == "cuda":
-        return torch.cuda.get_device_name(world.device)
-    model = "CPU"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            model = next((line.split(":", 1)[1].strip() for line in info
-                          if line.startswith("model name")), model)
-    except OSError:
-        pass
-    threads = torch.get_num_threads()
-    return f"{model}, {threads} thread{'s' if threads > 1 else ''} per rank"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 __all__ = ["CollectivePoint", "GemmPoint", "CopyPoint", "AttentionPoint", "Measurements",
-           "size_grid", "held_out_sizes", "DTYPE_BYTES"]
+           "size_grid", "held_out_sizes", "median_rse", "DTYPE_BYTES"]
 
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
@@ -25,6 +25,9 @@ class CollectivePoint:
     nbytes: int
     time_s: float
     held_out: bool = False
+    # relative standard error of time_s, the median over rounds: 0.93 x interquartile range
+    # / (median x sqrt(rounds)); how far a repeat of the measurement may land
+    rse: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,3 +101,23 @@ def held_out_sizes(sizes: list[int]) -> set[int]:
     """Every other interior size of the grid: the fit sees the smallest, the largest and the
     sizes between the held-out ones, so every held-out size lies inside what was fitted."""
     return set(sorted(sizes)[1:-1:2])
+
+
+def median_rse(samples: list[float]) -> float:
+    """Relative standard error of the median of `samples`: 1.2533 x sigma / sqrt(n), sigma
+    estimated robustly as IQR / 1.349, over the median (0 for fewer than 4 samples)."""
+    if len(samples) < 4:
+        return 0.0
+    ordered = sorted(samples)
+    n = len(ordered)
+
+    def quantile(q: float) -> float:
+        pos = q * (n - 1)
+        low = int(pos)
+        high = min(low + 1, n - 1)
+        return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+    median = quantile(0.5)
+    if median <= 0:
+        return 0.0
+    return 1.2533 * (quantile(0.75) - quantile(0.25)) / 1.349 / n ** 0.5 / median

@@ -1,8 +1,8 @@
 """The measured-against-predicted table of a calibration: one row per collective, group and
-size (and per GEMM shape, copy and attention shape), with the base profile's prediction and
-the calibrated profile's, their errors, and whether the fit saw the row ("fit"), held it back
-("held-out") or only reports it ("report": attention has no profile field). Rendered as text
-(printed and stored) and as CSV.
+size (and per GEMM shape, copy and attention shape), with the measurement's relative standard
+error (collectives), the base profile's prediction and the calibrated profile's, their errors,
+and whether the fit saw the row ("fit"), held it back ("held-out") or only reports it
+("report": attention has no profile field). Rendered as text (printed and stored) and as CSV.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class Row:
     base_s: float
     fitted_s: float
     role: str  # "fit", "held-out" or "report"
+    measured_rse: float = 0.0  # relative standard error of the measurement (0: not known)
 
     @property
     def base_error(self) -> float:
@@ -69,7 +70,7 @@ def table_rows(run: Measurements, base: Doc, fitted: Doc) -> list[Row]:
                        predict_collectives(fitted, points)):
         rows.append(Row(what=p.kind, group=f"{p.group} x{len(p.ranks)}", size=p.nbytes, unit="B",
                         measured_s=p.time_s, base_s=b, fitted_s=f,
-                        role="held-out" if p.held_out else "fit"))
+                        role="held-out" if p.held_out else "fit", measured_rse=p.rse))
     hw_base, hw_fit = HardwareProfile.from_document(base), HardwareProfile.from_document(fitted)
     for g in run.gemms:
         rows.append(Row(what=f"gemm {g.dtype}", group=f"{g.m}x{g.k}x{g.n}", size=g.flops,
@@ -114,16 +115,17 @@ def _pct(error: float) -> str:
     return f"{100 * error:+.1f}%"
 
 
-_HEAD = ("what", "group", "size", "measured", "base", "base err", "fitted", "fitted err",
-         "role")
+_HEAD = ("what", "group", "size", "measured", "+-", "base", "base err", "fitted",
+         "fitted err", "role")
 
 
 def render_table(rows: Sequence[Row]) -> str:
-    """The rows as an aligned text table."""
-    body = [(r.what, r.group, _size(r.size, r.unit), _time(r.measured_s), _time(r.base_s),
+    """The rows as an aligned text table ("+-": the measurement's relative standard error)."""
+    body = [(r.what, r.group, _size(r.size, r.unit), _time(r.measured_s),
+             f"{100 * r.measured_rse:.0f}%" if r.measured_rse else "", _time(r.base_s),
              _pct(r.base_error), _time(r.fitted_s), _pct(r.fitted_error), r.role) for r in rows]
     widths = [max(len(str(x)) for x in col) for col in zip(_HEAD, *body)]
-    left = {0, 1, 8}
+    left = {0, 1, 9}
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(c.ljust(w) if i in left else c.rjust(w)
@@ -155,10 +157,10 @@ def summary_lines(rows: Sequence[Row]) -> list[str]:
 def table_csv(rows: Sequence[Row]) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(["what", "group", "size", "unit", "measured_s", "base_s", "base_error",
-                     "fitted_s", "fitted_error", "role"])
+    writer.writerow(["what", "group", "size", "unit", "measured_s", "measured_rse", "base_s",
+                     "base_error", "fitted_s", "fitted_error", "role"])
     for r in rows:
         writer.writerow([r.what, r.group, f"{r.size:.6g}", r.unit, f"{r.measured_s:.6g}",
-                         f"{r.base_s:.6g}", f"{r.base_error:.4f}", f"{r.fitted_s:.6g}",
-                         f"{r.fitted_error:.4f}", r.role])
+                         f"{r.measured_rse:.4f}", f"{r.base_s:.6g}", f"{r.base_error:.4f}",
+                         f"{r.fitted_s:.6g}", f"{r.fitted_error:.4f}", r.role])
     return buf.getvalue()

@@ -19,7 +19,7 @@ from autopar.calibrate.fit import (Knob, fit_collectives, fit_gemms, gemm_time_s
                                    least_squares, predict_collectives)
 from autopar.calibrate.profile import calibrate_profile, profile_toml, with_ranks_per_node
 from autopar.calibrate.records import (CollectivePoint, CopyPoint, GemmPoint, Measurements,
-                                       held_out_sizes, size_grid)
+                                       held_out_sizes, median_rse, size_grid)
 from autopar.calibrate.table import render_table, summary_lines, table_csv, table_rows
 from autopar.cli import main as cli_main
 
@@ -76,6 +76,16 @@ def test_size_grid_and_held_out_sizes_interleave_inside_the_fitted_range():
     assert held == {32, 512, 8 << 10, 128 << 10, 2 << 20}
     assert sizes[0] not in held and sizes[-1] not in held
     assert size_grid(1 << 30, 2)[-1] == 1 << 30 and len(size_grid(1 << 30, 2)) == 28
+
+
+def test_median_standard_error_follows_the_spread_and_the_count():
+    assert median_rse([1.0, 1.0, 1.0]) == 0.0  # too few to tell
+    even = [float(x) for x in range(1, 10)]  # median 5, IQR 3..7
+    assert median_rse(even) == pytest.approx(1.2533 * 4 / 1.349 / 3 / 5)
+    assert median_rse(even * 4) == pytest.approx(median_rse(even) / 2, rel=0.05)
+    rng = random.Random(5)
+    normal = [1.0 + rng.gauss(0.0, 0.1) for _ in range(4000)]
+    assert median_rse(normal) == pytest.approx(1.2533 * 0.1 / 4000**0.5, rel=0.1)
 
 
 def test_fit_recovers_gloo_latency_call_overhead_and_bandwidth():
