@@ -164,7 +164,9 @@ def _finish(args: argparse.Namespace, base: dict[str, Any], out: Path, run: Meas
     rows = table_rows(run, with_ranks_per_node(base, run.ranks_per_node), doc)
     summary = summary_lines(rows)
     held = sorted(held_out_sizes(sizes))
-    lines = [f"autopar calibrate: {run.num_nodes} node(s) x {run.ranks_per_node} ranks, "
+    where = (f"{run.num_nodes} node{'s' if run.num_nodes > 1 else ''} x {run.ranks_per_node} "
+             f"ranks")
+    lines = [f"autopar calibrate: {where}, "
              f"{run.backend}, {run.device_name}, torch {run.torch_version}, {run.date}; base "
              f"profile {args.base}; measured in {elapsed_s:.0f} s",
              f"held-out sizes (not fitted): {', '.join(_size(s) for s in held) or 'none'}",
@@ -176,7 +178,7 @@ def _finish(args: argparse.Namespace, base: dict[str, Any], out: Path, run: Meas
     text = "\n".join(lines) + "\n"
     header = "\n".join([
         f"Calibrated by `autopar calibrate{' --quick' if run.quick else ''} --base {args.base}`"
-        f" on {run.date}: {run.num_nodes} node(s) x {run.ranks_per_node} ranks, {run.backend}, "
+        f" on {run.date}: {where}, {run.backend}, "
         f"{run.device_name}, torch {run.torch_version}.",
         "Numbers it measured cite the run; every other number keeps the base profile's source.",
         f"The measured-against-predicted table: {out.with_suffix('.calibration.txt').name}."])

@@ -225,6 +225,9 @@ def _items(world: World, sizes: Sequence[int]) -> list[_Item]:
             n = len(group.ranks)
             for size in sizes:
                 count = -(-size // (4 * n)) * n  # whole fp32 elements, a multiple of n
+                if items and (items[-1].kind, items[-1].group, items[-1].nbytes) == \
+                        (kind, group, 4 * count):
+                    continue  # a smaller grid size rounded up to this one already
                 items.append(_Item(kind=kind, group=group, size=size, nbytes=4 * count))
     return items
 
@@ -277,33 +280,45 @@ def _sample_s(world: World, item: _Item, fn: Callable[[], None], calls: int,
     return mean / 2 if item.kind == "send_recv" else mean
 
 
-def _report_progress(world: World, step: int) -> None:
-    world.store.set(f"progress/{world.rank}", str(step))
+_CHECK = "Check those processes or nodes; raise --timeout if they are only slow"
+_REPORT_WAIT_S = 0.25  # how long a failing rank waits for the others to report failing too
 
 
-def _stalled(world: World, step: int) -> str:
-    """Which ranks last reported a step before `step` (stopped, crashed or hung)."""
-    behind = []
-    for r in range(world.world_size):
-        key = f"progress/{r}"
-        if r != world.rank and (not world.store.check([key])
-                                or int(world.store.get(key).decode()) < step):
-            behind.append(r)
-    if not behind:
-        return "every rank had reached this step"
-    return f"rank(s) {', '.join(map(str, behind))} never reached this step"
+def _silent_ranks(world: World) -> str:
+    """Report this rank's failure on the store and name the ranks that do not report one
+    within `_REPORT_WAIT_S`: a peer that hangs never does, while the others time out together.
+    (A peer that dies is named by torchrun, which stops the others at once.)"""
+    world.store.set(f"failed/{world.rank}", socket.gethostname())
+    deadline = time.monotonic() + _REPORT_WAIT_S
+    while True:
+        silent = [r for r in range(world.world_size)
+                  if not world.store.check([f"failed/{r}"])]
+        if not silent or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if not silent:
+        return "every rank saw it fail"
+    return (f"rank(s) {', '.join(map(str, silent))} did not report the failure within "
+            f"{_REPORT_WAIT_S:g} s: they stopped, crashed, hang or cannot be reached")
 
 
-def _run_item(world: World, item: _Item, fn: Callable[[], None], calls: int, step: int,
+def _barrier(world: World) -> None:
+    try:
+        dist.barrier(group=world.control)
+    except RuntimeError as err:
+        raise CalibrationError(f"rank {world.rank}: a barrier between measurements failed: "
+                               f"{_first_line(err)}; {_silent_ranks(world)}. {_CHECK}") from None
+
+
+def _run_item(world: World, item: _Item, fn: Callable[[], None], calls: int,
               lead_in: bool = True) -> float:
     try:
         return _sample_s(world, item, fn, calls, lead_in)
     except RuntimeError as err:
         raise CalibrationError(
             f"rank {world.rank}: {item.kind} of {item.nbytes} B over ranks "
-            f"{list(item.group.members)} failed: {_first_line(err)}; "
-            f"{_stalled(world, step)}. Check those processes or nodes (crashed, hung or "
-            f"unreachable); raise --timeout if they are only slow") from None
+            f"{list(item.group.members)} failed: {_first_line(err)}; {_silent_ranks(world)}. "
+            f"{_CHECK}") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -359,10 +374,9 @@ def _timed_rounds(world: World, items: Sequence[_Item], *, schedule: Schedule, s
     once = torch.zeros(len(items), dtype=torch.float64)
     checkpoint(world, "the collectives' warm-up")
     for j, (item, fn) in enumerate(zip(items, calls_fn)):
-        dist.barrier(group=world.control)
-        _report_progress(world, j)
+        _barrier(world)
         if fn is not None:  # the untimed call sets up connections and communicators
-            once[j] = _run_item(world, item, fn, 1, j)
+            once[j] = _run_item(world, item, fn, 1)
         tick(world, progress, "collectives (warm-up)", j + 1, len(items))
     dist.all_reduce(once, op=dist.ReduceOp.MAX, group=world.control)
     calls, timed_in = _plan_rounds(once.tolist(), schedule)
@@ -374,11 +388,10 @@ def _timed_rounds(world: World, items: Sequence[_Item], *, schedule: Schedule, s
         order = [j for j in range(len(items)) if r in timed_in[j]]
         random.Random(seed * 100_003 + r).shuffle(order)
         for j in order:
-            dist.barrier(group=world.control)
-            _report_progress(world, len(items) + step)
+            _barrier(world)
             if calls_fn[j] is not None:
                 samples[j, r] = _run_item(world, items[j], calls_fn[j], calls[j],
-                                          len(items) + step, lead_in=once[j] < _LEAD_IN_S)
+                                          lead_in=once[j] < _LEAD_IN_S)
             step += 1
             tick(world, progress, "collectives", step, total)
     dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=world.control)

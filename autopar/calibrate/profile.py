@@ -144,8 +144,9 @@ def _write_collectives(out: _Writer, fit: CollectiveFit, base: Doc) -> None:
             for proto in sorted(table):
                 out.set(f"{section}.{field}.{proto}", _sig(table[proto]),
                         f"hop latency, the base's LL/LL128/Simple ratios kept, {err}")
-        elif value.name == "call_overhead":
-            out.set("collectives.call_overhead_us", _sig(value.value), f"per-call cost, {err}")
+        elif value.name == "call_overhead":  # the fit's floor of 0.001 us means none
+            out.set("collectives.call_overhead_us", _sig(value.value) if value.value >= 0.01
+                    else 0.0, f"per-call cost beyond the hop latencies, {err}")
         else:
             table, _, kind = value.name.partition(".")
             out.set(f"collectives.{table}.{kind}", _sig(value.value),
@@ -188,9 +189,10 @@ def _write_compute(out: _Writer, fitted: Fitted, run: Measurements, base: Doc) -
 def build_profile(base: Doc, base_name: str, run: Measurements, fitted: Fitted, *,
                   name: str) -> Doc:
     """The calibrated profile document (validated)."""
-    stamp = (f"measured by autopar calibrate on {run.date}, {run.num_nodes} node"
-             f"{'s' if run.num_nodes > 1 else ''} x {run.ranks_per_node} ranks "
-             f"({run.backend}, {run.device_name}, torch {run.torch_version})")
+    where = (f"{run.num_nodes} node{'s' if run.num_nodes > 1 else ''} x {run.ranks_per_node} "
+             f"ranks")
+    stamp = (f"measured by autopar calibrate on {run.date}, {where} ({run.backend}, "
+             f"{run.device_name}, torch {run.torch_version})")
     base = with_ranks_per_node(base, run.ranks_per_node)
     out = _Writer(base, stamp)
     out.set("node.gpus_per_node", run.ranks_per_node, "the ranks torchrun ran on each node")
@@ -204,9 +206,8 @@ def build_profile(base: Doc, base_name: str, run: Measurements, fitted: Fitted, 
     out.keep("network.oversubscription", "topology, not a timing")
     doc = out.finish(base_name)
     doc["name"] = name
-    doc["description"] = (f"{name}: measured by autopar calibrate on {run.date}, "
-                          f"{run.num_nodes} node(s) x {run.ranks_per_node} ranks ({run.backend},"
-                          f" {run.device_name}); other numbers from {base_name}")
+    doc["description"] = (f"{name}: measured by autopar calibrate on {run.date}, {where} "
+                          f"({run.backend}, {run.device_name}); other numbers from {base_name}")
     return validate(doc, origin=f"calibrated profile {name!r}")
 
 
