@@ -3,7 +3,7 @@ prints and writes (the profile, and the table beside it as NAME.calibration.txt 
 
     torchrun --nnodes N --nproc_per_node G -m autopar calibrate --base dgx-h100 -o mine.toml
 
-Sizes: 8 B to --max-size (1 GiB; 32 MiB for --quick on CPU), every factor of 2 (--quick: 8).
+Sizes: 8 B to --max-size (1 GiB; 16 MiB for --quick on CPU), every factor of 2 (--quick: 8).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from autopar.calibrate.table import render_table, summary_lines, table_csv, tabl
 __all__ = ["add_arguments", "run"]
 
 _DEFAULT_MAX = 1 << 30
-_QUICK_CPU_MAX = 32 << 20
+_QUICK_CPU_MAX = 16 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,10 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long any rank waits for the others (start-up, each "
                              "collective) before it stops and names the missing ranks")
     parser.add_argument("--max-size", help="largest collective buffer, e.g. 256MiB (default "
-                        "1GiB; 32MiB with --quick on CPU)")
+                        "1GiB; 16MiB with --quick on CPU)")
     parser.add_argument("--rounds", type=int, help="the fewest timed rounds of any collective "
-                        "size (default 7; 5 with --quick); short calls get more, up to a time "
-                        "budget per size")
+                        "size (default 7); shorter calls get more, up to a time budget per "
+                        "size")
     parser.add_argument("--seed", type=int, default=0, help="seeds the order of the "
                         "measurements within each round")
 
@@ -111,6 +111,7 @@ class _Progress:
     def stop(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+            self.bar = None
 
 
 def _quiet(phase: str, done: int, total: int) -> None:
@@ -124,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
     progress = _Progress() if world.rank == 0 else _quiet
     start = time.perf_counter()
     try:
+        if world.num_nodes > 1 and base["network"]["nics_per_node"] == 0:
+            raise ValueError(f"base profile {args.base!r} has no network (network_kind "
+                             f"'none') to fit across {world.num_nodes} nodes; start from one "
+                             f"that has, e.g. --base dgx-h100 (its network fields are refitted)")
         limit, cap_note = _memory_cap(limit, world.ranks_per_node)
         sizes = size_grid(limit, 8 if args.quick else 2)
         schedule = measure.QUICK if args.quick else measure.FULL

@@ -22,8 +22,6 @@ from autopar.calibrate.records import AttentionPoint, CopyPoint, GemmPoint
 __all__ = ["ComputeRecords", "measure_compute", "gemm_shapes", "device_name"]
 
 
-# -- compute ----------------------------------------------------------------------------------
-
 _TORCH_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "fp16": torch.float16,
                  "bf16": torch.bfloat16}
 
