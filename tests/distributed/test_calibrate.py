@@ -1,9 +1,9 @@
 """`autopar calibrate` as a user runs it: ``torchrun --nproc_per_node 4 -m autopar calibrate
 --base cpu-gloo --quick -o cpu.toml`` on this host's CPU with gloo. The profile it writes must
 load with `Cluster.from_toml` and predict the collective sizes the fit held back within 15% of
-their measurement (widened by three standard errors of a noisy measurement; 15% for the
-median over the held-out sizes), where the shipped cpu-gloo profile is far off; and a rank that never
-starts must be named, within the timeout, instead of waited for."""
+their measurement (widened by three standard errors of the measurement, at least 5% each; 15%
+for the median over the held-out sizes), where the shipped cpu-gloo profile is far off; and a
+rank that never starts must be named, within the timeout, instead of waited for."""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 TORCHRUN = str(Path(PY).with_name("torchrun"))
 TOLERANCE = 0.15
+# A size timed again in another run on this host lands within about 5% (one standard error)
+# even where one run's rounds agree more closely (all-gather at 256 KiB: 2.9-3.6 ms over six
+# runs): a held-out size's uncertainty is at least that
+RUN_TO_RUN = 0.05
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -63,7 +67,7 @@ def test_quick_calibration_predicts_held_out_gloo_sizes_within_15_percent(tmp_pa
         # within 15% of the measurement, widened by the measurement's own uncertainty (three
         # standard errors of its median): a small message between 4 processes on 2 cores
         # waits on the scheduler, and its time varies several-fold from call to call
-        if errors[-1] > TOLERANCE + 3 * rse:
+        if errors[-1] > TOLERANCE + 3 * max(rse, RUN_TO_RUN):
             bad.append((r["what"], r["size"], measured, predicted, rse))
     assert not bad, f"held-out sizes predicted more than {TOLERANCE:.0%} off: {bad}"
     assert statistics.median(errors) <= TOLERANCE
