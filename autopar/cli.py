@@ -1,4 +1,5 @@
-"""The `autopar` command line: `plan`, `report`, `explain`, `export`, `profiles`, `collective`.
+"""The `autopar` command line: `plan`, `report`, `explain`, `export`, `codegen`, `profiles`,
+`collective` and `calibrate` (under torchrun; `python -m autopar calibrate` works too).
 
 User mistakes end as one line on stderr and exit status 2, never a traceback.
 """
@@ -238,6 +239,11 @@ def _parser() -> argparse.ArgumentParser:
     from autopar.codegen import add_arguments as add_codegen_arguments
 
     add_codegen_arguments(codegen)
+    calibrate = sub.add_parser("calibrate", help="under torchrun: measure this cluster's "
+                               "collectives, GEMMs and memory and write a fitted profile")
+    from autopar.calibrate.command import add_arguments as add_calibrate_arguments
+
+    add_calibrate_arguments(calibrate)
     coll = sub.add_parser("collective", help="predicted time of one collective on a cluster")
     coll.add_argument("--cluster", default="dgx-h100", help="shipped profile name")
     coll.add_argument("--nodes", type=int, default=1)
@@ -273,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"(and python {out} --reference for the single-process reference)")
         elif args.command == "collective":
             _collective(console, args)
+        elif args.command == "calibrate":
+            from autopar.calibrate.command import run as run_calibrate
+
+            return run_calibrate(args)
     except ValueError as exc:
         print(f"autopar: error: {exc}", file=sys.stderr)
         return 2

@@ -78,3 +78,12 @@ class TargetRuleError(ValueError):
 
 
 __all__ += ["TargetRuleError"]
+
+
+class CalibrationError(ValueError):
+    """`autopar calibrate` cannot measure: it was not started under torchrun, a rank did not
+    join or stopped answering (the message names the ranks), or the ranks do not fill the
+    nodes evenly. The message says what to check or change."""
+
+
+__all__ += ["CalibrationError"]

@@ -3,7 +3,8 @@
 For each collective the model lists the algorithms NCCL would choose between and, for each, its
 protocols (LL, LL128, Simple), and returns the fastest, as NCCL's tuner does:
 
-    t = call_overhead + latency(algorithm, protocol, group) + nbytes · f_kind / (busbw · η(s))
+    t = λ_kind · (call_overhead + latency(algorithm, protocol, group))
+        + nbytes · f_kind / (β_kind · busbw · η(s))
 
 - `f_kind` is nccl-tests' bus factor (all_reduce 2(n-1)/n; all_gather, reduce_scatter,
   all_to_all (n-1)/n; broadcast, send_recv 1) and `nbytes` the whole buffer, so `busbw` is the
@@ -14,6 +15,10 @@ protocols (LL, LL128, Simple), and returns the fastest, as NCCL's tuner does:
   group spans leaf groups), and algorithm/protocol fractions from NCCL's tuning model.
 - `latency` follows NCCL's tuning model: base latency plus per-step hop latencies per tier
   (ring: linear in steps; tree: logarithmic in nodes; NVLS: one switch round trip).
+- `λ_kind`, `β_kind` are the profile's per-collective corrections (`latency_factor`,
+  `bandwidth_factor`, 1.0 unless `autopar calibrate` measured them): a library whose
+  collectives differ from each other more than the tiers and steps above say (gloo's
+  reduce-scatter runs at a fraction of its all-reduce's bus bandwidth) gets them fitted.
 - `η(s) = s / (s + s_half)` is the pipeline ramp of the chunked protocols (LL128, Simple): a single α + n/B is
   1.3-1.6x optimistic at 4-64 MiB (least-squares α-β fits to stas00/ml-engineering's 8x A100
   nccl-tests and 8x H200 / B200 all-reduce scans, rows of tests/data/collective_measurements.csv).
@@ -313,21 +318,26 @@ def _large(nbytes: float, layout: GroupLayout) -> bool:
 
 def _options(hw: HardwareProfile, kind: Collective, layout: GroupLayout, large: bool
              ) -> list[tuple[str, Protocol, float, float, str]]:
-    """(algorithm, protocol, latency without the call overhead, bandwidth before the ramp,
-    tier) of every candidate, in tie order; all that does not depend on the size but
-    `large`."""
+    """(algorithm, protocol, latency with the call overhead, bandwidth before the ramp,
+    tier) of every candidate, in tie order, with the profile's per-collective corrections;
+    all that does not depend on the size but `large`."""
     fabric = _fabric_busbw(hw, layout.max_ranks_per_node)
     network = _network_busbw(hw, layout)
     busbw = min(fabric, network)
     if kind in (Collective.ALL_TO_ALL, Collective.SEND_RECV):
-        return list(_direct(hw, kind, layout, fabric))
-    options = list(_ring(hw, kind, layout, busbw, large))
-    if kind is Collective.ALL_REDUCE and hw.library != "gloo":
-        if layout.num_nodes > 1:
-            options += _tree(hw, layout, busbw)
-        if hw.node.in_switch_reduction and hw.node.fabric is Fabric.NVSWITCH:
-            options += _nvls(hw, layout, fabric, network)
-    return options
+        options = list(_direct(hw, kind, layout, fabric))
+    else:
+        options = list(_ring(hw, kind, layout, busbw, large))
+        if kind is Collective.ALL_REDUCE and hw.library != "gloo":
+            if layout.num_nodes > 1:
+                options += _tree(hw, layout, busbw)
+            if hw.node.in_switch_reduction and hw.node.fabric is Fabric.NVSWITCH:
+                options += _nvls(hw, layout, fabric, network)
+    call = hw.call_overhead_s
+    lat_f = hw.latency_factor.get(kind.value, 1.0)
+    bw_f = hw.bandwidth_factor.get(kind.value, 1.0)
+    return [(alg, proto, (lat + call) * lat_f, bw * bw_f, tier)
+            for alg, proto, lat, bw, tier in options]
 
 
 def _timed(hw: HardwareProfile, option: tuple[str, Protocol, float, float, str],
@@ -335,7 +345,6 @@ def _timed(hw: HardwareProfile, option: tuple[str, Protocol, float, float, str],
     """(latency, seconds) of one candidate at `nbytes`."""
     _, proto, lat, bw, tier = option
     eff_bw = bw * _ramp(hw, nbytes, proto, tier, num_nodes)
-    lat += hw.call_overhead_s
     return lat, lat + (nbytes * factor / eff_bw if nbytes > 0 else 0.0)
 
 

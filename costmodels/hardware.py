@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from types import MappingProxyType
@@ -102,6 +102,11 @@ class HardwareProfile:
     net_overhead_s: float
     call_overhead_s: float
     document: Mapping[str, Any]  # the validated TOML document this was built from
+    # per-collective corrections measured by `autopar calibrate` (collective name -> factor;
+    # an absent collective gets 1.0): of the latency, call overhead included, and of the bus
+    # bandwidth the collective model gives
+    latency_factor: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    bandwidth_factor: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
     def load(cls, name_or_path: str | Path, **overrides: Any) -> "HardwareProfile":
@@ -153,6 +158,8 @@ class HardwareProfile:
             net_overhead_s=coll["net_overhead_us"] * _US,
             call_overhead_s=coll["call_overhead_us"] * _US,
             document=MappingProxyType(dict(doc)),
+            latency_factor=_freeze(coll.get("latency_factor", {}), 1.0),
+            bandwidth_factor=_freeze(coll.get("bandwidth_factor", {}), 1.0),
         )
 
     def fingerprint(self) -> str:

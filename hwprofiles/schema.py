@@ -12,18 +12,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FIELDS", "SECTIONS", "DTYPES", "PROTOCOLS", "FieldSpec", "validate", "overridable_fields"]
+__all__ = ["FIELDS", "SECTIONS", "DTYPES", "PROTOCOLS", "COLLECTIVES", "FieldSpec", "validate",
+           "overridable_fields"]
 
 SCHEMA_VERSION = 1
 SECTIONS = ("device", "node", "network", "collectives")
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
 PROTOCOLS = ("ll", "ll128", "simple")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+_TABLE_KEYS = {"dtype_table": DTYPES, "protocol_table": PROTOCOLS, "collective_table": COLLECTIVES}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FieldSpec:
     section: str
-    kind: str  # "str", "int", "float", "bool", "dtype_table", "protocol_table"
+    kind: str  # "str", "int", "float", "bool", "dtype_table", "protocol_table", "collective_table"
     doc: str
     choices: tuple[str, ...] = ()
     minimum: float | None = None  # inclusive lower bound
@@ -100,6 +103,13 @@ FIELDS: dict[str, FieldSpec] = {
                           "(NCCL netOverhead: 1 us Intel hosts, 2 us AMD hosts)", minimum=0.0),
     "call_overhead_us": _f("collectives", "float", "fixed cost per collective call beyond the "
                            "library's own base latency (launch, proxy), us", minimum=0.0),
+    "latency_factor": _f("collectives", "collective_table", "per-collective multiplier of the "
+                         "modelled latency, call overhead included, as measured by autopar "
+                         "calibrate (optional; a collective that is absent gets 1.0)",
+                         positive=True, optional=True),
+    "bandwidth_factor": _f("collectives", "collective_table", "per-collective multiplier of the "
+                           "modelled bus bandwidth, as measured by autopar calibrate (optional; "
+                           "a collective that is absent gets 1.0)", positive=True, optional=True),
 }
 
 
@@ -141,7 +151,7 @@ def _check_field(origin: str, name: str, value: Any, spec: FieldSpec) -> list[st
     if spec.kind in ("int", "float"):
         _check_number(origin, path, value, spec, integer=spec.kind == "int")
         return [path]
-    keys = DTYPES if spec.kind == "dtype_table" else PROTOCOLS
+    keys = _TABLE_KEYS[spec.kind]
     if not isinstance(value, dict) or not value:
         _fail(origin, path, f"must be a non-empty table with keys from {', '.join(keys)}")
     leaves = []

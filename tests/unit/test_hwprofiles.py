@@ -106,3 +106,32 @@ def test_optional_device_fields_default_to_the_cost_models_constants():
     h100_eff = flops / compute.peak_flops(h100, "bf16") / compute.gemm_time_s(h100, "bf16", flops, 0)
     assert cpu_eff == pytest.approx(flops / (flops + 0.000224e9))
     assert h100_eff == pytest.approx(flops / (flops + compute.GEMM_HALF_EFFICIENCY_FLOPS))
+
+
+def test_per_collective_factors_scale_that_collectives_latency_and_bandwidth_only(tmp_path):
+    """`latency_factor` multiplies a collective's whole latency (call overhead included) and
+    `bandwidth_factor` its bus bandwidth; other collectives and absent keys are unchanged."""
+    from costmodels.collectives import collective_time
+    from costmodels.hardware import HardwareProfile
+
+    text = (hwprofiles.PROFILE_DIR / "cpu-gloo.toml").read_text().replace(
+        "call_overhead_us = 269.3\n", "call_overhead_us = 269.3\n"
+        "latency_factor = { reduce_scatter = 2.0 }\nbandwidth_factor = { reduce_scatter = 0.25 }\n"
+    ).replace("[sources]\n", '[sources]\n"collectives.latency_factor" = "a test value, 2x"\n'
+              '"collectives.bandwidth_factor" = "a test value, a quarter"\n')
+    base = HardwareProfile.load("cpu-gloo")
+    scaled = HardwareProfile.load(_write(tmp_path, text))
+    ranks, n = range(4), 4
+    for nbytes in (64.0, 2**26):
+        lat = 269.3e-6 + 3 * 136.2e-6
+        wire = nbytes * (n - 1) / n / 0.776e9
+        assert collective_time(base, "reduce_scatter", nbytes, ranks, world_size=8) \
+            == pytest.approx(lat + wire)
+        assert collective_time(scaled, "reduce_scatter", nbytes, ranks, world_size=8) \
+            == pytest.approx(2 * lat + 4 * wire)
+        for kind in ("all_reduce", "all_gather", "all_to_all"):
+            assert collective_time(scaled, kind, nbytes, ranks, world_size=8) \
+                == collective_time(base, kind, nbytes, ranks, world_size=8)
+    with pytest.raises(ValueError, match="latency_factor.allreduce' is not a known key"):
+        hwprofiles.read_profile(_write(tmp_path, text.replace("{ reduce_scatter = 2.0 }",
+                                                              "{ allreduce = 2.0 }")))
