@@ -114,7 +114,7 @@ def _usable_memory(world: World) -> tuple[float, str]:
             blocks.append(torch.empty(block, dtype=torch.uint8, device=world.device))
     except torch.cuda.OutOfMemoryError:
         pass
-    usable = len(blocks) * block + torch.cuda.memory_allocated(world.device)
+    usable = torch.cuda.memory_allocated(world.device)  # the blocks and what was held before
     del blocks
     torch.cuda.empty_cache()
     return usable, (f"allocated in 256 MiB blocks until the allocator refused, of "
