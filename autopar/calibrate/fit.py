@@ -23,8 +23,9 @@ stages:
    `bandwidth_factor[kind]` on that collective's fit sizes alone.
 
 GEMMs: t = max((F + F_half) / R_dtype, bytes / memory bandwidth), one large-GEMM rate R per
-dtype and one half-efficiency size F_half (the compute model's F / (F + F_half) ramp), by the
-same least squares. Memory bandwidth: the median copy rate (read + write).
+dtype, read off its GEMMs of at least half its largest FLOPs (the plateau), and one
+half-efficiency size F_half (the compute model's F / (F + F_half) ramp) by least squares with
+the rates held, so that the smallest shapes tell the ramp without pulling the plateau. Memory bandwidth: the median copy rate (read + write).
 
 The error of a fit is the median |predicted / measured - 1| over the sizes it saw; the error
 on held-out sizes is reported apart.
@@ -335,39 +336,51 @@ _HALF_EFFECT = 0.1
 _HALF_EXPLAINS = 0.5
 
 
+def _plateau_rates(points: Sequence[GemmPoint], dtypes: list[str],
+                   half_flops: float) -> np.ndarray:
+    """Per dtype, the large-GEMM rate the GEMMs of at least half its largest FLOPs show: the
+    median of (F + F_half) / t over them (the plateau a MAMF-style sweep reads)."""
+    rates = []
+    for d in dtypes:
+        mine = [p for p in points if p.dtype == d]
+        top = max(p.flops for p in mine)
+        rates.append(statistics.median((p.flops + half_flops) / p.time_s
+                                       for p in mine if p.flops >= top / 2))
+    return np.array(rates)
+
+
 def fit_gemms(points: Sequence[GemmPoint], memory_bytes_per_s: float,
               start_half_flops: float) -> GemmFit:
-    """Least-squares rate per dtype and one shared F_half (see the module docstring);
-    `start_half_flops` is the base profile's F_half (kept unless the GEMMs tell it)."""
+    """Per dtype the large-GEMM rate, read off its largest GEMMs, and one shared F_half fitted
+    by least squares with those rates held (see the module docstring): the small shapes tell
+    the ramp and do not pull the plateau. `start_half_flops` is the base profile's F_half,
+    kept unless the GEMMs tell it."""
     dtypes = sorted({p.dtype for p in points})
     if not dtypes:
         raise ValueError("no GEMM measurements to fit")
     measured = np.log([p.time_s for p in points])
     index = [dtypes.index(p.dtype) for p in points]
 
-    def residuals(x: np.ndarray) -> np.ndarray:
-        rates, half = np.exp(x[:-1]), float(np.exp(x[-1]))
+    def residuals_at(rates: np.ndarray, half: float) -> np.ndarray:
         return np.log([gemm_time_s(p, float(rates[i]), half, memory_bytes_per_s)
                        for p, i in zip(points, index)]) - measured
 
-    start = np.log([max(p.flops / p.time_s for p in points if p.dtype == d) for d in dtypes]
-                   + [start_half_flops])
-    lower = np.log([1e6] * len(dtypes) + [1.0])
-    upper = np.log([1e18] * len(dtypes) + [1e15])
-    x = least_squares(residuals, start, lower, upper)
-    kept = np.append(upper[:-1], start[-1])
-    without = least_squares(residuals, start, np.append(lower[:-1], start[-1]), kept)
-    sse, sse_without = (float(residuals(v) @ residuals(v)) for v in (x, without))
-    half = float(np.exp(x[-1]))
+    kept_rates = _plateau_rates(points, dtypes, start_half_flops)
+    x = least_squares(lambda v: residuals_at(kept_rates, float(np.exp(v[0]))),
+                      np.log([start_half_flops]), np.log([1.0]), np.log([1e15]))
+    half = float(np.exp(x[0]))
+    rates = _plateau_rates(points, dtypes, half)
+    sse, sse_without = (float(r @ r) for r in (residuals_at(rates, half),
+                                              residuals_at(kept_rates, start_half_flops)))
     smallest = min(p.flops for p in points)
     identified = (half / (smallest + half) >= _HALF_EFFECT
                   and sse <= (1.0 - _HALF_EXPLAINS) * sse_without)
     if not identified:
-        x = without
-    predicted = np.exp(residuals(x) + measured)
+        rates, half = kept_rates, start_half_flops
+    predicted = np.exp(residuals_at(rates, half) + measured)
     errors = {d: median_error([(t, p.time_s) for p, t in zip(points, predicted) if p.dtype == d])
               for d in dtypes}
-    return GemmFit(rate_flops={d: float(r) for d, r in zip(dtypes, np.exp(x[:-1]))},
+    return GemmFit(rate_flops={d: float(r) for d, r in zip(dtypes, rates)},
                    half_flops=half if identified else None, fit_error=errors,
                    num_points={d: sum(p.dtype == d for p in points) for d in dtypes})
 
