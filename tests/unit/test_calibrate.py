@@ -1,7 +1,7 @@
 """`autopar calibrate`'s fit and profile writing on synthetic measurements: timings made by the
 collective and compute models from known profile fields (plus noise) must give those fields
 back, and the profile written must load with `Cluster.from_toml` and cite what was measured.
-The measuring itself runs under torchrun in tests/distributed/test_calibrate.py."""
+The measuring itself runs under torchrun in tests/distributed/test_calibrate_run.py."""
 
 from __future__ import annotations
 
