@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -25,6 +26,8 @@ from autopar.calibrate.records import Measurements, held_out_sizes, size_grid
 from autopar.calibrate.table import render_table, summary_lines, table_csv, table_rows
 
 __all__ = ["add_arguments", "run"]
+
+log = logging.getLogger(__name__)
 
 _DEFAULT_MAX = 1 << 30
 _QUICK_CPU_MAX = 16 << 20
@@ -85,7 +88,8 @@ def _memory_cap(limit: int, ranks_per_node: int) -> tuple[int, str | None]:
 
 
 class _Progress:
-    """A progress bar on a terminal, else a line per tenth of each phase."""
+    """A progress bar on a terminal, else a log line per tenth of each phase (shown: `run`
+    gives the calibrate logger a handler where none is set up)."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
@@ -105,8 +109,8 @@ class _Progress:
         tenth = 10 * done // max(total, 1)
         if tenth > self.shown.get(phase, -1):
             self.shown[phase] = tenth
-            print(f"calibrate: {phase} {100 * done // max(total, 1)}% ({done}/{total}), "
-                  f"{time.perf_counter() - self.start:.0f} s", flush=True)
+            log.info("calibrate: %s %d%% (%d/%d), %.0f s", phase, 100 * done // max(total, 1),
+                     done, total, time.perf_counter() - self.start)
 
     def stop(self) -> None:
         if self.bar is not None:
@@ -122,13 +126,19 @@ def run(args: argparse.Namespace) -> int:
     """Measure on this rank; on rank 0 fit, print and write. Returns the exit status."""
     base, out, limit = _checked(args)
     world = measure.connect(args.timeout)
+    if world.rank == 0 and not logging.getLogger().handlers and not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     progress = _Progress() if world.rank == 0 else _quiet
     start = time.perf_counter()
     try:
         if world.num_nodes > 1 and base["network"]["nics_per_node"] == 0:
             raise ValueError(f"base profile {args.base!r} has no network (network_kind "
                              f"'none') to fit across {world.num_nodes} nodes; start from one "
-                             f"that has, e.g. --base dgx-h100 (its network fields are refitted)")
+                             f"that has, e.g. --base dgx-h100, whose network fields are then "
+                             f"refitted")
         limit, cap_note = _memory_cap(limit, world.ranks_per_node)
         sizes = size_grid(limit, 8 if args.quick else 2)
         schedule = measure.QUICK if args.quick else measure.FULL

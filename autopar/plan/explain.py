@@ -19,17 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from autopar.plan.report import (
-    BREAKDOWN_TERMS,
-    Format,
-    Section,
-    Table,
-    fmt_bytes_gb,
-    fmt_seconds,
-    fmt_signed_seconds,
-    render_sections,
-    slower_because,
-)
+from autopar.plan.render import (Format, Section, Table, fmt_bytes_gb, fmt_seconds,
+                                 fmt_signed_seconds, render_sections)
+from autopar.plan.report import BREAKDOWN_TERMS, slower_because
 
 if TYPE_CHECKING:
     from autopar.cluster import Cluster

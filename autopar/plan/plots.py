@@ -21,7 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autopar.plan.report import BREAKDOWN_TERMS, fmt_seconds
+from autopar.plan.render import fmt_seconds
+from autopar.plan.report import BREAKDOWN_TERMS
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

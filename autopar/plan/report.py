@@ -6,18 +6,14 @@ costs; the prediction; the step-time breakdown; memory per pipeline rank by
 category against device memory; layers per stage; tensor/data-parallel placements summarised
 per module kind; the next candidates and what made each slower; the assumptions (software
 options, the named cost-model constants with their values, the overlap rules, the hardware
-profile and its cited efficiencies). Sections are plain data (`Section`, `Table`) rendered
-either as rich tables exported to plain text (no colour, no time stamps, trailing blanks
-stripped: byte-stable for golden tests) or as GitHub markdown. `explain.py` reuses the same
-rendering for its difference tables.
+profile and its cited efficiencies). Sections are plain data rendered by
+`autopar.plan.render`, which `explain.py` reuses for its difference tables.
 """
 
 from __future__ import annotations
 
-import io
 import re
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
@@ -25,15 +21,14 @@ from costmodels import collectives as _collectives
 from costmodels import compute as _compute
 from costmodels import memory as _memory
 from costmodels import nccl_constants as _nccl
+from autopar.plan.render import (Format, Section, Table, fmt_bytes_gb, fmt_count, fmt_bytes,
+                                 fmt_seconds, fmt_signed_seconds, fmt_value, render_sections)
 
 if TYPE_CHECKING:
     from autopar.plan.plan import Plan
 
-__all__ = ["BREAKDOWN_TERMS", "Section", "Table", "compress_modules", "fmt_bytes_gb",
-           "fmt_seconds", "fmt_signed_seconds", "next_candidates", "overlap_rules",
-           "render_report", "render_sections", "slower_because"]
-
-Format = Literal["text", "md"]
+__all__ = ["BREAKDOWN_TERMS", "compress_modules", "next_candidates", "overlap_rules",
+           "render_report", "slower_because"]
 
 # Exposed seconds per step on the busiest pipeline rank; they sum to the step time.
 BREAKDOWN_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "bubble",
@@ -52,137 +47,9 @@ _MEMORY_CATEGORIES = (("states", "states"), ("activations", "activations"),
                       ("zero3_buffers", "ZeRO-3 buffers"), ("comm_buffers", "comm buffers"),
                       ("cuda_context", "CUDA context"), ("allocator_reserve", "alloc. reserve"))
 _NEXT_CANDIDATES = 5
-_TEXT_WIDTH = 120
 
 
 # -- formatting ------------------------------------------------------------------------------
-
-def fmt_seconds(value: float) -> str:
-    """Seconds with a unit that keeps three significant figures readable (s, ms, us)."""
-    value = float(value)
-    magnitude = abs(value)
-    if magnitude < 5e-8:  # below the last digit shown: rounding noise of the estimate
-        return "0"
-    if magnitude >= 1.0:
-        return f"{value:.3f} s"
-    if magnitude >= 1e-3:
-        return f"{value * 1e3:.2f} ms"
-    return f"{value * 1e6:.1f} us"
-
-
-def fmt_signed_seconds(value: float) -> str:
-    text = fmt_seconds(value)
-    return text if text.startswith("-") or text == "0" else "+" + text
-
-
-def fmt_bytes_gb(value: float) -> str:
-    return f"{float(value) / 1e9:.2f}"
-
-
-def _fmt_count(value: float) -> str:
-    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if value >= scale:
-            return f"{value / scale:.2f} {unit}"
-    return f"{value:g}"
-
-
-def _fmt_bytes(value: float) -> str:
-    """Bytes in binary units when they are whole MiB, else in decimal GB."""
-    mib = value / 2**20
-    return f"{mib:g} MiB" if mib == int(mib) and mib < 2**14 else f"{value / 1e9:g} GB"
-
-
-def _fmt_value(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, dict):
-        return ", ".join(f"{k}={_fmt_value(v)}" for k, v in value.items())
-    return str(value)
-
-
-# -- layout as plain data, two renderers ------------------------------------------------------
-
-@dataclass(frozen=True, kw_only=True)
-class Table:
-    columns: tuple[str, ...]
-    rows: tuple[tuple[str, ...], ...]
-    title: str = ""
-    right: frozenset[int] = frozenset()  # indices of right-aligned (numeric) columns
-
-
-@dataclass(frozen=True, kw_only=True)
-class Section:
-    title: str
-    lines: tuple[str, ...] = ()
-    tables: tuple[Table, ...] = ()
-    after: tuple[str, ...] = field(default=())  # lines printed below the tables
-
-
-def render_sections(sections: list[Section], fmt: Format = "text", *, title: str = "") -> str:
-    """Sections as plain text (rich tables, `fmt="text"`) or GitHub markdown (`fmt="md"`)."""
-    if fmt == "text":
-        return _render_text(sections, title)
-    if fmt == "md":
-        return _render_md(sections, title)
-    raise ValueError(f"fmt must be 'text' or 'md', got {fmt!r}")
-
-
-def _render_text(sections: list[Section], title: str) -> str:
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table as RichTable
-    from rich.text import Text
-
-    console = Console(record=True, width=_TEXT_WIDTH, file=io.StringIO(), color_system=None,
-                      force_terminal=False, emoji=False, highlight=False, markup=False,
-                      log_time=False, log_path=False)
-    if title:
-        console.print(Text(title))
-        console.print(Text("=" * len(title)))
-    for section in sections:
-        console.print()
-        console.print(Text(section.title))
-        console.print(Text("-" * len(section.title)))
-        for line in section.lines:
-            console.print(Text(line))
-        for table in section.tables:
-            rich = RichTable(title=table.title or None, title_justify="left", box=box.SIMPLE_HEAD,
-                             show_edge=False, pad_edge=False, expand=False)
-            for i, name in enumerate(table.columns):
-                rich.add_column(Text(name), justify="right" if i in table.right else "left",
-                                overflow="fold")
-            for row in table.rows:
-                rich.add_row(*(Text(cell) for cell in row))
-            console.print(rich)
-        for line in section.after:
-            console.print(Text(line))
-    text = console.export_text(clear=True, styles=False)
-    return "\n".join(line.rstrip() for line in text.splitlines()).strip("\n") + "\n"
-
-
-def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _render_md(sections: list[Section], title: str) -> str:
-    out: list[str] = [f"# {title}", ""] if title else []
-    for section in sections:
-        out += [f"## {section.title}", ""]
-        out += [f"- {_md_cell(line)}" for line in section.lines]
-        out += [""] if section.lines else []
-        for table in section.tables:
-            out += [f"**{_md_cell(table.title)}**", ""] if table.title else []
-            out.append("| " + " | ".join(_md_cell(c) for c in table.columns) + " |")
-            out.append("|" + "|".join("---:" if i in table.right else "---"
-                                      for i in range(len(table.columns))) + "|")
-            out += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in table.rows]
-            out.append("")
-        out += [f"- {_md_cell(line)}" for line in section.after]
-        out += [""] if section.after else []
-    return "\n".join(out).rstrip("\n") + "\n"
-
-
-# -- shared comparisons ------------------------------------------------------------------------
 
 def slower_because(deltas: dict[str, float], *, top: int = 3) -> str:
     """What made a candidate slower: the largest positive term differences, then the largest
@@ -212,7 +79,7 @@ def _overview(plan: Plan, device_model: str | None) -> Section:
     gpus = f"{cluster['world_size']} x {device_model}" if device_model else \
         f"{cluster['world_size']} GPUs"
     return Section(title="Model, cluster, batch", lines=(
-        (f"model    {model['class']}: {_fmt_count(model['num_params'])} parameters, "
+        (f"model    {model['class']}: {fmt_count(model['num_params'])} parameters, "
          f"{model['num_layers']} layers (blocks plus embedding/head glue)"),
         f"cluster  {cluster['num_nodes']} x {cluster['profile']} ({gpus})",
         f"batch    {tokens}, {training['dtype']}",
@@ -221,7 +88,7 @@ def _overview(plan: Plan, device_model: str | None) -> Section:
 
 def _configuration(plan: Plan) -> Section:
     cfg, est = plan.config, plan.estimate
-    rows = [(name, _fmt_value(value)) for name, value in cfg.to_dict().items()
+    rows = [(name, fmt_value(value)) for name, value in cfg.to_dict().items()
             if name != "mesh_order"]  # the mesh row below lists the axes in that order
     rows.append(("micro-batches per step", str(est.num_microbatches)))
     mesh = plan.mesh
@@ -593,15 +460,15 @@ def _constants(hardware, dtype: str, options: dict[str, Any]) -> list[tuple[str,
     if arch != "cpu":
         rows.append(("OPTIMIZER_BANDWIDTH_FRACTION", f"{_compute.OPTIMIZER_BANDWIDTH_FRACTION:g}",
                      "measured (H100)"))
-    rows += [("CUDA_CONTEXT_BYTES", _fmt_bytes(_memory.CUDA_CONTEXT_BYTES), "assumed"),
-             ("COMM_BUFFER_BYTES", _fmt_bytes(_memory.COMM_BUFFER_BYTES), "assumed (DDP + NCCL)"),
+    rows += [("CUDA_CONTEXT_BYTES", fmt_bytes(_memory.CUDA_CONTEXT_BYTES), "assumed"),
+             ("COMM_BUFFER_BYTES", fmt_bytes(_memory.COMM_BUFFER_BYTES), "assumed (DDP + NCCL)"),
              ("ALLOCATOR_RESERVE_FRACTION", f"{_memory.ALLOCATOR_RESERVE_FRACTION:g}", "assumed")]
     if arch in _nccl.NVLS_ALGBW_EFFICIENCY:
         rows.append((f"NVLS_ALGBW_EFFICIENCY[{arch}]",
                      f"{_nccl.NVLS_ALGBW_EFFICIENCY[arch]:.3g}", "fitted (nccl-tests)"))
     rows += [("ALLTOALL_FABRIC_EFFICIENCY", f"{_nccl.ALLTOALL_FABRIC_EFFICIENCY:g}",
               "fitted (nccl-tests)"),
-             ("PIPELINE_RAMP_BYTES", ", ".join(f"{k}={_fmt_bytes(v)}" for k, v in
+             ("PIPELINE_RAMP_BYTES", ", ".join(f"{k}={fmt_bytes(v)}" for k, v in
                                                _nccl.PIPELINE_RAMP_BYTES.items()),
               "fitted (nccl-tests scans)"),
              ("RING_SIMPLE_MULTINODE_LATENCY_FACTOR",
@@ -645,7 +512,7 @@ def _assumptions(plan: Plan, cluster) -> Section:
         lines.append(f"the plan was made with overridden profile fields (shipped fingerprint "
                      f"{cluster.fingerprint()}); the values below are the shipped profile's")
     tables = [Table(title="software options", columns=("option", "value"),
-                    rows=tuple((k, _fmt_value(v)) for k, v in sorted(options.items()))),
+                    rows=tuple((k, fmt_value(v)) for k, v in sorted(options.items()))),
               Table(title="cost-model constants (costmodels/compute.py, memory.py, "
                           "nccl_constants.py)", columns=("constant", "value", "basis"),
                     rows=tuple(_constants(hardware, dtype, options)))]

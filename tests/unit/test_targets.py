@@ -20,7 +20,7 @@ from autopar.estimate.core import ModelCosts
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.registry import build, preset
 from autopar.plan.export import EXPORT_FORMATS, export_plan
-from autopar.plan.report import fmt_seconds
+from autopar.plan.render import fmt_seconds
 from autopar.targets import TARGETS, Facts, get_target
 from autopar.trace import trace
 
