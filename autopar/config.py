@@ -22,10 +22,25 @@ from typing import Any, Literal
 from autopar.errors import InvalidConfigError
 
 __all__ = ["ParallelConfig", "check_config", "divisors", "placed_order", "DEFAULT_MESH_ORDER",
-           "PP_SCHEDULES", "RECOMPUTE_POLICIES"]
+           "PP_SCHEDULES", "RECOMPUTE_POLICIES", "PER_OP_ALTERNATED", "PER_OP_SAVED"]
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-RECOMPUTE_POLICIES = ("none", "selective", "full")
+RECOMPUTE_POLICIES = ("none", "selective", "per_op", "full")
+# recompute="per_op", torchtitan's per-op selective checkpointing (selective_ac_option = "op",
+# torchtitan/distributed/activation_checkpoint.py): inside each checkpointed block the outputs
+# of these ops are kept for backward and everything else is re-run, except that every second
+# matmul (`PER_OP_ALTERNATED`, counted in forward order per block) is re-run too. Biased Linear
+# layers run `aten.addmm`, which the policy re-runs.
+PER_OP_ALTERNATED = "aten.mm.default"
+PER_OP_SAVED = frozenset({
+    PER_OP_ALTERNATED,
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "_c10d_functional.reduce_scatter_tensor.default",
+    "aten.max.default",  # an amax of fp8 scaling
+})
 DEFAULT_MESH_ORDER = ("pp", "dp", "cp", "tp")  # outer first; tp innermost
 _MESH_ORDERS = frozenset(itertools.permutations(DEFAULT_MESH_ORDER))
 
@@ -57,8 +72,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Under tp, the activations between sub-layers (norms, dropout, residual adds) are split
     on the sequence: reduce-scatter and all-gather replace tp's all-reduces."""
-    recompute: Literal["none", "selective", "full"] = "none"
-    """Activation recompute: "selective" re-runs the attention core, "full" each block."""
+    recompute: Literal["none", "selective", "per_op", "full"] = "none"
+    """Activation recompute: "selective" re-runs the attention core (Korthikanti et al.),
+    "per_op" keeps only the outputs of attention and of every other matmul of each block
+    (`PER_OP_SAVED`), "full" keeps each block's input alone."""
     mesh_order: tuple[str, ...] = DEFAULT_MESH_ORDER
     """How the axes are laid over the ranks, outer first (also given as "dp,pp,cp,tp"); by
     default tp innermost, within a node."""

@@ -319,6 +319,11 @@ MEGATRON = EngineTarget(
                        "fork)",
                 source="megatron/core/pipeline_parallel/schedules.py "
                        "(get_forward_backward_func)"),
+        Allowed(field="recompute", values=("none", "selective", "full"),
+                reason="--recompute-granularity is full (whole layers) or selective (the "
+                       "submodules --recompute-modules names, core_attn by default); it has "
+                       "no policy that keeps every other matmul's output (per_op)",
+                source=f"{_MEGATRON_ARGS} (--recompute-granularity, --recompute-modules)"),
     ),
     requires=(
         Requires(name="tp > 1 with sequence_parallel while tp communication is overlapped",
@@ -376,10 +381,10 @@ TORCHTITAN = EngineTarget(
                        "all-to-all (context_parallel_rotate_method), not by the ring that "
                        "passes them rank to rank, which the estimate costs",
                 source=f"{_TITAN_CONFIG} (context_parallel_rotate_method)"),
-        Allowed(field="recompute", values=("none", "full"),
-                reason="its selective checkpointing (selective_ac_option: per op or every "
-                       "n-th layer) keeps other activations than the attention-only "
-                       "recompute the estimate costs",
+        Allowed(field="recompute", values=("none", "per_op", "full"),
+                reason="its selective checkpointing is per op (selective_ac_option = \"op\": "
+                       "the policy recompute='per_op' costs) or every n-th layer; it has no "
+                       "attention-only selective recompute",
                 source=f"{_TITAN_CONFIG} ([activation_checkpoint] mode, "
                        f"selective_ac_option)"),
         Allowed(field="pp_schedule", values=("gpipe", "1f1b", "interleaved-1f1b"),
@@ -465,7 +470,7 @@ DEEPSPEED = EngineTarget(
                 source="deepspeed/sequence/layer.py (DistributedAttention)"),
         Allowed(field="recompute", values=("none", "full"),
                 reason="it checkpoints whole modules (deepspeed.checkpointing.checkpoint); "
-                       "it has no attention-only selective recompute",
+                       "it has no attention-only or per-op selective recompute",
                 source="deepspeed/runtime/activation_checkpointing/checkpointing.py"),
         Allowed(field="pp_schedule", values=("1f1b",),
                 reason="the pipeline engine runs its own 1F1B-style schedule "

@@ -283,13 +283,8 @@ _TORCHTITAN_DENSE = (
     "FSDP2 over the node's 8 GPUs -> zero_stage=3, dp=8; local batch 1 -> micro_batch_size=1, "
     "global batch 8, seq 8192 (the source)",
     "per-op selective activation checkpointing (torchtitan's 'selective op' AC) -> "
-    "recompute='selective': autopar has no per-op policy. torchtitan's op policy keeps the "
-    "outputs of the matmuls (but every second one) and of SDPA and re-runs the elementwise ops "
-    "and every second matmul: about a third of a block's GEMM FLOPs, no attention. That lies "
-    "between 'selective' (autopar re-runs the attention core) and 'full' (the whole block), "
-    "nearer 'selective' in recompute time. In memory it is not: with a fused attention kernel "
-    "autopar's 'selective' keeps what 'none' keeps, more than the op policy does, so these "
-    "rows' predicted peak is an upper bound (the sources print 34-48 GB peaks)",
+    "recompute='per_op', the same policy (the outputs of attention and of every other matmul "
+    "kept, the rest re-run)",
     "precision per row: bf16; float8 tensorwise -> dtype='fp8', fp8_recipe='tensorwise'; float8 "
     "rowwise -> 'rowwise'; rowwise_with_gw_hp (the weight-gradient GEMM in bf16) -> 'rowwise' "
     "(approximation); mxfp8 (B200) -> 'rowwise' (approximation: the cost model has no MX "
@@ -1135,8 +1130,7 @@ def _validation_config(group: str, row: dict[str, str], notes: str
         if group == "fp8-blog-h100":
             recompute = "full"  # GROUP_ASSUMPTIONS: torchtitan's 70B/405B configs
         elif rc_text.startswith("selective (per-op"):
-            recompute = "selective"
-            extra.append("per-op selective AC -> recompute='selective' (closest policy)")
+            recompute = "per_op"
         elif rc_text in ("none", "full", "selective"):
             recompute = rc_text
         else:

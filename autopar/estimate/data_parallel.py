@@ -56,7 +56,7 @@ def _sync_gather_uses(gather_units: Sequence["GatherUnit"], config: ParallelConf
     its stage-3 `PrefetchCoordinator.get_reuse_distance_in_numel`, 2021); a kept tensor
     is not gathered again. Tensors of at most ZERO3_PERSISTENCE_THRESHOLD elements stay
     whole on every rank and are never gathered."""
-    full = config.recompute == "full"
+    full = config.recompute in ("full", "per_op")
     tensors = [list(enumerate(_param_tensors(here.unit, config))) for here in gather_units]
     trace: list[tuple[tuple[int, int, int], float, bool]] = []
 

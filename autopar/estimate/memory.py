@@ -1,8 +1,8 @@
 """Memory of each pipeline rank: model states, activations in flight, buffers, reserve.
 
 Activations per micro-batch come from the traced graph's saved bytes (all of them, the
-selective-recompute remainder, or only each layer's input under full recompute plus one
-layer's working set), sharded over tp x cp for what GEMMs and attention keep and over cp (and
+selective-recompute remainder, each layer's input and the outputs per-op recompute keeps, or
+only each layer's input under full recompute; the last two plus one layer's working set), sharded over tp x cp for what GEMMs and attention keep and over cp (and
 tp only with sequence parallelism) for what norms and elementwise ops keep. The number held at
 once is read off the simulated schedule: a (stage, micro-batch) pair holds its activations from
 its forward until its last backward op (B, or W for zero-bubble).
@@ -51,7 +51,9 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
 
     A fused attention node keeps no score matrix; with an unfused kernel (`flash` False) the
     scores it would keep are added. Full recompute keeps a block's input only (the glue is not
-    checkpointed); selective recompute drops the score-sized tensors. A
+    checkpointed); per-op recompute keeps it and the outputs `Unit.saved_bytes_per_op*` name
+    (with sequence parallel also the reduce-scatters' outputs, `PER_OP_SAVED`); selective
+    recompute drops the score-sized tensors. A
     cross-entropy keeps and briefly holds what `loss_bytes` says, its logits sharded over
     tp (vocabulary-parallel) and cp.
     """
@@ -63,6 +65,14 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
         + unit.saved_bytes_memory_ops / mem_split + scores + loss_kept
     if cfg.recompute == "full" and unit.is_block:  # the glue is not checkpointed
         return unit.act_bytes / mem_split, full + loss
+    if cfg.recompute == "per_op" and unit.is_block:
+        kept = (unit.saved_bytes_per_op / (tp * cp) + unit.saved_bytes_per_op_partial / cp
+                + (unit.saved_bytes_per_op_attention / (tp * cp) if flash else 0.0))
+        if cfg.sequence_parallel and tp > 1:
+            kept += unit.tp_reductions[0] * unit.act_bytes / (tp * cp)
+        kept += unit.act_bytes / mem_split
+        # its backward re-makes the rest, reusing what was kept
+        return kept, max(0.0, full - kept) + loss
     if cfg.recompute == "selective":
         dropped = (unit.saved_bytes - unit.saved_bytes_recompute) / (tp * cp) + scores
         return max(0.0, full - dropped), loss

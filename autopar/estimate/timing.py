@@ -15,7 +15,9 @@ over cp, and over tp only with sequence parallelism. Communication goes through
   overlapped with the attention computation; only the excess is exposed.
 - EP: all-to-all dispatch and combine of the routed tokens, forward and backward.
 Recompute: "full" re-runs the unit's forward (compute and TP communication) in backward;
-"selective" re-runs the attention core, which flash kernels already do by construction.
+"per_op" re-runs the ops whose outputs it does not keep (`OpCost.kept`) and the TP
+collectives they need; "selective" re-runs the attention core, which flash kernels already do
+by construction.
 """
 
 from __future__ import annotations
@@ -445,6 +447,10 @@ class UnitCompute:
     gemm_bwd: float
     tail_fwd: float  # the ops after early-stopped recompute's last one (`OpCost.tail`)
     tail_gemms: int
+    # what per-op recompute re-runs (the ops not `OpCost.kept`, with their launch gaps), before
+    # the tail and in it
+    per_op_fwd: float = 0.0
+    per_op_tail_fwd: float = 0.0
 
 
 def unit_compute(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
@@ -454,6 +460,8 @@ def unit_compute(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfi
     not on where the groups lie)."""
     fwd = bwd = wgrad = attn_fwd = attn_bwd = gemm_fwd = gemm_bwd = tail_fwd = 0.0
     tail_gemms = 0
+    gap = op_overhead_s(cluster.hardware.device)
+    rerun = [0.0, 0.0]  # per-op recompute, before the tail and in it
     for op in unit.ops:
         f, b, w = op_times(op, cluster, dtype, cfg, attention_kernel, kernels, loss_kernel,
                            fp8_recipe)
@@ -461,14 +469,16 @@ def unit_compute(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfi
         if op.tail:
             tail_fwd += f
             tail_gemms += op.kind == "gemm"
+        if not op.kept or (op.kind == "attention" and attention_kernel == "math"):
+            rerun[op.tail] += f + gap
         if op.kind == "attention":
             attn_fwd, attn_bwd = attn_fwd + f, attn_bwd + b
         elif op.kind == "gemm":
             gemm_fwd, gemm_bwd = gemm_fwd + f, gemm_bwd + b
-    gap = op_overhead_s(cluster.hardware.device)
     return UnitCompute(fwd=fwd + unit.num_kernels * gap, bwd=bwd + 2 * unit.num_kernels * gap,
                        wgrad=wgrad, attn_fwd=attn_fwd, attn_bwd=attn_bwd, gemm_fwd=gemm_fwd,
-                       gemm_bwd=gemm_bwd, tail_fwd=tail_fwd, tail_gemms=tail_gemms)
+                       gemm_bwd=gemm_bwd, tail_fwd=tail_fwd, tail_gemms=tail_gemms,
+                       per_op_fwd=rerun[0], per_op_tail_fwd=rerun[1])
 
 
 def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
@@ -513,7 +523,7 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
             ep = 2 * cluster.collective_time("all_to_all", unit.moe_dispatch_bytes / split,
                                              groups.ep)
 
-    if cfg.recompute == "full" and not unit.is_block:
+    if cfg.recompute in ("full", "per_op") and not unit.is_block:
         recompute = 0.0  # checkpointing wraps the blocks (Megatron's layers, the runtime's)
     elif cfg.recompute == "full" and early_stop:
         points = unit.tp_reductions[0]
@@ -521,6 +531,15 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         recompute = fwd - c.tail_fwd - unit.tail_kernels * gap + tp_fwd * kept
     elif cfg.recompute == "full":
         recompute = fwd + tp_fwd
+    elif cfg.recompute == "per_op":
+        points = unit.tp_reductions[0]
+        if cfg.sequence_parallel:  # the reduce-scatters' outputs are kept, the gathers re-run
+            tp_rerun = tp_fwd / 2
+        elif early_stop and points:  # the tail's reduction is not needed again
+            tp_rerun = tp_fwd * (points - min(c.tail_gemms, points)) / points
+        else:
+            tp_rerun = tp_fwd
+        recompute = c.per_op_fwd + (0.0 if early_stop else c.per_op_tail_fwd) + tp_rerun
     elif cfg.recompute == "selective" and attention_kernel == "math":
         recompute = attn_fwd
     else:

@@ -8,7 +8,8 @@ timing and memory models need, per micro-batch of the traced size, unsharded:
 - its ops reduced to GEMM / attention / memory-bound work (FLOPs forward and backward, bytes);
 - parameters, split into dense and expert (between an MoE dispatch and its combine);
 - activation bytes saved for backward (all, under selective recompute, and the part saved by
-  memory-bound ops, which tensor parallelism shards only with sequence parallelism);
+  memory-bound ops, which tensor parallelism shards only with sequence parallelism), and the
+  outputs per-op recompute keeps (`autopar.config.PER_OP_SAVED`);
 - the tensor-parallel synchronisations of one layer, forward and backward (`tp_syncs`: in a
   block one reduction of the hidden state each way per sub-layer -- the row-parallel GEMM's
   output forward, found from the dataflow by `autopar.ir.residual`, the column-parallel GEMMs'
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from autopar.config import PER_OP_ALTERNATED, PER_OP_SAVED
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
 from autopar.ir.residual import consumers, residual_structure
 
@@ -68,6 +70,9 @@ class OpCost:
     # an MoE combine: routed rows added into their tokens' rows by index (in eager software an
     # atomic scatter-add, costmodels.compute.SCATTER_ADD_TRAFFIC_FACTOR)
     scatter_add: bool = False
+    # in a block under per-op recompute: its output is kept for backward and it is not re-run
+    # (a fused attention kernel, every other matmul; `autopar.config.PER_OP_SAVED`)
+    kept: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,6 +86,12 @@ class Unit:
     saved_bytes: int
     saved_bytes_recompute: int
     saved_bytes_memory_ops: int  # saved by norms/elementwise: replicated over tp without SP
+    # kept under per-op recompute besides the block's input (`OpCost.kept`): outputs split over
+    # tp (column-parallel GEMMs), partial sums a row-parallel GEMM writes whole, and what fused
+    # attention kernels return (split over tp; an unfused kernel's ops are all re-run)
+    saved_bytes_per_op: int = 0
+    saved_bytes_per_op_partial: int = 0
+    saved_bytes_per_op_attention: int = 0
     act_bytes: int  # the hidden state entering the unit
     # tensor-parallel synchronisations per layer under Megatron's layout: (direction
     # "forward"/"backward", kind, nbytes at the traced batch); kind "reduce" (a partial sum:
@@ -134,6 +145,9 @@ class Unit:
         return replace(self, ops=ops, saved_bytes=self.saved_bytes * factor,
                        saved_bytes_recompute=self.saved_bytes_recompute * factor,
                        saved_bytes_memory_ops=self.saved_bytes_memory_ops * factor,
+                       saved_bytes_per_op=self.saved_bytes_per_op * factor,
+                       saved_bytes_per_op_partial=self.saved_bytes_per_op_partial * factor,
+                       saved_bytes_per_op_attention=self.saved_bytes_per_op_attention * factor,
                        act_bytes=self.act_bytes * factor,
                        moe_dispatch_bytes=self.moe_dispatch_bytes * factor,
                        attention_kv_bytes=self.attention_kv_bytes * factor,
@@ -210,6 +224,24 @@ def recompute_tail(nodes: list[Node]) -> set[str]:
     return tail
 
 
+def _per_op_kept(nodes: list[Node]) -> dict[str, int]:
+    """The nodes per-op recompute keeps the output of, with its bytes: attention (its output
+    and fp32 log-sum-exp; a fused kernel's, the math kernel's ops being re-run) and the ops of
+    `PER_OP_SAVED` but every second `PER_OP_ALTERNATED` matmul, counted in forward order."""
+    out: dict[str, int] = {}
+    matmuls = 0
+    for node in nodes:
+        if node.kind is OpKind.ATTENTION and node.attention is not None:
+            a = node.attention
+            out[node.name] = node.outputs[0].num_bytes + 4 * a.batch * a.num_heads * a.seq_q
+            continue
+        matmuls += node.target == PER_OP_ALTERNATED
+        if node.target in PER_OP_SAVED and not (node.target == PER_OP_ALTERNATED
+                                                 and matmuls % 2 == 0):
+            out[node.name] = sum(o.num_bytes for o in node.outputs)
+    return out
+
+
 def _is_cross_entropy(node: Node) -> bool:
     return node.kind is OpKind.LOSS and node.target == "F.cross_entropy"
 
@@ -239,6 +271,9 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     saved_memory = kernels = dispatch = kv = scores = tail_kernels = 0
     act = 0
     tail = recompute_tail(nodes)
+    residual = residual_structure(nodes)
+    kept = _per_op_kept(nodes)
+    per_op = per_op_partial = per_op_attention = 0
     for node in nodes:
         if node.kind is OpKind.MOE_DISPATCH:
             in_moe = True
@@ -259,7 +294,16 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         tail_kernels += node.name in tail
         io = node.bytes_read + node.bytes_written
         weights = sum(p.num_bytes for p in node.params)
-        fixed = dict(fixed_bytes=_fixed_bytes(node, derived), batch_free=not derived[node.name])
+        fixed = dict(fixed_bytes=_fixed_bytes(node, derived), batch_free=not derived[node.name],
+                     kept=node.name in kept)
+        if node.name in kept:
+            out = kept[node.name]
+            if node.kind is OpKind.ATTENTION:
+                per_op_attention += out
+            elif node.name in residual.row_gemms:
+                per_op_partial += out
+            else:
+                per_op += out
         if node.kind in _GEMM_KINDS:
             vocab = _vocab_sized(node, vocab_dims)
             ops.append(OpCost(kind="gemm", flops_fwd=node.flops_fwd, flops_bwd=node.flops_bwd,
@@ -293,7 +337,6 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
             act = act or sum(o.num_bytes for o in node.outputs[:1])
         elif node.kind is OpKind.EMBEDDING and not act:
             act = sum(o.num_bytes for o in node.outputs[:1])
-    residual = residual_structure(nodes)
     if not act and residual.residual_adds:  # no norm op: the stream's hidden state
         add = next(n for n in nodes if n.name == residual.residual_adds[0])
         act = sum(o.num_bytes for o in add.outputs[:1])
@@ -312,7 +355,9 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         dense_params=dense, expert_params=expert,
         saved_bytes=sum(n.saved_bytes for n in nodes),
         saved_bytes_recompute=sum(n.saved_bytes_recompute for n in nodes),
-        saved_bytes_memory_ops=saved_memory, act_bytes=act, tp_syncs=syncs,
+        saved_bytes_memory_ops=saved_memory, saved_bytes_per_op=per_op,
+        saved_bytes_per_op_partial=per_op_partial,
+        saved_bytes_per_op_attention=per_op_attention, act_bytes=act, tp_syncs=syncs,
         moe_dispatch_bytes=dispatch, attention_kv_bytes=kv, attention_score_bytes=scores,
         param_bytes=sum(seen_params.values()),
         loss_logits=sum(n.inputs[0].numel for n in losses),

@@ -228,6 +228,10 @@ def _megatron(plan: Any) -> tuple[str, list[str], list[str]]:
                   ["--recompute-num-layers", "1"]]
     elif cfg.recompute == "selective":
         flags.append(["--recompute-granularity", "selective"])
+    elif cfg.recompute == "per_op":
+        notes.append("recompute per_op: Megatron-LM has no policy that keeps every other "
+                     "matmul's output; its selective recompute (--recompute-granularity "
+                     "selective --recompute-modules ...) re-runs whole submodules")
     flags += _megatron_options(cfg, shape, opts, notes)
     if not _same_layout(cfg, DEFAULT_MESH_ORDER):
         if cfg.cp == 1 and cfg.ep == 1 and _same_layout(cfg, ("dp", "pp", "cp", "tp")):
@@ -369,8 +373,8 @@ def _torchtitan(plan: Any) -> tuple[str, list[str], list[str]]:
         comments["parallelism"] = [("releases without module_fqns_per_model_part take "
                                     f"pipeline_parallel_split_points = {_toml_value(splits)}")]
     checkpoint: dict[str, Any] = {"mode": cfg.recompute}
-    if cfg.recompute == "selective":
-        checkpoint["selective_ac_option"] = "op"
+    if cfg.recompute in ("selective", "per_op"):
+        checkpoint = {"mode": "selective", "selective_ac_option": "op"}
     sections = {"training": training, "parallelism": parallelism,
                 "activation_checkpoint": checkpoint}
     setup = []
@@ -523,10 +527,10 @@ def _deepspeed_model_notes(cfg: Any, shape: _Shape, setup: list[str]) -> list[st
         setup.append("recompute full: the config only tunes checkpointing; the model must wrap "
                      "each layer in deepspeed.checkpointing.checkpoint (with PipelineModule: "
                      "activation_checkpoint_interval=1)")
-    elif cfg.recompute == "selective":
-        notes.append("recompute selective: DeepSpeed has no selective (attention-only) "
-                     "recompute; wrap the attention core in deepspeed.checkpointing.checkpoint "
-                     "in the model")
+    elif cfg.recompute in ("selective", "per_op"):
+        notes.append(f"recompute {cfg.recompute}: DeepSpeed has no selective (attention-only "
+                     f"or per-op) recompute; deepspeed.checkpointing.checkpoint checkpoints "
+                     f"whole modules")
     if shape.dtype == "fp8":
         setup.append("dtype fp8: DeepSpeed has no fp8 precision key; bf16 is set, fp8 GEMMs "
                      "need Transformer Engine layers in the model")

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import loss_parallel
 
+from autopar.config import PER_OP_ALTERNATED, PER_OP_SAVED
 from autopar.models.common import recompute_attention_core, sequence_shard
 from autopar.runtime.context_parallel import (
     ContextParallel,
@@ -170,8 +171,50 @@ def _apply_recompute(module: nn.Module, policy: str) -> None:
         checkpoint_wrapper,
     )
 
+    context_fn = per_op_contexts if policy == "per_op" else _recompute_contexts
     for container, key in block_slots(module):
-        setattr(container, key, checkpoint_wrapper(container.get_submodule(key)))
+        setattr(container, key, checkpoint_wrapper(container.get_submodule(key),
+                                                   context_fn=context_fn))
+
+
+def _recompute_contexts(forward: Any = None, recompute: Any = None) -> tuple[Any, Any]:
+    """The forward and recompute contexts of one checkpointed block: the recompute, which runs
+    inside backward, re-enters the torch-function modes the forward ran under (the tensor-
+    parallel attention mode, `LocalAttention`), so it runs the ops the forward ran."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    modes = _get_current_function_mode_stack()
+    forward = forward or contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def again():
+        with contextlib.ExitStack() as stack:
+            for mode in modes:
+                stack.enter_context(mode)
+            stack.enter_context(recompute or contextlib.nullcontext())
+            yield
+
+    return forward, again()
+
+
+def per_op_contexts() -> tuple[Any, Any]:
+    """`_recompute_contexts` under recompute="per_op": the outputs of the ops in
+    `PER_OP_SAVED` are kept, but every second `PER_OP_ALTERNATED` matmul's, counted in forward
+    order from the block's start; everything else is re-run in backward."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    matmuls = {False: 0, True: 0}  # forward, recompute (torch versions that ask again)
+
+    def policy(ctx, func, *args, **kwargs):
+        name = str(func)
+        if name == PER_OP_ALTERNATED:
+            matmuls[ctx.is_recompute] += 1
+            if matmuls[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return (CheckpointPolicy.MUST_SAVE if name in PER_OP_SAVED
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    return _recompute_contexts(*create_selective_checkpoint_contexts(policy))
 
 
 @dataclass
@@ -362,6 +405,10 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
                          f"with weights (e.g. autopar.models.build(..., device='cpu')), or call "
                          f"model.to_empty(device='cpu') and initialise it first")
     cfg = plan.config
+    hf_config = getattr(model, "config", None)
+    if getattr(hf_config, "use_cache", False) is True:  # a KV cache is state the recompute
+        hf_config.use_cache = False  # would see changed; training keeps none (as the trace)
+        log.info("model.config.use_cache set to False: training keeps no KV cache")
     layout = plan.model.get("cp_layout", "zigzag")
     if cfg.cp > 1:
         check_context_parallel(plan)

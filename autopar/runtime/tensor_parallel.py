@@ -385,7 +385,8 @@ class LocalAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not any(isinstance(t, DTensor) for t in (*args, *kwargs.values())):
+        if func in _PASSED or not any(isinstance(t, DTensor)
+                                      for t in (*args, *kwargs.values())):
             return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return _local_sdpa(func, *args, **kwargs)
@@ -411,6 +412,8 @@ class LocalAttention(TorchFunctionMode):
             return _replicated_call(func, args, kwargs)
 
 
+# run as they are: an error inside backward is the backward's, never a missing strategy
+_PASSED = (torch.Tensor.backward, torch.autograd.backward)
 _SPLITS = (torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk)
 
 

@@ -1,7 +1,7 @@
 """Outer enumeration of the 5-D space, ranked by predicted step time.
 
 Every config with dp·tp·pp·cp = world size is considered, with ep dividing dp·cp (and the
-expert count), ZeRO 0-3, sequence parallelism on/off, recompute none/selective/full,
+expert count), ZeRO 0-3, sequence parallelism on/off, recompute none/selective/per_op/full,
 micro-batch sizes, pipeline schedules and virtual stages. Tensor parallelism is at most a
 node; a tp that does not divide the node leaves some groups straddling two, and the estimate
 costs every axis on its slowest group (`autopar.estimate.timing.slowest_groups`). The mesh
@@ -57,7 +57,7 @@ import pandas as pd
 
 from costmodels.compute import peak_flops
 from autopar.cluster import Cluster
-from autopar.config import DEFAULT_MESH_ORDER, PP_SCHEDULES, ParallelConfig
+from autopar.config import DEFAULT_MESH_ORDER, PP_SCHEDULES, RECOMPUTE_POLICIES, ParallelConfig
 from autopar.errors import InvalidConfigError, NoPlanFitsError
 from autopar.estimate.bounds import (BOUND_MARGIN, DataParallelFloor, data_parallel_floor,
                                      exact_step_lower_bound)
@@ -74,7 +74,6 @@ __all__ = ["SearchSettings", "SearchResult", "search", "enumerate_configs", "CON
 CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
 _TIE_ORDER = ("pp", "tp", "cp", "ep", "dp", "zero_stage", "recompute", "micro_batch_size",
               "pp_schedule", "virtual_stages", "sequence_parallel")
-_RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
 # the 24 mesh orders, the default first, the rest as itertools.permutations lists them: the
 # order searched in and the last tie-break
 _ALL_ORDERS = (DEFAULT_MESH_ORDER,) + tuple(
@@ -132,13 +131,28 @@ class SearchResult:
 
 
 def _tie_key(cfg: ParallelConfig) -> tuple:
-    return tuple(_RECOMPUTE_ORDER[cfg.recompute] if f == "recompute" else
+    return tuple(RECOMPUTE_POLICIES.index(cfg.recompute) if f == "recompute" else
                  PP_SCHEDULES.index(cfg.pp_schedule) if f == "pp_schedule" else
                  getattr(cfg, f) for f in _TIE_ORDER) + (_ORDER_RANK[cfg.mesh_order],)
 
 
 def _rank_key(est: Estimate) -> tuple:
     return (round(est.step_time_s, 12), _tie_key(est.config))
+
+
+def recompute_policies(costs: ModelCosts, options: EstimateOptions) -> tuple[str, ...]:
+    """The recompute policies that differ on this model: "none" and "full" always; "selective"
+    where there are score tensors to drop (unfused attention in the model's code, or an
+    unfused kernel); "per_op" where a block keeps the output of one of its ops
+    (`OpCost.kept`)."""
+    blocks = [u for u in costs.units if u.is_block]
+    out = ["none"]
+    if options.attention_kernel == "math" or any(
+            u.saved_bytes_recompute < u.saved_bytes for u in costs.units):
+        out.append("selective")
+    if any(op.kept for u in blocks for op in u.ops):
+        out.append("per_op")
+    return (*out, "full")
 
 
 def _table(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
@@ -152,10 +166,7 @@ def _table(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
         num_heads=costs.num_heads, num_kv_heads=costs.num_kv_heads, seq_len=costs.seq_len,
         num_experts=costs.num_experts,
         global_batch_size=global_batch_size, constraints=constraints,
-        # selective recompute has something to drop: score tensors the model itself keeps
-        # (unfused attention in its code) or that an unfused kernel would keep
-        math_attention=options.attention_kernel == "math" or any(
-            u.saved_bytes_recompute < u.saved_bytes for u in costs.units),
+        recomputes=recompute_policies(costs, options),
         max_micro_batch_size=settings.max_micro_batch_size,
         max_virtual_stages=settings.max_virtual_stages, max_cp=settings.max_cp,
         few_microbatches=target.few_microbatches)
@@ -210,7 +221,7 @@ def _why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
                           f"({settings.max_virtual_stages})",
         "sequence_parallel": "sequence parallelism needs tp > 1 and a sequence",
         "recompute": "selective recompute needs attention that keeps its scores (a math "
-                     "kernel)",
+                     "kernel); per_op needs a block with a matmul or attention to keep",
         "mesh_order": "the mesh order names pp, dp, cp and tp once each, outer first",
     }
     out = []

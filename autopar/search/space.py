@@ -113,8 +113,9 @@ def _allowed(name: str, values: list, constraints: dict[str, Any]) -> list:
 def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers: int,
                  num_heads: int | None, num_kv_heads: int | None, seq_len: int | None,
                  num_experts: int | None, global_batch_size: int, constraints: dict[str, Any],
-                 math_attention: bool, max_micro_batch_size: int, max_virtual_stages: int,
-                 max_cp: int, few_microbatches: tuple[str, ...] = ("gpipe",)) -> ConfigTable:
+                 recomputes: tuple[str, ...], max_micro_batch_size: int,
+                 max_virtual_stages: int, max_cp: int,
+                 few_microbatches: tuple[str, ...] = ("gpipe",)) -> ConfigTable:
     """Every candidate config (validity is checked by `evaluate`), in the order: tp, cp, pp,
     ep ascending; then micro-batch size, recompute, SP, schedule (gpipe, 1f1b, zero-bubble,
     interleaved by virtual stages), ZeRO stage. tp stays within a node and divides the heads
@@ -122,7 +123,8 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
     sequence parallelism needs a sequence (``seq_len``) whose cp shards tp divides;
     cp needs a sequence divisible by 2·cp; pp is at most the layer count and the micro-batches
     per step at least pp; interleaving needs the body layers to split evenly into pp·v chunks
-    and the micro-batches to be a multiple of pp."""
+    and the micro-batches to be a multiple of pp. ``recomputes`` are the recompute policies
+    that differ on this model (`RECOMPUTE_POLICIES`)."""
     gbs, heads = global_batch_size, num_heads
     degrees: list[tuple[int, int, int, int, int]] = []  # (dp, tp, pp, cp, ep) of each block
     sizes: list[int] = []
@@ -151,7 +153,7 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
                 if key not in blocks:
                     blocks[key] = _block(gbs, constraints, grids, dp=dp, pp=pp,
                                          with_sp=key[2], with_zero=key[3],
-                                         body_layers=body_layers, math_attention=math_attention,
+                                         body_layers=body_layers, recomputes=recomputes,
                                          max_mbs=max_micro_batch_size, max_v=max_virtual_stages,
                                          few=few_microbatches)
                 block = blocks[key]
@@ -197,7 +199,7 @@ class _Grids:
 
 
 def _block(gbs: int, constraints: dict[str, Any], grids: _Grids, *, dp: int, pp: int,
-           with_sp: bool, with_zero: bool, body_layers: int, math_attention: bool,
+           with_sp: bool, with_zero: bool, body_layers: int, recomputes: tuple[str, ...],
            max_mbs: int, max_v: int, few: tuple[str, ...]) -> dict[str, np.ndarray] | None:
     """The ZeRO, micro-batch, schedule, virtual-stage, SP and recompute columns of the rows
     of one (tp, cp, pp, dp, ep): the product micro-batch x recompute x SP x schedule x ZeRO
@@ -207,9 +209,7 @@ def _block(gbs: int, constraints: dict[str, Any], grids: _Grids, *, dp: int, pp:
     dimension to split), ZeRO `with_zero` (dp * cp > 1)."""
     zeros = _allowed("zero_stage", [0, 1, 2, 3] if with_zero else [0], constraints)
     sps = _allowed("sequence_parallel", [False, True] if with_sp else [False], constraints)
-    # with a fused kernel selective recompute equals none
-    recomputes = _allowed("recompute", ["none", "selective", "full"] if math_attention
-                          else ["none", "full"], constraints)
+    recomputes = _allowed("recompute", list(recomputes), constraints)
     # fewer micro-batches than pipeline ranks: the schedules `few` (`check_config`)
     mbss = _allowed("micro_batch_size", [b for b in divisors(gbs // dp) if b <= max_mbs],
                     constraints)

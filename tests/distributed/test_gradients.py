@@ -32,6 +32,11 @@ PLANS = {
         ("pp_interleaved", "tiny_llama", {"pp": 2, "pp_schedule": "interleaved-1f1b",
                                           "virtual_stages": 2, **MB2}),
         ("pp_zero_bubble", "tiny_llama", {"pp": 2, "pp_schedule": "zero-bubble", **MB2}),
+        ("tp_sp_per_op", "tiny_llama_wide", {"tp": 2, "sequence_parallel": True,
+                                             "recompute": "per_op"}),
+        ("tp_sp_full", "tiny_llama_wide", {"tp": 2, "sequence_parallel": True,
+                                           "recompute": "full"}),
+        ("zero3_per_op", "tiny_llama", {"dp": 2, "zero_stage": 3, "recompute": "per_op"}),
         ("tp_selective_math", "tiny_llama_math", {"tp": 2, "recompute": "selective",
                                                   "sequence_parallel": False}),
         ("resnet_tp", "tiny_resnet", {"tp": 2}),
@@ -52,6 +57,9 @@ PLANS = {
                                                    "pp_schedule": "zero-bubble", **MB2}),
         ("tp_pp", "tiny_llama_wide", {"tp": 2, "pp": 2, "pp_schedule": "1f1b",
                                       "sequence_parallel": False, **MB2}),
+        ("tp_pp_per_op", "tiny_llama_wide", {"tp": 2, "pp": 2, "pp_schedule": "1f1b",
+                                             "sequence_parallel": False, "recompute": "per_op",
+                                             **MB2}),
         ("resnet_dp_tp_zero3", "tiny_resnet", {"dp": 2, "tp": 2, "zero_stage": 3})],
 }
 

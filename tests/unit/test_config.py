@@ -11,7 +11,7 @@ from autopar.config import check_config, divisors
     (dict(tp=2.0), "tp must be an integer >= 1"),
     (dict(zero_stage=4), "zero_stage must be 0 .DDP., 1, 2 or 3"),
     (dict(pp_schedule="1F1B"), "pp_schedule '1F1B' is unknown; allowed: gpipe, 1f1b"),
-    (dict(recompute="some"), "recompute 'some' is unknown; allowed: none, selective, full"),
+    (dict(recompute="some"), "recompute 'some' is unknown; allowed: none, selective, per_op, full"),
     (dict(virtual_stages=2), "virtual_stages=2 needs pp_schedule='interleaved-1f1b'"),
 ])
 def test_invalid_fields_are_rejected_with_the_allowed_values(kwargs, match):

@@ -225,3 +225,53 @@ def test_eager_moe_combine_is_priced_as_the_measured_scatter_add():
         fwd, bwd, _ = op_times(op, H200, "bf16", ONE, "flash", "eager")
         assert fwd * 1e3 == pytest.approx(r["scatter_add_ms"], rel=0.12), r["layer"]
         assert bwd < fwd  # its backward gathers
+
+
+@pytest.fixture(scope="module")
+def recompute_run():
+    """autopar's Llama-3-8B-wide model as the recompute measurements ran it (4 layers, one
+    8192-token sequence, bf16) and the measured rows by mode (per-op SAC is "op" there)."""
+    from autopar.models import build
+
+    rows = {r["mode"]: r for r in DATA["recompute"]}
+    row = rows["none"]
+    graph = autopar.trace(build("llama3-8b", device="meta", n_layers=row["n_layers"]),
+                          global_batch_size=row["micro_batch"], seq_len=row["seq_len"],
+                          dtype="bf16")
+    return graph, {"none": rows["none"], "per_op": rows["op"], "full": rows["full"]}
+
+
+def test_per_op_recompute_keeps_the_measured_activations(recompute_run):
+    """Bytes held after the forward, per-op SAC and no recompute over full recompute, per
+    layer: the outputs of attention and of every other matmul, to 1%."""
+    from autopar.estimate.memory import activation_bytes
+
+    graph, rows = recompute_run
+    block = next(u for u in units_from_graph(graph) if u.is_block)
+
+    def kept(policy):
+        return activation_bytes(block, ParallelConfig(recompute=policy), flash=True)[0]
+
+    for policy in ("per_op", "none"):
+        measured = (rows[policy]["held_after_forward_bytes"]
+                    - rows["full"]["held_after_forward_bytes"]) / block.count
+        assert kept(policy) - kept("full") == pytest.approx(measured, rel=0.01), policy
+
+
+def test_recompute_modes_cost_the_measured_step_times(recompute_run, monkeypatch):
+    """Forward, backward and recompute at full clocks (the runs had no optimizer step) over
+    the measured step: the same ratio for no, per-op and full recompute, within 3%, so each
+    mode's recompute is priced as it runs (per-op re-runs every other matmul and the
+    memory-bound ops, full the whole forward)."""
+    monkeypatch.setitem(SUSTAINED_COMPUTE_FRACTION, "hopper", 1.0)
+    graph, rows = recompute_run
+    ratios = {}
+    for policy, row in rows.items():
+        est = autopar.estimate(graph, H200, ParallelConfig(recompute=policy),
+                               global_batch_size=row["micro_batch"], seq_len=row["seq_len"],
+                               dtype="bf16", software="torchtitan")
+        work = est.breakdown["compute"] + est.breakdown["recompute"]
+        ratios[policy] = work * 1e3 / row["step_ms"]
+    assert 0.9 < ratios["none"] < 1.15
+    for policy in ("per_op", "full"):
+        assert ratios[policy] == pytest.approx(ratios["none"], rel=0.03), ratios

@@ -97,7 +97,7 @@ def test_group_rules():
             assert cfg.zero_stage == 3 and cfg.pp == 1
             assert run.arch == ("moe" if group.startswith("torchao-moe") else "llama")
             assert cfg.recompute == {"fp8-blog-h100": "full", "torchao-moe-b200": "none",
-                                     "torchao-moe-gb200": "none"}.get(group, "selective")
+                                     "torchao-moe-gb200": "none"}.get(group, "per_op")
             assert run.dtype in ("bf16", "fp8")
             if run.arch == "moe":
                 assert (run.shared_expert_ffn, run.shared_expert_gated, run.top_k) == \
