@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -177,8 +178,8 @@ def _run(model, stacks, keep_all, leaves, args, kwargs, *, token_model, dtype, c
     clone = blocks.shrink(model, stacks, keep_all)
     params = dict(clone.named_parameters())
     buffers = dict(clone.named_buffers())
-    # fake tensors on the meta device: no memory, and libraries that branch on values
-    # (Hugging Face masks) see that they are being traced.
+    # fake tensors on the meta device: no memory, and libraries that branch on values see
+    # that they are being traced (`_eager_sequences` for the one branch that must not)
     fake_mode = FakeTensorMode()
     to_fake = fake_mode.from_tensor
     meta_params = {n: to_fake(torch.empty_like(p, device="meta")) for n, p in params.items()}
@@ -202,7 +203,8 @@ def _run(model, stacks, keep_all, leaves, args, kwargs, *, token_model, dtype, c
         for i, t in enumerate(pytree.tree_leaves((args, kwargs))):
             if isinstance(t, torch.Tensor):
                 recorder.add_input(t, i)
-        with torch.no_grad(), _quiet_meta_failures(), fake_mode, recorder.recording():
+        with torch.no_grad(), _quiet_meta_failures(), _eager_sequences(token_model), \
+                fake_mode, recorder.recording():
             out = functional_call(clone, (meta_params, meta_buffers), args, kwargs)
             _record_loss(recorder, out, args, kwargs, token_model)
     except Exception as error:
@@ -242,6 +244,26 @@ def _run(model, stacks, keep_all, leaves, args, kwargs, *, token_model, dtype, c
 class _DropErrors(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return record.levelno < logging.ERROR
+
+
+@contextlib.contextmanager
+def _eager_sequences(token_model: bool):
+    """Hugging Face's mask builder asks the position ids whether sequences are packed, a test
+    of their values that answers "packed" on fake tensors: the trace then saw an explicit
+    [b, 1, s, s] mask and K/V repeated to every query head (its compile/export path), where
+    the eager training run autopar costs, on the same unpacked token rows, passes no mask
+    (SDPA's is_causal) and grouped K/V heads (enable_gqa). Token models are traced on one
+    sequence per row, so the test is answered as the eager run answers it: not packed."""
+    masks = sys.modules.get("transformers.masking_utils")
+    original = getattr(masks, "find_packed_sequence_indices", None)
+    if not token_model or original is None:
+        yield
+        return
+    masks.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masks.find_packed_sequence_indices = original
 
 
 @contextlib.contextmanager
