@@ -93,7 +93,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
     placements, fingerprint = param_placements(graph, cfg, tp_map), graph.fingerprint()
     clock.lap("plan")
     sizes = {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp}
-    return Plan(
+    plan = Plan(
         config=cfg, estimate=best, stages=[list(s) for s in best.stage_layers],
         placements=placements, intra_op=intra_op,
         mesh={"axes": list(cfg.mesh_order), "sizes": [sizes[a] for a in cfg.mesh_order],
@@ -122,6 +122,8 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
                 "seconds": result.seconds,
                 "phase_seconds": clock.laps,
                 "stage_cut": "inter-op DP" if best is not result.best else "even (Megatron)"})
+    plan.origin.update(model=model, cluster=cluster, example_inputs=example_inputs)
+    return plan
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,9 @@ class Plan:
     intra_op: dict[str, Any] = field(default_factory=dict)  # per block: the ILP's solution
     search: dict[str, Any] = field(default_factory=dict, repr=False)  # not saved (timings)
     version: int = PLAN_VERSION
+    # what `compile` made the plan from in this process (model, cluster, example_inputs), so
+    # that `explain` needs them again only after `load_plan`; not saved, not compared
+    origin: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         from autopar import __version__
@@ -103,12 +106,26 @@ class Plan:
             raise
         return path
 
-    def explain(self, model: Any, cluster: Any, **pins: Any):
-        """The best plan under extra pins (e.g. tp=16) and the difference term by term; see
-        `autopar.plan.explain.explain` (it re-plans, so it needs the model and the cluster)."""
+    def explain(self, model: Any = None, cluster: Any = None, **pins: Any):
+        """The best plan under extra pins (e.g. ``plan.explain(tp=16)``) and the difference
+        term by term; see `autopar.plan.explain.explain`. It re-plans: a plan `compile` made in
+        this process remembers its model and cluster; a loaded one needs them passed."""
         from autopar.plan.explain import explain
 
+        model = model if model is not None else self.origin.get("model")
+        cluster = cluster if cluster is not None else self.origin.get("cluster")
+        if model is None or cluster is None:
+            raise ValueError("this plan was loaded, so it does not hold its model and cluster: "
+                             "pass them, e.g. plan.explain(model, cluster, tp=8)")
+        if "example_inputs" not in pins and self.origin.get("example_inputs") is not None:
+            pins["example_inputs"] = self.origin["example_inputs"]
         return explain(self, model, cluster, **pins)
+
+    def diff(self, other: "Plan", fmt: str = "text") -> str:
+        """This plan against `other`, term by term (`autopar.plan.explain.diff`)."""
+        from autopar.plan.explain import diff
+
+        return diff(self, other, fmt)
 
     def report(self, fmt: str = "text") -> str:
         """The full report: rich tables as plain text, or GitHub markdown with `fmt="md"`."""

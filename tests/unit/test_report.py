@@ -159,6 +159,20 @@ def test_explain_pins_a_degree_and_differences_each_term(golden_plan, model, clu
     assert "| term | plan | pinned | B - A |" in why.render("md")
 
 
+def test_a_plan_made_here_explains_and_diffs_without_its_model_again(golden_plan, tmp_path):
+    """`compile` leaves the model and cluster with the plan (not in its file): explain needs
+    only the pins; a loaded plan asks for them."""
+    why = golden_plan.explain(tp=4)
+    assert why.feasible and why.alternative.config.tp == 4
+    assert golden_plan.diff(why.alternative) == diff(golden_plan, why.alternative)
+    loaded = autopar.load_plan(golden_plan.save(tmp_path / "plan.json"))
+    assert loaded.config == golden_plan.config and not loaded.origin
+    with pytest.raises(ValueError, match="pass them, e.g. plan.explain"):
+        loaded.explain(tp=4)
+    again = loaded.explain(golden_plan.origin["model"], golden_plan.origin["cluster"], tp=4)
+    assert again.alternative.config == why.alternative.config
+
+
 def test_explain_an_infeasible_pin_says_why(golden_plan, model, cluster):
     why = explain(golden_plan, model, cluster, tp=16)
     assert not why.feasible and why.alternative is None
