@@ -76,6 +76,10 @@ class ParallelConfig:
     """Activation recompute: "selective" re-runs the attention core (Korthikanti et al.),
     "per_op" keeps only the outputs of attention and of every other matmul of each block
     (`PER_OP_SAVED`), "full" keeps each block's input alone."""
+    recompute_every: int = 1
+    """With recompute="full": one block in every `recompute_every` is checkpointed, the others
+    keep their activations (torchtitan's selective_ac_option = k; Megatron-LM's block method
+    with a 1/k share of each stage's layers)."""
     mesh_order: tuple[str, ...] = DEFAULT_MESH_ORDER
     """How the axes are laid over the ranks, outer first (also given as "dp,pp,cp,tp"); by
     default tp innermost, within a node."""
@@ -83,7 +87,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if type(self.mesh_order) is not tuple or self.mesh_order not in _MESH_ORDERS:
             self._read_mesh_order()  # a list, a string, or wrong
-        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "virtual_stages",
+                     "recompute_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be an integer >= 1, got {value!r}")
@@ -96,6 +101,10 @@ class ParallelConfig:
         if self.recompute not in RECOMPUTE_POLICIES:
             raise ValueError(f"ParallelConfig.recompute {self.recompute!r} is unknown; "
                              f"allowed: {', '.join(RECOMPUTE_POLICIES)}")
+        if self.recompute_every > 1 and self.recompute != "full":
+            raise ValueError(f"recompute_every={self.recompute_every} needs recompute='full' "
+                             f"(got {self.recompute!r}): it says which blocks full recompute "
+                             f"checkpoints")
         if self.virtual_stages > 1 and self.pp_schedule != "interleaved-1f1b":
             raise ValueError(f"virtual_stages={self.virtual_stages} needs "
                              f"pp_schedule='interleaved-1f1b' (got {self.pp_schedule!r})")
@@ -124,8 +133,9 @@ class ParallelConfig:
         return asdict(self)
 
     def short(self) -> str:
-        """A compact label, e.g. 'dp8 tp8 pp16 z1 mb1 1f1b sp rc=selective' (and
-        'mesh=dp,pp,cp,tp' when the mesh order is not the default)."""
+        """A compact label, e.g. 'dp8 tp8 pp16 z1 mb1 1f1b sp rc=selective' ('rc=full/2': one
+        block in two checkpointed; and 'mesh=dp,pp,cp,tp' when the mesh order is not the
+        default)."""
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
@@ -134,7 +144,8 @@ class ParallelConfig:
             parts.append(self.pp_schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1
                                              else ""))
         parts += ["sp"] if self.sequence_parallel else []
-        parts.append(f"rc={self.recompute}")
+        parts.append(f"rc={self.recompute}" + (f"/{self.recompute_every}"
+                                               if self.recompute_every > 1 else ""))
         if self.mesh_order != DEFAULT_MESH_ORDER:
             parts.append("mesh=" + ",".join(self.mesh_order))
         return " ".join(parts)

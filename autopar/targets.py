@@ -282,6 +282,11 @@ def _pipe_zero1(table: ConfigTable, facts: Facts) -> np.ndarray:
     return (c["pp"] == 1) | (c["zero_stage"] <= 1)
 
 
+def _pipe_checkpoints_all(table: ConfigTable, facts: Facts) -> np.ndarray:
+    c = table.columns
+    return (c["pp"] == 1) | (c["recompute_every"] == 1)
+
+
 def _experts_below_zero3(table: ConfigTable, facts: Facts) -> np.ndarray:
     c = table.columns
     return (c["ep"] == 1) | (c["zero_stage"] <= 2)
@@ -472,6 +477,7 @@ DEEPSPEED = EngineTarget(
                 reason="it checkpoints whole modules (deepspeed.checkpointing.checkpoint); "
                        "it has no attention-only or per-op selective recompute",
                 source="deepspeed/runtime/activation_checkpointing/checkpointing.py"),
+
         Allowed(field="pp_schedule", values=("1f1b",),
                 reason="the pipeline engine runs its own 1F1B-style schedule "
                        "(TrainSchedule, also with fewer micro-batches than stages): no GPipe, "
@@ -479,6 +485,12 @@ DEEPSPEED = EngineTarget(
                 source="deepspeed/runtime/pipe/schedule.py (TrainSchedule)"),
     ),
     requires=(
+        Requires(name="recompute_every = 1 with pp > 1", holds=_pipe_checkpoints_all,
+                 reason="its pipeline engine checkpoints every layer "
+                        "(activation_checkpoint_interval sets how many layers one checkpoint "
+                        "spans, not which are skipped); without a pipeline the model wraps the "
+                        "layers it checkpoints itself",
+                 source="deepspeed/runtime/pipe/module.py (activation_checkpoint_interval)"),
         Requires(name="ZeRO 0 or 1 with pp > 1", holds=_pipe_zero1,
                  reason="the pipeline engine refuses ZeRO-2 and ZeRO-3",
                  source=f"{_DS_PIPE} (\"ZeRO-2 and ZeRO-3 are incompatible with pipeline "

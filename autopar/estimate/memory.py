@@ -51,7 +51,8 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
 
     A fused attention node keeps no score matrix; with an unfused kernel (`flash` False) the
     scores it would keep are added. Full recompute keeps a block's input only (the glue is not
-    checkpointed); per-op recompute keeps it and the outputs `Unit.saved_bytes_per_op*` name
+    checkpointed; with `recompute_every` k, per layer on average, 1/k of that and (k-1)/k of
+    what no recompute keeps); per-op recompute keeps it and the outputs `Unit.saved_bytes_per_op*` name
     (with sequence parallel also the reduce-scatters' outputs, `PER_OP_SAVED`); selective
     recompute drops the score-sized tensors. A
     cross-entropy keeps and briefly holds what `loss_bytes` says, its logits sharded over
@@ -64,7 +65,9 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
     full = (unit.saved_bytes - unit.saved_bytes_memory_ops) / (tp * cp) \
         + unit.saved_bytes_memory_ops / mem_split + scores + loss_kept
     if cfg.recompute == "full" and unit.is_block:  # the glue is not checkpointed
-        return unit.act_bytes / mem_split, full + loss
+        # one layer in `recompute_every` keeps its input only, the others all they save
+        share = 1.0 / cfg.recompute_every
+        return share * unit.act_bytes / mem_split + (1.0 - share) * full, full + loss
     if cfg.recompute == "per_op" and unit.is_block:
         kept = (unit.saved_bytes_per_op / (tp * cp) + unit.saved_bytes_per_op_partial / cp
                 + (unit.saved_bytes_per_op_attention / (tp * cp) if flash else 0.0))

@@ -14,7 +14,8 @@ over cp, and over tp only with sequence parallelism. Communication goes through
 - CP: ring attention passes K/V (forward) and their gradients (backward) cp-1 times,
   overlapped with the attention computation; only the excess is exposed.
 - EP: all-to-all dispatch and combine of the routed tokens, forward and backward.
-Recompute: "full" re-runs the unit's forward (compute and TP communication) in backward;
+Recompute: "full" re-runs the unit's forward (compute and TP communication) in backward (one
+layer in `recompute_every`: per layer, that share of it);
 "per_op" re-runs the ops whose outputs it does not keep (`OpCost.kept`) and the TP
 collectives they need; "selective" re-runs the attention core, which flash kernels already do
 by construction.
@@ -544,6 +545,8 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         recompute = attn_fwd
     else:
         recompute = 0.0
+    if cfg.recompute == "full":  # one block in `recompute_every`, per layer on average
+        recompute /= cfg.recompute_every
     return UnitTimes(compute_fwd=fwd, compute_bwd=bwd, compute_wgrad=c.wgrad, recompute=recompute,
                      tp_fwd=tp_fwd, tp_bwd=tp_bwd, cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep,
                      ep_bwd=ep)

@@ -223,9 +223,18 @@ def _megatron(plan: Any) -> tuple[str, list[str], list[str]]:
             notes.append(f"fp8_recipe {recipe}: Megatron-LM's --fp8-recipe is tensorwise, "
                          f"delayed, mxfp8 or blockwise, with no {recipe} scaling; its default "
                          f"(delayed) is left to run")
-    if cfg.recompute == "full":
+    if cfg.recompute == "full" and cfg.recompute_every == 1:
         flags += [["--recompute-granularity", "full"], ["--recompute-method", "uniform"],
                   ["--recompute-num-layers", "1"]]
+    elif cfg.recompute == "full":  # the first 1/k of each chunk's layers
+        chunk = min((n for n in shape.layers_per_stage if n), default=cfg.recompute_every)
+        flags += [["--recompute-granularity", "full"], ["--recompute-method", "block"],
+                  ["--recompute-num-layers", str(max(1, chunk // cfg.recompute_every))]]
+        if not shape.uniform or chunk % cfg.recompute_every:
+            notes.append(f"recompute_every {cfg.recompute_every}: Megatron-LM's block method "
+                         f"recomputes the first --recompute-num-layers layers of every stage; "
+                         f"with {sorted(set(shape.layers_per_stage))} layers per stage that is "
+                         f"not one in {cfg.recompute_every} on every stage")
     elif cfg.recompute == "selective":
         flags.append(["--recompute-granularity", "selective"])
     elif cfg.recompute == "per_op":
@@ -375,6 +384,8 @@ def _torchtitan(plan: Any) -> tuple[str, list[str], list[str]]:
     checkpoint: dict[str, Any] = {"mode": cfg.recompute}
     if cfg.recompute in ("selective", "per_op"):
         checkpoint = {"mode": "selective", "selective_ac_option": "op"}
+    elif cfg.recompute == "full" and cfg.recompute_every > 1:  # every k-th block, full
+        checkpoint = {"mode": "selective", "selective_ac_option": str(cfg.recompute_every)}
     sections = {"training": training, "parallelism": parallelism,
                 "activation_checkpoint": checkpoint}
     setup = []
@@ -525,8 +536,14 @@ def _deepspeed_model_notes(cfg: Any, shape: _Shape, setup: list[str]) -> list[st
                          "ZeRO-3 (\"MoE not supported with Stage 3\"); use ZeRO-2")
     if cfg.recompute == "full":
         setup.append("recompute full: the config only tunes checkpointing; the model must wrap "
-                     "each layer in deepspeed.checkpointing.checkpoint (with PipelineModule: "
+                     + ("each layer" if cfg.recompute_every == 1 else
+                        f"one layer in {cfg.recompute_every}")
+                     + " in deepspeed.checkpointing.checkpoint (with PipelineModule: "
                      "activation_checkpoint_interval=1)")
+        if cfg.recompute_every > 1 and cfg.pp > 1:
+            notes.append(f"recompute_every {cfg.recompute_every}: DeepSpeed's pipeline "
+                         f"checkpoints every layer (activation_checkpoint_interval groups "
+                         f"layers, it skips none)")
     elif cfg.recompute in ("selective", "per_op"):
         notes.append(f"recompute {cfg.recompute}: DeepSpeed has no selective (attention-only "
                      f"or per-op) recompute; deepspeed.checkpointing.checkpoint checkpoints "

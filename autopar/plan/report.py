@@ -88,8 +88,9 @@ def _overview(plan: Plan, device_model: str | None) -> Section:
 
 def _configuration(plan: Plan) -> Section:
     cfg, est = plan.config, plan.estimate
+    # the mesh row below lists the axes in that order; one block in k is said when k > 1
     rows = [(name, fmt_value(value)) for name, value in cfg.to_dict().items()
-            if name != "mesh_order"]  # the mesh row below lists the axes in that order
+            if name != "mesh_order" and (name != "recompute_every" or value > 1)]
     rows.append(("micro-batches per step", str(est.num_microbatches)))
     mesh = plan.mesh
     rows.append(("mesh", " x ".join(f"{a}={s}" for a, s in zip(mesh["axes"], mesh["sizes"]))

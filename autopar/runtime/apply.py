@@ -159,7 +159,9 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def _apply_recompute(module: nn.Module, policy: str) -> None:
+def _apply_recompute(modules: list[nn.Module], policy: str, every: int = 1) -> None:
+    """Wrap the blocks of this rank's `modules` (its pipeline stages, in order) for `policy`;
+    under "full" with `every` k, the k-th, 2k-th, ... block of the rank (torchtitan's count)."""
     if policy == "none":
         return
     if policy == "selective":  # RuntimeModel.train_step: recompute_attention_core
@@ -172,9 +174,11 @@ def _apply_recompute(module: nn.Module, policy: str) -> None:
     )
 
     context_fn = per_op_contexts if policy == "per_op" else _recompute_contexts
-    for container, key in block_slots(module):
-        setattr(container, key, checkpoint_wrapper(container.get_submodule(key),
-                                                   context_fn=context_fn))
+    slots = [slot for module in modules for slot in block_slots(module)]
+    for count, (container, key) in enumerate(slots, start=1):
+        if count % every == 0:
+            setattr(container, key, checkpoint_wrapper(container.get_submodule(key),
+                                                       context_fn=context_fn))
 
 
 def _recompute_contexts(forward: Any = None, recompute: Any = None) -> tuple[Any, Any]:
@@ -448,8 +452,8 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
                 stage_boundaries(m, mesh["tp"], applied.sequence_parallel, first=sid == 0,
                                  last=sid == len(plan.stages) - 1)
     sequence = ShardedSequence(mesh["cp"]) if cp > 1 and layout == "contiguous" else None
+    _apply_recompute(modules, cfg.recompute, cfg.recompute_every)
     for m, sid in zip(modules, ids):
-        _apply_recompute(m, cfg.recompute)
         if pp > 1:
             install_stage_io(m)
         if sequence is not None:

@@ -1,9 +1,10 @@
 """Outer enumeration of the 5-D space, ranked by predicted step time.
 
 Every config with dp·tp·pp·cp = world size is considered, with ep dividing dp·cp (and the
-expert count), ZeRO 0-3, sequence parallelism on/off, recompute none/selective/per_op/full,
-micro-batch sizes, pipeline schedules and virtual stages. Tensor parallelism is at most a
-node; a tp that does not divide the node leaves some groups straddling two, and the estimate
+expert count), ZeRO 0-3, sequence parallelism on/off, recompute none/selective/per_op/full
+(full on every block or on one in k), micro-batch sizes, pipeline schedules and virtual
+stages. Tensor parallelism is at most a node; a tp that does not divide the node leaves some
+groups straddling two, and the estimate
 costs every axis on its slowest group (`autopar.estimate.timing.slowest_groups`). The mesh
 order (`ParallelConfig.mesh_order`: how the pp, dp, cp, tp mesh lies on the ranks, rank r on
 node r // g) is pp, dp, cp, tp (tp innermost) unless pinned or `SearchSettings.mesh_orders`
@@ -36,9 +37,9 @@ is the fastest simulated one that fits -- the one simulating all k would pick, s
 config is slower than it. The candidate table marks the simulated rows `exact=True`; a top-k
 config skipped keeps its closed-form row (`exact=False`). Ties (equal step time to 1e-12 s) go
 to the simpler config: the fields compared in the order (pp, tp, cp, ep, dp, zero_stage,
-recompute, micro_batch_size, pp_schedule, virtual_stages, sequence_parallel), smaller first,
-then the mesh order (the default, then the others as itertools.permutations lists them) -- so
-DDP beats ZeRO when they cost the same, and the same input always gives the same plan.
+recompute, recompute_every, micro_batch_size, pp_schedule, virtual_stages, sequence_parallel),
+smaller first, then the mesh order (the default, then the others as itertools.permutations
+lists them) -- so DDP beats ZeRO when they cost the same, and the same input always gives the same plan.
 """
 from __future__ import annotations
 
@@ -72,8 +73,8 @@ log = logging.getLogger(__name__)
 __all__ = ["SearchSettings", "SearchResult", "search", "enumerate_configs", "CONFIG_FIELDS"]
 
 CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
-_TIE_ORDER = ("pp", "tp", "cp", "ep", "dp", "zero_stage", "recompute", "micro_batch_size",
-              "pp_schedule", "virtual_stages", "sequence_parallel")
+_TIE_ORDER = ("pp", "tp", "cp", "ep", "dp", "zero_stage", "recompute", "recompute_every",
+              "micro_batch_size", "pp_schedule", "virtual_stages", "sequence_parallel")
 # the 24 mesh orders, the default first, the rest as itertools.permutations lists them: the
 # order searched in and the last tie-break
 _ALL_ORDERS = (DEFAULT_MESH_ORDER,) + tuple(
@@ -93,6 +94,9 @@ class SearchSettings:
     """The most virtual stages per pipeline rank tried (interleaved-1f1b)."""
     max_cp: int = 16
     """The largest context-parallel degree tried."""
+    recompute_every: tuple[int, ...] = (1, 2, 4)
+    """Full recompute is tried on one block in each k of these (k at most the layers of each
+    chunk of a pipeline rank): 1 checkpoints every block, 2 every second one."""
     progress: bool = True
     """A progress bar once a search has run for a second."""
     list_unfit_below: int = 16
@@ -169,6 +173,7 @@ def _table(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
         recomputes=recompute_policies(costs, options),
         max_micro_batch_size=settings.max_micro_batch_size,
         max_virtual_stages=settings.max_virtual_stages, max_cp=settings.max_cp,
+        recompute_every=tuple(settings.recompute_every),
         few_microbatches=target.few_microbatches)
 
 
@@ -222,6 +227,9 @@ def _why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
         "sequence_parallel": "sequence parallelism needs tp > 1 and a sequence",
         "recompute": "selective recompute needs attention that keeps its scores (a math "
                      "kernel); per_op needs a block with a matmul or attention to keep",
+        "recompute_every": f"recompute_every > 1 needs recompute='full' and that many layers "
+                           f"in each chunk of a pipeline rank, and is one of SearchSettings.recompute_every "
+                           f"({', '.join(map(str, settings.recompute_every))})",
         "mesh_order": "the mesh order names pp, dp, cp and tp once each, outer first",
     }
     out = []

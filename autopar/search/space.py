@@ -41,9 +41,10 @@ __all__ = ["ConfigTable", "config_table", "encode", "key_groups", "states_lower_
            "step_lower_bounds", "first_rank_memory", "TIME_KEY_COLUMNS"]
 
 COLUMNS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "micro_batch_size", "pp_schedule",
-           "virtual_stages", "sequence_parallel", "recompute")
+           "virtual_stages", "sequence_parallel", "recompute", "recompute_every")
 # the columns per-unit times depend on (the key of `EvalCache.times`, less the options)
-TIME_KEY_COLUMNS = ("micro_batch_size", "tp", "cp", "ep", "sequence_parallel", "recompute")
+TIME_KEY_COLUMNS = ("micro_batch_size", "tp", "cp", "ep", "sequence_parallel", "recompute",
+                    "recompute_every")
 _INTERLEAVED = PP_SCHEDULES.index("interleaved-1f1b")
 _ZERO_BUBBLE = PP_SCHEDULES.index("zero-bubble")
 
@@ -86,13 +87,13 @@ class ConfigTable:
 
     def tie_order(self) -> tuple[np.ndarray, ...]:
         """The columns of the search's tie-break, most significant first: (pp, tp, cp, ep, dp,
-        zero_stage, recompute, micro_batch_size, pp_schedule, virtual_stages,
+        zero_stage, recompute, recompute_every, micro_batch_size, pp_schedule, virtual_stages,
         sequence_parallel); recompute and pp_schedule compare by their index in
         RECOMPUTE_POLICIES / PP_SCHEDULES, as `_tie_key` does."""
         c = self.columns
         return tuple(c[name] for name in ("pp", "tp", "cp", "ep", "dp", "zero_stage", "recompute",
-                                          "micro_batch_size", "pp_schedule", "virtual_stages",
-                                          "sequence_parallel"))
+                                          "recompute_every", "micro_batch_size", "pp_schedule",
+                                          "virtual_stages", "sequence_parallel"))
 
 
 def encode(name: str, value: Any) -> int:
@@ -115,7 +116,8 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
                  num_experts: int | None, global_batch_size: int, constraints: dict[str, Any],
                  recomputes: tuple[str, ...], max_micro_batch_size: int,
                  max_virtual_stages: int, max_cp: int,
-                 few_microbatches: tuple[str, ...] = ("gpipe",)) -> ConfigTable:
+                 few_microbatches: tuple[str, ...] = ("gpipe",),
+                 recompute_every: tuple[int, ...] = (1,)) -> ConfigTable:
     """Every candidate config (validity is checked by `evaluate`), in the order: tp, cp, pp,
     ep ascending; then micro-batch size, recompute, SP, schedule (gpipe, 1f1b, zero-bubble,
     interleaved by virtual stages), ZeRO stage. tp stays within a node and divides the heads
@@ -124,7 +126,8 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
     cp needs a sequence divisible by 2·cp; pp is at most the layer count and the micro-batches
     per step at least pp; interleaving needs the body layers to split evenly into pp·v chunks
     and the micro-batches to be a multiple of pp. ``recomputes`` are the recompute policies
-    that differ on this model (`RECOMPUTE_POLICIES`)."""
+    that differ on this model (`RECOMPUTE_POLICIES`); full recompute comes once per
+    ``recompute_every`` k of at most the layers per chunk of a pipeline rank, k ascending."""
     gbs, heads = global_batch_size, num_heads
     degrees: list[tuple[int, int, int, int, int]] = []  # (dp, tp, pp, cp, ep) of each block
     sizes: list[int] = []
@@ -154,6 +157,7 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
                     blocks[key] = _block(gbs, constraints, grids, dp=dp, pp=pp,
                                          with_sp=key[2], with_zero=key[3],
                                          body_layers=body_layers, recomputes=recomputes,
+                                         everies=recompute_every,
                                          max_mbs=max_micro_batch_size, max_v=max_virtual_stages,
                                          few=few_microbatches)
                 block = blocks[key]
@@ -176,7 +180,7 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
 
 
 _INNER_COLUMNS = ("zero_stage", "micro_batch_size", "pp_schedule", "virtual_stages",
-                  "sequence_parallel", "recompute")
+                  "sequence_parallel", "recompute", "recompute_every")
 
 
 class _Grids:
@@ -200,6 +204,7 @@ class _Grids:
 
 def _block(gbs: int, constraints: dict[str, Any], grids: _Grids, *, dp: int, pp: int,
            with_sp: bool, with_zero: bool, body_layers: int, recomputes: tuple[str, ...],
+           everies: tuple[int, ...],
            max_mbs: int, max_v: int, few: tuple[str, ...]) -> dict[str, np.ndarray] | None:
     """The ZeRO, micro-batch, schedule, virtual-stage, SP and recompute columns of the rows
     of one (tp, cp, pp, dp, ep): the product micro-batch x recompute x SP x schedule x ZeRO
@@ -209,7 +214,10 @@ def _block(gbs: int, constraints: dict[str, Any], grids: _Grids, *, dp: int, pp:
     dimension to split), ZeRO `with_zero` (dp * cp > 1)."""
     zeros = _allowed("zero_stage", [0, 1, 2, 3] if with_zero else [0], constraints)
     sps = _allowed("sequence_parallel", [False, True] if with_sp else [False], constraints)
-    recomputes = _allowed("recompute", list(recomputes), constraints)
+    everies = _allowed("recompute_every", [k for k in everies if k == 1 or k * pp <= body_layers],
+                       constraints)
+    recomputes = [(r, k) for r in _allowed("recompute", list(recomputes), constraints)
+                  for k in (everies if r == "full" else [1] if 1 in everies else [])]
     # fewer micro-batches than pipeline ranks: the schedules `few` (`check_config`)
     mbss = _allowed("micro_batch_size", [b for b in divisors(gbs // dp) if b <= max_mbs],
                     constraints)
@@ -235,7 +243,8 @@ def _block(gbs: int, constraints: dict[str, Any], grids: _Grids, *, dp: int, pp:
         "pp_schedule": sched,
         "virtual_stages": grids.array(tuple(v for _, v in schedules))[i_sched],
         "sequence_parallel": grids.array(tuple(int(x) for x in sps))[i_sp],
-        "recompute": grids.array(tuple(RECOMPUTE_POLICIES.index(r) for r in recomputes))[i_rc],
+        "recompute": grids.array(tuple(RECOMPUTE_POLICIES.index(r) for r, _ in recomputes))[i_rc],
+        "recompute_every": grids.array(tuple(k for _, k in recomputes))[i_rc],
     }
     if pp > 1:
         m = gbs // (dp * mbs)
@@ -243,6 +252,8 @@ def _block(gbs: int, constraints: dict[str, Any], grids: _Grids, *, dp: int, pp:
                                                              for s in few)))
         if any(s == "interleaved-1f1b" for s, _ in schedules):
             keep &= ~((sched == _INTERLEAVED) & (m % pp != 0))
+        # one block in k checkpointed needs k blocks in each of a rank's chunks
+        keep &= out["recompute_every"] * pp * out["virtual_stages"] <= body_layers
         if not keep.all():
             out = {name: col[keep] for name, col in out.items()}
     return out
@@ -371,8 +382,8 @@ def first_rank_memory(table: ConfigTable, rows: np.ndarray, *, units: dict[int, 
             counts[k] = st.rank_counts[0]
     counts = counts[s_index]
     present = counts > 0
-    # per-layer activation bytes per (micro-batch, tp, cp, SP, recompute)
-    names = ("micro_batch_size", "tp", "cp", "sequence_parallel", "recompute")
+    # per-layer activation bytes per (micro-batch, tp, cp, SP, recompute, recompute_every)
+    names = ("micro_batch_size", "tp", "cp", "sequence_parallel", "recompute", "recompute_every")
     a_first, a_index = key_groups(table, rows, names)
     kept_u = np.empty((len(a_first), n_units))
     working_u = np.empty((len(a_first), n_units))

@@ -37,6 +37,8 @@ PLANS = {
         ("tp_sp_full", "tiny_llama_wide", {"tp": 2, "sequence_parallel": True,
                                            "recompute": "full"}),
         ("zero3_per_op", "tiny_llama", {"dp": 2, "zero_stage": 3, "recompute": "per_op"}),
+        ("pp_full_every2", "tiny_llama", {"pp": 2, "pp_schedule": "1f1b", "recompute": "full",
+                                          "recompute_every": 2, **MB2}),
         ("tp_selective_math", "tiny_llama_math", {"tp": 2, "recompute": "selective",
                                                   "sequence_parallel": False}),
         ("resnet_tp", "tiny_resnet", {"tp": 2}),

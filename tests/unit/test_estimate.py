@@ -404,7 +404,7 @@ def _recomputed_gemms(model, tokens) -> int:
     counts = []
     for policy in ("none", "full"):
         if policy == "full":
-            _apply_recompute(model, "full")
+            _apply_recompute([model], "full")
         loss = model(tokens).float().square().mean()
         with _CountGemms() as mode:
             loss.backward()

@@ -147,6 +147,9 @@ def _check_megatron(plan, args: argparse.Namespace) -> None:
     assert args.use_distributed_optimizer == (cfg.zero_stage >= 1)
     expected_recompute = {"none": (None, None, None), "selective": ("selective", None, None),
                           "full": ("full", "uniform", 1)}[cfg.recompute]
+    if cfg.recompute_every > 1:  # Megatron's block method: the first 1/k of each chunk
+        chunk = min(n for n in _layers_per_stage(plan) if n)
+        expected_recompute = ("full", "block", chunk // cfg.recompute_every)
     assert (args.recompute_granularity, args.recompute_method,
             args.recompute_num_layers) == expected_recompute
     if cfg.pp > 1:

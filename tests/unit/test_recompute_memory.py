@@ -1,10 +1,14 @@
 """The activations each recompute policy keeps, measured: the bytes a CPU forward leaves
 allocated (torch.profiler's memory events: every allocation minus every free inside the
-forward, summed over the events' self memory) with the runtime's checkpointing of each block (`autopar.runtime.apply`), against the
-estimate's activations per layer (`autopar.estimate.memory.activation_bytes`) times the
-layers. Differences between policies cancel what the glue (embedding, head) keeps, which no
-policy changes. Models: autopar's Llama and Hugging Face's Llama and GPT-2, built from small
-configs."""
+forward, summed over the events' self memory) with the runtime's checkpointing of the blocks
+(`autopar.runtime.apply`), against the estimate's activations per layer
+(`autopar.estimate.memory.activation_bytes`) times the layers: per-op recompute, full
+recompute of one block in two (of 4) and none, each against full recompute of every block.
+Differences between policies cancel what the glue (embedding, head) keeps, which no policy
+changes. Models: autopar's Llama and Hugging Face's Llama and GPT-2, built from small configs.
+On autopar's Llama only per-op is checked: it uses nn.RMSNorm, which torch runs as one fused
+kernel on CUDA (what the trace costs; 1% on an H200, test_gpu_kernels) but as its
+decomposition on CPU, which keeps more in the layers no policy checkpoints."""
 
 from __future__ import annotations
 
@@ -19,11 +23,11 @@ from autopar.models.registry import build
 from autopar.runtime.apply import _apply_recompute
 
 SEQ, BATCH = 256, 2
-POLICIES = ("per_op", "full")
+POLICIES = (("none", 1), ("per_op", 1), ("full", 2), ("full", 1))
 
 
 def _autopar_llama():
-    return build("llama3-8b", device="cpu", n_layers=3, dim=128, n_heads=8, n_kv_heads=2,
+    return build("llama3-8b", device="cpu", n_layers=4, dim=128, n_heads=8, n_kv_heads=2,
                  ffn_dim=384, vocab_size=256, max_seq_len=SEQ)
 
 
@@ -40,18 +44,18 @@ def _hf(config: str, model: str, **kw):
 MODELS = {
     "llama": _autopar_llama,
     "hf_llama": _hf("LlamaConfig", "LlamaForCausalLM", vocab_size=256, hidden_size=128,
-                    intermediate_size=384, num_hidden_layers=3, num_attention_heads=8,
+                    intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,
                     num_key_value_heads=2, max_position_embeddings=SEQ),
-    "hf_gpt2": _hf("GPT2Config", "GPT2LMHeadModel", vocab_size=256, n_embd=128, n_layer=3,
+    "hf_gpt2": _hf("GPT2Config", "GPT2LMHeadModel", vocab_size=256, n_embd=128, n_layer=4,
                    n_head=4, n_positions=SEQ, attn_pdrop=0.0, resid_pdrop=0.0,
                    embd_pdrop=0.0),
 }
 
 
-def _held_after_forward(make, policy: str) -> tuple[int, float]:
+def _held_after_forward(make, policy: str, every: int) -> tuple[int, float]:
     torch.manual_seed(0)
     model = make()
-    _apply_recompute(model, policy)
+    _apply_recompute([model], policy, every)
     tokens = torch.randint(0, 256, (BATCH, SEQ))
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = model(tokens)
@@ -62,9 +66,9 @@ def _held_after_forward(make, policy: str) -> tuple[int, float]:
     return held, loss.item()
 
 
-def _predicted(make, policy: str) -> float:
+def _predicted(make, policy: str, every: int) -> float:
     graph = autopar.trace(make(), global_batch_size=BATCH, seq_len=SEQ, dtype="fp32")
-    cfg = autopar.ParallelConfig(recompute=policy)
+    cfg = autopar.ParallelConfig(recompute=policy, recompute_every=every)
     return sum(activation_bytes(u, cfg, flash=True)[0] * u.count
                for u in units_from_graph(graph) if u.is_block)
 
@@ -72,11 +76,13 @@ def _predicted(make, policy: str) -> float:
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_kept_activations_per_policy_are_the_measured_ones(name):
     make = MODELS[name]
-    held = {p: _held_after_forward(make, p) for p in POLICIES}
+    held = {p: _held_after_forward(make, *p) for p in POLICIES}
     assert len({round(loss, 6) for _, loss in held.values()}) == 1  # the same step
-    predicted = {p: _predicted(make, p) for p in POLICIES}
-    measured = held["per_op"][0] - held["full"][0]
-    want = predicted["per_op"] - predicted["full"]
-    print(f"{name} per_op - full: measured {measured} B, predicted {want:.0f} B")
-    assert measured > 0
-    assert want == pytest.approx(measured, rel=0.01)
+    predicted = {p: _predicted(make, *p) for p in POLICIES}
+    full = ("full", 1)
+    for policy in [("per_op", 1)] if name == "llama" else POLICIES[:3]:
+        measured = held[policy][0] - held[full][0]
+        want = predicted[policy] - predicted[full]
+        print(f"{name} {policy} - full: measured {measured} B, predicted {want:.0f} B")
+        assert measured > 0
+        assert want == pytest.approx(measured, rel=0.01)

@@ -90,7 +90,13 @@ def _oracle_configs(costs, cluster, *, global_batch_size, constraints, options, 
                                        [b for b in divisors(gbs // dp)
                                         if b <= settings.max_micro_batch_size]):
                         m = gbs // (dp * mbs)
-                        for rc in allowed("recompute", rcs):
+                        everies = [k for k in settings.recompute_every
+                                   if k == 1 or k * pp <= body]
+                        choices = [(rc, k) for rc in allowed("recompute", rcs)
+                                   for k in (everies if rc == "full" else [1])]
+                        for rc, every in choices:
+                            if constraints.get("recompute_every", every) != every:
+                                continue
                             for sp in allowed("sequence_parallel", sps):
                                 for sched, v in scheds:
                                     if constraints.get("pp_schedule", sched) != sched or \
@@ -100,12 +106,14 @@ def _oracle_configs(costs, cluster, *, global_batch_size, constraints, options, 
                                         continue
                                     if m < pp and sched != "gpipe":  # GPipe alone runs it
                                         continue
+                                    if every * pp * v > body:  # k blocks in every chunk
+                                        continue
                                     for zero in allowed("zero_stage", zeros):
                                         yield ParallelConfig(
                                             dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
                                             micro_batch_size=mbs, pp_schedule=sched,
                                             virtual_stages=v, sequence_parallel=sp,
-                                            recompute=rc)
+                                            recompute=rc, recompute_every=every)
 
 
 def _states_oracle(costs, cfg, dtype):
