@@ -102,6 +102,12 @@ class EstimateOptions:
     (Transformer Engine's amax history), "tensorwise" (dynamic per-tensor scales: torchao's
     default, TE's current scaling) or "rowwise" (torchao's per-row scales). Costed by
     costmodels.compute.fp8_cast_time_s."""
+    autocast_weight_copies: bool = False
+    """The 16-bit forward runs on fp32 parameters under autocast, which casts each GEMM's
+    weight per micro-batch and keeps the copy for that GEMM's backward (autopar's runtime
+    without ZeRO; its FSDP2 gathers bf16 parameters): 2 bytes per GEMM weight element of each
+    layer not checkpointed, per micro-batch in flight. False: the weights are 16-bit already
+    (Megatron-LM, DeepSpeed, FSDP2's param_dtype)."""
     recompute_early_stop: bool = True
     """Full recompute re-runs a block only until every tensor its backward saved is back, not
     its last GEMM and residual add: torch.utils.checkpoint non-reentrant (torch >= 2.1, as
@@ -410,6 +416,14 @@ def placement_key(cache: EvalCache, config: ParallelConfig) -> tuple:
         layout(groups.pp_hop) if groups.pp_hop is not None else ())
 
 
+def weight_copies(config: ParallelConfig, dtype: str, options: EstimateOptions) -> bool:
+    """Whether the forward keeps autocast's 16-bit copies of the GEMM weights
+    (`EstimateOptions.autocast_weight_copies`): a 16-bit run without ZeRO (FSDP2 gathers the
+    parameters in 16 bits)."""
+    return options.autocast_weight_copies and dtype in ("bf16", "fp8") and \
+        config.zero_stage == 0
+
+
 def _degrees_key(config: ParallelConfig, dtype: str, options: EstimateOptions) -> tuple:
     return (config.micro_batch_size, config.tp, config.cp, config.ep, config.sequence_parallel,
             config.recompute, config.recompute_every, options.attention_kernel, options.overlap_tp_comm,
@@ -461,8 +475,9 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
               options: EstimateOptions,
               boundaries: tuple[tuple[int, int], ...] | None) -> _Prepared:
     times = _unit_times(costs, cache, config, dtype, options)
-    lkey = _times_key(cache, config, dtype, options) + (config.pp, config.virtual_stages,
-                                                        boundaries)
+    copies = weight_copies(config, dtype, options)  # the activations depend on it
+    vkey = _times_key(cache, config, dtype, options) + (copies,)
+    lkey = vkey + (config.pp, config.virtual_stages, boundaries)
     prep = cache.layouts.get(lkey)
     if prep is not None:
         return prep
@@ -470,12 +485,11 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
     split = split_structure(costs, cache, config.pp, config.virtual_stages, boundaries)
     if isinstance(split, str):
         raise InvalidConfigError(split)
-    tkey = _times_key(cache, config, dtype, options)
-    if tkey not in cache.vectors:
-        cache.vectors[tkey] = unit_vectors(units, times, config,
+    if vkey not in cache.vectors:
+        cache.vectors[vkey] = unit_vectors(units, times, config,
                                            options.attention_kernel != "math",
-                                           options.loss_kernel)
-    lay = layout(cache.vectors[tkey], config, split)
+                                           options.loss_kernel, weight_copies=copies)
+    lay = layout(cache.vectors[vkey], config, split)
     groups = _rank_groups(cache, config)
     act = max(u.act_bytes for u in units) / config.cp / config.tp
     p2p = (cache.collective_time("send_recv", act, groups.pp_hop)
@@ -523,7 +537,8 @@ def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, 
                                                    "states")}
     for unit in units:  # every layer of a unit alike, in model order
         t = times[unit.name]
-        kept = activation_bytes(unit, config, flash, options.loss_kernel)[0]
+        kept = activation_bytes(unit, config, flash, options.loss_kernel,
+                                weight_copies=weight_copies(config, dtype, options))[0]
         states = unit.dense_params / config.tp * dense_b \
             + unit.expert_params / (config.tp * config.ep) * expert_b
         for key, value in (("forward", t.forward), ("backward", t.backward),

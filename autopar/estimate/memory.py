@@ -46,7 +46,8 @@ def loss_bytes(unit: Unit, loss_kernel: str) -> tuple[float, float]:
 
 
 def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
-                     loss_kernel: str = "eager") -> tuple[float, float]:
+                     loss_kernel: str = "eager", *,
+                     weight_copies: bool = False) -> tuple[float, float]:
     """(kept per layer per micro-batch, working set of one layer while it runs) on one rank.
 
     A fused attention node keeps no score matrix; with an unfused kernel (`flash` False) the
@@ -56,7 +57,10 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
     (with sequence parallel also the reduce-scatters' outputs, `PER_OP_SAVED`); selective
     recompute drops the score-sized tensors. A
     cross-entropy keeps and briefly holds what `loss_bytes` says, its logits sharded over
-    tp (vocabulary-parallel) and cp.
+    tp (vocabulary-parallel) and cp. With `weight_copies` (autocast over fp32 parameters,
+    `autopar.estimate.core.weight_copies`) a layer that is not checkpointed also keeps the
+    16-bit copy of each GEMM's weight (its share over tp, and ep for experts); a checkpointed
+    one casts them again in its recompute.
     """
     tp, cp = cfg.tp, cfg.cp
     loss_kept, loss = (b / (tp * cp) for b in loss_bytes(unit, loss_kernel))
@@ -64,6 +68,10 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
     scores = 0.0 if flash else unit.attention_score_bytes / (tp * cp)
     full = (unit.saved_bytes - unit.saved_bytes_memory_ops) / (tp * cp) \
         + unit.saved_bytes_memory_ops / mem_split + scores + loss_kept
+    if weight_copies:
+        copies = sum(op.param_bytes / (tp * (cfg.ep if op.expert else 1))
+                     for op in unit.ops if op.kind == "gemm")
+        full += copies
     if cfg.recompute == "full" and unit.is_block:  # the glue is not checkpointed
         # one layer in `recompute_every` keeps its input only, the others all they save
         share = 1.0 / cfg.recompute_every

@@ -25,12 +25,14 @@ class SoftwarePreset:
 
 SOFTWARE: dict[str, SoftwarePreset] = {
     "autopar": SoftwarePreset(
-        EstimateOptions(),
+        EstimateOptions(autocast_weight_copies=True),
         "autopar's generated code on PyTorch's engine: eager kernels, SDPA's flash attention, "
         "the cross-entropy on fp32-upcast logits, DDP/FSDP2 gradient reduction overlapped with "
         "backward, fp32 gradient reduction, non-reentrant checkpointing that stops recomputing "
-        "early. It has no fp8 GEMMs yet: it trains an fp8 plan in bf16, while the estimate costs "
-        "the fp8 GEMMs of torchao's dynamic tensorwise scaling"),
+        "early; fp32 parameters under bf16 autocast, whose cast weights each forward keeps "
+        "without ZeRO (FSDP2 gathers bf16 parameters). It has no fp8 GEMMs yet: it trains an "
+        "fp8 plan in bf16, while the estimate costs the fp8 GEMMs of torchao's dynamic "
+        "tensorwise scaling"),
     "megatron": SoftwarePreset(
         EstimateOptions(attention_kernel="cudnn", overlap_dp_comm=True, overlap_tp_comm=True,
                         kernels="fused", loss_kernel="megatron", grad_reduce_dtype="bf16",
@@ -44,10 +46,11 @@ SOFTWARE: dict[str, SoftwarePreset] = {
     "torchtitan": SoftwarePreset(
         EstimateOptions(attention_kernel="flash", overlap_dp_comm=True, kernels="eager",
                         loss_kernel="eager", recompute_early_stop=True,
-                        fp8_recipe="tensorwise"),
+                        fp8_recipe="tensorwise", autocast_weight_copies=True),
         "torchtitan without torch.compile: FSDP2 (prefetched all-gathers, reduce-scatters "
         "under backward), SDPA flash attention, eager kernels, the cross-entropy on fp32-"
-        "upcast logits, non-reentrant checkpointing, and fp8 by torchao's Float8Linear with "
+        "upcast logits, non-reentrant checkpointing, bf16 autocast over fp32 parameters "
+        "where FSDP does not cast them (DDP alone), and fp8 by torchao's Float8Linear with "
         "dynamic tensorwise scaling (its default recipe)"),
     "torchtitan-compile": SoftwarePreset(
         EstimateOptions(attention_kernel="flash", overlap_dp_comm=True, kernels="fused",

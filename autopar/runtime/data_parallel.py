@@ -14,6 +14,10 @@ Mapping:
 * ZeRO-3: the same with ``reshard_after_forward=True`` (except under zero-bubble pipelines,
   which need the parameters kept between their B and W passes: FSDP2 resharding between
   them gives wrong gradients on torch 2.13).
+
+A bf16 (or fp8) plan's FSDP2 gathers its parameters in bf16 and reduces gradients in fp32
+(`fsdp_precision`), the bytes the estimate costs; the shards, gradients and AdamW states stay
+fp32. Replicated parameters stay fp32 and autocast casts them per forward.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.runtime.structure import blocks
 
-__all__ = ["apply_data_parallel", "sync_gradients"]
+__all__ = ["apply_data_parallel", "fsdp_precision", "sync_gradients"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +104,7 @@ def apply_data_parallel(module: nn.Module, plan: Any, dp_mesh: Any, *, pure_dp: 
         return module
     from torch.distributed.fsdp import fully_shard
 
+    policy = fsdp_precision(plan)
     reshard = zero == 3
     if reshard and plan.config.pp > 1 and plan.config.pp_schedule == "zero-bubble":
         log.warning("zero-bubble pipeline with ZeRO-3: running reshard_after_forward=False "
@@ -111,10 +116,22 @@ def apply_data_parallel(module: nn.Module, plan: Any, dp_mesh: Any, *, pure_dp: 
     for block in blocks(module):
         mine = {p for p in block.parameters() if p in ignored}
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard,
-                    ignored_params=mine or None, shard_placement_fn=_fsdp_placement)
+                    ignored_params=mine or None, shard_placement_fn=_fsdp_placement,
+                    mp_policy=policy)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard,
-                ignored_params=ignored or None, shard_placement_fn=_fsdp_placement)
+                ignored_params=ignored or None, shard_placement_fn=_fsdp_placement,
+                mp_policy=policy)
     return module
+
+
+def fsdp_precision(plan: Any) -> Any:
+    """FSDP2's mixed precision for `plan`: parameters gathered in bf16 and gradients reduced
+    in fp32 for a bf16 or fp8 plan (torchtitan's policy), none otherwise."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if plan.training["dtype"] in ("bf16", "fp8"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def _fsdp_placement(param: nn.Parameter) -> Shard | None:

@@ -70,6 +70,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.runtime.context_parallel import replica_dims
+from autopar.runtime.data_parallel import fsdp_precision
 
 __all__ = ["ExpertGroups", "ExpertParallelMoE", "apply_expert_parallel", "check_expert_parallel",
            "expert_groups", "find_moe_modules", "shard_expert_params", "sync_expert_gradients"]
@@ -540,16 +541,18 @@ def shard_expert_params(module: nn.Module, plan: Any, groups: ExpertGroups) -> N
         return
     from torch.distributed.fsdp import fully_shard
 
+    policy = fsdp_precision(plan)
     reshard = zero == 3 and not (plan.config.pp > 1 and plan.config.pp_schedule == "zero-bubble")
     for layer in layers:
         for expert in layer.experts:
-            fully_shard(expert, mesh=groups.replica_mesh, reshard_after_forward=reshard)
+            fully_shard(expert, mesh=groups.replica_mesh, reshard_after_forward=reshard,
+                        mp_policy=policy)
             expert.set_gradient_divide_factor(float(groups.dp_cp))
             expert.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     for holder, mine in holders:
         others = set(holder.parameters()) - set(mine)
         fully_shard(holder, mesh=groups.replica_mesh, reshard_after_forward=reshard,
-                    ignored_params=others or None)
+                    ignored_params=others or None, mp_policy=policy)
         holder.set_gradient_divide_factor(float(groups.dp_cp))
         holder.set_force_sum_reduction_for_comms(True)
     log.info("experts: FSDP2 over %d replicas (ZeRO-%d), gradients divided by D=%d",

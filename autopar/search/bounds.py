@@ -24,7 +24,8 @@ import numpy as np
 from autopar.cluster import Cluster
 from autopar.config import DEFAULT_MESH_ORDER, ParallelConfig
 from autopar.estimate.bounds import BOUND_MARGIN, step_lower_bound, unit_work
-from autopar.estimate.core import EstimateOptions, EvalCache, ModelCosts, order_key, split_structure
+from autopar.estimate.core import (EstimateOptions, EvalCache, ModelCosts, order_key,
+                                   split_structure, weight_copies)
 from autopar.estimate.layout import Structure, rank_work_extremes
 from autopar.estimate.memory import activation_bytes
 from autopar.errors import InvalidConfigError
@@ -78,7 +79,9 @@ def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_b
     first_rank = functools.partial(
         first_rank_memory, table, units=cache.units,
         structure_of=functools.partial(_split, costs, cache),
-        activations_of=functools.partial(activation_bytes, loss_kernel=options.loss_kernel),
+        activations_of=lambda unit, cfg, flash: activation_bytes(
+            unit, cfg, flash, options.loss_kernel,
+            weight_copies=weight_copies(cfg, dtype, options)),
         dtype=dtype, global_batch_size=global_batch_size,
         flash=options.attention_kernel != "math", zero3_cap=options.zero3_max_live_params,
         memo={})

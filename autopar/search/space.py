@@ -383,7 +383,8 @@ def first_rank_memory(table: ConfigTable, rows: np.ndarray, *, units: dict[int, 
     counts = counts[s_index]
     present = counts > 0
     # per-layer activation bytes per (micro-batch, tp, cp, SP, recompute, recompute_every)
-    names = ("micro_batch_size", "tp", "cp", "sequence_parallel", "recompute", "recompute_every")
+    names = ("micro_batch_size", "tp", "cp", "sequence_parallel", "recompute", "recompute_every",
+             "zero_stage")  # ZeRO: whether autocast's weight copies are kept
     a_first, a_index = key_groups(table, rows, names)
     kept_u = np.empty((len(a_first), n_units))
     working_u = np.empty((len(a_first), n_units))

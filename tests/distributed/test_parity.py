@@ -153,8 +153,9 @@ BF16 = [("zero3", 2, {"dp": 2, "zero_stage": 3}),
 
 @pytest.mark.parametrize("name,ranks,constraints", BF16, ids=[c[0] for c in BF16])
 def test_bf16_plans_train_under_autocast_as_the_reference(tmp_path, name, ranks, constraints):
-    """A bf16 plan trains under bf16 autocast (fp32 weights and optimizer states) on every
-    rank, as its --reference run does in one process: the same losses to bf16's precision.
+    """A bf16 plan trains under bf16 autocast (fp32 weights and optimizer states; FSDP2
+    gathers the parameters in bf16) on every rank, as its --reference run does in one
+    process: the same losses to bf16's precision.
     (These tiny models' first losses hardly move between bf16 and fp32; the next test checks
     that the forward runs in bf16.)"""
     script = _make_script(tmp_path, name, ranks, "tiny_llama_wide", constraints, dtype="bf16")

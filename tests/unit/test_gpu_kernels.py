@@ -125,10 +125,12 @@ def test_fp8_recipes_cost_their_passes(llama_block):
 @pytest.mark.parametrize("row", DATA["scripts"], ids=lambda r: r["model"].split(":")[1])
 def test_generated_scripts_of_outside_models_against_their_plans(row):
     """`autopar codegen` scripts of a hand-written Llama and of Hugging Face's, bf16 on one
-    H200: today's estimate of the step within 5% of the measured median step, and the
-    measured peak allocation within the plan's peak and no more than 10% above its tensors.
-    Measured: 79.0 and 79.7 ms; predicted 79.8 and 78.5 ms (89.1 ms for Hugging Face's while
-    its trace took the masked, repeated-K/V attention path, `autopar.trace.api`)."""
+    H200, costed as autopar's runtime runs them (`software="autopar"`): today's estimate of
+    the step within 5% of the measured median step, and of the peak allocation within 1%.
+    Measured: 79.0 and 79.7 ms, 17,064 and 16,808 MiB; predicted 79.8 and 78.5 ms (89.1 ms
+    for Hugging Face's while its trace took the masked, repeated-K/V attention path,
+    `autopar.trace.api`), 17,082 and 16,830 MiB (16,237 and 15,985 without autocast's bf16
+    copies of the GEMM weights, which a forward over fp32 parameters keeps for backward)."""
     if row["model"].endswith("hf_llama_1b"):
         pytest.importorskip("transformers")
     import importlib
@@ -140,11 +142,11 @@ def test_generated_scripts_of_outside_models_against_their_plans(row):
                                     recompute="none")
     graph = autopar.trace(model, global_batch_size=8, seq_len=row["seq_len"], dtype="bf16")
     est = autopar.estimate(graph, H200, config, global_batch_size=row["global_batch"],
-                           seq_len=row["seq_len"], dtype="bf16")
+                           seq_len=row["seq_len"], dtype="bf16", software="autopar")
     assert est.step_time_s * 1e3 == pytest.approx(row["step_ms"], rel=0.05)
     peak = row["peak_allocated_mib"] * 2**20
-    assert est.tensor_memory_bytes <= peak <= min(est.peak_memory_bytes,
-                                                  1.1 * est.tensor_memory_bytes)
+    assert est.tensor_memory_bytes == pytest.approx(peak, rel=0.01)
+    assert peak <= est.peak_memory_bytes
 
 
 def test_attention_call_floor_is_the_measured_median_of_the_smallest_calls():
