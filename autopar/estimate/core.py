@@ -40,7 +40,7 @@ from autopar.estimate.data_parallel import GatherUnit, dp_comm
 from autopar.estimate.layout import (Layout, Structure, UnitVectors, analytic_inflight,
                                      fast_peak_memory, layout, pipeline_bound, structure,
                                      unit_vectors)
-from autopar.estimate.memory import activation_bytes, stage_memory
+from autopar.estimate.memory import activation_bytes, stage_memory, weight_copies
 from autopar.estimate.timing import (RankGroups, UnitCompute, UnitTimes, slowest_groups,
                                      unit_compute, unit_times)
 from autopar.estimate.tp_comm import stream_gradient_sync
@@ -416,14 +416,6 @@ def placement_key(cache: EvalCache, config: ParallelConfig) -> tuple:
         layout(groups.pp_hop) if groups.pp_hop is not None else ())
 
 
-def weight_copies(config: ParallelConfig, dtype: str, options: EstimateOptions) -> bool:
-    """Whether the forward keeps autocast's 16-bit copies of the GEMM weights
-    (`EstimateOptions.autocast_weight_copies`): a 16-bit run without ZeRO (FSDP2 gathers the
-    parameters in 16 bits)."""
-    return options.autocast_weight_copies and dtype in ("bf16", "fp8") and \
-        config.zero_stage == 0
-
-
 def _degrees_key(config: ParallelConfig, dtype: str, options: EstimateOptions) -> tuple:
     return (config.micro_batch_size, config.tp, config.cp, config.ep, config.sequence_parallel,
             config.recompute, config.recompute_every, options.attention_kernel, options.overlap_tp_comm,
@@ -475,7 +467,7 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
               options: EstimateOptions,
               boundaries: tuple[tuple[int, int], ...] | None) -> _Prepared:
     times = _unit_times(costs, cache, config, dtype, options)
-    copies = weight_copies(config, dtype, options)  # the activations depend on it
+    copies = weight_copies(config, dtype, options.autocast_weight_copies)  # in the activations
     vkey = _times_key(cache, config, dtype, options) + (copies,)
     lkey = vkey + (config.pp, config.virtual_stages, boundaries)
     prep = cache.layouts.get(lkey)
@@ -535,10 +527,11 @@ def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, 
     expert_b = state_bytes_per_param(dtype, config.zero_stage, max(1, shards // config.ep))
     out: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "wgrad", "act",
                                                    "states")}
+    copies = weight_copies(config, dtype, options.autocast_weight_copies)
     for unit in units:  # every layer of a unit alike, in model order
         t = times[unit.name]
         kept = activation_bytes(unit, config, flash, options.loss_kernel,
-                                weight_copies=weight_copies(config, dtype, options))[0]
+                                weight_copies=copies)[0]
         states = unit.dense_params / config.tp * dense_b \
             + unit.expert_params / (config.tp * config.ep) * expert_b
         for key, value in (("forward", t.forward), ("backward", t.backward),

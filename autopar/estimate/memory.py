@@ -18,7 +18,8 @@ from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
                                LOSS_KEPT_BYTES_PER_LOGIT, state_bytes_split)
 from costmodels.pipeline import PipelineTimeline
 
-__all__ = ["stage_memory", "activation_bytes", "loss_bytes", "peak_inflight_bytes"]
+__all__ = ["stage_memory", "activation_bytes", "loss_bytes", "peak_inflight_bytes",
+           "weight_copies"]
 
 
 def loss_bytes(unit: Unit, loss_kernel: str) -> tuple[float, float]:
@@ -45,6 +46,13 @@ def loss_bytes(unit: Unit, loss_kernel: str) -> tuple[float, float]:
             unit.loss_logits * (LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT - LOSS_KEPT_BYTES_PER_LOGIT))
 
 
+def weight_copies(cfg: ParallelConfig, dtype: str, autocast_weight_copies: bool) -> bool:
+    """Whether the forward keeps autocast's 16-bit copies of the GEMM weights
+    (`EstimateOptions.autocast_weight_copies`): a 16-bit run without ZeRO (FSDP2 gathers the
+    parameters in 16 bits)."""
+    return autocast_weight_copies and dtype in ("bf16", "fp8") and cfg.zero_stage == 0
+
+
 def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
                      loss_kernel: str = "eager", *,
                      weight_copies: bool = False) -> tuple[float, float]:
@@ -58,7 +66,7 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
     recompute drops the score-sized tensors. A
     cross-entropy keeps and briefly holds what `loss_bytes` says, its logits sharded over
     tp (vocabulary-parallel) and cp. With `weight_copies` (autocast over fp32 parameters,
-    `autopar.estimate.core.weight_copies`) a layer that is not checkpointed also keeps the
+    `weight_copies()`) a layer that is not checkpointed also keeps the
     16-bit copy of each GEMM's weight (its share over tp, and ep for experts); a checkpointed
     one casts them again in its recompute.
     """

@@ -46,82 +46,35 @@ from __future__ import annotations
 import bisect
 import functools
 import heapq
-import itertools
 import logging
-import math
 import time
-from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
 
 from costmodels.compute import peak_flops
 from autopar.cluster import Cluster
-from autopar.config import DEFAULT_MESH_ORDER, PP_SCHEDULES, RECOMPUTE_POLICIES, ParallelConfig
+from autopar.config import PP_SCHEDULES, RECOMPUTE_POLICIES, ParallelConfig
 from autopar.errors import InvalidConfigError, NoPlanFitsError
 from autopar.estimate.bounds import (BOUND_MARGIN, DataParallelFloor, data_parallel_floor,
                                      exact_step_lower_bound)
 from autopar.estimate.core import (Estimate, EstimateOptions, EvalCache, ModelCosts, evaluate,
                                    placement_key)
 from autopar.search.bounds import _bounds, _step_bounds
-from autopar.search.space import ConfigTable, config_table, key_groups
+from autopar.search.candidates import enumerate_configs, space_table, why_empty
+from autopar.search.settings import (CONFIG_FIELDS, ORDER_RANK, SearchSettings,
+                                     check_constraints, mesh_orders)
+from autopar.search.space import ConfigTable, key_groups
 from autopar.targets import AUTOPAR, EngineTarget, Facts
 
 log = logging.getLogger(__name__)
 
 __all__ = ["SearchSettings", "SearchResult", "search", "enumerate_configs", "CONFIG_FIELDS"]
 
-CONFIG_FIELDS = tuple(f.name for f in fields(ParallelConfig))
 _TIE_ORDER = ("pp", "tp", "cp", "ep", "dp", "zero_stage", "recompute", "recompute_every",
               "micro_batch_size", "pp_schedule", "virtual_stages", "sequence_parallel")
-# the 24 mesh orders, the default first, the rest as itertools.permutations lists them: the
-# order searched in and the last tie-break
-_ALL_ORDERS = (DEFAULT_MESH_ORDER,) + tuple(
-    o for o in itertools.permutations(DEFAULT_MESH_ORDER) if o != DEFAULT_MESH_ORDER)
-_ORDER_RANK = {o: k for k, o in enumerate(_ALL_ORDERS)}
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SearchSettings:
-    """How far the search looks (none of these changes what a config costs)."""
-
-    top_k_exact: int = 16
-    """Candidates for the simulated schedule (a bound skips those that cannot win)."""
-    max_micro_batch_size: int = 32
-    """The largest micro-batch size tried."""
-    max_virtual_stages: int = 8
-    """The most virtual stages per pipeline rank tried (interleaved-1f1b)."""
-    max_cp: int = 16
-    """The largest context-parallel degree tried."""
-    recompute_every: tuple[int, ...] = (1, 2, 4)
-    """Full recompute is tried on one block in each k of these (k at most the layers of each
-    chunk of a pipeline rank): 1 checkpoints every block, 2 every second one."""
-    progress: bool = True
-    """A progress bar once a search has run for a second."""
-    list_unfit_below: int = 16
-    """Configs whose first pipeline rank alone exceeds memory get no row in the candidate
-    table, unless fewer than this many fitting configs turn up: then it lists every config
-    visited, to show the near misses (a saved plan keeps fitting rows only)."""
-    memory_headroom: float = 0.02
-    """Fraction of each device's memory a plan leaves free beyond the estimate's peak (which
-    already adds the CUDA context, communication buffers and a 5% allocator reserve to the
-    tensors). Over 36 measured one-GPU runs (`benchmarks/memory_error.py`) the allocator's
-    peak over the estimate's tensors is 1.002 median, 1.09 p90, 1.15 at most; runs without
-    recompute above 60% of the device are within 0.2% (a 12-layer Llama-3-8B-wide step planned
-    at 97.9% of an 80 GB H100 ran), while full recompute has erred by up to +12% at 82% (a
-    GPT-3-175B-wide two-layer step). 0.02 keeps the plans that ran and flags the rest: the
-    report says how far the estimate has erred once a plan passes 90% of the device; raise it
-    for recompute-heavy plans near the limit. `autopar.compile` plans within the device less
-    this; when nothing fits there, it returns the best plan that fits the whole device and
-    says so."""
-    mesh_orders: Any = "default"
-    """The mesh orders searched (`mesh_orders`): "default" (pp, dp, cp, tp: tp innermost, as
-    Megatron-LM and torchtitan lay ranks out), "all" (the 24 orders of pp, dp, cp, tp) or a list
-    of orders. Each config is costed once per placement of its ranks, and in the orders after
-    the first only where its bound without communication can reach the top."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class SearchResult:
     best: Estimate
@@ -137,122 +90,11 @@ class SearchResult:
 def _tie_key(cfg: ParallelConfig) -> tuple:
     return tuple(RECOMPUTE_POLICIES.index(cfg.recompute) if f == "recompute" else
                  PP_SCHEDULES.index(cfg.pp_schedule) if f == "pp_schedule" else
-                 getattr(cfg, f) for f in _TIE_ORDER) + (_ORDER_RANK[cfg.mesh_order],)
+                 getattr(cfg, f) for f in _TIE_ORDER) + (ORDER_RANK[cfg.mesh_order],)
 
 
 def _rank_key(est: Estimate) -> tuple:
     return (round(est.step_time_s, 12), _tie_key(est.config))
-
-
-def recompute_policies(costs: ModelCosts, options: EstimateOptions) -> tuple[str, ...]:
-    """The recompute policies that differ on this model: "none" and "full" always; "selective"
-    where there are score tensors to drop (unfused attention in the model's code, or an
-    unfused kernel); "per_op" where a block keeps the output of one of its ops
-    (`OpCost.kept`)."""
-    blocks = [u for u in costs.units if u.is_block]
-    out = ["none"]
-    if options.attention_kernel == "math" or any(
-            u.saved_bytes_recompute < u.saved_bytes for u in costs.units):
-        out.append("selective")
-    if any(op.kept for u in blocks for op in u.ops):
-        out.append("per_op")
-    return (*out, "full")
-
-
-def _table(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
-           constraints: dict[str, Any], options: EstimateOptions,
-           settings: SearchSettings, target: EngineTarget = AUTOPAR) -> ConfigTable:
-    """The space before the target's rules (`EngineTarget.allows`), with the schedules the
-    target runs with fewer micro-batches than pipeline ranks."""
-    return config_table(
-        world=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
-        num_layers=costs.num_layers, body_layers=max(u.count for u in costs.units),
-        num_heads=costs.num_heads, num_kv_heads=costs.num_kv_heads, seq_len=costs.seq_len,
-        num_experts=costs.num_experts,
-        global_batch_size=global_batch_size, constraints=constraints,
-        recomputes=recompute_policies(costs, options),
-        max_micro_batch_size=settings.max_micro_batch_size,
-        max_virtual_stages=settings.max_virtual_stages, max_cp=settings.max_cp,
-        recompute_every=tuple(settings.recompute_every),
-        few_microbatches=target.few_microbatches)
-
-
-def enumerate_configs(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
-                      constraints: dict[str, Any], options: EstimateOptions,
-                      settings: SearchSettings, dtype: str = "bf16",
-                      target: EngineTarget = AUTOPAR) -> Iterator[ParallelConfig]:
-    """Every candidate config the target runs, in a fixed order (validity is checked by
-    `evaluate`); the search itself works on the columns (`autopar.search.space.config_table`)."""
-    table = _table(costs, cluster, global_batch_size=global_batch_size, constraints=constraints,
-                   options=options, settings=settings, target=target)
-    if target.restricts:
-        table = table.rows(target.allows(table, Facts.of(costs, dtype, options)))
-    return table.configs()
-
-
-def _why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
-               constraints: dict[str, Any], options: EstimateOptions,
-               settings: SearchSettings, target: EngineTarget = AUTOPAR) -> str:
-    """Why the space under `constraints` is empty: each pinned value that no config holds even
-    without the pins (with the values configs do hold), a pinned dp·tp·pp·cp that cannot
-    factor the GPUs, or else that the pins are possible one by one but not together; then
-    the enumeration's rules for the pinned fields and for dp and pp."""
-    free = _table(costs, cluster, global_batch_size=global_batch_size, constraints={},
-                  options=options, settings=settings, target=target)
-    if not len(free):
-        return (f": no dp·tp·pp·cp factoring of the {cluster.world_size} GPUs has a dp that "
-                f"divides the global batch ({global_batch_size}) with tp within a node, pp at "
-                f"most the layers ({costs.num_layers}) and cp at most max_cp "
-                f"({settings.max_cp}); use fewer GPUs or a larger global batch")
-    rules = {
-        "dp": f"dp = GPUs / (tp·pp·cp) and divides the global batch ({global_batch_size})",
-        "tp": f"tp divides the GPUs and stays within a node ({cluster.gpus_per_node} GPUs)"
-              + (f" and divides the attention heads ({costs.num_heads}) and key/value heads "
-                 f"({costs.num_kv_heads})" if costs.num_heads else ""),
-        "pp": f"pp divides GPUs / (tp·cp) and is at most the layers ({costs.num_layers})",
-        "cp": (f"cp needs attention and a sequence ({costs.seq_len}) divisible by 2·cp, and "
-               f"is at most max_cp ({settings.max_cp})" if costs.seq_len else
-               "cp needs a sequence to split, which this model's inputs do not have"),
-        "ep": f"ep divides dp·cp and the experts ({costs.num_experts or 'none'})",
-        "zero_stage": "ZeRO needs dp·cp > 1",
-        "micro_batch_size": f"the micro-batch size divides the global batch / dp, leaves a "
-                            f"micro-batch per pipeline rank and is at most "
-                            f"max_micro_batch_size ({settings.max_micro_batch_size})",
-        "pp_schedule": "pp > 1 for any schedule but the default 1f1b; interleaving needs "
-                       "the body layers to split evenly into pp·v chunks and the "
-                       "micro-batches of a step to be a multiple of pp",
-        "virtual_stages": f"v > 1 only with interleaved-1f1b, the body layers split evenly "
-                          f"into pp·v chunks, at most max_virtual_stages "
-                          f"({settings.max_virtual_stages})",
-        "sequence_parallel": "sequence parallelism needs tp > 1 and a sequence",
-        "recompute": "selective recompute needs attention that keeps its scores (a math "
-                     "kernel); per_op needs a block with a matmul or attention to keep",
-        "recompute_every": f"recompute_every > 1 needs recompute='full' and that many layers "
-                           f"in each chunk of a pipeline rank, and is one of SearchSettings.recompute_every "
-                           f"({', '.join(map(str, settings.recompute_every))})",
-        "mesh_order": "the mesh order names pp, dp, cp and tp once each, outer first",
-    }
-    out = []
-    for name, want in sorted(constraints.items()):
-        if name == "mesh_order":  # any config runs in any order
-            continue
-        have = sorted({getattr(free.config(int(i)), name)
-                       for i in key_groups(free, np.arange(len(free)), (name,))[0]})
-        if want not in have:
-            out.append(f"no config has {name}={want!r} (without the pins: "
-                       f"{', '.join(map(repr, have))})")
-    mesh = {k: v for k, v in constraints.items() if k in ("dp", "tp", "pp", "cp")}
-    if not out and mesh and (math.prod(mesh.values()) != cluster.world_size if len(mesh) == 4
-                             else cluster.world_size % math.prod(mesh.values())):
-        out.append(f"dp·tp·pp·cp must equal the {cluster.world_size} GPUs, and "
-                   f"{'·'.join(f'{k}={v}' for k, v in sorted(mesh.items()))} "
-                   f"{'does not' if len(mesh) == 4 else 'does not divide them'}")
-    if not out:
-        return (f": each pin is possible on its own but not together with the others; "
-                f"relax one of {', '.join(sorted(constraints))}")
-    # the rules of the pinned fields, and those of dp and pp that every factoring meets
-    named = dict.fromkeys([*sorted(constraints), "dp", "pp"])
-    return ": " + "; ".join(out) + ". Rules: " + "; ".join(rules[k] for k in named) + "."
 
 
 def _row(est: Estimate, exact: bool) -> dict[str, Any]:
@@ -309,7 +151,7 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
         orders = orders[:1]
     kw = dict(global_batch_size=global_batch_size, dtype=dtype, options=options, cache=cache)
     # the configs are the same in every order: one table, relabelled per order
-    every = _table(costs, cluster, global_batch_size=global_batch_size,
+    every = space_table(costs, cluster, global_batch_size=global_batch_size,
                    constraints=constraints, options=options, settings=settings, target=target)
     facts = Facts.of(costs, dtype, options)
     if target.restricts and len(every):
@@ -361,36 +203,6 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
              result.num_pruned_by_memory, result.num_pruned_by_bound,
              time.perf_counter() - start)
     return replace(result, seconds=time.perf_counter() - start)
-
-
-def check_constraints(constraints: dict[str, Any] | None) -> dict[str, Any]:
-    """A copy of `constraints`, its fields checked and a pinned mesh order as a tuple (given
-    as a list or as "dp,pp,cp,tp")."""
-    constraints = dict(constraints or {})
-    unknown = sorted(set(constraints) - set(CONFIG_FIELDS))
-    if unknown:
-        raise ValueError(f"unknown constraint(s) {unknown}; constraints pin ParallelConfig "
-                         f"fields: {', '.join(CONFIG_FIELDS)}")
-    if "mesh_order" in constraints:
-        constraints["mesh_order"] = ParallelConfig(
-            mesh_order=constraints["mesh_order"]).mesh_order
-    return constraints
-
-
-def mesh_orders(value: Any) -> list[tuple[str, ...]]:
-    """`SearchSettings.mesh_orders` as a list of orders, in the order searched (`_ALL_ORDERS`:
-    the default first): "default", "all" (the 24 orders of pp, dp, cp, tp) or a sequence of
-    orders."""
-    if value == "default":
-        return [DEFAULT_MESH_ORDER]
-    if value == "all":
-        return list(_ALL_ORDERS)
-    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(f"SearchSettings.mesh_orders must be 'default', 'all' or a non-empty "
-                         f"list of mesh orders (e.g. [('pp', 'dp', 'cp', 'tp'), 'dp,pp,cp,tp'])"
-                         f", got {value!r}")
-    return sorted({ParallelConfig(mesh_order=o).mesh_order for o in value},
-                  key=_ORDER_RANK.__getitem__)
 
 
 def _new_placements(table: ConfigTable, earlier: list[tuple[str, ...]], cache: EvalCache,
@@ -452,7 +264,7 @@ def _collect(costs: ModelCosts, cluster: Cluster, table: ConfigTable, best_times
     if not len(table) or (not fast and errors and not b.pruned):
         detail = f" (first rejection: {errors[0]})" if errors else ""
         if not len(table):
-            detail = _why_empty(costs, cluster, global_batch_size=global_batch_size,
+            detail = why_empty(costs, cluster, global_batch_size=global_batch_size,
                                 constraints=constraints, options=options, settings=settings,
                                 target=target)
         raise ValueError(f"no configuration satisfies the constraints {constraints} on "

@@ -26,6 +26,7 @@ from autopar.estimate.memory import activation_bytes
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.mixtral import Mixtral, MixtralConfig
 from autopar.search import bounds, outer, space
+from autopar.search.candidates import space_table
 from autopar.search.outer import SearchSettings, enumerate_configs
 from autopar.search.space import first_rank_memory, states_lower_bounds
 from costmodels.memory import COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES, state_bytes_per_param
@@ -158,7 +159,7 @@ def test_the_table_enumerates_what_the_nested_loops_did_in_their_order(kind, nod
 def test_column_bounds_equal_the_one_config_forms_bit_for_bit(kind, nodes, constraints, options,
                                                               dtype):
     costs, cluster, kw = _case(kind, nodes, constraints, options)
-    table = outer._table(costs, cluster, **kw)
+    table = space_table(costs, cluster, **kw)
     configs = list(table.configs())
     states = states_lower_bounds(
         table, dense_params=sum(u.dense_params * u.count for u in costs.units),
@@ -187,7 +188,7 @@ def test_column_bounds_equal_the_one_config_forms_bit_for_bit(kind, nodes, const
 ])
 def test_bounds_stay_below_the_closed_form_estimate(kind, nodes, constraints, options):
     costs, cluster, kw = _case(kind, nodes, constraints, options)
-    table = outer._table(costs, cluster, **kw)
+    table = space_table(costs, cluster, **kw)
     cache = EvalCache(cluster)
     rows = np.arange(len(table))
     step, _, work = bounds._step_bounds(costs, cluster, table, rows, global_batch_size=64,
@@ -243,7 +244,7 @@ def test_the_data_parallel_floor_changes_what_is_visited_not_the_plan(monkeypatc
     cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=4, device_memory_gb=10)
     kw = dict(global_batch_size=64, seq_len=512, settings=SearchSettings(progress=False))
     costs = ModelCosts.from_graph(autopar.trace(_small_gpt(), global_batch_size=1, seq_len=512))
-    table = outer._table(costs, cluster, global_batch_size=64, constraints={},
+    table = space_table(costs, cluster, global_batch_size=64, constraints={},
                          options=EstimateOptions(), settings=SearchSettings())
     cache = EvalCache(cluster)
     rows = np.flatnonzero(table.columns["zero_stage"] == 3)
