@@ -185,6 +185,13 @@ class ModelCosts:
             raise ValueError(f"ep dispatch {dispatch!r} is not 'all_to_all' or 'all_gather'")
         return replace(self, units=tuple(replace(u, ep_dispatch=dispatch) for u in self.units))
 
+    @property
+    def per_op_costed(self) -> bool:
+        """Whether per-op recompute is costed: every block keeps some op's output
+        (`OpCost.kept`; an MoE layer costed as a whole, `autopar.trace.moe`, has no ops)."""
+        blocks = [u for u in self.units if u.is_block]
+        return bool(blocks) and all(any(op.kept for op in u.ops) for u in blocks)
+
     def units_for(self, micro_batch_size: int) -> tuple[Unit, ...]:
         factor = micro_batch_size / self.traced_batch
         return tuple(u.scaled(factor) for u in self.units)
@@ -259,6 +266,11 @@ def _attention_heads(graph: Graph) -> tuple[int | None, int | None]:
 def _checked(costs: ModelCosts, cluster: Cluster, config: ParallelConfig,
              global_batch_size: int) -> int:
     """`check_config` against the model and the cluster: the number of micro-batches."""
+    if config.recompute == "per_op" and not costs.per_op_costed:
+        raise InvalidConfigError(
+            "recompute='per_op' keeps the outputs of chosen ops of each block, and a block of "
+            "this model has none the trace saw one by one (an MoE layer costed as a whole); "
+            "use recompute='full' or 'none'")
     return check_config(config, world_size=cluster.world_size,
                         global_batch_size=global_batch_size, num_layers=costs.num_layers,
                         num_heads=costs.num_heads, num_kv_heads=costs.num_kv_heads,

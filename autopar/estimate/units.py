@@ -227,9 +227,12 @@ def recompute_tail(nodes: list[Node]) -> set[str]:
 def _per_op_kept(nodes: list[Node]) -> dict[str, int]:
     """The nodes per-op recompute keeps the output of, with its bytes: attention (its output
     and fp32 log-sum-exp; a fused kernel's, the math kernel's ops being re-run) and the ops of
-    `PER_OP_SAVED` but every second `PER_OP_ALTERNATED` matmul, counted in forward order."""
+    `PER_OP_SAVED` but every second `PER_OP_ALTERNATED` matmul, counted in forward order.
+    None in a block with an MoE layer costed as a whole, whose ops the trace did not see."""
     out: dict[str, int] = {}
     matmuls = 0
+    if any(node.target.startswith("moe.") and node.kind is OpKind.MATMUL for node in nodes):
+        return out  # an MoE costed as a whole (autopar.trace.moe): its ops are not known
     for node in nodes:
         if node.kind is OpKind.ATTENTION and node.attention is not None:
             a = node.attention

@@ -376,12 +376,15 @@ class LocalAttention(TorchFunctionMode):
     where DTensor would gather it).  A function DTensor has no sharding strategy for
     (``adaptive_avg_pool2d``), or a view it cannot keep sharded, runs on gathered local
     tensors, replicated (an op without a strategy is remembered, so its later calls in the
-    step go there directly).
+    step go there directly; one refused for its operands' layout is remembered with the
+    layout, so that a block's recompute runs the ops its forward ran, which per-op
+    checkpointing replays call by call).
     The numbers are the reference's; the layout costs the gathers."""
 
     def __init__(self):
         super().__init__()
         self._replicated: set = set()  # functions that had no sharding strategy
+        self._refused: set = set()  # (function, operand layouts) DTensor refused
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -398,7 +401,8 @@ class LocalAttention(TorchFunctionMode):
             heads = _view_chunks(args[0], args[1:])
             if heads is not None:
                 return heads
-        if func in self._replicated:
+        layout = _layout_key(func, args, kwargs)
+        if func in self._replicated or layout in self._refused:
             return _replicated_call(func, args, kwargs)
         try:
             return func(*args, **kwargs)
@@ -409,6 +413,8 @@ class LocalAttention(TorchFunctionMode):
                      str(exc).splitlines()[0])
             if isinstance(exc, NotImplementedError):  # the op, not this layout
                 self._replicated.add(func)
+            else:
+                self._refused.add(layout)
             return _replicated_call(func, args, kwargs)
 
 
@@ -464,6 +470,12 @@ def _view_chunks(t: DTensor, shape: tuple) -> DTensor | None:
         return None
     local = t.to_local().view(*t.to_local().shape[:last], k, heads // n, head_dim)
     return DTensor.from_local(local, t.device_mesh, (Shard(last + 1),), run_check=False)
+
+
+def _layout_key(func, args: tuple, kwargs: dict) -> tuple:
+    """A call's function with the shape and placements of its DTensor operands."""
+    return (func,) + tuple((tuple(t.shape), t.placements) for t in (*args, *kwargs.values())
+                           if isinstance(t, DTensor))
 
 
 def _no_strategy(exc: Exception) -> bool:

@@ -22,14 +22,13 @@ __all__ = ["enumerate_configs", "recompute_policies", "space_table", "why_empty"
 def recompute_policies(costs: ModelCosts, options: EstimateOptions) -> tuple[str, ...]:
     """The recompute policies that differ on this model: "none" and "full" always; "selective"
     where there are score tensors to drop (unfused attention in the model's code, or an
-    unfused kernel); "per_op" where a block keeps the output of one of its ops
-    (`OpCost.kept`)."""
-    blocks = [u for u in costs.units if u.is_block]
+    unfused kernel); "per_op" where every block keeps the output of some op
+    (`ModelCosts.per_op_costed`)."""
     out = ["none"]
     if options.attention_kernel == "math" or any(
             u.saved_bytes_recompute < u.saved_bytes for u in costs.units):
         out.append("selective")
-    if any(op.kept for u in blocks for op in u.ops):
+    if costs.per_op_costed:
         out.append("per_op")
     return (*out, "full")
 
@@ -102,7 +101,8 @@ def why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
                           f"({settings.max_virtual_stages})",
         "sequence_parallel": "sequence parallelism needs tp > 1 and a sequence",
         "recompute": "selective recompute needs attention that keeps its scores (a math "
-                     "kernel); per_op needs a block with a matmul or attention to keep",
+                     "kernel); per_op needs every block's ops traced one by one (no MoE "
+                     "layer costed as a whole)",
         "recompute_every": f"recompute_every > 1 needs recompute='full' and that many layers "
                            f"in each chunk of a pipeline rank, and is one of "
                            f"SearchSettings.recompute_every "

@@ -1,7 +1,7 @@
 """A slice of ``benchmarks/runtime_matrix.py`` in the suite: models written independently of
 autopar (a hand-written Llama, nanoGPT with its tied head, an MoE written as a loop, Hugging Face
-Llama and Mixtral, a ViT) under tensor + sequence, pipeline, context parallel (alone and with a
-pipeline) and 3-D plans on 2-8 gloo ranks, each
+Llama and Mixtral, a ViT) under tensor + sequence (also with per-op recompute), pipeline,
+context parallel (alone and with a pipeline) and 3-D plans on 2-8 gloo ranks, each
 trained for 3 steps next to a one-process reference: every cell matches it (losses within 1e-4,
 gradients within 1e-5 of the largest reference gradient) or was refused by compile with the
 runtime's reason."""
@@ -19,8 +19,8 @@ from benchmarks import runtime_matrix as rm  # noqa: E402
 
 MODELS = ["plain_llama", "nano_gpt", "moe_loop", "hf_llama", "hf_mixtral", "hf_gpt2",
           "vit_encoder"]
-PLANS = ["tp", "tp_sp", "pp_zero_bubble", "tp_zero3", "tp_sp_pp", "cp", "cp_pp", "ep",
-         "ep_zero3"]
+PLANS = ["tp", "tp_sp", "tp_sp_per_op", "pp_zero_bubble", "tp_zero3", "tp_sp_pp", "cp", "cp_pp",
+         "ep", "ep_zero3"]
 
 
 @pytest.fixture(scope="module")

@@ -78,8 +78,7 @@ def _oracle_configs(costs, cluster, *, global_batch_size, constraints, options, 
                     zeros = [0, 1, 2, 3] if dp * cp > 1 else [0]
                     sps = [False, True] if tp > 1 else [False]
                     rcs = ["none"] + ["selective"] * (options.attention_kernel == "math") \
-                        + ["per_op"] * any(op.kept for u in costs.units if u.is_block
-                                           for op in u.ops) + ["full"]
+                        + ["per_op"] * costs.per_op_costed + ["full"]
                     if pp == 1:
                         scheds = [("1f1b", 1)]
                     else:
