@@ -88,7 +88,8 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
         unrestricted = _unrestricted(constraints, cluster, costs, runtime, **kw)
         clock.lap("unrestricted")
     cfg = best.config
-    tp_map, intra_op = tp_layout(model, graph, planned, best, dtype, seq_len, example_inputs)
+    tp_map, intra_op = tp_layout(model, graph, planned, best, dtype, seq_len, example_inputs,
+                                 options.fp32_params)
     clock.lap("intra_op")
     placements, fingerprint = param_placements(graph, cfg, tp_map), graph.fingerprint()
     clock.lap("plan")

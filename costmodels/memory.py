@@ -43,15 +43,29 @@ LOSS_KEPT_BYTES_PER_LOGIT = 4
 LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT = 12
 
 
-def state_bytes_split(dtype: str, zero_stage: int, shards: int) -> tuple[float, float, float]:
+def state_bytes_split(dtype: str, zero_stage: int, shards: int,
+                      fp32_params: bool = False) -> tuple[float, float, float]:
     """Bytes of (weights, gradients, optimizer states) per parameter on one rank; the optimizer
-    states include the fp32 master copy of mixed-precision training."""
+    states include the fp32 master copy of mixed-precision training.
+
+    `fp32_params`: a 16-bit run keeps fp32 parameters, gradients and moments (autocast, or
+    FSDP2 gathering 16-bit copies: PyTorch's mixed precision) instead of 16-bit weights and
+    gradients with an fp32 master copy (Megatron-LM, DeepSpeed): without ZeRO 4 + 4 + 8 bytes;
+    under ZeRO-1/2 as FSDP2 runs them, the 16-bit weights gathered from forward to backward
+    (2), the fp32 shard as the master copy with the moments (12 / shards) and the gradients
+    (4 / shards); under ZeRO-3 every state sharded (4 + 4 + 8) / shards."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPE_BYTES)}")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if dtype == "fp32":
         weights, grads, optim = 4.0, 4.0, 8.0
+    elif fp32_params:
+        if zero_stage == 0:
+            return 4.0, 4.0, 8.0
+        if zero_stage == 3:
+            return 4.0 / shards, 4.0 / shards, 8.0 / shards
+        return 2.0, 4.0 / shards, 12.0 / shards
     else:
         weights = grads = 2.0
         optim = 12.0
@@ -60,6 +74,7 @@ def state_bytes_split(dtype: str, zero_stage: int, shards: int) -> tuple[float, 
             optim / shards if zero_stage >= 1 else optim)
 
 
-def state_bytes_per_param(dtype: str, zero_stage: int, shards: int) -> float:
+def state_bytes_per_param(dtype: str, zero_stage: int, shards: int,
+                          fp32_params: bool = False) -> float:
     """Bytes of weights, gradients and Adam states per parameter on one rank."""
-    return sum(state_bytes_split(dtype, zero_stage, shards))
+    return sum(state_bytes_split(dtype, zero_stage, shards, fp32_params))

@@ -102,12 +102,14 @@ class EstimateOptions:
     (Transformer Engine's amax history), "tensorwise" (dynamic per-tensor scales: torchao's
     default, TE's current scaling) or "rowwise" (torchao's per-row scales). Costed by
     costmodels.compute.fp8_cast_time_s."""
-    autocast_weight_copies: bool = False
-    """The 16-bit forward runs on fp32 parameters under autocast, which casts each GEMM's
-    weight per micro-batch and keeps the copy for that GEMM's backward (autopar's runtime
-    without ZeRO; its FSDP2 gathers bf16 parameters): 2 bytes per GEMM weight element of each
-    layer not checkpointed, per micro-batch in flight. False: the weights are 16-bit already
-    (Megatron-LM, DeepSpeed, FSDP2's param_dtype)."""
+    fp32_params: bool = False
+    """The 16-bit forward runs on fp32 parameters (autopar's runtime, torchtitan): without
+    ZeRO under autocast, which casts each GEMM's weight per micro-batch and keeps the copy for
+    that GEMM's backward (2 bytes per GEMM weight element of each layer not checkpointed, per
+    micro-batch in flight); under FSDP2, whose param_dtype gathers them in 16 bits. Their
+    gradients and AdamW moments are fp32 too: 4 + 4 + 8 bytes a parameter
+    (`costmodels.memory.state_bytes_split`). False: 16-bit weights and gradients with the fp32
+    master copy in the optimizer (Megatron-LM, DeepSpeed)."""
     recompute_early_stop: bool = True
     """Full recompute re-runs a block only until every tensor its backward saved is back, not
     its last GEMM and residual add: torch.utils.checkpoint non-reentrant (torch >= 2.1, as
@@ -325,11 +327,12 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
     if exact:
         memory = stage_memory(config, dtype, lay.dense, lay.expert, lay.max_param_bytes,
                               lay.bytes_per_param, inflight, list(lay.rank_working),
-                              options.zero3_max_live_params)
+                              options.zero3_max_live_params, options.fp32_params)
         peak = max(sum(v for k, v in mem.items() if not k.startswith("_")) for mem in memory)
     else:  # the search only needs the peak; per-stage categories come with the exact pass
         memory = []
-        peak = fast_peak_memory(config, dtype, lay, inflight, options.zero3_max_live_params)
+        peak = fast_peak_memory(config, dtype, lay, inflight, options.zero3_max_live_params,
+                                options.fp32_params)
     return Estimate(
         config=config, step_time_s=step, tokens_per_s=tokens / step,
         mfu=model_flops / (step * cluster.world_size * peak_dense) if peak_dense else 0.0,
@@ -479,7 +482,7 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
               options: EstimateOptions,
               boundaries: tuple[tuple[int, int], ...] | None) -> _Prepared:
     times = _unit_times(costs, cache, config, dtype, options)
-    copies = weight_copies(config, dtype, options.autocast_weight_copies)  # in the activations
+    copies = weight_copies(config, dtype, options.fp32_params)  # in the activations
     vkey = _times_key(cache, config, dtype, options) + (copies,)
     lkey = vkey + (config.pp, config.virtual_stages, boundaries)
     prep = cache.layouts.get(lkey)
@@ -535,11 +538,12 @@ def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, 
     units = cache.units[config.micro_batch_size]
     flash = options.attention_kernel != "math"
     shards = config.dp * config.cp
-    dense_b = state_bytes_per_param(dtype, config.zero_stage, shards)
-    expert_b = state_bytes_per_param(dtype, config.zero_stage, max(1, shards // config.ep))
+    dense_b = state_bytes_per_param(dtype, config.zero_stage, shards, options.fp32_params)
+    expert_b = state_bytes_per_param(dtype, config.zero_stage, max(1, shards // config.ep),
+                                     options.fp32_params)
     out: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "wgrad", "act",
                                                    "states")}
-    copies = weight_copies(config, dtype, options.autocast_weight_copies)
+    copies = weight_copies(config, dtype, options.fp32_params)
     for unit in units:  # every layer of a unit alike, in model order
         t = times[unit.name]
         kept = activation_bytes(unit, config, flash, options.loss_kernel,

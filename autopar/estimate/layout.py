@@ -320,11 +320,13 @@ def analytic_inflight(cfg: ParallelConfig, m: int, lay: Layout) -> np.ndarray:
 
 
 def fast_peak_memory(cfg: ParallelConfig, dtype: str, lay: Layout, inflight: np.ndarray,
-                     zero3_cap: int | None) -> float:
+                     zero3_cap: int | None, fp32_params: bool = False) -> float:
     """Largest per-rank total of `stage_memory`'s categories, as vector arithmetic."""
     shards = cfg.dp * cfg.cp
-    states = lay.rank_dense * state_bytes_per_param(dtype, cfg.zero_stage, shards) + \
-        lay.rank_expert * state_bytes_per_param(dtype, cfg.zero_stage, max(1, shards // cfg.ep))
+    states = lay.rank_dense * state_bytes_per_param(dtype, cfg.zero_stage, shards,
+                                                    fp32_params) + \
+        lay.rank_expert * state_bytes_per_param(dtype, cfg.zero_stage, max(1, shards // cfg.ep),
+                                                fp32_params)
     gathered = 0.0
     if cfg.zero_stage == 3:
         gathered = 2 * lay.rank_max_param_bytes

@@ -46,11 +46,11 @@ def loss_bytes(unit: Unit, loss_kernel: str) -> tuple[float, float]:
             unit.loss_logits * (LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT - LOSS_KEPT_BYTES_PER_LOGIT))
 
 
-def weight_copies(cfg: ParallelConfig, dtype: str, autocast_weight_copies: bool) -> bool:
+def weight_copies(cfg: ParallelConfig, dtype: str, fp32_params: bool) -> bool:
     """Whether the forward keeps autocast's 16-bit copies of the GEMM weights
-    (`EstimateOptions.autocast_weight_copies`): a 16-bit run without ZeRO (FSDP2 gathers the
+    (`EstimateOptions.fp32_params`): a 16-bit run without ZeRO (FSDP2 gathers the
     parameters in 16 bits)."""
-    return autocast_weight_copies and dtype in ("bf16", "fp8") and cfg.zero_stage == 0
+    return fp32_params and dtype in ("bf16", "fp8") and cfg.zero_stage == 0
 
 
 def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
@@ -124,13 +124,15 @@ def peak_inflight_bytes(timeline: PipelineTimeline, rank: int, per_stage: list[f
 def stage_memory(cfg: ParallelConfig, dtype: str, dense: list[float], expert: list[float],
                  max_param_bytes: list[float], bytes_per_param: list[float],
                  inflight: list[float], working: list[float],
-                 zero3_max_live_params: int | None = None) -> list[dict[str, float]]:
+                 zero3_max_live_params: int | None = None,
+                 fp32_params: bool = False) -> list[dict[str, float]]:
     """Bytes per category for each pipeline rank, from its parameters on one GPU (dense,
     expert), its largest unit's parameter bytes, the peak activation bytes it holds across
     micro-batches (`inflight`) and one layer's working set (`working`)."""
     shards = cfg.dp * cfg.cp
-    dense_split = state_bytes_split(dtype, cfg.zero_stage, shards)
-    expert_split = state_bytes_split(dtype, cfg.zero_stage, max(1, shards // cfg.ep))
+    dense_split = state_bytes_split(dtype, cfg.zero_stage, shards, fp32_params)
+    expert_split = state_bytes_split(dtype, cfg.zero_stage, max(1, shards // cfg.ep),
+                                     fp32_params)
     out = []
     for rank in range(cfg.pp):
         split = [dense[rank] * d + expert[rank] * e for d, e in zip(dense_split, expert_split)]

@@ -25,7 +25,7 @@ class SoftwarePreset:
 
 SOFTWARE: dict[str, SoftwarePreset] = {
     "autopar": SoftwarePreset(
-        EstimateOptions(autocast_weight_copies=True),
+        EstimateOptions(fp32_params=True),
         "autopar's generated code on PyTorch's engine: eager kernels, SDPA's flash attention, "
         "the cross-entropy on fp32-upcast logits, DDP/FSDP2 gradient reduction overlapped with "
         "backward, fp32 gradient reduction, non-reentrant checkpointing that stops recomputing "
@@ -46,7 +46,7 @@ SOFTWARE: dict[str, SoftwarePreset] = {
     "torchtitan": SoftwarePreset(
         EstimateOptions(attention_kernel="flash", overlap_dp_comm=True, kernels="eager",
                         loss_kernel="eager", recompute_early_stop=True,
-                        fp8_recipe="tensorwise", autocast_weight_copies=True),
+                        fp8_recipe="tensorwise", fp32_params=True),
         "torchtitan without torch.compile: FSDP2 (prefetched all-gathers, reduce-scatters "
         "under backward), SDPA flash attention, eager kernels, the cross-entropy on fp32-"
         "upcast logits, non-reentrant checkpointing, bf16 autocast over fp32 parameters "

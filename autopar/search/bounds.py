@@ -56,7 +56,8 @@ def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_b
     usable = cluster.hardware.device.memory_bytes
     states = states_lower_bounds(
         table, dense_params=sum(u.dense_params * u.count for u in costs.units),
-        expert_params=sum(u.expert_params * u.count for u in costs.units), dtype=dtype)
+        expert_params=sum(u.expert_params * u.count for u in costs.units), dtype=dtype,
+        fp32_params=options.fp32_params)
     over = states > usable
     smallest = None
     if over.any():  # the first config (in enumeration order) with the least states
@@ -80,10 +81,10 @@ def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_b
         structure_of=functools.partial(_split, costs, cache),
         activations_of=lambda unit, cfg, flash: activation_bytes(
             unit, cfg, flash, options.loss_kernel,
-            weight_copies=weight_copies(cfg, dtype, options.autocast_weight_copies)),
+            weight_copies=weight_copies(cfg, dtype, options.fp32_params)),
         dtype=dtype, global_batch_size=global_batch_size,
         flash=options.attention_kernel != "math", zero3_cap=options.zero3_max_live_params,
-        memo={})
+        memo={}, fp32_params=options.fp32_params)
 
     def cannot_fit(at: np.ndarray) -> np.ndarray:
         # a small margin covers the bound summing in another order than the estimate

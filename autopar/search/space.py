@@ -35,7 +35,7 @@ import numpy as np
 from autopar.config import (DEFAULT_MESH_ORDER, PP_SCHEDULES, RECOMPUTE_POLICIES, ParallelConfig,
                             divisors)
 from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
-                               CUDA_CONTEXT_BYTES, state_bytes_split)
+                               CUDA_CONTEXT_BYTES, state_bytes_per_param, state_bytes_split)
 
 __all__ = ["ConfigTable", "config_table", "encode", "key_groups", "states_lower_bounds",
            "step_lower_bounds", "first_rank_memory", "TIME_KEY_COLUMNS"]
@@ -267,11 +267,18 @@ def _int_over(numerator: int, denominator: np.ndarray) -> np.ndarray:
     return np.array([numerator / int(d) for d in denominator], dtype=np.float64)
 
 
-def _state_bytes(dtype: str, zero: np.ndarray, shards: np.ndarray) -> np.ndarray:
+def _state_bytes(dtype: str, zero: np.ndarray, shards: np.ndarray,
+                 fp32_params: bool = False) -> np.ndarray:
     """`state_bytes_per_param` per row: weights + grads + optimizer states, each divided by
     the shards from the ZeRO stage that shards it on (the same three terms, summed left to
     right). Two arrays of the table's length, reused in place: at tens of thousands of rows
-    each new one costs page faults, more than its arithmetic."""
+    each new one costs page faults, more than its arithmetic. With `fp32_params` the terms
+    change with the stage: each distinct (stage, shards) is looked up."""
+    if fp32_params and dtype != "fp32":
+        pairs, inverse = np.unique(np.stack([zero, shards]), axis=1, return_inverse=True)
+        values = np.array([state_bytes_per_param(dtype, int(z), int(n), True)
+                           for z, n in pairs.T])
+        return values[inverse.reshape(-1)]
     terms = state_bytes_split(dtype, 0, 1)
     out, term = np.empty(len(zero)), np.empty(len(zero))
     for k, (bytes_, into) in enumerate(zip(terms, (out, term, term))):
@@ -283,7 +290,7 @@ def _state_bytes(dtype: str, zero: np.ndarray, shards: np.ndarray) -> np.ndarray
 
 
 def states_lower_bounds(table: ConfigTable, *, dense_params: int, expert_params: int,
-                        dtype: str) -> np.ndarray:
+                        dtype: str, fp32_params: bool = False) -> np.ndarray:
     """Per row: the bytes no placement can avoid, model states of an even share of the
     parameters plus the fixed buffers (the search's `_states_lower_bound`). A model without
     experts skips their term (adding 0.0 changes no sum)."""
@@ -293,10 +300,11 @@ def states_lower_bounds(table: ConfigTable, *, dense_params: int, expert_params:
     model = c["tp"] * c["pp"]
     shards = c["dp"] * c["cp"]
     out = _int_over(dense_params, model)
-    out *= _state_bytes(dtype, c["zero_stage"], shards)
+    out *= _state_bytes(dtype, c["zero_stage"], shards, fp32_params)
     if expert_params:
         expert = _int_over(expert_params, model * c["ep"])
-        expert *= _state_bytes(dtype, c["zero_stage"], np.maximum(1, shards // c["ep"]))
+        expert *= _state_bytes(dtype, c["zero_stage"], np.maximum(1, shards // c["ep"]),
+                               fp32_params)
         out += expert
     out += COMM_BUFFER_BYTES
     out += CUDA_CONTEXT_BYTES
@@ -358,7 +366,7 @@ def key_groups(table: ConfigTable, rows: np.ndarray, names: tuple[str, ...]
 def first_rank_memory(table: ConfigTable, rows: np.ndarray, *, units: dict[int, tuple],
                       structure_of, activations_of, dtype: str, global_batch_size: int,
                       flash: bool, zero3_cap: int | None,
-                      memo: dict | None = None) -> np.ndarray:
+                      memo: dict | None = None, fp32_params: bool = False) -> np.ndarray:
     """Peak bytes of pipeline rank 0 by the closed form of `evaluate(exact=False)`, per row
     (NaN where the rank's layers are unknown: a split the estimate refuses).
 
@@ -404,8 +412,8 @@ def first_rank_memory(table: ConfigTable, rows: np.ndarray, *, units: dict[int, 
         / (tp * c["ep"])
     shards = c["dp"] * cp
     zero = c["zero_stage"]
-    states = dense * _state_bytes(dtype, zero, shards) \
-        + expert * _state_bytes(dtype, zero, np.maximum(1, shards // c["ep"]))
+    states = dense * _state_bytes(dtype, zero, shards, fp32_params) \
+        + expert * _state_bytes(dtype, zero, np.maximum(1, shards // c["ep"]), fp32_params)
     pbytes = np.array([u.param_bytes for u in base], float)
     bpp = pbytes / np.maximum(1, [u.dense_params + u.expert_params for u in base])
     gathered = 2 * np.where(present, pbytes, 0.0).max(axis=1) / tp

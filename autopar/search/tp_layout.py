@@ -39,13 +39,14 @@ __all__ = ["block_budget", "layout_price", "tp_layout"]
 log = logging.getLogger(__name__)
 
 
-def layout_price(estimate: Estimate, dtype: str) -> tuple[float, float]:
+def layout_price(estimate: Estimate, dtype: str, fp32_params: bool = False
+                 ) -> tuple[float, float]:
     """``(bytes_per_param, step_s_per_param)`` of the estimated plan: a rank's training state
     per parameter element it holds, and the seconds per micro-batch each element costs the
     step beyond the pipeline (the exposed data-parallel traffic and the optimizer step of the
     rank holding the most parameters, over its parameters and the micro-batches)."""
     cfg = estimate.config
-    state = state_bytes_per_param(dtype, cfg.zero_stage, cfg.dp * cfg.cp)
+    state = state_bytes_per_param(dtype, cfg.zero_stage, cfg.dp * cfg.cp, fp32_params)
     params = max((mem["_params"] for mem in estimate.memory_by_stage), default=0.0)
     if params <= 0:
         return state, 0.0
@@ -72,7 +73,8 @@ def block_budget(estimate: Estimate, layer_fqns: tuple[str, ...], estimated_byte
 
 
 def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, seq_len,
-              example_inputs) -> tuple[dict[str, str], dict[str, Any]]:
+              example_inputs, fp32_params: bool = False
+              ) -> tuple[dict[str, str], dict[str, Any]]:
     """Tensor-parallel placement of every parameter, ``{FQN: placement}``, and the ILP's
     report per block (see the module docstring): the plan's tp and cp, and for the layout the
     plan takes, whether its solve is proven optimal, its compute, communication and
@@ -92,7 +94,7 @@ def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: 
     if example_inputs is None and cfg.micro_batch_size != graph.batch_size:
         mb_graph = trace(model, global_batch_size=cfg.micro_batch_size, seq_len=seq_len,
                          dtype=dtype)
-    bytes_per_param, step_s_per_param = layout_price(estimate, dtype)
+    bytes_per_param, step_s_per_param = layout_price(estimate, dtype, fp32_params)
     tp_map = dict(megatron)
     report: dict[str, Any] = {}
     # blocks alike in structure (an encoder's and a decoder's stack) solve once

@@ -1,8 +1,10 @@
 """The model-state bytes each rank really holds under a plan (weights, gradients, AdamW
 moments, counted from its tensors during one training step on gloo) equal the plan's Estimate
 for that rank (``memory_by_stage[pp_rank]``); under ZeRO-3 the units gathered at once stay
-within the Estimate's ``zero3_buffers``.  Several plans of one world size share one
-torchrun launch (start-up dominates the cost on CPU)."""
+within the Estimate's ``zero3_buffers``.  bf16 plans hold fp32 parameters, gradients and
+AdamW moments (``EstimateOptions.fp32_params``, the "autopar" preset), FSDP2 gathering bf16
+parameters.  Several plans of one world size share one torchrun launch (start-up dominates
+the cost on CPU)."""
 
 from __future__ import annotations
 
@@ -26,13 +28,18 @@ PLANS = {
         ("dp_zero3", "tiny_llama", {"dp": 2, "zero_stage": 3}),
         ("tp", "tiny_llama_wide", {"tp": 2, "sequence_parallel": False}),
         ("pp", "tiny_llama", {"pp": 2, "pp_schedule": "1f1b", "micro_batch_size": 2}),
-        ("resnet_tp", "tiny_resnet", {"tp": 2})],
+        ("resnet_tp", "tiny_resnet", {"tp": 2}),
+        # bf16: fp32 parameters, gradients and moments; FSDP2 gathers bf16 parameters
+        ("bf16_dp_zero0", "tiny_llama", {"dp": 2, "zero_stage": 0}, "bf16"),
+        ("bf16_dp_zero2", "tiny_llama", {"dp": 2, "zero_stage": 2}, "bf16")],
     4: [("tp_dp_zero0", "tiny_llama_wide", {"dp": 2, "tp": 2, "zero_stage": 0,
                                              "sequence_parallel": True}),
         ("tp_dp_zero3", "tiny_llama_wide", {"dp": 2, "tp": 2, "zero_stage": 3,
                                              "sequence_parallel": False}),
         ("pp_dp_zero2", "tiny_llama", {"dp": 2, "pp": 2, "zero_stage": 2, "pp_schedule": "1f1b",
-                                       "micro_batch_size": 2})],
+                                       "micro_batch_size": 2}),
+        # on 2 ranks a gathered bf16 unit (2 B) weighs what its fp32 shards (4 B / 2) did
+        ("bf16_dp_zero3", "tiny_llama", {"dp": 4, "zero_stage": 3}, "bf16")],
 }
 REL = 0.02  # FSDP pads a dim that does not split evenly; everything else is exact
 
@@ -41,9 +48,9 @@ REL = 0.02  # FSDP pads a dim that does not split evenly; everything else is exa
 def test_state_bytes_per_rank_match_the_estimate(tmp_path, world):
     cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=world)
     plans, specs = {}, []
-    for name, factory, constraints in PLANS[world]:
+    for name, factory, constraints, *dtype in PLANS[world]:
         plan = autopar.compile(getattr(tiny_models, factory)(), cluster, global_batch_size=8,
-                               dtype="fp32", constraints=constraints,
+                               dtype=dtype[0] if dtype else "fp32", constraints=constraints,
                                **tiny_models.shape_args(factory))
         plans[name] = plan
         specs.append(f"{plan.save(tmp_path / f'{name}.json')}:{factory}")
@@ -55,6 +62,10 @@ def test_state_bytes_per_rank_match_the_estimate(tmp_path, world):
         for rank in range(world):
             got = json.loads((tmp_path / f"{name}.{rank}.json").read_text())
             want = plan.estimate.memory_by_stage[got["pp_rank"]]
+            if plan.training["dtype"] == "bf16" and plan.config.zero_stage in (1, 2):
+                # FSDP2 keeps the fp32 shard (at rest, the registered parameter) as the master
+                # copy, which the estimate counts with the AdamW moments
+                got["optimizer"] += got["weights_at_rest"]
             if plan.config.zero_stage == 3:  # shards at rest; gathered units on top, bounded
                 gathered = got["weights"] - got["weights_at_rest"]
                 print(f"{name} rank {rank} gathered: {gathered} B, bound {want['zero3_buffers']:.0f}")
