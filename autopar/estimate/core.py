@@ -433,9 +433,9 @@ def placement_key(cache: EvalCache, config: ParallelConfig) -> tuple:
 
 def _degrees_key(config: ParallelConfig, dtype: str, options: EstimateOptions) -> tuple:
     return (config.micro_batch_size, config.tp, config.cp, config.ep, config.sequence_parallel,
-            config.recompute, config.recompute_every, options.attention_kernel, options.overlap_tp_comm,
-            options.kernels, options.loss_kernel, options.recompute_early_stop, dtype,
-            options.fp8_recipe)
+            config.recompute, config.recompute_every, options.attention_kernel,
+            options.overlap_tp_comm, options.kernels, options.loss_kernel,
+            options.recompute_early_stop, dtype, options.fp8_recipe)
 
 
 def _times_key(cache: EvalCache, config: ParallelConfig, dtype: str,

@@ -2,8 +2,9 @@
 
 Activations per micro-batch come from the traced graph's saved bytes (all of them, the
 selective-recompute remainder, each layer's input and the outputs per-op recompute keeps, or
-only each layer's input under full recompute; the last two plus one layer's working set), sharded over tp x cp for what GEMMs and attention keep and over cp (and
-tp only with sequence parallelism) for what norms and elementwise ops keep. The number held at
+only each layer's input under full recompute; the last two plus one layer's working set),
+sharded over tp x cp for what GEMMs and attention keep and over cp (and tp only with
+sequence parallelism) for what norms and elementwise ops keep. The number held at
 once is read off the simulated schedule: a (stage, micro-batch) pair holds its activations from
 its forward until its last backward op (B, or W for zero-bubble).
 """
@@ -61,14 +62,13 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
     A fused attention node keeps no score matrix; with an unfused kernel (`flash` False) the
     scores it would keep are added. Full recompute keeps a block's input only (the glue is not
     checkpointed; with `recompute_every` k, per layer on average, 1/k of that and (k-1)/k of
-    what no recompute keeps); per-op recompute keeps it and the outputs `Unit.saved_bytes_per_op*` name
-    (with sequence parallel also the reduce-scatters' outputs, `PER_OP_SAVED`); selective
-    recompute drops the score-sized tensors. A
-    cross-entropy keeps and briefly holds what `loss_bytes` says, its logits sharded over
-    tp (vocabulary-parallel) and cp. With `weight_copies` (autocast over fp32 parameters,
-    `weight_copies()`) a layer that is not checkpointed also keeps the
-    16-bit copy of each GEMM's weight (its share over tp, and ep for experts); a checkpointed
-    one casts them again in its recompute.
+    what no recompute keeps); per-op recompute keeps it and the outputs
+    `Unit.saved_bytes_per_op*` name (with sequence parallel also the reduce-scatters' outputs,
+    `PER_OP_SAVED`); selective recompute drops the score-sized tensors. A cross-entropy keeps
+    and briefly holds what `loss_bytes` says, its logits sharded over tp (vocabulary-parallel)
+    and cp. With `weight_copies` (autocast over fp32 parameters, `weight_copies()`) a layer
+    that is not checkpointed also keeps the 16-bit copy of each GEMM's weight (its share over
+    tp, and ep for experts); a checkpointed one casts them again in its recompute.
     """
     tp, cp = cfg.tp, cfg.cp
     loss_kept, loss = (b / (tp * cp) for b in loss_bytes(unit, loss_kernel))
