@@ -40,7 +40,7 @@ PINS = {"tp": [1, 2, 4, 8], "pp": [1, 2, 4], "dp": [1, 2, 8, 16], "cp": [1, 2, 4
         "ep": [1, 2, 4, 8], "zero_stage": [0, 1, 2, 3], "micro_batch_size": [1, 2, 3, 4, 8],
         "pp_schedule": ["gpipe", "1f1b", "zero-bubble", "interleaved-1f1b"],
         "virtual_stages": [1, 2, 3, 4], "sequence_parallel": [False, True],
-        "recompute": ["none", "selective", "full"],
+        "recompute": ["none", "selective", "per_op", "full"], "recompute_every": [1, 2, 4],
         "mesh_order": [("dp", "pp", "cp", "tp"), ("pp", "cp", "dp", "tp"),
                        ("pp", "tp", "cp", "dp"), ("tp", "cp", "dp", "pp")]}
 IMAGE = ("resnet", "wide-resnet", "vit")

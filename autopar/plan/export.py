@@ -536,10 +536,10 @@ def _deepspeed_model_notes(cfg: Any, shape: _Shape, setup: list[str]) -> list[st
                          "ZeRO-3 (\"MoE not supported with Stage 3\"); use ZeRO-2")
     if cfg.recompute == "full":
         setup.append("recompute full: the config only tunes checkpointing; the model must wrap "
-                     + ("each layer" if cfg.recompute_every == 1 else
-                        f"one layer in {cfg.recompute_every}")
-                     + " in deepspeed.checkpointing.checkpoint (with PipelineModule: "
-                     "activation_checkpoint_interval=1)")
+                     + ("each layer in deepspeed.checkpointing.checkpoint (with PipelineModule: "
+                        "activation_checkpoint_interval=1)" if cfg.recompute_every == 1 else
+                        f"one layer in {cfg.recompute_every} in "
+                        f"deepspeed.checkpointing.checkpoint"))
         if cfg.recompute_every > 1 and cfg.pp > 1:
             notes.append(f"recompute_every {cfg.recompute_every}: DeepSpeed's pipeline "
                          f"checkpoints every layer (activation_checkpoint_interval groups "

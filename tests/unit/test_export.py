@@ -41,6 +41,12 @@ PINS = {
         "gpt", "bf16", {"tp": 1, "pp": 2, "pp_schedule": "gpipe", "zero_stage": 3}, {}),
     "moe_ep4_cp2_zero1": (
         "moe", "bf16", {"tp": 1, "pp": 1, "cp": 2, "ep": 4, "zero_stage": 1}, {}),
+    "dp16_zero3_per_op": (
+        "gpt", "bf16", {"tp": 1, "pp": 1, "cp": 1, "zero_stage": 3, "recompute": "per_op"}, {}),
+    "tp2_pp2_full_every2": (
+        "gpt", "bf16", {"tp": 2, "pp": 2, "pp_schedule": "1f1b", "zero_stage": 1,
+                        "recompute": "full", "recompute_every": 2, "sequence_parallel": True},
+        {}),
 }
 
 
@@ -146,7 +152,8 @@ def _check_megatron(plan, args: argparse.Namespace) -> None:
     assert args.sequence_parallel == cfg.sequence_parallel
     assert args.use_distributed_optimizer == (cfg.zero_stage >= 1)
     expected_recompute = {"none": (None, None, None), "selective": ("selective", None, None),
-                          "full": ("full", "uniform", 1)}[cfg.recompute]
+                          "full": ("full", "uniform", 1),
+                          "per_op": (None, None, None)}[cfg.recompute]  # per_op: a note
     if cfg.recompute_every > 1:  # Megatron's block method: the first 1/k of each chunk
         chunk = min(n for n in _layers_per_stage(plan) if n)
         expected_recompute = ("full", "block", chunk // cfg.recompute_every)
@@ -182,6 +189,8 @@ MEGATRON_NOTES = {
                                         "zero_stage 2"],
     "pp2_gpipe_zero3": ["pp_schedule gpipe", "zero_stage 3"],
     "moe_ep4_cp2_zero1": [],
+    "dp16_zero3_per_op": ["recompute per_op", "zero_stage 3"],
+    "tp2_pp2_full_every2": [],
 }
 
 
@@ -268,7 +277,14 @@ def test_torchtitan_toml_parses_back_to_the_plan(plans, name):
         assert train["local_batch_size"] == cfg.micro_batch_size
         assert training["global_batch_size"] // (train["local_batch_size"] * dp) == microbatches
         assert "pipeline_parallel_schedule" not in par
-    assert toml["activation_checkpoint"]["mode"] == cfg.recompute
+    checkpoint = toml["activation_checkpoint"]
+    if cfg.recompute in ("selective", "per_op"):  # its per-op policy
+        assert checkpoint == {"mode": "selective", "selective_ac_option": "op"}
+    elif cfg.recompute == "full" and cfg.recompute_every > 1:  # every k-th layer
+        assert checkpoint == {"mode": "selective",
+                              "selective_ac_option": str(cfg.recompute_every)}
+    else:
+        assert checkpoint == {"mode": cfg.recompute}
     reshard = par["fsdp_reshard_after_forward"]
     if cfg.zero_stage == 3 and cfg.pp > 1:  # re-gathered per micro-batch, as costed
         assert reshard == ("never" if cfg.pp_schedule == "zero-bubble" else "always")
@@ -288,6 +304,8 @@ TORCHTITAN_NOTES = {
                                         "zero_stage 2"],
     "pp2_gpipe_zero3": [],
     "moe_ep4_cp2_zero1": ["context parallel", "expert parallel 4", "zero_stage 1"],
+    "dp16_zero3_per_op": [],
+    "tp2_pp2_full_every2": ["zero_stage 1"],
 }
 
 
@@ -329,6 +347,8 @@ DEEPSPEED_NOTES = {
                                         "zero_stage 2"],
     "pp2_gpipe_zero3": ["pp_schedule gpipe", "zero_stage 3"],
     "moe_ep4_cp2_zero1": ["context parallel 2"],
+    "dp16_zero3_per_op": ["recompute per_op"],
+    "tp2_pp2_full_every2": ["recompute_every 2", "sequence_parallel", "tensor parallel 2"],
 }
 DEEPSPEED_SETUP = {
     "tp2_pp4_interleaved_zero3_full": ["pipeline parallel 4", "recompute full"],
@@ -337,6 +357,8 @@ DEEPSPEED_SETUP = {
     "tp2_pp4_zero_bubble_zero2_no_sp": ["pipeline parallel 4"],
     "pp2_gpipe_zero3": ["pipeline parallel 2"],
     "moe_ep4_cp2_zero1": ["expert parallel 4"],
+    "dp16_zero3_per_op": [],
+    "tp2_pp2_full_every2": ["pipeline parallel 2", "recompute full"],
 }
 
 
