@@ -15,10 +15,9 @@ On the host of 2026-11-26 (eleven rounds) the 128-layer compile took 1.14x the 3
 (0.25 vs 0.22 s; the outer search 1.08x): its space is 42% larger (more pipeline degrees,
 virtual-stage splits and one-in-k full recompute choices), its winner (dp256 tp4, full
 recompute of one block in four) needs the intra-op problem of its block (+5 ms), and the
-trace's +2 ms is the repeated-block check over 4x the layers. With per-op and one-in-k full
-recompute in the space (none, per_op, full, full/2, full/4 for these fused-attention models)
-Llama-3-70B on 1,024 H100 considers 83,064 configs in 0.23 s, where none and full alone gave
-35,592 in 0.11 s. The search column separates the outer search. On a shared
+trace's +2 ms is the repeated-block check over 4x the layers. The recompute choices for these
+fused-attention models are none, per_op, full, full/2 and full/4: Llama-3-70B on 1,024 H100
+considers 83,064 configs in 0.23 s. The search column separates the outer search. On a shared
 machine the wall times swing; the CPU column is the steadier one, and the per-round ratios (the
 two depths back to back) show the spread.
 

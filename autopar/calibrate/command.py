@@ -137,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
         if world.num_nodes > 1 and base["network"]["nics_per_node"] == 0:
             raise ValueError(f"base profile {args.base!r} has no network (network_kind "
                              f"'none') to fit across {world.num_nodes} nodes; start from one "
-                             f"that has, e.g. --base dgx-h100, whose network fields are then "
-                             f"refitted")
+                             f"that has, e.g. --base dgx-h100, whose network fields the run "
+                             f"then fits")
         limit, cap_note = _memory_cap(limit, world.ranks_per_node)
         sizes = size_grid(limit, 8 if args.quick else 2)
         schedule = measure.QUICK if args.quick else measure.FULL
@@ -201,9 +201,10 @@ def _finish(args: argparse.Namespace, base: dict[str, Any], out: Path, run: Meas
     hwprofiles.read_profile(out)  # what Cluster.from_toml will read
     out.with_suffix(".calibration.txt").write_text(text, encoding="utf-8")
     out.with_suffix(".calibration.csv").write_text(table_csv(rows), encoding="utf-8")
-    sys.stdout.write(text)
-    print(f"wrote {out} (load it with autopar.Cluster.from_toml({str(out)!r}, num_nodes=...)), "
-          f"{out.with_suffix('.calibration.txt')} and {out.with_suffix('.calibration.csv')}")
+    log.info("%s", text.rstrip("\n"))
+    log.info("wrote %s (load it with autopar.Cluster.from_toml(%r, num_nodes=...)), %s and %s",
+             out, str(out), out.with_suffix(".calibration.txt"),
+             out.with_suffix(".calibration.csv"))
 
 
 def _size(nbytes: int) -> str:

@@ -26,6 +26,7 @@ bounds on both that the search prunes with are in `autopar.estimate.bounds`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from dataclasses import dataclass, field, replace
@@ -40,7 +41,7 @@ from autopar.estimate.data_parallel import GatherUnit, dp_comm
 from autopar.estimate.layout import (Layout, Structure, UnitVectors, analytic_inflight,
                                      fast_peak_memory, layout, pipeline_bound, structure,
                                      unit_vectors)
-from autopar.estimate.memory import activation_bytes, stage_memory, weight_copies
+from autopar.estimate.memory import activation_bytes, stage_memory, keeps_weight_copies
 from autopar.estimate.timing import (RankGroups, UnitCompute, UnitTimes, slowest_groups,
                                      unit_compute, unit_times)
 from autopar.estimate.tp_comm import stream_gradient_sync
@@ -187,7 +188,7 @@ class ModelCosts:
             raise ValueError(f"ep dispatch {dispatch!r} is not 'all_to_all' or 'all_gather'")
         return replace(self, units=tuple(replace(u, ep_dispatch=dispatch) for u in self.units))
 
-    @property
+    @functools.cached_property
     def per_op_costed(self) -> bool:
         """Whether per-op recompute is costed: every block keeps some op's output
         (`OpCost.kept`; an MoE layer costed as a whole, `autopar.trace.moe`, has no ops)."""
@@ -482,7 +483,7 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
               options: EstimateOptions,
               boundaries: tuple[tuple[int, int], ...] | None) -> _Prepared:
     times = _unit_times(costs, cache, config, dtype, options)
-    copies = weight_copies(config, dtype, options.fp32_params)  # in the activations
+    copies = keeps_weight_copies(config, dtype, options.fp32_params)  # in the activations
     vkey = _times_key(cache, config, dtype, options) + (copies,)
     lkey = vkey + (config.pp, config.virtual_stages, boundaries)
     prep = cache.layouts.get(lkey)
@@ -543,7 +544,7 @@ def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, 
                                      options.fp32_params)
     out: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "wgrad", "act",
                                                    "states")}
-    copies = weight_copies(config, dtype, options.fp32_params)
+    copies = keeps_weight_copies(config, dtype, options.fp32_params)
     for unit in units:  # every layer of a unit alike, in model order
         t = times[unit.name]
         kept = activation_bytes(unit, config, flash, options.loss_kernel,

@@ -20,7 +20,7 @@ from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
 from costmodels.pipeline import PipelineTimeline
 
 __all__ = ["stage_memory", "activation_bytes", "loss_bytes", "peak_inflight_bytes",
-           "weight_copies"]
+           "keeps_weight_copies"]
 
 
 def loss_bytes(unit: Unit, loss_kernel: str) -> tuple[float, float]:
@@ -47,7 +47,7 @@ def loss_bytes(unit: Unit, loss_kernel: str) -> tuple[float, float]:
             unit.loss_logits * (LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT - LOSS_KEPT_BYTES_PER_LOGIT))
 
 
-def weight_copies(cfg: ParallelConfig, dtype: str, fp32_params: bool) -> bool:
+def keeps_weight_copies(cfg: ParallelConfig, dtype: str, fp32_params: bool) -> bool:
     """Whether the forward keeps autocast's 16-bit copies of the GEMM weights
     (`EstimateOptions.fp32_params`): a 16-bit run without ZeRO (FSDP2 gathers the
     parameters in 16 bits)."""
@@ -66,7 +66,7 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
     `Unit.saved_bytes_per_op*` name (with sequence parallel also the reduce-scatters' outputs,
     `PER_OP_SAVED`); selective recompute drops the score-sized tensors. A cross-entropy keeps
     and briefly holds what `loss_bytes` says, its logits sharded over tp (vocabulary-parallel)
-    and cp. With `weight_copies` (autocast over fp32 parameters, `weight_copies()`) a layer
+    and cp. With `weight_copies` (autocast over fp32 parameters, `keeps_weight_copies`) a layer
     that is not checkpointed also keeps the 16-bit copy of each GEMM's weight (its share over
     tp, and ep for experts); a checkpointed one casts them again in its recompute.
     """

@@ -129,7 +129,7 @@ def fsdp_precision(plan: Any) -> Any:
     in fp32 for a bf16 or fp8 plan (torchtitan's policy), none otherwise."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if getattr(plan, "training", {}).get("dtype") in ("bf16", "fp8"):
+    if plan.training["dtype"] in ("bf16", "fp8"):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 

@@ -401,8 +401,8 @@ class LocalAttention(TorchFunctionMode):
             heads = _view_chunks(args[0], args[1:])
             if heads is not None:
                 return heads
-        layout = _layout_key(func, args, kwargs)
-        if func in self._replicated or layout in self._refused:
+        if func in self._replicated or (
+                self._refused and _layout_key(func, args, kwargs) in self._refused):
             return _replicated_call(func, args, kwargs)
         try:
             return func(*args, **kwargs)
@@ -414,7 +414,7 @@ class LocalAttention(TorchFunctionMode):
             if isinstance(exc, NotImplementedError):  # the op, not this layout
                 self._replicated.add(func)
             else:
-                self._refused.add(layout)
+                self._refused.add(_layout_key(func, args, kwargs))
             return _replicated_call(func, args, kwargs)
 
 

@@ -106,7 +106,7 @@ def _module_layout(name: str, dp: int, tp: int, ep: int, zero: int) -> dict[str,
     plan = SimpleNamespace(
         config=SimpleNamespace(ep=ep, zero_stage=zero, pp=1, pp_schedule="1f1b"),
         mesh={"axes": ["pp", "dp", "cp", "tp"], "sizes": [1, dp, 1, tp], "ep": ep},
-        placements=placements)
+        placements=placements, training={"dtype": "fp32"})
     holder = torch.nn.Module()
     holder.moe = copy.deepcopy(moe)
     groups = expert_groups(mesh, plan)

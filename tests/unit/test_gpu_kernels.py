@@ -127,10 +127,10 @@ def test_generated_scripts_of_outside_models_against_their_plans(row):
     """`autopar codegen` scripts of a hand-written Llama and of Hugging Face's, bf16 on one
     H200, costed as autopar's runtime runs them (`software="autopar"`): today's estimate of
     the step within 5% of the measured median step, and of the peak allocation within 1%.
-    Measured: 79.0 and 79.7 ms, 17,064 and 16,808 MiB; predicted 79.8 and 78.5 ms (89.1 ms
-    for Hugging Face's while its trace took the masked, repeated-K/V attention path,
-    `autopar.trace.api`), 17,082 and 16,830 MiB (16,237 and 15,985 without autocast's bf16
-    copies of the GEMM weights, which a forward over fp32 parameters keeps for backward)."""
+    Measured: 79.0 and 79.7 ms, 17,064 and 16,808 MiB; predicted 79.8 and 78.5 ms (Hugging
+    Face's traced on its eager attention path, `autopar.trace.api`), 17,082 and 16,830 MiB
+    (with autocast's bf16 copies of the GEMM weights, which a forward over fp32 parameters
+    keeps for backward: `EstimateOptions.fp32_params`)."""
     if row["model"].endswith("hf_llama_1b"):
         pytest.importorskip("transformers")
     import importlib
