@@ -82,15 +82,18 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
     runtime = dict(model=model, graph=graph, example_inputs=example_inputs,
                    input_spec=input_spec, attention_calls=attention_calls[0])
     found = _best(engine, constraints, cluster, costs, runtime, clock=clock, **kw)
-    result, best, planned, limits = found.result, found.best, found.planned, found.limits
+    result, limits = found.result, found.limits
     unrestricted = None
     if engine.restricts:
         unrestricted = _unrestricted(constraints, cluster, costs, runtime, **kw)
         clock.lap("unrestricted")
-    cfg = best.config
-    tp_map, intra_op = tp_layout(model, graph, planned, best, dtype, seq_len, example_inputs,
-                                 options.fp32_params)
+    best, tp_map, intra_op = _tp_layout(found, model, graph, seq_len, example_inputs,
+                                        runs_replicated=engine is AUTOPAR
+                                        and settings.tp_layouts == "ilp",
+                                        global_batch_size=global_batch_size, dtype=dtype,
+                                        options=options)
     clock.lap("intra_op")
+    cfg = best.config
     placements, fingerprint = param_placements(graph, cfg, tp_map), graph.fingerprint()
     clock.lap("plan")
     sizes = {"pp": cfg.pp, "dp": cfg.dp, "cp": cfg.cp, "tp": cfg.tp}
@@ -122,7 +125,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
                 "num_simulated": result.num_simulated,
                 "seconds": result.seconds,
                 "phase_seconds": clock.laps,
-                "stage_cut": "inter-op DP" if best is not result.best else "even (Megatron)"})
+                "stage_cut": "inter-op DP" if found.best is not result.best else "even (Megatron)"})
     plan.origin.update(model=model, cluster=cluster, example_inputs=example_inputs)
     return plan
 
@@ -136,6 +139,43 @@ class _Found:
     planned: Cluster  # the cluster planned within (less the memory headroom if it was kept)
     headroom_kept: bool
     limits: RuntimeLimits
+    costs: ModelCosts  # as the target runs the model (its context and expert parallel)
+
+
+def _tp_layout(found: _Found, model, graph, seq_len, example_inputs, *,
+               runs_replicated: bool, global_batch_size: int, dtype: str,
+               options: EstimateOptions) -> tuple[Estimate, dict[str, str], dict[str, Any]]:
+    """The plan's estimate, tensor-parallel layout and the ILP's report per block
+    (`autopar.search.tp_layout.tp_layout`). Where the ILP prices sub-layers replicated on the
+    sequence shard lower (``runs_replicated``: a runtime that runs them), the whole plan is
+    estimated again in that layout, on the winner's stages, and taken if it fits and is
+    faster; Megatron-LM's otherwise."""
+    best = found.best
+    args = (model, graph, found.planned, best, dtype, seq_len, example_inputs,
+            options.fp32_params)
+    layout = tp_layout(*args, replicate=runs_replicated)
+    if not layout.replicated:
+        return best, layout.placements, layout.report
+    ends = list(itertools.accumulate(len(layers) for layers in best.stage_layers))
+    relaid = evaluate(found.costs.with_tp_layout(layout.replicated), found.planned,
+                      best.config, global_batch_size=global_batch_size, dtype=dtype,
+                      options=options, stage_boundaries=tuple(zip([0] + ends[:-1], ends)))
+    if relaid.fits and relaid.step_time_s < best.step_time_s:
+        log.info("the intra-op ILP's layout runs %s replicated on the sequence shard: %.4g s "
+                 "per step against %.4g s in Megatron-LM's", _replicated_text(layout.report),
+                 relaid.step_time_s, best.step_time_s)
+        return relaid, layout.placements, layout.report
+    log.info("the intra-op ILP's layout with %s replicated is %s by the whole estimate; the "
+             "plan keeps Megatron-LM's", _replicated_text(layout.report),
+             "slower" if relaid.fits else "over the memory")
+    layout = tp_layout(*args, replicate=False)
+    return best, layout.placements, layout.report
+
+
+def _replicated_text(report: dict[str, Any]) -> str:
+    return ", ".join(f"{block}'s sub-layers {entry['replicated_sublayers']}"
+                     for block, entry in sorted(report.items())
+                     if entry.get("replicated_sublayers"))
 
 
 def _best(engine: EngineTarget, constraints: dict[str, Any], cluster: Cluster,
@@ -184,7 +224,7 @@ def _best(engine: EngineTarget, constraints: dict[str, Any], cluster: Cluster,
         best = _rebalance_stages(costs, planned, best, global_batch_size, dtype, options, cache)
     clock.lap("stage_dp")
     return _Found(result=result, best=best, planned=planned, headroom_kept=headroom_kept,
-                  limits=limits)
+                  limits=limits, costs=costs)
 
 
 def _unrestricted(constraints: dict[str, Any], cluster: Cluster, costs: ModelCosts,

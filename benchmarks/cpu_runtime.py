@@ -30,7 +30,7 @@ import autopar  # noqa: E402
 import tiny_models  # noqa: E402
 from autopar.codegen import generate_script  # noqa: E402
 
-# (name, ranks, model factory, pins)
+# (name, ranks, model factory, pins[, SearchSettings fields])
 CASES = [
     ("single", 1, "tiny_llama", {}),
     ("dp2_zero0", 2, "tiny_llama", {"dp": 2, "zero_stage": 0}),
@@ -41,14 +41,22 @@ CASES = [
     ("single_wide", 1, "tiny_llama_wide", {}),
     ("dp2_wide", 2, "tiny_llama_wide", {"dp": 2, "zero_stage": 0}),
     ("tp2_wide", 2, "tiny_llama_wide", {"tp": 2, "sequence_parallel": False}),
+    # one sequence per micro-batch with sequence parallel: the intra-op ILP's layout (the MLP
+    # replicated on the sequence shard) against Megatron-LM's, side by side
+    ("tp2_sp_ilp", 2, "tiny_llama_wide", {"tp": 2, "sequence_parallel": True,
+                                          "micro_batch_size": 1}),
+    ("tp2_sp_meg", 2, "tiny_llama_wide", {"tp": 2, "sequence_parallel": True,
+                                          "micro_batch_size": 1}, {"tp_layouts": "megatron"}),
 ]
 STEP = re.compile(r"^step (\d+) loss \S+ time_ms (\S+)", re.MULTILINE)
 
 
-def run_case(tmp: Path, name: str, ranks: int, factory: str, pins: dict, steps: int):
+def run_case(tmp: Path, name: str, ranks: int, factory: str, pins: dict, steps: int,
+             settings: dict | None = None):
     cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=ranks)
     plan = autopar.compile(getattr(tiny_models, factory)(), cluster, global_batch_size=8,
-                           seq_len=64, dtype="fp32", constraints=pins)
+                           seq_len=64, dtype="fp32", constraints=pins,
+                           settings=autopar.SearchSettings(progress=False, **(settings or {})))
     script = tmp / f"{name}.py"
     script.write_text(generate_script(plan, f"tiny_models:{factory}",
                                       plan_path=plan.save(tmp / f"{name}.json")))
@@ -75,10 +83,11 @@ def main() -> None:
           f"largest predicted terms")
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, ranks, factory, pins in CASES:
+        for name, ranks, factory, pins, *settings in CASES:
             if args.only and name not in args.only:
                 continue
-            plan, measured = run_case(Path(tmp), name, ranks, factory, pins, args.steps)
+            plan, measured = run_case(Path(tmp), name, ranks, factory, pins, args.steps,
+                                      *settings)
             pred = plan.estimate.step_time_s
             ratios.append(pred / measured)
             terms = sorted(((v, k) for k, v in plan.estimate.breakdown.items()

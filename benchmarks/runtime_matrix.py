@@ -44,6 +44,8 @@ PLANS: dict[str, tuple[int, dict]] = {
     "zero3": (2, {"dp": 2, "zero_stage": 3}),
     "tp": (2, {"tp": 2, "sequence_parallel": False}),
     "tp_sp": (2, {"tp": 2, "sequence_parallel": True}),
+    # one sequence per micro-batch: the intra-op ILP runs MLPs replicated on the sequence shard
+    "tp_sp_mb1": (2, {"tp": 2, "sequence_parallel": True, "micro_batch_size": 1}),
     "tp_sp_per_op": (2, {"tp": 2, "sequence_parallel": True, "recompute": "per_op"}),
     "tp_full": (2, {"tp": 2, "sequence_parallel": False, "recompute": "full"}),
     "dp_per_op": (2, {"dp": 2, "zero_stage": 0, "recompute": "per_op"}),

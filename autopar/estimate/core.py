@@ -30,7 +30,7 @@ import functools
 import logging
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import numpy as np
 import torch.nn as nn
@@ -187,6 +187,15 @@ class ModelCosts:
         if dispatch not in ("all_to_all", "all_gather"):
             raise ValueError(f"ep dispatch {dispatch!r} is not 'all_to_all' or 'all_gather'")
         return replace(self, units=tuple(replace(u, ep_dispatch=dispatch) for u in self.units))
+
+    def with_tp_layout(self, replicated: Mapping[str, frozenset[int]]) -> "ModelCosts":
+        """These costs with the sub-layers ``replicated`` names ({block name: indices into
+        its `Unit.sublayers`}, `autopar.plan.replicated_sublayers`) run replicated over tp
+        on the sequence shard (`Unit.replicated`)."""
+        if not any(replicated.values()):
+            return self
+        return replace(self, units=tuple(u.replicated(frozenset(replicated.get(u.name, ())))
+                                         for u in self.units))
 
     @functools.cached_property
     def per_op_costed(self) -> bool:
@@ -503,7 +512,7 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
     p2p = (cache.collective_time("send_recv", act, groups.pp_hop)
            if groups.pp_hop is not None else 0.0)
     heavy = int(np.argmax(lay.rank_dense + lay.rank_expert))  # the first, as max() took
-    units_here = [GatherUnit(unit=u, layers=float(n), dense=u.dense_params / config.tp,
+    units_here = [GatherUnit(unit=u, layers=float(n), dense=u.dense_on_tp_rank(config.tp),
                               expert=u.expert_params / (config.tp * config.ep))
                   for u, n in zip(units, lay.rank_counts[heavy]) if n > 0]
     prep = cache.layouts[lkey] = _Prepared(
@@ -549,7 +558,7 @@ def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, 
         t = times[unit.name]
         kept = activation_bytes(unit, config, flash, options.loss_kernel,
                                 weight_copies=copies)[0]
-        states = unit.dense_params / config.tp * dense_b \
+        states = unit.dense_on_tp_rank(config.tp) * dense_b \
             + unit.expert_params / (config.tp * config.ep) * expert_b
         for key, value in (("forward", t.forward), ("backward", t.backward),
                            ("wgrad", t.compute_wgrad), ("act", kept), ("states", states)):
@@ -570,14 +579,28 @@ def _breakdown(step: float, sums: dict[str, float], m: int) -> dict[str, float]:
     return parts
 
 
+def costs_of_layout(graph: Graph, config: ParallelConfig,
+                    tp_placements: Mapping[str, str] | None) -> ModelCosts:
+    """`ModelCosts` of ``graph`` under the tensor-parallel layout ``tp_placements`` ({param
+    FQN: placement on tp}; None: Megatron-LM's, `autopar.plan.megatron_tp_placements`)."""
+    costs = ModelCosts.from_graph(graph)
+    if tp_placements is None or config.tp == 1:
+        return costs
+    from autopar.plan.placements import replicated_sublayers  # plan imports the estimate
+
+    return costs.with_tp_layout(replicated_sublayers(
+        graph, tp_placements, sequence_parallel=config.sequence_parallel))
+
+
 def estimate_graph(graph: Graph, cluster: Cluster, config: ParallelConfig, *,
                    global_batch_size: int, dtype: str = "bf16",
-                   options: EstimateOptions = EstimateOptions()) -> Estimate:
+                   options: EstimateOptions = EstimateOptions(),
+                   tp_placements: Mapping[str, str] | None = None) -> Estimate:
     """Estimate from a graph traced for one micro-batch (`graph.batch_size` sequences)."""
     if graph.batch_size != config.micro_batch_size:
         raise ValueError(f"the graph was traced for batch {graph.batch_size} but the config's "
                          f"micro_batch_size is {config.micro_batch_size}")
-    return evaluate(ModelCosts.from_graph(graph), cluster, config,
+    return evaluate(costs_of_layout(graph, config, tp_placements), cluster, config,
                     global_batch_size=global_batch_size, dtype=dtype, options=options)
 
 
@@ -585,13 +608,18 @@ def estimate(model: nn.Module | Graph, cluster: Cluster, config: ParallelConfig,
              global_batch_size: int, seq_len: int | None = None, dtype: str = "bf16",
              example_inputs: Any = None,
              options: EstimateOptions = EstimateOptions(),
-             software: str | None = None) -> Estimate:
+             software: str | None = None,
+             tp_placements: Mapping[str, str] | None = None) -> Estimate:
     """Predict step time, breakdown and memory per rank of `config` for `model` on `cluster`.
 
     Token models take `global_batch_size` (sequences) and `seq_len`; other models take
     `example_inputs` for one micro-batch. `dtype` is the training precision. `software`
     names the engine's preset (`autopar.SOFTWARE`: "autopar", "megatron", "torchtitan",
-    "torchtitan-compile", "deepspeed"), or `options` sets each field.
+    "torchtitan-compile", "deepspeed"), or `options` sets each field. `tp_placements`
+    ({param FQN: placement on the tp axis}, a plan's `Plan.tp_placements`) is the
+    tensor-parallel layout when it is not Megatron-LM's: whole sub-layers without attention
+    replicated on the sequence shard under sequence parallel, as compile's intra-op ILP may
+    choose (`autopar.plan.replicated_sublayers`).
     """
     from autopar.estimate.software import software_options
 
@@ -611,4 +639,4 @@ def estimate(model: nn.Module | Graph, cluster: Cluster, config: ParallelConfig,
         else:
             graph = trace(model, example_inputs=example_inputs, dtype=dtype)
     return estimate_graph(graph, cluster, config, global_batch_size=global_batch_size,
-                          dtype=dtype, options=options)
+                          dtype=dtype, options=options, tp_placements=tp_placements)

@@ -176,6 +176,7 @@ class UnitVectors:
     kept: np.ndarray  # activation bytes kept per layer per micro-batch
     working: np.ndarray  # one layer's working set while it runs
     dense: np.ndarray  # parameters per layer, unsharded
+    tp_replicated: np.ndarray  # the part of `dense` whole on every tp rank
     expert: np.ndarray
     param_bytes: np.ndarray
     bytes_per_param: np.ndarray
@@ -194,6 +195,7 @@ def unit_vectors(units: tuple[Unit, ...], times: dict[str, UnitTimes], cfg: Para
         times=per_unit, work=per_unit["forward"] + per_unit["backward"],
         kept=np.array([k for k, _ in acts]), working=np.array([w for _, w in acts]),
         dense=np.array([u.dense_params for u in units], float),
+        tp_replicated=np.array([u.tp_replicated_params for u in units], float),
         expert=np.array([u.expert_params for u in units], float), param_bytes=pbytes,
         bytes_per_param=pbytes / np.maximum(1, [u.dense_params + u.expert_params
                                                 for u in units]))
@@ -213,7 +215,8 @@ def layout(vec: UnitVectors, cfg: ParallelConfig, st: Structure) -> Layout:
         rank_kept=st.rank_counts @ vec.kept,
         rank_counts=st.rank_counts,
         rank_working=np.where(st.in_rank, vec.working, 0.0).max(axis=1),
-        rank_dense=st.rank_counts @ vec.dense / cfg.tp,
+        rank_dense=st.rank_counts @ vec.dense / cfg.tp if not vec.tp_replicated.any() else
+        st.rank_counts @ ((vec.dense - vec.tp_replicated) / cfg.tp + vec.tp_replicated),
         rank_expert=st.rank_counts @ vec.expert / (cfg.tp * cfg.ep),
         rank_max_param_bytes=np.where(st.in_rank, vec.param_bytes, 0).max(axis=1) / cfg.tp,
         rank_bytes_per_param=np.where(st.in_rank, vec.bytes_per_param, 0).max(axis=1),

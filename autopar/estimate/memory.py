@@ -77,7 +77,8 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
     full = (unit.saved_bytes - unit.saved_bytes_memory_ops) / (tp * cp) \
         + unit.saved_bytes_memory_ops / mem_split + scores + loss_kept
     if weight_copies:
-        copies = sum(op.param_bytes / (tp * (cfg.ep if op.expert else 1))
+        copies = sum(op.param_bytes / ((1 if op.tp_replicated else tp)
+                                       * (cfg.ep if op.expert else 1))
                      for op in unit.ops if op.kind == "gemm")
         full += copies
     if cfg.recompute == "full" and unit.is_block:  # the glue is not checkpointed

@@ -368,8 +368,11 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         dtype = "bf16"
     if op.kind == "gemm":
         scale = tp * cp
-        fwd = gemm_time_s(device, dtype, op.flops_fwd / scale, op.bytes_fwd / scale)
-        bwd = gemm_time_s(device, dtype, op.flops_bwd / scale, 2 * op.bytes_fwd / scale)
+        nbytes = op.bytes_fwd / scale
+        if op.tp_replicated:  # the sequence shard's rows times the whole weight
+            nbytes = (op.bytes_fwd - op.param_bytes) / scale + op.param_bytes
+        fwd = gemm_time_s(device, dtype, op.flops_fwd / scale, nbytes)
+        bwd = gemm_time_s(device, dtype, op.flops_bwd / scale, 2 * nbytes)
         if not op.aligned and kernels == "eager":  # fused-kernel software pads the sizes
             fwd *= unaligned_gemm_slowdown(device, dtype, backward=False)
             bwd *= unaligned_gemm_slowdown(device, dtype, backward=True)
@@ -377,7 +380,9 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         if fp8:
             inputs, weights, outputs = op.fp8_elements
             cast_fwd, cast_bwd = fp8_cast_time_s(device, fp8_recipe, kernels,
-                                                 inputs=inputs / scale, weights=weights / tp,
+                                                 inputs=inputs / scale,
+                                                 weights=weights / (1 if op.tp_replicated
+                                                                    else tp),
                                                  outputs=outputs / scale)
             fwd, bwd = fwd + cast_fwd, bwd + cast_bwd
         return fwd, bwd, wgrad

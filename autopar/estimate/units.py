@@ -26,13 +26,13 @@ from dataclasses import dataclass, replace
 
 from autopar.config import PER_OP_ALTERNATED, PER_OP_SAVED
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
-from autopar.ir.residual import consumers, residual_structure
+from autopar.ir.residual import consumers, residual_structure, sublayers
 
 LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
 LOSS_REDUCTION_BYTES = 4  # fp32 per row each
 
-__all__ = ["LOSS_REDUCTIONS", "LOSS_REDUCTION_BYTES", "OpCost", "Unit", "recompute_tail",
-           "token_lookup", "units_from_graph", "vocab_sizes"]
+__all__ = ["LOSS_REDUCTIONS", "LOSS_REDUCTION_BYTES", "OpCost", "SubLayer", "Unit",
+           "recompute_tail", "token_lookup", "units_from_graph", "vocab_sizes"]
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV)
 _FREE_KINDS = (OpKind.VIEW,)
@@ -73,6 +73,25 @@ class OpCost:
     # in a block under per-op recompute: its output is kept for backward and it is not re-run
     # (a fused attention kernel, every other matmul; `autopar.config.PER_OP_SAVED`)
     kept: bool = False
+    # a GEMM of a sub-layer the layout replicates over tp (`Unit.replicated`): each tp rank
+    # reads (and under fp8 casts) its whole weight
+    tp_replicated: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SubLayer:
+    """One sub-layer of a block (`autopar.ir.residual.sublayers`) at the traced batch: what
+    running it replicated over tp changes (`Unit.replicated`)."""
+
+    ops: tuple[int, ...]  # indices into `Unit.ops`
+    reductions: int  # its row-parallel GEMMs: tp reductions per direction under Megatron's
+    params: int  # elements of its GEMMs' parameters this unit owns
+    trainable: int  # the part of `params` that trains
+    per_op_partial: int  # of `Unit.saved_bytes_per_op_partial`: its row GEMMs' kept outputs
+    # whether a runtime can run it replicated on the sequence shard: GEMMs (matmuls) with
+    # weights, element-wise and norm ops only -- no attention (it needs the whole sequence),
+    # no MoE routing, embedding or convolution
+    replicable: bool
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -113,6 +132,10 @@ class Unit:
     # how expert parallel moves tokens: "all_to_all" (dispatch and combine of the routed rows) or
     # "all_gather" (every ep rank's tokens gathered, outputs reduce-scattered)
     ep_dispatch: str = "all_to_all"
+    sublayers: tuple[SubLayer, ...] = ()  # a block's, in order
+    # elements of `dense_params` whole on every tp rank: the GEMM weights of the sub-layers
+    # the layout replicates (`replicated`)
+    tp_replicated_params: int = 0
 
     @property
     def count(self) -> int:
@@ -123,6 +146,45 @@ class Unit:
         """Partial sums reduced per layer, forward and backward (`tp_syncs`)."""
         return (sum(d == "forward" and k == "reduce" for d, k, _ in self.tp_syncs),
                 sum(d == "backward" and k == "reduce" for d, k, _ in self.tp_syncs))
+
+    def dense_on_tp_rank(self, tp: int) -> float:
+        """Dense parameter elements one tp rank holds of one layer."""
+        if not self.tp_replicated_params:
+            return self.dense_params / tp
+        return (self.dense_params - self.tp_replicated_params) / tp + self.tp_replicated_params
+
+    def replicated(self, which: frozenset[int]) -> "Unit":
+        """This unit with the sub-layers ``which`` (indices into `sublayers`) run replicated
+        over tp on the sequence shard under sequence parallel, where Megatron-LM's layout
+        splits their GEMMs: each such sub-layer reduces nothing over tp, its weights are
+        whole on every tp rank (their gradients, partial sums over the sequence shards,
+        all-reduced once a step with the stream's: `stream_params`), and its row GEMMs'
+        outputs are sequence shards rather than partial sums."""
+        if not which:
+            return self
+        subs = [self.sublayers[i] for i in sorted(which)]
+        if not all(sub.replicable for sub in subs):
+            raise ValueError(f"{self.name}: sub-layers {sorted(which)} cannot all run "
+                             f"replicated (attention, routing or no weights)")
+        idx = {i for sub in subs for i in sub.ops}
+        ops = tuple(replace(op, tp_replicated=True) if i in idx and op.kind == "gemm" else op
+                    for i, op in enumerate(self.ops))
+        cut = {"forward": sum(sub.reductions for sub in subs)}
+        cut["backward"] = cut["forward"]
+        syncs = []
+        for sync in self.tp_syncs:
+            direction, kind, _ = sync
+            if kind == "reduce" and cut.get(direction, 0) > 0:
+                cut[direction] -= 1
+                continue
+            syncs.append(sync)
+        partial = sum(sub.per_op_partial for sub in subs)
+        return replace(self, ops=ops, tp_syncs=tuple(syncs),
+                       tp_replicated_params=self.tp_replicated_params
+                       + sum(sub.params for sub in subs),
+                       stream_params=self.stream_params + sum(sub.trainable for sub in subs),
+                       saved_bytes_per_op=self.saved_bytes_per_op + partial,
+                       saved_bytes_per_op_partial=self.saved_bytes_per_op_partial - partial)
 
     @property
     def is_block(self) -> bool:
@@ -154,7 +216,9 @@ class Unit:
                        attention_score_bytes=self.attention_score_bytes * factor,
                        loss_logits=self.loss_logits * factor,
                        loss_logit_bytes=self.loss_logit_bytes * factor,
-                       tp_syncs=tuple((d, k, n * factor) for d, k, n in self.tp_syncs))
+                       tp_syncs=tuple((d, k, n * factor) for d, k, n in self.tp_syncs),
+                       sublayers=tuple(replace(sub, per_op_partial=sub.per_op_partial * factor)
+                                       for sub in self.sublayers))
 
 
 def _scaled_fp8(elements: tuple[float, ...], factor: float) -> tuple[float, ...]:
@@ -277,6 +341,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     residual = residual_structure(nodes)
     kept = _per_op_kept(nodes)
     per_op = per_op_partial = per_op_attention = 0
+    op_index: dict[str, int] = {}
     for node in nodes:
         if node.kind is OpKind.MOE_DISPATCH:
             in_moe = True
@@ -293,6 +358,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
                     dense += p.numel
         if node.kind in _FREE_KINDS:
             continue
+        op_index[node.name] = len(ops)
         kernels += 1
         tail_kernels += node.name in tail
         io = node.bytes_read + node.bytes_written
@@ -353,6 +419,8 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
                    if not src.startswith(("param:", "buffer:", "const"))), default=0)
     syncs, stream = _tp_syncs(nodes, residual, act, vocab_dims)
     losses = [n for n in nodes if _is_cross_entropy(n)]
+    subs = tuple(_sublayer(run, op_index, residual, kept, seen_params)
+                 for run in sublayers(nodes, residual)) if residual.residual_adds else ()
     return Unit(
         name=name, layer_fqns=fqns, ops=tuple(ops), num_kernels=kernels,
         dense_params=dense, expert_params=expert,
@@ -366,7 +434,27 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         loss_logits=sum(n.inputs[0].numel for n in losses),
         loss_logit_bytes=sum(n.inputs[0].num_bytes for n in losses), tail_kernels=tail_kernels,
         stream_params=sum(p.numel for n in nodes if n.name in stream for p in n.params
-                          if p.requires_grad and p.fqn in seen_params))
+                          if p.requires_grad and p.fqn in seen_params), sublayers=subs)
+
+
+_NOT_REPLICABLE = frozenset({OpKind.ATTENTION, OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE,
+                             OpKind.EMBEDDING, OpKind.CONV})
+
+
+def _sublayer(run: list[Node], op_index: dict[str, int], residual, kept: dict[str, int],
+              owned: dict[str, int]) -> SubLayer:
+    """`SubLayer` of one run of a block's nodes (``owned``: the parameters the unit counts)."""
+    gemm_params = {p.fqn: p for n in run if n.kind is OpKind.MATMUL for p in n.params
+                   if p.fqn in owned}
+    return SubLayer(
+        ops=tuple(op_index[n.name] for n in run if n.name in op_index),
+        reductions=sum(n.name in residual.row_gemms for n in run),
+        params=sum(p.numel for p in gemm_params.values()),
+        trainable=sum(p.numel for p in gemm_params.values() if p.requires_grad),
+        per_op_partial=sum(kept.get(n.name, 0) for n in run
+                           if n.name in residual.row_gemms and n.kind is not OpKind.ATTENTION),
+        replicable=bool(gemm_params) and not any(n.kind in _NOT_REPLICABLE
+                                                 or n.target.startswith("moe.") for n in run))
 
 
 def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]

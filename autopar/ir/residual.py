@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from autopar.ir.graph import Node, OpKind
 
 __all__ = ["MIXING_KINDS", "Residual", "consumers", "fused_chunks", "fused_splits",
-           "residual_structure"]
+           "residual_structure", "sublayers"]
 
 MIXING_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
                      OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE})
@@ -100,6 +100,19 @@ def residual_structure(nodes: Sequence[Node]) -> Residual:
                     frontier.append(nxt.name)
     return Residual(stream=frozenset(stream), residual_adds=tuple(adds),
                     row_gemms=frozenset(rows))
+
+
+def sublayers(nodes: Sequence[Node], residual: Residual) -> list[list[Node]]:
+    """``nodes`` cut after each residual add of ``residual`` (their structure): the nodes of
+    each sub-layer from the one after the previous add through its own add (a sub-layer's
+    norm, GEMMs and add), in order, and the nodes after the last add, if any, as one more."""
+    adds = set(residual.residual_adds)
+    out: list[list[Node]] = [[]]
+    for node in nodes:
+        out[-1].append(node)
+        if node.name in adds:
+            out.append([])
+    return [run for run in out if run]
 
 
 _RESHAPES = ("aten.view", "aten.reshape", "aten._unsafe_view")

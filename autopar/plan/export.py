@@ -99,6 +99,14 @@ def export_plan(plan: Any, fmt: str) -> ExportResult:
     if fmt not in exporters:
         raise ValueError(f"unknown export format {fmt!r}; allowed: {', '.join(EXPORT_FORMATS)}")
     text, notes, setup = exporters[fmt](plan)
+    replicated = sorted(block for block, info in getattr(plan, "intra_op", {}).items()
+                        if info.get("replicated_sublayers"))
+    if replicated:
+        notes.append(f"tensor-parallel layout: the plan runs sub-layers of {', '.join(replicated)} "
+                     f"replicated on the sequence shard (the intra-op ILP's layout, which "
+                     f"autopar's runtime runs); {fmt} splits every sub-layer as Megatron-LM "
+                     f"does, so its step is not the plan's: compile with target=\"{fmt}\" for a "
+                     f"plan costed in its layout")
     return ExportResult(format=fmt, text=text, notes=tuple(notes), setup=tuple(setup))
 
 

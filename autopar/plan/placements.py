@@ -19,12 +19,17 @@ ep on their expert dim.
 
 from __future__ import annotations
 
-from autopar.config import ParallelConfig
-from autopar.estimate.units import token_lookup, vocab_sizes
-from autopar.ir import Graph, OpKind
-from autopar.ir.residual import MIXING_KINDS, consumers, fused_chunks, residual_structure
+from collections.abc import Mapping
 
-__all__ = ["fused_projections", "megatron_tp_placements", "param_placements"]
+from autopar.config import ParallelConfig
+from autopar.errors import InvalidConfigError
+from autopar.estimate.units import token_lookup, units_from_graph, vocab_sizes
+from autopar.ir import Graph, OpKind
+from autopar.ir.residual import (MIXING_KINDS, consumers, fused_chunks, residual_structure,
+                                 sublayers)
+
+__all__ = ["fused_projections", "megatron_tp_placements", "param_placements",
+           "replicated_sublayers"]
 
 
 def megatron_tp_placements(graph: Graph) -> dict[str, str]:
@@ -82,6 +87,54 @@ def megatron_tp_placements(graph: Graph) -> dict[str, str]:
             sublayer = []
     close(sublayer)
     return out
+
+
+def replicated_sublayers(graph: Graph, tp_placements: Mapping[str, str], *,
+                         sequence_parallel: bool) -> dict[str, frozenset[int]]:
+    """``{block representative: indices of its sub-layers}`` that ``tp_placements`` ({param
+    FQN: placement on tp}, a block's layers read at its representative) runs replicated where
+    Megatron-LM's layout splits them: every parameter of the sub-layer "R", under sequence
+    parallel, in a sub-layer a runtime can run so on the sequence shard
+    (`autopar.estimate.units.SubLayer.replicable`). Every other parameter must be placed as
+    `megatron_tp_placements` does: InvalidConfigError otherwise, naming the first that is
+    not."""
+    megatron = megatron_tp_placements(graph)
+    placed = lambda fqn: tp_placements.get(fqn, "R")  # noqa: E731
+    owner = {name: b for b in graph.blocks for name in b.node_names}
+    units = {u.name: u for u in units_from_graph(graph) if u.sublayers}
+    out: dict[str, frozenset[int]] = {}
+    for block in graph.blocks:
+        nodes = [n for n in graph.nodes if n.name in block.node_names]
+        unit = units.get(block.representative)
+        runs = sublayers(nodes, residual_structure(nodes)) if unit is not None else [nodes]
+        chosen = set()
+        for i, run in enumerate(runs):
+            params = [p.fqn for n in run for p in n.params]
+            if all(placed(f) == megatron.get(f, "R") for f in params):
+                continue
+            if unit is not None and sequence_parallel and unit.sublayers[i].replicable \
+                    and all(placed(f) == "R" for f in params):
+                chosen.add(i)
+                continue
+            _refuse(next(f for f in params if placed(f) != megatron.get(f, "R")),
+                    placed, megatron, sequence_parallel)
+        if chosen:
+            out[block.representative] = frozenset(chosen)
+    for node in graph.nodes:
+        if node.name not in owner:
+            for p in node.params:
+                if placed(p.fqn) != megatron.get(p.fqn, "R"):
+                    _refuse(p.fqn, placed, megatron, sequence_parallel)
+    return out
+
+
+def _refuse(fqn: str, placed, megatron: dict[str, str], sequence_parallel: bool) -> None:
+    raise InvalidConfigError(
+        f"{fqn} is placed {placed(fqn)} on tp where Megatron-LM's layout places it "
+        f"{megatron.get(fqn, 'R')}; the estimate and the runtime take Megatron-LM's layout, "
+        f"or whole sub-layers without attention or routing replicated (every parameter 'R') "
+        f"under sequence parallel{'' if sequence_parallel else ' (this config has none)'}: "
+        f"use a plan's placements (Plan.tp_placements) or leave tp_placements out")
 
 
 def _gemm_chains(nodes: list) -> dict[str, tuple[bool, bool]]:

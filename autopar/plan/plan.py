@@ -72,6 +72,13 @@ class Plan:
     # that `explain` needs them again only after `load_plan`; not saved, not compared
     origin: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
+    @property
+    def tp_placements(self) -> dict[str, str]:
+        """``{param FQN: placement on the tp axis}``: the tensor-parallel layout the plan's
+        estimate costs and the runtime runs (`autopar.estimate(..., tp_placements=...)`
+        re-costs it)."""
+        return {fqn: axes.get("tp", "R") for fqn, axes in self.placements.items()}
+
     def to_dict(self) -> dict[str, Any]:
         from autopar import __version__
 

@@ -313,25 +313,33 @@ def _placements(plan: Plan) -> Section:
         after.append(f"intra-op ILP for {block} at tp={info.get('tp')}{share}: "
                      f"{'optimal' if info.get('optimal') else 'not proven optimal'}, comm "
                      f"{fmt_seconds(info.get('comm_s', 0.0))} per layer; "
-                     + ("same layout as the Megatron layout the estimate costs" if same else
-                        _ilp_advice(info)))
+                     + _taken(info) + ("" if same else "; " + _ilp_advice(info)))
     return Section(title="Placements per module kind", lines=lines, tables=(
         Table(columns=("module", "instances", "tensors", *axis_names), rows=tuple(rows),
               right=frozenset({1, 2})),), after=tuple(after))
 
 
+def _taken(info: dict[str, Any]) -> str:
+    """The layout the plan runs and its estimate costs (`tp_layout`)."""
+    subs = info.get("replicated_sublayers")
+    if subs:
+        return (f"the plan runs Megatron's layout with sub-layer{'s' if len(subs) > 1 else ''} "
+                f"{', '.join(map(str, subs))} replicated on the sequence shard, as the "
+                f"estimate costs it")
+    return "the plan runs Megatron's layout, as the estimate costs it"
+
+
 def _ilp_advice(info: dict[str, Any]) -> str:
-    """What a block's ILP layout, other than Megatron's, would trade (`tp_layout`)."""
-    kept = "the plan keeps Megatron's, which the estimate costs (the ILP's: intra_op " \
-        "'ilp_placements')"
+    """What the block's unconstrained ILP optimum, a layout the runtime does not run as the
+    ILP prices it, would trade (`tp_layout`)."""
+    where = "(intra_op 'ilp_placements')"
     if "ilp_objective_s" not in info or "memory_bytes" not in info:
-        return "prefers another layout than Megatron's; " + kept
-    megatron = info.get("compute_s", 0.0) + info.get("comm_s", 0.0) + info.get("state_s", 0.0)
+        return f"the ILP's own optimum is another layout {where}"
+    taken = info.get("compute_s", 0.0) + info.get("comm_s", 0.0) + info.get("state_s", 0.0)
     more = info["ilp_memory_bytes"] - info["memory_bytes"]
-    trade = (f"{fmt_seconds(megatron - info['ilp_objective_s'])} faster per layer than "
-             f"Megatron's" + (f", holding {fmt_bytes_gb(more)} GB more per rank" if more > 0
-                              else ""))
-    return f"prefers another layout ({trade}); " + kept
+    trade = (f"{fmt_seconds(taken - info['ilp_objective_s'])} faster per layer" +
+             (f", holding {fmt_bytes_gb(more)} GB more per rank" if more > 0 else ""))
+    return f"the ILP's own optimum is another layout {where}: {trade}"
 
 
 def _config_fields(row: pd.Series) -> dict[str, Any]:
@@ -383,7 +391,10 @@ def _candidates(plan: Plan) -> Section:
     return Section(
         title="Next candidates and what made each slower",
         lines=((f"{len(plan.candidates)} candidates in the table; the plan is #1 at "
-               f"{fmt_seconds(est.step_time_s)}; term differences are candidate minus plan"),),
+               f"{fmt_seconds(est.step_time_s)}; term differences are candidate minus plan"
+                + ("; the candidates are costed in Megatron-LM's tensor-parallel layout, the "
+                   "plan in the ILP's" if any(info.get("replicated_sublayers")
+                                             for info in plan.intra_op.values()) else "")),),
         tables=(Table(columns=("#", "config", "step", "vs plan", "peak GB", "estimate",
                                "largest term differences"), rows=tuple(rows),
                       right=frozenset({0, 2, 3, 4})),),

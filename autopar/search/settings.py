@@ -53,11 +53,22 @@ class SearchSettings:
     for recompute-heavy plans near the limit. `autopar.compile` plans within the device less
     this; when nothing fits there, it returns the best plan that fits the whole device and
     says so."""
+    tp_layouts: str = "ilp"
+    """The tensor-parallel layouts a plan may take: "ilp" (the intra-op ILP's cheapest of
+    Megatron-LM's layout and, under sequence parallel for autopar's runtime, Megatron-LM's with
+    sub-layers such as the MLP replicated on the sequence shard, where the whole estimate
+    agrees it is faster and fits) or "megatron" (Megatron-LM's layout always; the ILP's is
+    reported only). Plans for another engine (`compile(target=...)`) take Megatron-LM's."""
     mesh_orders: Any = "default"
     """The mesh orders searched (`mesh_orders`): "default" (pp, dp, cp, tp: tp innermost, as
     Megatron-LM and torchtitan lay ranks out), "all" (the 24 orders of pp, dp, cp, tp) or a list
     of orders. Each config is costed once per placement of its ranks, and in the orders after
     the first only where its bound without communication can reach the top."""
+
+    def __post_init__(self) -> None:
+        if self.tp_layouts not in ("ilp", "megatron"):
+            raise ValueError(f"SearchSettings.tp_layouts must be 'ilp' or 'megatron', got "
+                             f"{self.tp_layouts!r}")
 
 
 def check_constraints(constraints: dict[str, Any] | None) -> dict[str, Any]:

@@ -12,31 +12,48 @@ relaxation finds (proven optimal where the relaxation's bound meets it). A repli
 is then chosen only where its saved communication pays for its memory and per-step work, and
 where it fits.
 
-Where the ILP's layout is Megatron-LM's (the one the outer search and the estimate cost:
-column-parallel GEMMs into each sub-layer, row-parallel into the residual add, from the
-dataflow), the plan takes it. Where it is another, the plan keeps Megatron's -- the runtime
-places activations by DTensor's propagation from the parameters' placements, which need not
-be the ILP's execution of another layout -- so that its predicted time and memory are those
-of what the runtime runs, and records the ILP's layout per block as advice with both
-objectives.
+The layouts a plan may take are those the estimate costs and the runtime runs as the ILP
+prices them: Megatron-LM's (column-parallel GEMMs into each sub-layer, row-parallel into the
+residual add, found from the dataflow) and, under sequence parallel for autopar's runtime,
+Megatron-LM's with some sub-layers without attention or routing (an MLP) replicated: each
+tp rank runs them on its shard of the sequence with whole weights, with no activation traffic,
+its weight gradients all-reduced once a step (`Unit.replicated`). The ILP prices each of
+those (`solve_block` with the parameters pinned) and the plan takes the cheapest within the
+block's budget whose collectives are the estimate's; compile then estimates the whole plan
+in it and keeps it where it fits and is faster. Where the ILP's own optimum is another
+layout still (attention on the sequence shard, a batch shard through a flattened view), it
+is recorded per block as advice with both objectives.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 from autopar.cluster import Cluster
 from autopar.estimate.core import Estimate
-from autopar.estimate.timing import slowest_groups
+from autopar.estimate.timing import slowest_groups, tp_collectives
+from autopar.estimate.units import units_from_graph
 from autopar.ir import SEQUENCE_DIM, Graph
+from autopar.ir.residual import residual_structure, sublayers
 from autopar.plan import megatron_tp_placements
 from autopar.search.intra_op import solve_block
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, state_bytes_per_param
 
-__all__ = ["block_budget", "layout_price", "tp_layout"]
+__all__ = ["TpLayout", "block_budget", "layout_price", "tp_layout"]
 
 log = logging.getLogger(__name__)
+
+
+class TpLayout(NamedTuple):
+    """What `tp_layout` chose: ``{param FQN: placement on tp}`` (block parameters at their
+    representative), the ILP's report per block, and the sub-layers it replicates per block
+    (`ModelCosts.with_tp_layout`)."""
+
+    placements: dict[str, str]
+    report: dict[str, Any]
+    replicated: dict[str, frozenset[int]]
 
 
 def layout_price(estimate: Estimate, dtype: str, fp32_params: bool = False
@@ -73,21 +90,24 @@ def block_budget(estimate: Estimate, layer_fqns: tuple[str, ...], estimated_byte
 
 
 def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, seq_len,
-              example_inputs, fp32_params: bool = False
-              ) -> tuple[dict[str, str], dict[str, Any]]:
-    """Tensor-parallel placement of every parameter, ``{FQN: placement}``, and the ILP's
-    report per block (see the module docstring): the plan's tp and cp, and for the layout the
-    plan takes, whether its solve is proven optimal, its compute, communication and
-    parameter-state seconds per micro-batch, its memory by the ILP's model, its forward and
-    backward collectives and the partial parameter gradients it all-reduces once a step;
-    ``matches_estimate_layout`` whether the ILP's optimum is that layout, and
+              example_inputs, fp32_params: bool = False, replicate: bool = True
+              ) -> TpLayout:
+    """The plan's tensor-parallel layout (see the module docstring): per block, Megatron's
+    layout or, with ``replicate`` (a runtime that runs them: autopar's) under sequence
+    parallel, Megatron's with some sub-layers replicated on the sequence shard, whichever
+    the ILP prices lowest within the block's memory budget, and the ILP's report per block:
+    the plan's tp and cp; for the layout taken, whether its solve is proven optimal, its
+    compute, communication and parameter-state seconds per micro-batch, its memory by the
+    ILP's model, its forward and backward collectives and the partial parameter gradients it
+    all-reduces once a step, and ``replicated_sublayers`` (indices) where it replicates some;
+    ``matches_estimate_layout`` whether the ILP's unconstrained optimum is that layout, and
     ``memory_budget_bytes`` the bound it was solved within when its unbounded optimum held
     more. Where it is not, ``ilp_placements`` holds the ILP's layout, ``ilp_objective_s``
     and ``ilp_memory_bytes`` its price."""
     megatron = megatron_tp_placements(graph)
     cfg = estimate.config
     if cfg.tp == 1:
-        return megatron, {}
+        return TpLayout(megatron, {}, {})
     from autopar.trace import trace
 
     mb_graph = graph
@@ -97,6 +117,9 @@ def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: 
     bytes_per_param, step_s_per_param = layout_price(estimate, dtype, fp32_params)
     tp_map = dict(megatron)
     report: dict[str, Any] = {}
+    replicated: dict[str, frozenset[int]] = {}
+    units = {u.name: u for u in units_from_graph(mb_graph)} \
+        if replicate and cfg.sequence_parallel else {}
     # blocks alike in structure (an encoder's and a decoder's stack) solve once
     cache: dict | None = {} if len(mb_graph.blocks) > 1 else None
     common = dict(tp=cfg.tp, cluster=cluster, dtype=dtype, cache=cache,
@@ -108,11 +131,12 @@ def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: 
                   step_s_per_param=step_s_per_param)
     for block in mb_graph.blocks:
         sol = solve_block(mb_graph, block.node_names, **common)
-        kept = bound = None
+        kept = budget = bound = None
         if not _same(sol.param_placements, megatron):
             try:  # the ILP's best execution of Megatron's layout
-                kept = solve_block(mb_graph, block.node_names, pinned_params=megatron, **common)
-            except ValueError:  # a node cannot place its parameters as Megatron's layout says
+                kept = solve_block(mb_graph, block.node_names, pinned_params=megatron,
+                                   **common)
+            except ValueError:  # a node cannot place its parameters as Megatron's says
                 kept = None
             budget = block_budget(estimate, block.layer_fqns, kept.memory_bytes) \
                 if kept is not None else None
@@ -122,8 +146,14 @@ def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: 
                 sol = solve_block(mb_graph, block.node_names, memory_budget_bytes=budget,
                                   method="lagrangian", **common)
                 bound = budget
-        same = _same(sol.param_placements, megatron)
-        runs = sol if same or kept is None else kept  # the layout the plan takes
+        megatron_best = _same(sol.param_placements, megatron)
+        runs, subset = (sol if megatron_best or kept is None else kept), frozenset()
+        unit = units.get(block.representative)
+        if unit is not None and kept is not None and not megatron_best:
+            runs, subset = _replicating(mb_graph, block, unit, megatron, cfg, budget,
+                                        (kept, subset), common)
+        same = megatron_best or bool(subset) and \
+            dict(runs.param_placements) == dict(sol.param_placements)
         report[block.representative] = entry = {
             "tp": cfg.tp, "cp": cfg.cp, "optimal": runs.optimal, "compute_s": runs.compute_s,
             "comm_s": runs.comm_s, "state_s": runs.state_s, "memory_bytes": runs.memory_bytes,
@@ -131,20 +161,73 @@ def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: 
             "backward_collectives": [list(c) for c in runs.backward_collectives],
             "gradient_collectives": [list(c) for c in runs.gradient_collectives],
             "matches_estimate_layout": same,
+            **({"replicated_sublayers": sorted(subset)} if subset else {}),
             **({"memory_budget_bytes": bound} if bound is not None else {}),
         }
+        if subset:
+            replicated[block.representative] = subset
+        if subset or megatron_best:
+            tp_map.update(runs.param_placements)
         if same:
-            tp_map.update(sol.param_placements)
             continue
         entry.update(ilp_placements=dict(sorted(sol.param_placements.items())),
                      ilp_objective_s=sol.objective_s, ilp_memory_bytes=sol.memory_bytes)
-        log.info("the intra-op ILP prefers another tensor-parallel layout than Megatron's for "
-                 "%s at tp=%d%s; the plan keeps Megatron's, which its estimate costs and the "
-                 "runtime runs (the ILP's is in plan.intra_op[...]['ilp_placements'])",
+        log.info("the intra-op ILP's best tensor-parallel layout for %s at tp=%d is one the "
+                 "runtime does not run as the ILP does%s; the plan takes the best it runs "
+                 "(%s; the ILP's is in plan.intra_op[...]['ilp_placements'])",
                  block.representative, cfg.tp,
-                 f" ({1e3 * (kept.objective_s - sol.objective_s):.3g} ms per layer and "
-                 f"micro-batch faster by the ILP's model)" if kept is not None else "")
-    return tp_map, report
+                 f" ({1e3 * (runs.objective_s - sol.objective_s):.3g} ms per layer and "
+                 f"micro-batch faster by the ILP's model)",
+                 "Megatron-LM's" if not subset else
+                 f"Megatron-LM's with sub-layers {sorted(subset)} replicated")
+    return TpLayout(tp_map, report, replicated)
+
+
+_MAX_REPLICABLE = 4  # sub-layers per block whose replication is tried (2^4 layouts)
+
+
+def _replicating(graph: Graph, block, unit, megatron: dict[str, str], cfg, budget,
+                 incumbent, common: dict):
+    """The cheapest of Megatron's layout (``incumbent``: its solve and the empty set) and
+    Megatron's with each non-empty set of the block's replicable sub-layers replicated, by
+    the ILP's price of its best execution, within ``budget``; a layout counts only where the
+    ILP's collectives for it are the estimate's (`tp_collectives` of `Unit.replicated`), so
+    that the price is the one the estimate charges and the runtime pays."""
+    nodes = [n for n in graph.nodes if n.name in block.node_names]
+    runs = sublayers(nodes, residual_structure(nodes))
+    choices = [i for i, sub in enumerate(unit.sublayers) if sub.replicable][:_MAX_REPLICABLE]
+    best, best_subset = incumbent
+    for k in range(1, len(choices) + 1):
+        for subset in itertools.combinations(choices, k):
+            pins = dict(megatron)
+            pins.update({p.fqn: "R" for i in subset for n in runs[i] for p in n.params})
+            try:
+                alt = solve_block(graph, block.node_names, pinned_params=pins, **common)
+            except ValueError:
+                continue
+            if alt.objective_s >= best.objective_s or \
+                    (budget is not None and alt.memory_bytes > budget):
+                continue
+            fwd, bwd = tp_collectives(unit.replicated(frozenset(subset)), cfg)
+            if _primitives(alt.forward_collectives + alt.backward_collectives) != \
+                    _primitives(fwd + bwd):
+                log.debug("%s: the ILP executes sub-layers %s replicated with other "
+                          "collectives than the estimate's; not taken (%s against %s)",
+                          block.representative, subset,
+                          alt.forward_collectives + alt.backward_collectives, fwd + bwd)
+                continue
+            best, best_subset = alt, frozenset(subset)
+    return best, best_subset
+
+
+def _primitives(collectives) -> list[tuple[str, int]]:
+    """Collectives as reduce-scatters and all-gathers (an all-reduce is both, at one cost),
+    sorted, bytes rounded."""
+    out = []
+    for kind, n in collectives:
+        kinds = ("reduce_scatter", "all_gather") if kind == "all_reduce" else (kind,)
+        out += [(k, round(n)) for k in kinds]
+    return sorted(out)
 
 
 def _same(placements, megatron: dict[str, str]) -> bool:

@@ -27,6 +27,9 @@ PLANS = {
         ("dp_zero2", "tiny_llama", {"dp": 2, "zero_stage": 2}),
         ("dp_zero3", "tiny_llama", {"dp": 2, "zero_stage": 3}),
         ("tp", "tiny_llama_wide", {"tp": 2, "sequence_parallel": False}),
+        # the intra-op ILP's layout: the MLP whole on each rank's sequence shard
+        ("tp_sp_replicated_mlp", "tiny_llama_wide", {"tp": 2, "sequence_parallel": True,
+                                                     "micro_batch_size": 1}),
         ("pp", "tiny_llama", {"pp": 2, "pp_schedule": "1f1b", "micro_batch_size": 2}),
         ("resnet_tp", "tiny_resnet", {"tp": 2}),
         # bf16: fp32 parameters, gradients and moments; FSDP2 gathers bf16 parameters
@@ -53,6 +56,8 @@ def test_state_bytes_per_rank_match_the_estimate(tmp_path, world):
                                dtype=dtype[0] if dtype else "fp32", constraints=constraints,
                                **tiny_models.shape_args(factory))
         plans[name] = plan
+        if "replicated" in name:
+            assert [e.get("replicated_sublayers") for e in plan.intra_op.values()] == [[1]]
         specs.append(f"{plan.save(tmp_path / f'{name}.json')}:{factory}")
     res = _run([TORCHRUN, "--standalone", f"--nproc_per_node={world}",
                 str(HERE / "memory_worker.py"), str(tmp_path), *specs])

@@ -19,8 +19,8 @@ from benchmarks import runtime_matrix as rm  # noqa: E402
 
 MODELS = ["plain_llama", "nano_gpt", "moe_loop", "hf_llama", "hf_mixtral", "hf_gpt2",
           "vit_encoder"]
-PLANS = ["tp", "tp_sp", "tp_sp_per_op", "pp_zero_bubble", "tp_zero3", "tp_sp_pp", "cp", "cp_pp",
-         "ep", "ep_zero3"]
+PLANS = ["tp", "tp_sp", "tp_sp_mb1", "tp_sp_per_op", "pp_zero_bubble", "tp_zero3", "tp_sp_pp",
+         "cp", "cp_pp", "ep", "ep_zero3"]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def cells(plan_dir):
 @pytest.fixture(scope="module")
 def zoo_cells(plan_dir):
     """autopar's own Llama (hook attention, GQA) and GPT (fused q/k/v, tied head)."""
-    return rm.run_matrix(["tiny_llama", "tiny_gpt"], ["tp", "tp_sp"], plan_dir)
+    return rm.run_matrix(["tiny_llama", "tiny_gpt"], ["tp", "tp_sp", "tp_sp_mb1"], plan_dir)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -95,24 +95,26 @@ def _primitives(collectives) -> list[tuple[str, int]]:
     return sorted(out)
 
 
-@pytest.mark.parametrize("plan_name", ["tp", "tp_sp"])
+@pytest.mark.parametrize("plan_name", ["tp", "tp_sp", "tp_sp_mb1"])
 def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
         cells, zoo_cells, plan_dir, plan_name):
     """One layout, three readers: on the dense models (a hand-written Llama, nanoGPT with its
     fused q/k/v and tied head, Hugging Face Llama and GPT-2 with its [in, out] Conv1D weights,
     autopar's own Llama and GPT with q/k/v viewed as (3, heads, head_dim), a ViT with its
     channel-split patch convolution and class head) under tensor parallel (tp=2, without and
-    with sequence parallel), the collectives the runtime issued in a training step (rank 0,
-    each kind with its bytes; less the scalar all-reduce of the reported loss) are the ones
-    the estimate charges (`tp_step_collectives`), and each block's in the plan
-    (`plan.intra_op`, the ILP's solution of the layout the plan runs) are the estimate's for
-    one layer, as reduce-scatters and all-gathers (`_primitives`). Not yet so for MoE layers
-    (the runtime reduces each expert's rows, or gathers fused expert weights, where the
-    estimate charges one reduction per layer)."""
+    with sequence parallel, and at one sequence per micro-batch, where the ILP's layout runs
+    every MLP replicated on the sequence shard), the collectives the runtime issued in a
+    training step (rank 0, each kind with its bytes; less the scalar all-reduce of the
+    reported loss) are the ones the estimate charges for the plan's layout
+    (`tp_step_collectives`), and each block's in the plan (`plan.intra_op`, the ILP's
+    solution of the layout the plan runs) are the estimate's for one layer, as
+    reduce-scatters and all-gathers (`_primitives`). Not yet so for MoE layers (the runtime
+    reduces each expert's rows, or gathers fused expert weights, where the estimate charges
+    one reduction per layer)."""
     import torch
 
     import autopar
-    from autopar.estimate import ModelCosts
+    from autopar.estimate.core import costs_of_layout
     from autopar.estimate.tp_comm import tp_step_collectives
     from autopar.estimate.timing import tp_collectives
     from autopar.plan import load_plan
@@ -131,8 +133,8 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
         else:
             shape = {"global_batch_size": plan.config.micro_batch_size,
                      "seq_len": plan.training["seq_len"]}
-        costs = ModelCosts.from_graph(autopar.trace(model, dtype=plan.training["dtype"],
-                                                    **shape))
+        costs = costs_of_layout(autopar.trace(model, dtype=plan.training["dtype"], **shape),
+                                plan.config, plan.tp_placements)
         issued = [(kind, int(n)) for kind, n in cell.detail["collective_bytes"]]
         issued.remove(("all_reduce", 4))  # the reported loss, summed over the ranks
         charged = [(kind, round(n)) for kind, n in tp_step_collectives(
@@ -144,6 +146,9 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
             in_plan = entry["forward_collectives"] + entry["backward_collectives"]
             assert _primitives(in_plan) == _primitives(fwd + bwd), (cell.model, block)
         checked.append(cell.model)
+        if plan_name == "tp_sp_mb1":
+            assert all(e.get("replicated_sublayers") for e in plan.intra_op.values()), \
+                cell.model
     assert set(checked) == {"plain_llama", "nano_gpt", "hf_llama", "hf_gpt2", "tiny_llama",
                             "tiny_gpt"} | ({"vit_encoder"} if plan_name == "tp" else set()), \
         checked

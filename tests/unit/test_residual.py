@@ -14,7 +14,7 @@ from torch import nn
 
 import autopar
 from autopar.estimate.units import units_from_graph
-from autopar.ir.residual import residual_structure
+from autopar.ir.residual import residual_structure, sublayers
 from autopar.plan import megatron_tp_placements
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -81,6 +81,24 @@ def test_row_gemms_are_the_ones_that_feed_the_residual_adds(norm, parallel):
     assert tp["blocks.0.a_out.weight"] == tp["blocks.0.m_out.weight"] == "S(1)"
     assert tp["blocks.0.a_out.bias"] == "R" and tp["blocks.0.a_in.bias"] == "S(0)"
     assert tp["emb.weight"] == tp["head.weight"] == "S(0)"
+
+
+@pytest.mark.parametrize("norm", [_HandNorm, nn.LayerNorm])
+def test_sublayers_end_at_the_residual_adds(norm):
+    """A sequential block cuts into its two sub-layers, each from its norm to its add, with
+    the GEMMs of its own modules; neither holds attention, so both could run replicated."""
+    graph = _trace(_Net(norm, parallel=False))
+    nodes = _block_nodes(graph)
+    found = residual_structure(nodes)
+    runs = sublayers(nodes, found)
+    assert [run[-1].name for run in runs] == list(found.residual_adds)
+    assert sum(map(len, runs)) == len(nodes)
+    gemms = [{n.name.split("/")[0] for n in run if n.params and n.kind.name == "MATMUL"}
+             for run in runs]
+    assert gemms == [{"blocks.0.a_in", "blocks.0.a_out"}, {"blocks.0.m_in", "blocks.0.m_out"}]
+    (unit,) = [u for u in units_from_graph(graph) if u.is_block]
+    assert [sub.replicable for sub in unit.sublayers] == [True, True]
+    assert [sub.reductions for sub in unit.sublayers] == [1, 1]
 
 
 def test_a_hand_written_norm_costs_the_same_tensor_parallel_traffic_as_the_library_norm():

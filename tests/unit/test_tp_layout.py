@@ -6,6 +6,7 @@ chunk; the price the ILP sees is the estimate's."""
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,47 @@ def test_the_price_is_the_estimates_state_and_step_work():
     assert len(layers) == 8 and cfg.pp == 1  # all on the one pipeline rank
     free = (est.usable_memory_bytes - est.peak_memory_bytes) / (1 + ALLOCATOR_RESERVE_FRACTION)
     assert block_budget(est, layers, 1e9) == pytest.approx(1e9 + free / 8)
+
+
+def test_a_replicated_mlp_costs_its_whole_weights_and_no_activation_traffic():
+    """`Unit.replicated` against the module's own parameter counts: Megatron's layout with a
+    hand-written Llama's MLP replicated on the sequence shard (tp=4, sequence parallel) drops
+    that sub-layer's reduction each way, holds the MLP's weights whole on every rank (its
+    training state grows by their elements x (1 - 1/tp) x bytes per element, nothing else),
+    and all-reduces their gradients once a step with the norms'."""
+    from autopar.estimate.core import ModelCosts, costs_of_layout
+    from autopar.estimate.tp_comm import tp_step_collectives
+
+    model = corpus.PlainLlama(vocab=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
+                              ffn_dim=768, max_seq=256)
+    graph = autopar.trace(model, global_batch_size=1, seq_len=256, dtype="fp32")
+    cfg = autopar.ParallelConfig(dp=2, tp=4, sequence_parallel=True, micro_batch_size=1)
+    layout = megatron_tp_placements(graph)
+    layout.update({f"blocks.0.mlp.{w}.weight": "R" for w in ("gate", "up", "down")})
+    megatron = ModelCosts.from_graph(graph)
+    relaid = costs_of_layout(graph, cfg, layout)
+    (block,) = [u for u in megatron.units if u.is_block]
+    (mlp,) = [u for u in relaid.units if u.is_block]
+    mlp_params = sum(p.numel() for p in model.blocks[0].mlp.parameters())
+    assert mlp.tp_replicated_params == mlp_params
+    assert mlp.dense_on_tp_rank(4) - block.dense_on_tp_rank(4) == mlp_params * 3 / 4
+    assert mlp.tp_reductions == (1, 1) and block.tp_reductions == (2, 2)
+    assert mlp.stream_params - block.stream_params == mlp_params
+    # the step's tp traffic: per micro-batch one all-gather and one reduce-scatter of the
+    # hidden state fewer each way per layer, and the MLP gradients in the one all-reduce
+    per_layer = 256 * 256 * 4  # one sequence's hidden state, fp32
+    def step(costs, reduce: bool) -> Counter:
+        return Counter(c for c in tp_step_collectives(costs, cfg, global_batch_size=2)
+                       if (c[0] == "all_reduce") == reduce)
+
+    assert step(megatron, False) - step(relaid, False) == \
+        Counter({("all_gather", per_layer): 8, ("reduce_scatter", per_layer): 8})
+    assert not step(relaid, False) - step(megatron, False)
+    reduced = [sum(n * k for (_, n), k in step(c, True).items()) for c in (megatron, relaid)]
+    assert reduced[1] - reduced[0] == 4 * mlp_params * 4  # 4 layers, fp32
+    # the estimate's training state grows by exactly the MLP weights' extra elements
+    shape = dict(global_batch_size=2, dtype="fp32")
+    states = [autopar.estimate(graph, NODE, cfg, **shape, tp_placements=t)
+              .memory_by_stage[0]["states"] for t in (None, layout)]
+    per_elem = state_bytes_per_param("fp32", cfg.zero_stage, cfg.dp, False)
+    assert states[1] - states[0] == pytest.approx(4 * mlp_params * 3 / 4 * per_elem)
