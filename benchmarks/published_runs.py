@@ -357,9 +357,9 @@ GROUP_ASSUMPTIONS.update({
         "more); ZB-2p -> 'zero-bubble' as well, the closest schedule: autopar has none that "
         "holds twice 1F1B's activations to close the bubble, so these rows keep ZB-H1's bubble "
         "(an approximation that leans slow); 1F1B-I -> 'interleaved-1f1b' with the CSV's "
-        "virtual_pipeline_stages (one layer per chunk): after the padding the first and last "
-        "rank each hold an empty chunk, which autopar's even interleaving cannot place, so the "
-        "estimate refuses those rows",
+        "virtual_pipeline_stages (one layer per chunk): after the padding the first chunk "
+        "holds the embedding alone and the last the head and loss alone, as the estimate's "
+        "Megatron split places them when the blocks do not fill the chunks",
         "dp=1, tp=1, zero_stage=0; micro-batch and global batch from Table 3",
         "recompute='none': the paper mentions no recomputation (the CSV's assumption)",
         "dtype='fp16': the example script passes --fp16 (the CSV's assumption)",

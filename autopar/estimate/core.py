@@ -42,6 +42,7 @@ from autopar.estimate.layout import (Layout, Structure, UnitVectors, analytic_in
                                      fast_peak_memory, layout, pipeline_bound, structure,
                                      unit_vectors)
 from autopar.estimate.memory import activation_bytes, stage_memory, keeps_weight_copies
+from autopar.estimate.stages import body_span
 from autopar.estimate.timing import (RankGroups, UnitCompute, UnitTimes, slowest_groups,
                                      unit_compute, unit_times)
 from autopar.estimate.tp_comm import stream_gradient_sync
@@ -196,6 +197,13 @@ class ModelCosts:
             return self
         return replace(self, units=tuple(u.replicated(frozenset(replicated.get(u.name, ())))
                                          for u in self.units))
+
+    @functools.cached_property
+    def body_layers(self) -> int:
+        """Layers from the first block layer to the last (`autopar.estimate.stages.body_span`):
+        the most pipeline chunks autopar's runtime cuts the model into."""
+        first, end = body_span(self.units)
+        return end - first
 
     @functools.cached_property
     def per_op_costed(self) -> bool:

@@ -3,8 +3,13 @@
 Block layers are split as evenly as possible over the pp x virtual_stages chunks in model
 order (a remainder goes to the chunks after the first, which also holds the embedding); glue
 before the first block joins the first chunk, glue after the last block joins the last chunk,
-glue between blocks stays with the layer that follows it. Chunk c runs on pipeline rank
-c mod pp (interleaved placement). The search may balance stages differently.
+glue between blocks stays with the layer that follows it. With more chunks than block layers,
+the glue after the blocks (the head and loss), then the glue before them (the embedding), take
+a chunk of their own, one block per other chunk -- as Megatron-LM runs such splits when it
+counts the loss and the embedding as pipeline layers (`--account-for-loss-in-pipeline-split`,
+`--account-for-embedding-in-pipeline-split`; the Zero Bubble fork's padded layers). Chunk c
+runs on pipeline rank c mod pp (interleaved placement). The search may balance stages
+differently.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import numpy as np
 from autopar.estimate.units import Unit
 from autopar.errors import InvalidConfigError
 
-__all__ = ["Boundaries", "megatron_boundaries", "check_boundaries", "layer_sequence"]
+__all__ = ["Boundaries", "body_span", "megatron_boundaries", "check_boundaries",
+           "layer_sequence"]
 
 Boundaries = tuple[tuple[int, int], ...]  # half-open layer ranges over layer_sequence(units)
 
@@ -22,16 +28,28 @@ Boundaries = tuple[tuple[int, int], ...]  # half-open layer ranges over layer_se
 def megatron_boundaries(units: tuple[Unit, ...], num_chunks: int) -> np.ndarray:
     """Megatron's placement (module docstring) as half-open ranges over `layer_sequence`:
     int64 [chunk, (start, end)]."""
-    spans, start = [], 0  # (first layer, end) of each unit's layers in the sequence
-    for u in units:
-        spans.append((start, start + len(u.layer_fqns)))
-        start += len(u.layer_fqns)
-    body = [span for u, span in zip(units, spans) if u.is_block and span[0] < span[1]]
-    first, end = (body[0][0], body[-1][1]) if body else (0, start)
+    start = sum(len(u.layer_fqns) for u in units)
+    first, end = body_span(units)
     n_body = end - first
     if n_body < num_chunks:
-        raise InvalidConfigError(f"{num_chunks} pipeline stages for {n_body} layers: every stage "
-                         f"needs at least one layer; lower pp or virtual_stages")
+        spare = num_chunks - n_body  # chunks the glue before and after the blocks take alone
+        tail = min(spare, int(end < start))
+        lead = spare - tail
+        if lead > int(first > 0) or not n_body:
+            raise InvalidConfigError(
+                f"{num_chunks} pipeline stages for {n_body} block layers and "
+                f"{int(first > 0) + int(end < start)} modules before and after them: every "
+                f"stage needs at least one layer (or the embedding or the head alone); lower "
+                f"pp or virtual_stages")
+        body = list(range(first, end))  # one block layer per chunk
+        if not lead:
+            body[0] = 0  # the glue before joins the first block
+        starts = [0] * lead + body + [end] * tail
+        cuts = np.empty((num_chunks, 2), dtype=np.int64)
+        cuts[:, 0] = starts
+        cuts[:-1, 1] = starts[1:]
+        cuts[-1, 1] = start
+        return cuts
     base, extra = divmod(n_body, num_chunks)
     chunk = np.arange(num_chunks, dtype=np.int64)
     cuts = np.empty((num_chunks, 2), dtype=np.int64)
@@ -40,6 +58,17 @@ def megatron_boundaries(units: tuple[Unit, ...], num_chunks: int) -> np.ndarray:
     cuts[0, 0] = 0
     cuts[1:, 0] = cuts[:-1, 1]
     return cuts
+
+
+def body_span(units: tuple[Unit, ...]) -> tuple[int, int]:
+    """Half-open range over `layer_sequence` from the first block layer to the end of the
+    last (the glue between blocks included); the whole sequence when there are no blocks."""
+    spans, start = [], 0
+    for u in units:
+        spans.append((u, start, start + len(u.layer_fqns)))
+        start += len(u.layer_fqns)
+    body = [(a, b) for u, a, b in spans if u.is_block and a < b]
+    return (body[0][0], body[-1][1]) if body else (0, start)
 
 
 def layer_sequence(units: tuple[Unit, ...]) -> list[tuple[Unit, str]]:

@@ -40,7 +40,7 @@ def space_table(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
     target runs with fewer micro-batches than pipeline ranks."""
     return config_table(
         world=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
-        num_layers=costs.num_layers, body_layers=max(u.count for u in costs.units),
+        num_layers=costs.body_layers, body_layers=max(u.count for u in costs.units),
         num_heads=costs.num_heads, num_kv_heads=costs.num_kv_heads, seq_len=costs.seq_len,
         num_experts=costs.num_experts,
         global_batch_size=global_batch_size, constraints=constraints,
@@ -77,14 +77,15 @@ def why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
     if not len(free):
         return (f": no dp·tp·pp·cp factoring of the {cluster.world_size} GPUs has a dp that "
                 f"divides the global batch ({global_batch_size}) with tp within a node, pp at "
-                f"most the layers ({costs.num_layers}) and cp at most max_cp "
+                f"most the block layers ({costs.body_layers}) and cp at most max_cp "
                 f"({settings.max_cp}); use fewer GPUs or a larger global batch")
     rules = {
         "dp": f"dp = GPUs / (tp·pp·cp) and divides the global batch ({global_batch_size})",
         "tp": f"tp divides the GPUs and stays within a node ({cluster.gpus_per_node} GPUs)"
               + (f" and divides the attention heads ({costs.num_heads}) and key/value heads "
                  f"({costs.num_kv_heads})" if costs.num_heads else ""),
-        "pp": f"pp divides GPUs / (tp·cp) and is at most the layers ({costs.num_layers})",
+        "pp": f"pp divides GPUs / (tp·cp) and is at most the block layers "
+              f"({costs.body_layers})",
         "cp": (f"cp needs attention and a sequence ({costs.seq_len}) divisible by 2·cp, and "
                f"is at most max_cp ({settings.max_cp})" if costs.seq_len else
                "cp needs a sequence to split, which this model's inputs do not have"),

@@ -123,7 +123,7 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
     interleaved by virtual stages), ZeRO stage. tp stays within a node and divides the heads
     and the key/value heads;
     sequence parallelism needs a sequence (``seq_len``) whose cp shards tp divides;
-    cp needs a sequence divisible by 2·cp; pp is at most the layer count and the micro-batches
+    cp needs a sequence divisible by 2·cp; pp is at most ``num_layers`` (the block layers) and the micro-batches
     per step at least pp; interleaving needs the body layers to split evenly into pp·v chunks
     and the micro-batches to be a multiple of pp. ``recomputes`` are the recompute policies
     that differ on this model (`RECOMPUTE_POLICIES`); full recompute comes once per

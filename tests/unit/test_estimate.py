@@ -541,11 +541,22 @@ def test_megatron_placement_splits_the_blocks_evenly_with_glue_at_the_ends(chunk
             assert list(st.rank_counts[r]) == list(st.counts[r::pp].sum(axis=0))
 
 
-def test_megatron_placement_refuses_more_chunks_than_block_layers():
-    from autopar.estimate.stages import megatron_boundaries
+def test_megatron_placement_gives_the_head_then_the_embedding_a_chunk_past_the_blocks():
+    """More chunks than block layers (Megatron-LM counting the loss and the embedding as
+    pipeline layers; the Zero Bubble fork's padding): one block per chunk, the glue after the
+    blocks alone in the last chunk, then the glue before them alone in the first; beyond
+    that, refused."""
+    from autopar.estimate.stages import layer_sequence, megatron_boundaries
 
-    with pytest.raises(ValueError, match="11 pipeline stages for 10 layers"):
-        megatron_boundaries((_unit("pre", 1), _unit("a", 10), _unit("post", 1)), 11)
+    units = (_unit("pre", 1), _unit("a", 10), _unit("post", 1))
+    seq = [f for _, f in layer_sequence(units)]
+    chunks = lambda n: [seq[i:j] for i, j in megatron_boundaries(units, n)]  # noqa: E731
+    assert chunks(11) == [["pre", "a.0"]] + [[f"a.{i}"] for i in range(1, 10)] + [["post"]]
+    assert chunks(12) == [["pre"]] + [[f"a.{i}"] for i in range(10)] + [["post"]]
+    with pytest.raises(ValueError, match="13 pipeline stages for 10 block layers"):
+        megatron_boundaries(units, 13)
+    with pytest.raises(ValueError, match="12 pipeline stages for 10 block layers"):
+        megatron_boundaries((_unit("a", 10), _unit("post", 1)), 12)  # no glue before
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt"])
