@@ -22,7 +22,7 @@ from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES, CUD
 from autopar.models.common import count_attention_calls
 from autopar.plan import Plan, fused_projections, param_placements
 from autopar.runtime.capabilities import RuntimeLimits, runtime_limits
-from autopar.search.tp_layout import tp_layout
+from autopar.search.tp_layout import LayoutContext, choose_layout
 from autopar.search.outer import SearchResult, SearchSettings, check_constraints, search
 from autopar.targets import AUTOPAR, EngineTarget, Facts, get_target
 
@@ -87,11 +87,20 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
     if engine.restricts:
         unrestricted = _unrestricted(constraints, cluster, costs, runtime, **kw)
         clock.lap("unrestricted")
-    best, tp_map, intra_op = _tp_layout(found, model, graph, seq_len, example_inputs,
-                                        runs_replicated=engine is AUTOPAR
-                                        and settings.tp_layouts == "ilp",
-                                        global_batch_size=global_batch_size, dtype=dtype,
-                                        options=options)
+    graphs: dict[int, Any] = {}
+
+    def graph_at(micro_batch_size: int):  # 0: the graph as traced
+        if micro_batch_size not in graphs:
+            graphs[micro_batch_size] = graph if not micro_batch_size else _micro_batch_graph(
+                model, graph, micro_batch_size, seq_len, example_inputs, dtype)
+        return graphs[micro_batch_size]
+
+    ctx = LayoutContext(costs=found.costs, cluster=found.planned,
+                        global_batch_size=global_batch_size, dtype=dtype, options=options,
+                        graph_at=graph_at)
+    laid = choose_layout(ctx, found.best, result.candidates,
+                         replicate=engine is AUTOPAR and settings.tp_layouts == "ilp")
+    best, tp_map, intra_op = laid.estimate, laid.placements, laid.report
     clock.lap("intra_op")
     cfg = best.config
     placements, fingerprint = param_placements(graph, cfg, tp_map), graph.fingerprint()
@@ -125,7 +134,8 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
                 "num_simulated": result.num_simulated,
                 "seconds": result.seconds,
                 "phase_seconds": clock.laps,
-                "stage_cut": "inter-op DP" if found.best is not result.best else "even (Megatron)"})
+                "stage_cut": "inter-op DP" if laid.winner and found.best is not result.best
+                else "even (Megatron)"})
     plan.origin.update(model=model, cluster=cluster, example_inputs=example_inputs)
     return plan
 
@@ -142,40 +152,15 @@ class _Found:
     costs: ModelCosts  # as the target runs the model (its context and expert parallel)
 
 
-def _tp_layout(found: _Found, model, graph, seq_len, example_inputs, *,
-               runs_replicated: bool, global_batch_size: int, dtype: str,
-               options: EstimateOptions) -> tuple[Estimate, dict[str, str], dict[str, Any]]:
-    """The plan's estimate, tensor-parallel layout and the ILP's report per block
-    (`autopar.search.tp_layout.tp_layout`). Where the ILP prices sub-layers replicated on the
-    sequence shard lower (``runs_replicated``: a runtime that runs them), the whole plan is
-    estimated again in that layout, on the winner's stages, and taken if it fits and is
-    faster; Megatron-LM's otherwise."""
-    best = found.best
-    args = (model, graph, found.planned, best, dtype, seq_len, example_inputs,
-            options.fp32_params)
-    layout = tp_layout(*args, replicate=runs_replicated)
-    if not layout.replicated:
-        return best, layout.placements, layout.report
-    ends = list(itertools.accumulate(len(layers) for layers in best.stage_layers))
-    relaid = evaluate(found.costs.with_tp_layout(layout.replicated), found.planned,
-                      best.config, global_batch_size=global_batch_size, dtype=dtype,
-                      options=options, stage_boundaries=tuple(zip([0] + ends[:-1], ends)))
-    if relaid.fits and relaid.step_time_s < best.step_time_s:
-        log.info("the intra-op ILP's layout runs %s replicated on the sequence shard: %.4g s "
-                 "per step against %.4g s in Megatron-LM's", _replicated_text(layout.report),
-                 relaid.step_time_s, best.step_time_s)
-        return relaid, layout.placements, layout.report
-    log.info("the intra-op ILP's layout with %s replicated is %s by the whole estimate; the "
-             "plan keeps Megatron-LM's", _replicated_text(layout.report),
-             "slower" if relaid.fits else "over the memory")
-    layout = tp_layout(*args, replicate=False)
-    return best, layout.placements, layout.report
+def _micro_batch_graph(model, graph, micro_batch_size: int, seq_len, example_inputs,
+                       dtype: str):
+    """``graph`` (a token model traced at one sequence) traced again at ``micro_batch_size``
+    sequences, for the intra-op ILP; a model traced from its example inputs as it was."""
+    from autopar.trace import trace
 
-
-def _replicated_text(report: dict[str, Any]) -> str:
-    return ", ".join(f"{block}'s sub-layers {entry['replicated_sublayers']}"
-                     for block, entry in sorted(report.items())
-                     if entry.get("replicated_sublayers"))
+    if example_inputs is not None or micro_batch_size == graph.batch_size:
+        return graph
+    return trace(model, global_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype)
 
 
 def _best(engine: EngineTarget, constraints: dict[str, Any], cluster: Cluster,

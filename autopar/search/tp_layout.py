@@ -29,19 +29,26 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import pandas as pd
+
 from autopar.cluster import Cluster
-from autopar.estimate.core import Estimate
+from autopar.config import ParallelConfig
+from autopar.estimate.core import Estimate, EstimateOptions, ModelCosts, evaluate
 from autopar.estimate.timing import slowest_groups, tp_collectives
 from autopar.estimate.units import units_from_graph
 from autopar.ir import SEQUENCE_DIM, Graph
 from autopar.ir.residual import residual_structure, sublayers
 from autopar.plan import megatron_tp_placements
 from autopar.search.intra_op import solve_block
+from autopar.search.settings import CONFIG_FIELDS
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, state_bytes_per_param
 
-__all__ = ["TpLayout", "block_budget", "layout_price", "tp_layout"]
+__all__ = ["LaidOut", "LayoutContext", "TpLayout", "block_budget", "choose_layout",
+           "layout_price", "tp_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -89,39 +96,33 @@ def block_budget(estimate: Estimate, layer_fqns: tuple[str, ...], estimated_byte
     return estimated_bytes + max(0.0, free) / max(1, max(per_rank))
 
 
-def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, seq_len,
-              example_inputs, fp32_params: bool = False, replicate: bool = True
-              ) -> TpLayout:
-    """The plan's tensor-parallel layout (see the module docstring): per block, Megatron's
-    layout or, with ``replicate`` (a runtime that runs them: autopar's) under sequence
-    parallel, Megatron's with some sub-layers replicated on the sequence shard, whichever
-    the ILP prices lowest within the block's memory budget, and the ILP's report per block:
-    the plan's tp and cp; for the layout taken, whether its solve is proven optimal, its
-    compute, communication and parameter-state seconds per micro-batch, its memory by the
-    ILP's model, its forward and backward collectives and the partial parameter gradients it
-    all-reduces once a step, and ``replicated_sublayers`` (indices) where it replicates some;
-    ``matches_estimate_layout`` whether the ILP's unconstrained optimum is that layout, and
-    ``memory_budget_bytes`` the bound it was solved within when its unbounded optimum held
-    more. Where it is not, ``ilp_placements`` holds the ILP's layout, ``ilp_objective_s``
-    and ``ilp_memory_bytes`` its price."""
+def tp_layout(graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, *,
+              fp32_params: bool = False, replicate: bool = True) -> TpLayout:
+    """The plan's tensor-parallel layout for ``graph`` traced at the plan's micro-batch (see
+    the module docstring): per block, Megatron's layout or, with ``replicate`` (a runtime
+    that runs them: autopar's) under sequence parallel, Megatron's with some sub-layers
+    replicated on the sequence shard, whichever the ILP prices lowest within the block's
+    memory budget, and the ILP's report per block: the plan's tp and cp; for the layout
+    taken, whether its solve is proven optimal, its compute, communication and
+    parameter-state seconds per micro-batch, its memory by the ILP's model, its forward and
+    backward collectives and the partial parameter gradients it all-reduces once a step, and
+    ``replicated_sublayers`` (indices) where it replicates some; ``matches_estimate_layout``
+    whether the ILP's unconstrained optimum is that layout, and ``memory_budget_bytes`` the
+    bound it was solved within when its unbounded optimum held more. Where it is not,
+    ``ilp_placements`` holds the ILP's layout, ``ilp_objective_s`` and ``ilp_memory_bytes``
+    its price."""
     megatron = megatron_tp_placements(graph)
     cfg = estimate.config
     if cfg.tp == 1:
         return TpLayout(megatron, {}, {})
-    from autopar.trace import trace
-
-    mb_graph = graph
-    if example_inputs is None and cfg.micro_batch_size != graph.batch_size:
-        mb_graph = trace(model, global_batch_size=cfg.micro_batch_size, seq_len=seq_len,
-                         dtype=dtype)
     bytes_per_param, step_s_per_param = layout_price(estimate, dtype, fp32_params)
     tp_map = dict(megatron)
     report: dict[str, Any] = {}
     replicated: dict[str, frozenset[int]] = {}
-    units = {u.name: u for u in units_from_graph(mb_graph)} \
+    units = {u.name: u for u in units_from_graph(graph)} \
         if replicate and cfg.sequence_parallel else {}
     # blocks alike in structure (an encoder's and a decoder's stack) solve once
-    cache: dict | None = {} if len(mb_graph.blocks) > 1 else None
+    cache: dict | None = {} if len(graph.blocks) > 1 else None
     common = dict(tp=cfg.tp, cluster=cluster, dtype=dtype, cache=cache,
                   ranks=slowest_groups(cfg, cluster).tp,  # the tp group the estimate costs
                   sequence_shards=cfg.cp, microbatches=estimate.num_microbatches,
@@ -129,12 +130,12 @@ def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: 
                   # the hidden state between blocks as the runtime places it
                   boundary=f"S({SEQUENCE_DIM})" if cfg.sequence_parallel else "replicated",
                   step_s_per_param=step_s_per_param)
-    for block in mb_graph.blocks:
-        sol = solve_block(mb_graph, block.node_names, **common)
+    for block in graph.blocks:
+        sol = solve_block(graph, block.node_names, **common)
         kept = budget = bound = None
         if not _same(sol.param_placements, megatron):
             try:  # the ILP's best execution of Megatron's layout
-                kept = solve_block(mb_graph, block.node_names, pinned_params=megatron,
+                kept = solve_block(graph, block.node_names, pinned_params=megatron,
                                    **common)
             except ValueError:  # a node cannot place its parameters as Megatron's says
                 kept = None
@@ -143,14 +144,14 @@ def tp_layout(model, graph: Graph, cluster: Cluster, estimate: Estimate, dtype: 
             if budget is not None and sol.memory_bytes > budget:
                 # the best layout Lagrangian relaxation finds within the budget, optimal
                 # where it proves it (exact solving is ~0.2 s a block: too slow for compile)
-                sol = solve_block(mb_graph, block.node_names, memory_budget_bytes=budget,
+                sol = solve_block(graph, block.node_names, memory_budget_bytes=budget,
                                   method="lagrangian", **common)
                 bound = budget
         megatron_best = _same(sol.param_placements, megatron)
         runs, subset = (sol if megatron_best or kept is None else kept), frozenset()
         unit = units.get(block.representative)
         if unit is not None and kept is not None and not megatron_best:
-            runs, subset = _replicating(mb_graph, block, unit, megatron, cfg, budget,
+            runs, subset = _replicating(graph, block, unit, megatron, cfg, budget,
                                         (kept, subset), common)
         same = megatron_best or bool(subset) and \
             dict(runs.param_placements) == dict(sol.param_placements)
@@ -232,3 +233,124 @@ def _primitives(collectives) -> list[tuple[str, int]]:
 
 def _same(placements, megatron: dict[str, str]) -> bool:
     return all(megatron.get(fqn, "R") == p for fqn, p in placements.items())
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutContext:
+    """What choosing a plan's layout needs beside the configs: the model's costs as the
+    target runs it, the cluster planned within, the step's shape and software, and the
+    model's graph at a micro-batch size (``graph_at``)."""
+
+    costs: ModelCosts
+    cluster: Cluster
+    global_batch_size: int
+    dtype: str
+    options: EstimateOptions
+    graph_at: Callable[[int], Graph]
+
+
+class LaidOut(NamedTuple):
+    """A plan's estimate in the layout chosen, the layout and the ILP's report
+    (`tp_layout`); ``winner`` whether the config is the search's winner (on its stages)."""
+
+    estimate: Estimate
+    placements: dict[str, str]
+    report: dict[str, Any]
+    winner: bool
+
+
+_RIVALS = 8  # simulated runners-up whose layouts are priced at most
+
+
+def choose_layout(ctx: LayoutContext, winner: Estimate, candidates: pd.DataFrame, *,
+                  replicate: bool) -> LaidOut:
+    """The plan's config and layout: the search's ``winner`` in the layout `tp_layout`
+    chooses (with sub-layers replicated where the ILP prices that lower and the whole
+    estimate in it, on the winner's stages, is faster and fits), or, with ``replicate``, a
+    simulated runner-up of the search (``candidates``) with sequence parallel whose step in
+    its own best layout is faster still. A runner-up is priced only where its step less its
+    whole tensor-parallel communication -- a bound on what any layout saves -- is below the
+    best so far, so that most searches price the winner alone."""
+    best = _laid_out(ctx, winner, replicate, on_its_stages=True)
+    if not replicate or candidates is None or candidates.empty:
+        return best
+    for cfg in _rivals(candidates, winner.config):
+        if cfg.step_bound >= best.estimate.step_time_s:
+            break  # rows come by bound: none after it can win
+        est = evaluate(ctx.costs, ctx.cluster, cfg.config,
+                       global_batch_size=ctx.global_batch_size, dtype=ctx.dtype,
+                       options=ctx.options)
+        if not est.fits or est.step_time_s - est.breakdown.get("tp_comm", 0.0) \
+                >= best.estimate.step_time_s:
+            continue
+        laid = _laid_out(ctx, est, replicate, on_its_stages=False)
+        if laid.estimate.step_time_s < best.estimate.step_time_s:
+            log.info("in the intra-op ILP's layout %s steps in %.4g s, ahead of the search's "
+                     "winner %s (%.4g s)", est.config.short(), laid.estimate.step_time_s,
+                     winner.config.short(), best.estimate.step_time_s)
+            best = laid
+    return best
+
+
+class _Rival(NamedTuple):
+    step_bound: float
+    config: ParallelConfig
+
+
+def _rivals(candidates: pd.DataFrame, winner: ParallelConfig) -> list[_Rival]:
+    """The simulated, fitting candidates with tp and sequence parallel other than the
+    winner, by their step less their tp communication, the first `_RIVALS`."""
+    table = candidates
+    if not {"exact", "fits", "sequence_parallel", "tp", "step_time_s"} <= set(table):
+        return []
+    keep = table["exact"].astype(bool) & table["fits"].astype(bool) \
+        & table["sequence_parallel"].astype(bool) & (table["tp"] > 1)
+    rows = []
+    for _, row in table[keep].iterrows():
+        cfg = ParallelConfig(**{f: _plain(row[f]) for f in CONFIG_FIELDS if f in row})
+        if cfg != winner:
+            rows.append(_Rival(float(row["step_time_s"]) - float(row.get("t_tp_comm", 0.0)),
+                               cfg))
+    return sorted(rows, key=lambda r: r.step_bound)[:_RIVALS]
+
+
+def _plain(value: Any) -> Any:
+    """A table cell as ParallelConfig takes it (numpy scalars as Python ones, lists as
+    tuples)."""
+    if hasattr(value, "item"):
+        return value.item()
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _laid_out(ctx: LayoutContext, est: Estimate, replicate: bool, *, on_its_stages: bool
+              ) -> LaidOut:
+    """``est``'s config in the layout `tp_layout` chooses for it; where that replicates
+    sub-layers, the whole estimate again in it (on ``est``'s stages), kept if it fits and
+    is faster, Megatron-LM's layout otherwise."""
+    cfg = est.config
+    graph = ctx.graph_at(cfg.micro_batch_size) if cfg.tp > 1 else ctx.graph_at(0)
+    args = (graph, ctx.cluster, est, ctx.dtype)
+    fp32 = ctx.options.fp32_params
+    layout = tp_layout(*args, fp32_params=fp32, replicate=replicate)
+    if not layout.replicated:
+        return LaidOut(est, layout.placements, layout.report, on_its_stages)
+    ends = list(itertools.accumulate(len(layers) for layers in est.stage_layers))
+    relaid = evaluate(ctx.costs.with_tp_layout(layout.replicated), ctx.cluster, cfg,
+                      global_batch_size=ctx.global_batch_size, dtype=ctx.dtype,
+                      options=ctx.options, stage_boundaries=tuple(zip([0] + ends[:-1], ends)))
+    if relaid.fits and relaid.step_time_s < est.step_time_s:
+        log.info("the intra-op ILP's layout of %s runs %s replicated on the sequence shard: "
+                 "%.4g s per step against %.4g s in Megatron-LM's", cfg.short(),
+                 _replicated_text(layout.report), relaid.step_time_s, est.step_time_s)
+        return LaidOut(relaid, layout.placements, layout.report, on_its_stages)
+    log.info("the intra-op ILP's layout of %s with %s replicated is %s by the whole "
+             "estimate; it keeps Megatron-LM's", cfg.short(), _replicated_text(layout.report),
+             "slower" if relaid.fits else "over the memory")
+    layout = tp_layout(*args, fp32_params=fp32, replicate=False)
+    return LaidOut(est, layout.placements, layout.report, on_its_stages)
+
+
+def _replicated_text(report: dict[str, Any]) -> str:
+    return ", ".join(f"{block}'s sub-layers {entry['replicated_sublayers']}"
+                     for block, entry in sorted(report.items())
+                     if entry.get("replicated_sublayers"))

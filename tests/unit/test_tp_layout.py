@@ -149,3 +149,33 @@ def test_a_replicated_mlp_costs_its_whole_weights_and_no_activation_traffic():
               .memory_by_stage[0]["states"] for t in (None, layout)]
     per_elem = state_bytes_per_param("fp32", cfg.zero_stage, cfg.dp, False)
     assert states[1] - states[0] == pytest.approx(4 * mlp_params * 3 / 4 * per_elem)
+
+
+def test_the_plan_takes_the_fastest_layout_of_the_winner_and_its_runners_up():
+    """Llama-3-8B widths, 8K tokens, on one DGX H100 with tp=2 pinned: every simulated
+    runner-up the search kept with sequence parallel is a rival (fits, tp > 1, ordered by its
+    step less its tp communication, which no layout can beat); the plan is the estimate of
+    its own config in its own layout, and no slower than the search's winner in
+    Megatron-LM's layout."""
+    from autopar.models.llama import Llama, LlamaConfig
+    from autopar.search.tp_layout import _rivals
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig(vocab_size=128256, dim=4096, n_layers=8, n_heads=32,
+                                  n_kv_heads=8, ffn_dim=14336, max_seq_len=8192))
+    shape = dict(global_batch_size=32, seq_len=8192)
+    plan = autopar.compile(model, NODE, **shape, constraints={"tp": 2})
+    megatron = autopar.compile(model, NODE, **shape, constraints={"tp": 2},
+                               settings=autopar.SearchSettings(tp_layouts="megatron"))
+    assert plan.estimate.step_time_s <= megatron.estimate.step_time_s
+    again = autopar.estimate(model, NODE, plan.config, **shape, software="autopar",
+                             tp_placements=plan.tp_placements)
+    assert again.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-12)
+    rivals = _rivals(plan.candidates, megatron.config)
+    assert rivals and all(r.config.sequence_parallel and r.config.tp > 1 for r in rivals)
+    assert megatron.config not in [r.config for r in rivals]
+    assert [r.step_bound for r in rivals] == sorted(r.step_bound for r in rivals)
+    table = plan.candidates
+    for r in rivals:
+        row = table[(table["step_time_s"] - table["t_tp_comm"]) == r.step_bound].iloc[0]
+        assert bool(row["fits"]) and bool(row["exact"])
