@@ -12,7 +12,10 @@ A letter is usable only if its size is divisible by the axis size in every opera
 
 For ``mm`` with the weight as the ``kn`` operand this yields Megatron's column parallel
 (shard ``n``: weight split on its output features) and row parallel (shard ``k``: input split
-on the feature dim, output partial), plus batch/row splitting (shard ``m``).
+on the feature dim, output partial), plus batch/row splitting (shard ``m``). An ``mm`` or
+``addmm`` whose activation operand the sharding problem lifted back to its leading dims (a
+Linear's ``[batch, seq, k]`` input, flattened for the GEMM) takes a batch letter per extra
+dim: ``amk,kn->amn``, so that the sequence ``m`` shards as well as the batch ``a``.
 """
 
 from __future__ import annotations
@@ -51,6 +54,13 @@ def matmul_equation(op: str, ranks: Sequence[int]) -> tuple[str, tuple[int, ...]
     if known is None:
         return None
     eq, additive = known
+    lhs = eq.split("->")[0].split(",")
+    a = len(additive)  # the activation operand of mm/addmm, lifted to its leading dims
+    if op in ("mm", "addmm") and len(ranks) == len(lhs) and ranks[a] > 2 \
+            and all(r == len(t) for i, (r, t) in enumerate(zip(ranks, lhs)) if i != a):
+        batch = _BATCH_LETTERS[:ranks[a] - 2]
+        lhs[a] = batch + lhs[a]
+        return f"{','.join(lhs)}->{batch}{eq.split('->')[1]}", additive
     if [len(t) for t in eq.split("->")[0].split(",")] != list(ranks[:eq.count(",") + 1]):
         return None
     return known

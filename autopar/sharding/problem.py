@@ -256,6 +256,50 @@ def _per_chunk(node: Node, n: int) -> tuple[Strategy, ...]:
                      input_grads=default_input_grads(ins, True), work_divisor=n),)
 
 
+_FLAT_MATMULS = ("aten.mm.", "aten.addmm.")
+_RESHAPES = ("aten.view.", "aten._unsafe_view.", "aten.reshape.")
+
+
+def _lift_flattened_matmuls(by_name: dict[str, Node], names: Sequence[str]) -> dict[str, Node]:
+    """``by_name`` with each Linear-style GEMM of ``names`` seen on its input's leading dims:
+    a 2-D ``mm``/``addmm`` whose activation operand is a view of ``[*L, k]`` flattened to
+    ``[prod(L), k]`` (read by nothing else) and whose output only views unflatten back to
+    ``[*L, n]`` is costed as ``[*L, k] x [k, n] -> [*L, n]``, its views as identities. A shard
+    of any leading dim -- the sequence of ``[batch, seq, hidden]``, which a flattening view
+    can carry only as a strided shard -- then passes through the GEMM as DTensor carries it,
+    where the flattened view could map only the first. Same elements, FLOPs and bytes."""
+    readers: dict[str, list[str]] = {}
+    for name in names:
+        for src in by_name[name].input_sources:
+            readers.setdefault(src, []).append(name)
+    out = dict(by_name)
+    for name in names:
+        node = by_name[name]
+        if not node.target.startswith(_FLAT_MATMULS) or not node.params:
+            continue
+        a = 1 if node.target.startswith("aten.addmm.") else 0
+        flat = by_name.get(node.input_sources[a])
+        if flat is None or flat.name not in names or not flat.target.startswith(_RESHAPES) \
+                or readers.get(flat.name) != [name] or len(node.inputs[a].shape) != 2:
+            continue
+        lead, k = flat.inputs[0].shape[:-1], node.inputs[a].shape[1]
+        if len(lead) < 2 or flat.inputs[0].shape[-1] != k:
+            continue
+        n = node.outputs[0].shape[-1]
+        unflat = [by_name[r] for r in readers.get(name, ())]
+        if not unflat or any(not u.target.startswith(_RESHAPES) or u.name not in names
+                             or tuple(u.outputs[0].shape) != (*lead, n) for u in unflat):
+            continue
+        lifted_in = TensorSpec(shape=(*lead, k), dtype=flat.outputs[0].dtype)
+        lifted_out = TensorSpec(shape=(*lead, n), dtype=node.outputs[0].dtype)
+        out[flat.name] = dataclasses.replace(flat, outputs=(lifted_in,))
+        out[name] = dataclasses.replace(node, outputs=(lifted_out,), inputs=tuple(
+            lifted_in if i == a else t for i, t in enumerate(node.inputs)))
+        for u in unflat:
+            out[u.name] = dataclasses.replace(u, inputs=(lifted_out,) + u.inputs[1:])
+    return out
+
+
 def _source_map(by_name: Mapping[str, Node], names: set[str]
                 ) -> dict[tuple[str, int], tuple[str, int]]:
     """(consumer, input index) -> (producer, output index) for node-produced inputs."""
@@ -321,7 +365,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
         alone = collective_units(("all_reduce", nbytes)) - collective_units(("all_reduce", 1.0))
         return max(0, round(alone / microbatches))
 
-    by_name = {n.name: n for n in graph.nodes}
+    by_name = _lift_flattened_matmuls({n.name: n for n in graph.nodes}, names)
     req = _requires_grad(graph)
     tokens = graph.from_inputs
 

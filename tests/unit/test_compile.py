@@ -288,8 +288,8 @@ def test_a_precision_the_device_lacks_is_refused_before_the_search():
 
 def test_the_plan_predicts_what_estimate_predicts_for_its_config():
     """compile costs micro-batches as a scaled batch-1 trace, `estimate` traces the config's
-    micro-batch: with the plan's software the two agree (a Llama reads its rotary tables,
-    which do not grow with the batch, in every layer)."""
+    micro-batch: with the plan's software and tensor-parallel layout the two agree (a Llama
+    reads its rotary tables, which do not grow with the batch, in every layer)."""
     from autopar.models.llama import Llama, LlamaConfig
 
     with torch.device("meta"):
@@ -299,7 +299,7 @@ def test_the_plan_predicts_what_estimate_predicts_for_its_config():
                            constraints={"micro_batch_size": 4, "tp": 2})
     assert plan.search["stage_cut"] == "even (Megatron)"
     est = autopar.estimate(model, H100, plan.config, global_batch_size=64, seq_len=1024,
-                           software=plan.training["software"])
+                           software=plan.training["software"], tp_placements=plan.tp_placements)
     assert est.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-12)
     assert est.peak_memory_bytes == pytest.approx(plan.estimate.peak_memory_bytes, rel=1e-12)
 

@@ -64,9 +64,12 @@ def _model(kind: str):
 def plans():
     out = {}
     for name, (kind, dtype, pins, options) in PINS.items():
+        # Megatron-LM's tensor-parallel layout: these plans check the engines' rules on the
+        # config (a plan that replicates sub-layers adds one note, tests/unit/test_compile.py)
         out[name] = autopar.compile(_model(kind), CLUSTER, global_batch_size=64, seq_len=1024,
                                     dtype=dtype, constraints=pins,
-                                    options=EstimateOptions(**options))
+                                    options=EstimateOptions(**options),
+                                    settings=autopar.SearchSettings(tp_layouts="megatron"))
         assert {k: getattr(out[name].config, k) for k in pins} == pins
     return out
 
