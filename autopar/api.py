@@ -16,7 +16,7 @@ from autopar.estimate.bounds import BOUND_MARGIN, exact_step_lower_bound
 from autopar.estimate.core import (Estimate, EstimateOptions, EvalCache, ModelCosts, evaluate,
                                    layer_costs)
 from autopar.estimate.software import preset_of, software_options
-from autopar.errors import NoPlanFitsError, StageMemoryError
+from autopar.errors import NoPlanFitsError, RuntimeLimitError, StageMemoryError
 from autopar.search.inter_op import partition_stages
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES
 from autopar.models.common import count_attention_calls
@@ -257,8 +257,8 @@ def _within_limits(constraints: dict[str, Any], limits: RuntimeLimits) -> list[d
     cannot combine, one region per group held at 1 (unless a pin decides which)."""
     for axis, reason in sorted(limits.axes.items()):
         if constraints.get(axis, 1) != 1:
-            raise ValueError(f"{axis}={constraints[axis]} cannot run on this model: {reason}; "
-                             f"plan with {axis}=1 (or leave {axis} unpinned)")
+            raise RuntimeLimitError(f"{axis}={constraints[axis]} cannot run on this model: "
+                                    f"{reason}; plan with {axis}=1 (or leave {axis} unpinned)")
     if limits.axes:
         log.info("this runtime cannot run %s for this model (%s): searching them at 1",
                  ", ".join(sorted(limits.axes)), "; ".join(f"{a}: {r}" for a, r in
@@ -270,9 +270,9 @@ def _within_limits(constraints: dict[str, Any], limits: RuntimeLimits) -> list[d
         if len(pinned) == 2:
             pins = ", ".join(f"{a}={constraints[a]}" for a in sorted(first | second)
                              if constraints.get(a, 1) != 1)
-            raise ValueError(f"{pins} cannot run together on this model: {reason}; pin only "
-                             f"one of {'/'.join(sorted(first))} and {'/'.join(sorted(second))} "
-                             f"above 1")
+            raise RuntimeLimitError(
+                f"{pins} cannot run together on this model: {reason}; pin only one of "
+                f"{'/'.join(sorted(first))} and {'/'.join(sorted(second))} above 1")
         keep = [first, second] if not pinned else [pinned[0]]
         regions = [{**r, **{axis: 1 for axis in (second if group is first else first)}}
                    for r in regions for group in keep]

@@ -80,6 +80,15 @@ class TargetRuleError(ValueError):
 __all__ += ["TargetRuleError"]
 
 
+class RuntimeLimitError(ValueError):
+    """A pin autopar's runtime cannot run for this model: an axis it cannot shard the model
+    on, or two axes it cannot combine on it (`autopar.runtime.capabilities`); the message
+    names the reason and what to pin instead."""
+
+
+__all__ += ["RuntimeLimitError"]
+
+
 class CalibrationError(ValueError):
     """`autopar calibrate` cannot measure: it was not started under torchrun, a rank did not
     join or stopped answering (the message names the ranks), or the ranks do not fill the

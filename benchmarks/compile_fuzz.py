@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.errors import NoPlanFitsError, TargetRuleError, TraceError  # noqa: E402
+from autopar.errors import (NoPlanFitsError, RuntimeLimitError, TargetRuleError,  # noqa: E402
+                            TraceError)
 from autopar.models.registry import build, list_presets, preset  # noqa: E402
 from autopar.plan.export import export_plan  # noqa: E402
 from autopar.targets import TARGETS  # noqa: E402
@@ -79,6 +80,8 @@ def _kind(error: Exception) -> str:
         return "every config rejected (first reason named)"
     if isinstance(error, TraceError):
         return "trace error with a hint"
+    if isinstance(error, RuntimeLimitError):
+        return "a pin the runtime cannot run for the model (reason named)"
     return f"OTHER {type(error).__name__}: {text[:160]}"
 
 
@@ -94,6 +97,7 @@ def main() -> None:
     settings = autopar.SearchSettings(progress=False)
     outcomes: collections.Counter = collections.Counter()
     apart: dict[str, tuple[float, str]] = {}
+    replicating = 0
     slowest = (0.0, "")
     for _ in range(args.count):
         name, cluster, dtype, shape = _problem(rng)
@@ -120,6 +124,7 @@ def main() -> None:
             outcomes[f"OTHER export to {args.target} has notes {notes}: {label}"] += 1
             continue
         outcomes["plan"] += 1
+        replicating += any(e.get("replicated_sublayers") for e in plan.intra_op.values())
         if plan.search["stage_cut"] != "even (Megatron)":
             continue
         traced = dict(shape)
@@ -127,7 +132,8 @@ def main() -> None:
             traced["example_inputs"] = torch.empty(cfg.micro_batch_size, 3, 224, 224,
                                                    device="meta")
         est = autopar.estimate(model, cluster, cfg, dtype=dtype,
-                               software=TARGETS[args.target].software, **traced)
+                               software=TARGETS[args.target].software,
+                               tp_placements=plan.tp_placements, **traced)
         gap = abs(est.step_time_s / plan.estimate.step_time_s - 1)
         family = name.split("-")[0]
         if gap >= apart.get(family, (-1.0, ""))[0]:
@@ -143,6 +149,8 @@ def main() -> None:
     if slowest[1]:
         print(f"\nslowest compile: {slowest[0]:.2f} s ({slowest[1]})")
     others = sum(n for k, n in outcomes.items() if k.startswith("OTHER"))
+    print(f"\nplans whose tensor-parallel layout replicates sub-layers (the intra-op ILP's): "
+          f"{replicating}")
     print(f"\nplans {outcomes['plan']}, explained errors "
           f"{args.count - outcomes['plan'] - others}, other outcomes {others}")
     if others or not math.isfinite(sum(g for g, _ in apart.values())):
