@@ -184,21 +184,31 @@ def _apply_recompute(modules: list[nn.Module], policy: str, every: int = 1) -> N
 def _recompute_contexts(forward: Any = None, recompute: Any = None) -> tuple[Any, Any]:
     """The forward and recompute contexts of one checkpointed block: the recompute, which runs
     inside backward, re-enters the torch-function modes the forward ran under (the tensor-
-    parallel attention mode, `LocalAttention`), so it runs the ops the forward ran."""
+    parallel attention mode, `LocalAttention`), so it runs the ops the forward ran. The
+    recompute context may be entered more than once (a zero-bubble schedule's input- and
+    weight-gradient passes each recompute the block)."""
     from torch.overrides import _get_current_function_mode_stack
 
-    modes = _get_current_function_mode_stack()
-    forward = forward or contextlib.nullcontext()
+    return forward or contextlib.nullcontext(), _Reentered(
+        tuple(_get_current_function_mode_stack()), recompute)
 
-    @contextlib.contextmanager
-    def again():
-        with contextlib.ExitStack() as stack:
-            for mode in modes:
-                stack.enter_context(mode)
-            stack.enter_context(recompute or contextlib.nullcontext())
-            yield
 
-    return forward, again()
+class _Reentered:
+    """Enters ``modes`` and then ``inner`` (if any) each time it is entered."""
+
+    def __init__(self, modes: tuple, inner: Any):
+        self._modes, self._inner, self._stacks = modes, inner, []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        for mode in self._modes:
+            stack.enter_context(mode)
+        if self._inner is not None:
+            stack.enter_context(self._inner)
+        self._stacks.append(stack)
+
+    def __exit__(self, *exc: Any) -> bool:
+        return self._stacks.pop().__exit__(*exc)
 
 
 def per_op_contexts() -> tuple[Any, Any]:

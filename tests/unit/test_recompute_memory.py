@@ -12,6 +12,8 @@ decomposition on CPU, which keeps more in the layers no policy checkpoints."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -86,3 +88,36 @@ def test_kept_activations_per_policy_are_the_measured_ones(name):
         print(f"{name} {policy} - full: measured {measured} B, predicted {want:.0f} B")
         assert measured > 0
         assert want == pytest.approx(measured, rel=0.01)
+
+
+@pytest.mark.parametrize("policy", ["full", "per_op"])
+def test_a_checkpointed_block_recomputes_in_each_of_two_backward_passes(policy):
+    """A zero-bubble schedule computes a stage's input gradients and its weight gradients in
+    two backward passes, and each recomputes a checkpointed block: its recompute context is
+    entered twice. Oracle: the gradients of the same block without checkpointing."""
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(
+                torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                    torch.nn.Linear(32, 16)) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    plain = Net()
+    wrapped = copy.deepcopy(plain)
+    _apply_recompute([wrapped], policy, every=1)
+    assert all(type(layer) is not torch.nn.Sequential for layer in wrapped.layers)
+    x = torch.randn(4, 16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    want = torch.autograd.grad(plain(x).square().sum(), [x, *plain.parameters()])
+    out = wrapped(x2).square().sum()
+    (dx,) = torch.autograd.grad(out, [x2], retain_graph=True)  # the input-gradient pass
+    dw = torch.autograd.grad(out, list(wrapped.parameters()))  # the weight-gradient pass
+    for got, ref in zip((dx, *dw), want):
+        torch.testing.assert_close(got, ref)
