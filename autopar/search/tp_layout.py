@@ -21,8 +21,8 @@ its weight gradients all-reduced once a step (`Unit.replicated`). The ILP prices
 those (`solve_block` with the parameters pinned) and the plan takes the cheapest within the
 block's budget whose collectives are the estimate's; compile then estimates the whole plan
 in it and keeps it where it fits and is faster. Where the ILP's own optimum is another
-layout still (attention on the sequence shard, a batch shard through a flattened view), it
-is recorded per block as advice with both objectives.
+layout still (attention on the sequence shard, replicated weights with the hidden state
+gathered), it is recorded per block as advice with both objectives.
 """
 
 from __future__ import annotations
