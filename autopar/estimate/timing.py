@@ -399,7 +399,8 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
     if op.logits:
         fwd, bwd = loss_time_s(device, op.logits / (tp * cp), op.logit_bytes, loss_kernel)
         return fwd, bwd, 0.0
-    split = cp * (tp if cfg.sequence_parallel or op.vocab or op.expert else 1)
+    split = cp * (tp if cfg.sequence_parallel or op.vocab or op.expert or op.tp_sharded
+                  else 1)
     fwd = activation_memory_time_s(device, op.bytes_fwd / split, kernels)
     bwd = BACKWARD_MEMORY_RATIO * fwd  # a scatter-add's backward gathers: no atomics
     if op.scatter_add and kernels == "eager":

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from autopar.config import PER_OP_ALTERNATED, PER_OP_SAVED
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
-from autopar.ir.residual import consumers, residual_structure, sublayers
+from autopar.ir.residual import MIXING_KINDS, consumers, residual_structure, sublayers
 
 LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
 LOSS_REDUCTION_BYTES = 4  # fp32 per row each
@@ -76,6 +76,10 @@ class OpCost:
     # a GEMM of a sub-layer the layout replicates over tp (`Unit.replicated`): each tp rank
     # reads (and under fp8 casts) its whole weight
     tp_replicated: bool = False
+    # a memory-bound op on features Megatron's layout splits over tp (after a sub-layer's
+    # column-parallel GEMMs, before its row-parallel one: an MLP's activation, RoPE on the
+    # heads): its work is split over tp with or without sequence parallel
+    tp_sharded: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -339,6 +343,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     act = 0
     tail = recompute_tail(nodes)
     residual = residual_structure(nodes)
+    sharded = _tp_sharded(nodes, residual)
     kept = _per_op_kept(nodes)
     per_op = per_op_partial = per_op_attention = 0
     op_index: dict[str, int] = {}
@@ -395,13 +400,15 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
             loss = _is_cross_entropy(node)
             ops.append(OpCost(kind="memory", flops_fwd=0.0, flops_bwd=0.0, bytes_fwd=io,
                               param_bytes=weights, expert=in_moe,
+                              tp_sharded=node.name in sharded,
                               vocab=node.kind is OpKind.EMBEDDING
                               and _vocab_sized(node, vocab_dims), tail=node.name in tail,
                               logits=node.inputs[0].numel if loss else 0.0,
                               logit_bytes=node.inputs[0].num_bytes // max(1, node.inputs[0].numel)
                               if loss else 0, scatter_add=node.kind is OpKind.MOE_COMBINE,
                               **fixed))
-            saved_memory += node.saved_bytes
+            if node.name not in sharded:
+                saved_memory += node.saved_bytes
         if node.kind is OpKind.NORM:
             act = act or sum(o.num_bytes for o in node.outputs[:1])
         elif node.kind is OpKind.EMBEDDING and not act:
@@ -435,6 +442,33 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         loss_logit_bytes=sum(n.inputs[0].num_bytes for n in losses), tail_kernels=tail_kernels,
         stream_params=sum(p.numel for n in nodes if n.name in stream for p in n.params
                           if p.requires_grad and p.fqn in seen_params), sublayers=subs)
+
+
+def _tp_sharded(nodes: list[Node], residual) -> set[str]:
+    """The memory-bound ops of a block on features Megatron's layout splits over tp: those
+    computed from a sub-layer's mixing ops (its column-parallel GEMMs, attention) that are not
+    on the residual stream and not after its row-parallel GEMM (whose reduced output, like
+    the stream, is whole on every rank without sequence parallel)."""
+    if not residual.residual_adds:
+        return set()
+    readers = consumers(nodes)
+    after_row: set[str] = set()
+    frontier = list(residual.row_gemms)
+    while frontier:
+        for nxt in readers.get(frontier.pop(), ()):
+            if nxt.name not in after_row and nxt.kind not in MIXING_KINDS \
+                    and nxt.name not in residual.stream:
+                after_row.add(nxt.name)
+                frontier.append(nxt.name)
+    mixed: set[str] = set()
+    for node in nodes:
+        if node.kind in MIXING_KINDS:
+            mixed.add(node.name)
+        elif any(src in mixed for src in node.input_sources) and node.name not in \
+                residual.stream and node.name not in after_row:
+            mixed.add(node.name)
+    return {n.name for n in nodes if n.name in mixed and n.kind not in MIXING_KINDS
+            and n.kind not in _FREE_KINDS}
 
 
 _NOT_REPLICABLE = frozenset({OpKind.ATTENTION, OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE,

@@ -51,7 +51,8 @@ from autopar.sharding.placement import (PARTIAL, REPLICATE, is_shard, reshard_co
 from autopar.sharding.rules import signature as rule_signature
 from autopar.sharding.rules import strategies as rule_strategies
 from autopar.sharding.strategy import Collective, Strategy, default_input_grads
-from costmodels.compute import activation_memory_time_s, attention_time_s, gemm_time_s
+from costmodels.compute import (activation_memory_time_s, attention_time_s, gemm_time_s,
+                                op_overhead_s)
 from costmodels.collectives import LayoutTimer
 
 __all__ = ["BLOCK_INPUT", "BLOCK_OUTPUT", "BlockProblem", "ParamUse", "TensorUse",
@@ -194,9 +195,16 @@ def _is_float(dtype: str) -> bool:
 
 
 def _node_compute_s(node: Node, device, dtype: str, divisor: int) -> float:
-    nbytes = (node.bytes_read + node.bytes_written) / divisor
+    """Forward and backward seconds of one node's kernels on one rank at ``divisor`` shares
+    of its work, with the launch cost of each kernel (one forward, two backward; views launch
+    none), as the estimate's `unit_compute` charges them."""
     if node.kind is OpKind.VIEW:
         return 0.0
+    return _node_work_s(node, device, dtype, divisor) + 3 * op_overhead_s(device)
+
+
+def _node_work_s(node: Node, device, dtype: str, divisor: int) -> float:
+    nbytes = (node.bytes_read + node.bytes_written) / divisor
     if node.kind in (OpKind.MATMUL, OpKind.CONV):
         return (gemm_time_s(device, dtype, node.flops_fwd / divisor, nbytes)
                 + gemm_time_s(device, dtype, node.flops_bwd / divisor, 2 * nbytes))

@@ -179,3 +179,35 @@ def test_the_plan_takes_the_fastest_layout_of_the_winner_and_its_runners_up():
     for r in rivals:
         row = table[(table["step_time_s"] - table["t_tp_comm"]) == r.step_bound].iloc[0]
         assert bool(row["fits"]) and bool(row["exact"])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: corpus.PlainLlama(vocab=32000, dim=2048, n_layers=4, n_heads=16, n_kv_heads=4,
+                              ffn_dim=5632, max_seq=4096),
+    lambda: corpus.NanoGPT(vocab=50304, block_size=4096, n_layer=4, n_head=16, n_embd=2048)])
+def test_the_ilp_prices_a_blocks_kernels_as_the_estimate_does(make):
+    """The ILP's compute for the layout a plan takes (sequence parallel, tp=4, its MLP
+    replicated) equals the estimate's for the plan's layer (`unit_compute`: every kernel's
+    work and launch), to the ILP's integer nanoseconds; and the ops on features Megatron's
+    layout splits (an MLP's activation) are split over tp without sequence parallel too."""
+    from autopar.estimate.core import costs_of_layout
+    from autopar.estimate.software import software_options
+    from autopar.estimate.timing import unit_compute
+
+    opts = software_options("autopar", autopar.EstimateOptions())
+    with torch.device("meta"):
+        model = make()
+    plan = autopar.compile(model, NODE, global_batch_size=32, seq_len=2048,
+                           constraints={"tp": 4, "micro_batch_size": 1,
+                                        "sequence_parallel": True})
+    cfg = plan.config
+    graph = autopar.trace(model, global_batch_size=1, seq_len=2048, dtype="bf16")
+    (unit,) = [u for u in costs_of_layout(graph, cfg, plan.tp_placements).units if u.is_block]
+    c = unit_compute(unit, cluster=NODE, dtype="bf16", cfg=cfg,
+                     attention_kernel=opts.attention_kernel, kernels=opts.kernels,
+                     loss_kernel=opts.loss_kernel)
+    (block,) = plan.intra_op.values()
+    assert block["replicated_sublayers"] == [1]
+    assert block["compute_s"] == pytest.approx(c.fwd + c.bwd, rel=1e-5)
+    sharded = [op for op in unit.ops if op.kind == "memory" and op.tp_sharded]
+    assert sharded and not any(op.param_bytes for op in sharded)  # no norm among them
