@@ -132,6 +132,19 @@ class ParallelConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_record(cls, record: Any) -> "ParallelConfig":
+        """The config of a candidate-table row or a saved dict: numpy scalars as Python
+        values, a JSON list (the mesh order) as a tuple, a field the record lacks (a plan
+        saved before it existed) at its default."""
+        values = {}
+        for name in cls.__dataclass_fields__:
+            if name in record:
+                value = record[name]
+                values[name] = value.item() if hasattr(value, "item") else \
+                    tuple(value) if isinstance(value, list) else value
+        return cls(**values)
+
     def short(self) -> str:
         """A compact label, e.g. 'dp8 tp8 pp16 z1 mb1 1f1b sp rc=selective' ('rc=full/2': one
         block in two checkpointed; and 'mesh=dp,pp,cp,tp' when the mesh order is not the

@@ -597,7 +597,7 @@ def costs_of_layout(graph: Graph, config: ParallelConfig,
     from autopar.plan.placements import replicated_sublayers  # plan imports the estimate
 
     return costs.with_tp_layout(replicated_sublayers(
-        graph, tp_placements, sequence_parallel=config.sequence_parallel))
+        graph, costs.units, tp_placements, sequence_parallel=config.sequence_parallel))
 
 
 def estimate_graph(graph: Graph, cluster: Cluster, config: ParallelConfig, *,

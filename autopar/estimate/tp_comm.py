@@ -17,7 +17,8 @@ from autopar.estimate.units import Unit
 if TYPE_CHECKING:
     from autopar.estimate.core import ModelCosts
 
-__all__ = ["stream_gradient_bytes", "stream_gradient_sync", "tp_step_collectives"]
+__all__ = ["primitive_collectives", "stream_gradient_bytes", "stream_gradient_sync",
+           "tp_step_collectives"]
 
 
 def stream_gradient_bytes(unit: Unit) -> float:
@@ -62,3 +63,16 @@ def tp_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_b
         nbytes = sum(stream_gradient_bytes(u) * u.count for u in units)
         out += [("all_reduce", nbytes)] if nbytes else []
     return out
+
+
+def primitive_collectives(collectives) -> list[tuple[str, int]]:
+    """``(kind, nbytes)`` collectives as reduce-scatters and all-gathers, sorted, bytes
+    rounded: an all-reduce of a tensor is a reduce-scatter and an all-gather of it, at one
+    cost, so that two executions that reduce the same partial sums compare equal (the ILP may
+    all-reduce a sequence-parallel sub-layer's sums where the runtime reduce-scatters and
+    gathers them)."""
+    out = []
+    for kind, n in collectives:
+        kinds = ("reduce_scatter", "all_gather") if kind == "all_reduce" else (kind,)
+        out += [(k, round(n)) for k in kinds]
+    return sorted(out)

@@ -19,11 +19,11 @@ ep on their expert dim.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from autopar.config import ParallelConfig
 from autopar.errors import InvalidConfigError
-from autopar.estimate.units import token_lookup, units_from_graph, vocab_sizes
+from autopar.estimate.units import Unit, token_lookup, vocab_sizes
 from autopar.ir import Graph, OpKind
 from autopar.ir.residual import (MIXING_KINDS, consumers, fused_chunks, residual_structure,
                                  sublayers)
@@ -89,9 +89,10 @@ def megatron_tp_placements(graph: Graph) -> dict[str, str]:
     return out
 
 
-def replicated_sublayers(graph: Graph, tp_placements: Mapping[str, str], *,
-                         sequence_parallel: bool) -> dict[str, frozenset[int]]:
-    """``{block representative: indices of its sub-layers}`` that ``tp_placements`` ({param
+def replicated_sublayers(graph: Graph, units: Sequence[Unit], tp_placements: Mapping[str, str],
+                         *, sequence_parallel: bool) -> dict[str, frozenset[int]]:
+    """``{block representative: indices of its sub-layers}`` (``units``: the graph's,
+    `units_from_graph`) that ``tp_placements`` ({param
     FQN: placement on tp}, a block's layers read at its representative) runs replicated where
     Megatron-LM's layout splits them: every parameter of the sub-layer "R", under sequence
     parallel, in a sub-layer a runtime can run so on the sequence shard
@@ -101,11 +102,12 @@ def replicated_sublayers(graph: Graph, tp_placements: Mapping[str, str], *,
     megatron = megatron_tp_placements(graph)
     placed = lambda fqn: tp_placements.get(fqn, "R")  # noqa: E731
     owner = {name: b for b in graph.blocks for name in b.node_names}
-    units = {u.name: u for u in units_from_graph(graph) if u.sublayers}
+    by_name = {u.name: u for u in units if u.sublayers}
     out: dict[str, frozenset[int]] = {}
     for block in graph.blocks:
-        nodes = [n for n in graph.nodes if n.name in block.node_names]
-        unit = units.get(block.representative)
+        names = set(block.node_names)
+        nodes = [n for n in graph.nodes if n.name in names]
+        unit = by_name.get(block.representative)
         runs = sublayers(nodes, residual_structure(nodes)) if unit is not None else [nodes]
         chosen = set()
         for i, run in enumerate(runs):

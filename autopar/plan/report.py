@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from autopar.config import ParallelConfig
 from costmodels import collectives as _collectives
 from costmodels import compute as _compute
 from costmodels import memory as _memory
@@ -342,35 +343,21 @@ def _ilp_advice(info: dict[str, Any]) -> str:
     return f"the ILP's own optimum is another layout {where}: {trade}"
 
 
-def _config_fields(row: pd.Series) -> dict[str, Any]:
-    from autopar.config import ParallelConfig
-
-    out = {}
-    for name, field in ParallelConfig.__dataclass_fields__.items():
-        value = row[name] if name in row else field.default  # plans saved before the field
-        out[name] = value.item() if hasattr(value, "item") else \
-            tuple(value) if isinstance(value, list) else value  # a JSON list: the mesh order
-    return out
-
-
 def next_candidates(plan: Plan, count: int = _NEXT_CANDIDATES) -> list[pd.Series]:
     """The fitting candidates after the plan: simulated ones first (comparable with the plan's
     simulated estimate), then closed-form ones, each by step time; the plan's config excluded."""
     table = plan.candidates
     if table is None or table.empty or "fits" not in table:
         return []
-    chosen = plan.config.to_dict()
     rows = [row for _, row in table.iterrows()
-            if bool(row["fits"]) and _config_fields(row) != chosen]
+            if bool(row["fits"]) and ParallelConfig.from_record(row) != plan.config]
     exact = "exact" in table
     rows.sort(key=lambda r: (0 if exact and bool(r["exact"]) else 1, float(r["step_time_s"])))
     return rows[:count]
 
 
 def _candidate_label(row: pd.Series) -> str:
-    from autopar.config import ParallelConfig
-
-    return ParallelConfig(**_config_fields(row)).short()
+    return ParallelConfig.from_record(row).short()
 
 
 def _candidates(plan: Plan) -> Section:

@@ -39,12 +39,12 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate.core import Estimate, EstimateOptions, ModelCosts, evaluate
 from autopar.estimate.timing import slowest_groups, tp_collectives
+from autopar.estimate.tp_comm import primitive_collectives
 from autopar.estimate.units import units_from_graph
 from autopar.ir import SEQUENCE_DIM, Graph
 from autopar.ir.residual import residual_structure, sublayers
 from autopar.plan import megatron_tp_placements
 from autopar.search.intra_op import solve_block
-from autopar.search.settings import CONFIG_FIELDS
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, state_bytes_per_param
 
 __all__ = ["LaidOut", "LayoutContext", "TpLayout", "block_budget", "choose_layout",
@@ -194,7 +194,8 @@ def _replicating(graph: Graph, block, unit, megatron: dict[str, str], cfg, budge
     the ILP's price of its best execution, within ``budget``; a layout counts only where the
     ILP's collectives for it are the estimate's (`tp_collectives` of `Unit.replicated`), so
     that the price is the one the estimate charges and the runtime pays."""
-    nodes = [n for n in graph.nodes if n.name in block.node_names]
+    names = set(block.node_names)
+    nodes = [n for n in graph.nodes if n.name in names]
     runs = sublayers(nodes, residual_structure(nodes))
     choices = [i for i, sub in enumerate(unit.sublayers) if sub.replicable][:_MAX_REPLICABLE]
     best, best_subset = incumbent
@@ -210,8 +211,8 @@ def _replicating(graph: Graph, block, unit, megatron: dict[str, str], cfg, budge
                     (budget is not None and alt.memory_bytes > budget):
                 continue
             fwd, bwd = tp_collectives(unit.replicated(frozenset(subset)), cfg)
-            if _primitives(alt.forward_collectives + alt.backward_collectives) != \
-                    _primitives(fwd + bwd):
+            if primitive_collectives(alt.forward_collectives + alt.backward_collectives) \
+                    != primitive_collectives(fwd + bwd):
                 log.debug("%s: the ILP executes sub-layers %s replicated with other "
                           "collectives than the estimate's; not taken (%s against %s)",
                           block.representative, subset,
@@ -219,16 +220,6 @@ def _replicating(graph: Graph, block, unit, megatron: dict[str, str], cfg, budge
                 continue
             best, best_subset = alt, frozenset(subset)
     return best, best_subset
-
-
-def _primitives(collectives) -> list[tuple[str, int]]:
-    """Collectives as reduce-scatters and all-gathers (an all-reduce is both, at one cost),
-    sorted, bytes rounded."""
-    out = []
-    for kind, n in collectives:
-        kinds = ("reduce_scatter", "all_gather") if kind == "all_reduce" else (kind,)
-        out += [(k, round(n)) for k in kinds]
-    return sorted(out)
 
 
 def _same(placements, megatron: dict[str, str]) -> bool:
@@ -280,9 +271,6 @@ def choose_layout(ctx: LayoutContext, winner: Estimate, candidates: pd.DataFrame
         est = evaluate(ctx.costs, ctx.cluster, cfg.config,
                        global_batch_size=ctx.global_batch_size, dtype=ctx.dtype,
                        options=ctx.options)
-        if not est.fits or est.step_time_s - est.breakdown.get("tp_comm", 0.0) \
-                >= best.estimate.step_time_s:
-            continue
         laid = _laid_out(ctx, est, replicate, on_its_stages=False)
         if laid.estimate.step_time_s < best.estimate.step_time_s:
             log.info("in the intra-op ILP's layout %s steps in %.4g s, ahead of the search's "
@@ -307,19 +295,11 @@ def _rivals(candidates: pd.DataFrame, winner: ParallelConfig) -> list[_Rival]:
         & table["sequence_parallel"].astype(bool) & (table["tp"] > 1)
     rows = []
     for _, row in table[keep].iterrows():
-        cfg = ParallelConfig(**{f: _plain(row[f]) for f in CONFIG_FIELDS if f in row})
+        cfg = ParallelConfig.from_record(row)
         if cfg != winner:
             rows.append(_Rival(float(row["step_time_s"]) - float(row.get("t_tp_comm", 0.0)),
                                cfg))
     return sorted(rows, key=lambda r: r.step_bound)[:_RIVALS]
-
-
-def _plain(value: Any) -> Any:
-    """A table cell as ParallelConfig takes it (numpy scalars as Python ones, lists as
-    tuples)."""
-    if hasattr(value, "item"):
-        return value.item()
-    return tuple(value) if isinstance(value, list) else value
 
 
 def _laid_out(ctx: LayoutContext, est: Estimate, replicate: bool, *, on_its_stages: bool

@@ -83,18 +83,6 @@ def test_tensor_parallel_issues_megatrons_collectives(cells):
     assert by["nano_gpt", "tp"].detail["collectives"] == {"all_reduce": 21, "allreduce_": 1}
 
 
-def _primitives(collectives) -> list[tuple[str, int]]:
-    """Collectives as reduce-scatters and all-gathers, sorted: an all-reduce of a tensor is a
-    reduce-scatter and an all-gather of it (the ILP may reduce a sequence-parallel sub-layer's
-    partial sums with one all-reduce where the runtime reduce-scatters and gathers, at one
-    cost)."""
-    out = []
-    for kind, n in collectives:
-        kinds = ("reduce_scatter", "all_gather") if kind == "all_reduce" else (kind,)
-        out += [(k, round(n)) for k in kinds]
-    return sorted(out)
-
-
 @pytest.mark.parametrize("plan_name", ["tp", "tp_sp", "tp_sp_mb1"])
 def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
         cells, zoo_cells, plan_dir, plan_name):
@@ -108,14 +96,14 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
     reported loss) are the ones the estimate charges for the plan's layout
     (`tp_step_collectives`), and each block's in the plan (`plan.intra_op`, the ILP's
     solution of the layout the plan runs) are the estimate's for one layer, as
-    reduce-scatters and all-gathers (`_primitives`). Not yet so for MoE layers (the runtime
-    reduces each expert's rows, or gathers fused expert weights, where the estimate charges
-    one reduction per layer)."""
+    reduce-scatters and all-gathers (`primitive_collectives`). Not yet so for MoE layers
+    (the runtime reduces each expert's rows, or gathers fused expert weights, where the
+    estimate charges one reduction per layer)."""
     import torch
 
     import autopar
     from autopar.estimate.core import costs_of_layout
-    from autopar.estimate.tp_comm import tp_step_collectives
+    from autopar.estimate.tp_comm import primitive_collectives, tp_step_collectives
     from autopar.estimate.timing import tp_collectives
     from autopar.plan import load_plan
 
@@ -144,7 +132,8 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
             unit = next(u for u in costs.units if u.name == block)
             fwd, bwd = tp_collectives(unit, plan.config)
             in_plan = entry["forward_collectives"] + entry["backward_collectives"]
-            assert _primitives(in_plan) == _primitives(fwd + bwd), (cell.model, block)
+            assert primitive_collectives(in_plan) == primitive_collectives(fwd + bwd), \
+                (cell.model, block)
         checked.append(cell.model)
         if plan_name == "tp_sp_mb1":
             assert all(e.get("replicated_sublayers") for e in plan.intra_op.values()), \
