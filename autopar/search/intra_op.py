@@ -20,8 +20,9 @@ Shorthand
     c(a, ("fwd", q)) = time(reshard p → q)      c(a, ("bwd", g)) = time(reshard g → w)
     w = grad(p) (grad(R)=R, grad(S(d))=S(d), grad(P)=R) except for "R~P" strategies (w = P)
     cost_v(s) = compute_fwd+bwd(v, s) / work_divisor(s) + internal collectives(v, s)
-                + [param replicated and work split] · (all_reduce(param gradient)
-                  - all_reduce(empty)) / microbatches   (one coalesced all-reduce a step)
+                + [param replicated and work split] · (all_reduce(B) - all_reduce(empty))
+                  · gradient bytes / B / microbatches   (one coalesced all-reduce a step
+                  of all such gradients, B = gradient_buffer_bytes, default the gradient's)
                 + parameter elements held · step_s_per_param   (the step's reduction
                   and optimizer step on them, per micro-batch)
 
@@ -415,6 +416,7 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
                 bytes_per_param: float = 16.0, step_s_per_param: float = 0.0,
                 boundary: str = "periodic",
                 sequence_shards: int = 1, microbatches: int = 1,
+                gradient_buffer_bytes: float | None = None,
                 cache: MutableMapping | None = None,
                 method: str = "auto", pinned_params: Mapping[str, str] | None = None
                 ) -> BlockSharding:
@@ -428,7 +430,7 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     pins it to R, "S(d)" to that shard. ``sequence_shards`` is the context-parallel degree:
     the block's activations are costed at one rank's share of the sequence
     (:func:`~autopar.sharding.problem.build_problem`); ``microbatches`` per step share its
-    one all-reduce of partial parameter gradients. ``cache`` is a caller-owned dict keyed
+    one all-reduce of partial parameter gradients, of ``gradient_buffer_bytes`` in all. ``cache`` is a caller-owned dict keyed
     by (block signature, tp, micro-batch shape, ...); a hit returns the stored result (whose
     node names are those of the block first solved). ``method`` picks the solver
     (:func:`solve_problem`). ``pinned_params`` ({param FQN: placement}; an unlisted parameter
@@ -452,7 +454,7 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
         key = (_signature(graph, names), tp, (graph.batch_size, graph.seq_len), dtype,
                memory_budget_bytes, cluster.fingerprint(), tuple(ranks or range(tp)),
                bytes_per_param, step_s_per_param, boundary, sequence_shards, microbatches,
-               method,
+               gradient_buffer_bytes, method,
                tuple(sorted(pinned_params.items())) if pinned_params is not None else None)
         if key in cache:
             return cache[key]
@@ -460,7 +462,8 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     problem = build_problem(graph, names, axis_size=tp, cluster=cluster, dtype=dtype,
                             ranks=ranks, bytes_per_param=bytes_per_param,
                             step_s_per_param=step_s_per_param, boundary=boundary,
-                            sequence_shards=sequence_shards, microbatches=microbatches)
+                            sequence_shards=sequence_shards, microbatches=microbatches,
+                            gradient_buffer_bytes=gradient_buffer_bytes)
     if pinned_params is not None:
         problem = pin_params(problem, pinned_params)
     choice, optimal = solve_problem(problem, memory_budget_bytes=memory_budget_bytes,

@@ -27,6 +27,7 @@ gathered), it is recorded per block as advice with both objectives.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate.core import Estimate, EstimateOptions, ModelCosts, evaluate
 from autopar.estimate.timing import slowest_groups, tp_collectives
-from autopar.estimate.tp_comm import primitive_collectives
+from autopar.estimate.tp_comm import primitive_collectives, stream_gradient_bytes
 from autopar.estimate.units import units_from_graph
 from autopar.ir import SEQUENCE_DIM, Graph
 from autopar.ir.residual import residual_structure, sublayers
@@ -86,14 +87,27 @@ def block_budget(estimate: Estimate, layer_fqns: tuple[str, ...], estimated_byte
     rank holding the most of them; None when the estimate has no per-rank memory."""
     if not estimate.memory_by_stage:
         return None
-    cfg = estimate.config
-    layers = set(layer_fqns)
-    per_rank = [0] * cfg.pp
-    for chunk, names in enumerate(estimate.stage_layers):
-        per_rank[chunk % cfg.pp] += sum(name in layers for name in names)
     free = (estimate.usable_memory_bytes - estimate.peak_memory_bytes) \
         / (1 + ALLOCATOR_RESERVE_FRACTION)
-    return estimated_bytes + max(0.0, free) / max(1, max(per_rank))
+    return estimated_bytes + max(0.0, free) / max(1, _layers_on_rank(estimate, layer_fqns))
+
+
+def _layers_on_rank(estimate: Estimate, layer_fqns: tuple[str, ...]) -> int:
+    """How many of the layers ``layer_fqns`` the pipeline rank holding the most of them
+    holds."""
+    layers = set(layer_fqns)
+    per_rank = [0] * estimate.config.pp
+    for chunk, names in enumerate(estimate.stage_layers):
+        per_rank[chunk % estimate.config.pp] += sum(name in layers for name in names)
+    return max(per_rank)
+
+
+def _gradient_buffer(unit, subset: frozenset[int], layers: int, others: float
+                     ) -> float | None:
+    """Bytes of the step's one all-reduce of partial gradients that a block's join, with
+    the sub-layers ``subset`` of its layer ``unit`` replicated (`Unit.replicated`): the
+    stream's gradients of the block's ``layers`` on the rank and ``others`` beside them."""
+    return stream_gradient_bytes(unit.replicated(subset)) * layers + others if unit else None
 
 
 def tp_layout(graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, *,
@@ -130,13 +144,23 @@ def tp_layout(graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, *,
                   # the hidden state between blocks as the runtime places it
                   boundary=f"S({SEQUENCE_DIM})" if cfg.sequence_parallel else "replicated",
                   step_s_per_param=step_s_per_param)
+    stream = {name: stream_gradient_bytes(u) * u.count for name, u in units.items()}
     for block in graph.blocks:
-        sol = solve_block(graph, block.node_names, **common)
+        unit = units.get(block.representative)
+        layers = _layers_on_rank(estimate, block.layer_fqns)
+        # the other layers' stream gradients on a rank, their average over the pipeline
+        others = (sum(stream.values()) - stream.get(block.representative, 0.0)) / cfg.pp
+        buffer = functools.partial(_gradient_buffer, unit, layers=layers, others=others)
+        every = frozenset(i for i, sub in enumerate(unit.sublayers) if sub.replicable) \
+            if unit else frozenset()
+        # the free solve may replicate any of them: priced at the largest such buffer
+        free = dict(common, gradient_buffer_bytes=buffer(every))
+        sol = solve_block(graph, block.node_names, **free)
         kept = budget = bound = None
         if not _same(sol.param_placements, megatron):
             try:  # the ILP's best execution of Megatron's layout
-                kept = solve_block(graph, block.node_names, pinned_params=megatron,
-                                   **common)
+                kept = solve_block(graph, block.node_names, pinned_params=megatron, **common,
+                                   gradient_buffer_bytes=buffer(frozenset()))
             except ValueError:  # a node cannot place its parameters as Megatron's says
                 kept = None
             budget = block_budget(estimate, block.layer_fqns, kept.memory_bytes) \
@@ -145,14 +169,13 @@ def tp_layout(graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, *,
                 # the best layout Lagrangian relaxation finds within the budget, optimal
                 # where it proves it (exact solving is ~0.2 s a block: too slow for compile)
                 sol = solve_block(graph, block.node_names, memory_budget_bytes=budget,
-                                  method="lagrangian", **common)
+                                  method="lagrangian", **free)
                 bound = budget
         megatron_best = _same(sol.param_placements, megatron)
         runs, subset = (sol if megatron_best or kept is None else kept), frozenset()
-        unit = units.get(block.representative)
         if unit is not None and kept is not None and not megatron_best:
             runs, subset = _replicating(graph, block, unit, megatron, cfg, budget,
-                                        (kept, subset), common)
+                                        (kept, subset), common, buffer)
         same = megatron_best or bool(subset) and \
             dict(runs.param_placements) == dict(sol.param_placements)
         report[block.representative] = entry = {
@@ -188,7 +211,7 @@ _MAX_REPLICABLE = 4  # sub-layers per block whose replication is tried (2^4 layo
 
 
 def _replicating(graph: Graph, block, unit, megatron: dict[str, str], cfg, budget,
-                 incumbent, common: dict):
+                 incumbent, common: dict, buffer: Callable[[frozenset[int]], float | None]):
     """The cheapest of Megatron's layout (``incumbent``: its solve and the empty set) and
     Megatron's with each non-empty set of the block's replicable sub-layers replicated, by
     the ILP's price of its best execution, within ``budget``; a layout counts only where the
@@ -204,7 +227,8 @@ def _replicating(graph: Graph, block, unit, megatron: dict[str, str], cfg, budge
             pins = dict(megatron)
             pins.update({p.fqn: "R" for i in subset for n in runs[i] for p in n.params})
             try:
-                alt = solve_block(graph, block.node_names, pinned_params=pins, **common)
+                alt = solve_block(graph, block.node_names, pinned_params=pins, **common,
+                                  gradient_buffer_bytes=buffer(frozenset(subset)))
             except ValueError:
                 continue
             if alt.objective_s >= best.objective_s or \

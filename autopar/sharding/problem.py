@@ -19,8 +19,8 @@ attention on the fused-attention model, everything else memory bound with the es
 ``BACKWARD_MEMORY_RATIO``; views are free) divided by the strategy's work divisor, plus the
 strategy's internal collectives, plus, when the strategy splits the work of a replicated
 parameter (its gradient is then partial on the axis), that gradient's share of the one
-all-reduce a step that reduces all such gradients together (its bytes' time beyond an empty
-all-reduce's, over ``microbatches``).
+all-reduce a step that reduces all such gradients together (its bytes' share of that
+all-reduce's time beyond an empty one, over ``microbatches``).
 
 Boundary: the hidden state entering the block (a tensor from outside that needs a gradient,
 shaped like the block's output) is produced by a pseudo node ``<block-input>`` whose placement
@@ -335,7 +335,8 @@ def _source_map(by_name: Mapping[str, Node], names: set[str]
 def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cluster,
                   dtype: str, ranks: Sequence[int] | None = None, bytes_per_param: float = 16.0,
                   step_s_per_param: float = 0.0, boundary: str = "periodic",
-                  sequence_shards: int = 1, microbatches: int = 1) -> BlockProblem:
+                  sequence_shards: int = 1, microbatches: int = 1,
+                  gradient_buffer_bytes: float | None = None) -> BlockProblem:
     """Tables of the sharding problem of ``node_names`` on one axis of ``axis_size`` ranks.
 
     ``bytes_per_param`` is the training state a rank keeps per parameter element it holds
@@ -348,7 +349,9 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
     tensors between nodes -- is costed at 1/sequence_shards, attention included (ring
     attention's share of a rank); parameters, their gradients' all-reduce and an op's own
     collectives (batch-norm statistics) are not. ``microbatches`` a step runs share the
-    step's one all-reduce of partial parameter gradients. ``boundary``: "periodic" (the
+    step's one all-reduce of partial parameter gradients, of ``gradient_buffer_bytes`` (all
+    such gradients on the rank; default: each gradient's own bytes), a gradient paying its
+    bytes' share of its time. ``boundary``: "periodic" (the
     hidden state between blocks placed as the ILP chooses), "replicated", or one placement
     ("S(1)": the sequence shard of sequence parallelism)."""
     if not isinstance(sequence_shards, int) or sequence_shards < 1:
@@ -370,8 +373,9 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
     def gradient_units(nbytes: float) -> int:
         """A replicated parameter's partial gradient, all-reduced with the others in one
         buffer once a step: the bytes' share of that all-reduce, per micro-batch."""
-        alone = collective_units(("all_reduce", nbytes)) - collective_units(("all_reduce", 1.0))
-        return max(0, round(alone / microbatches))
+        whole = max(nbytes, gradient_buffer_bytes or 0.0)
+        beyond = collective_units(("all_reduce", whole)) - collective_units(("all_reduce", 1.0))
+        return max(0, round(beyond * nbytes / whole / microbatches))
 
     by_name = _lift_flattened_matmuls({n.name: n for n in graph.nodes}, names)
     req = _requires_grad(graph)

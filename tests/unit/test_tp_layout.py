@@ -211,3 +211,51 @@ def test_the_ilp_prices_a_blocks_kernels_as_the_estimate_does(make):
     assert block["compute_s"] == pytest.approx(c.fwd + c.bwd, rel=1e-5)
     sharded = [op for op in unit.ops if op.kind == "memory" and op.tp_sharded]
     assert sharded and not any(op.param_bytes for op in sharded)  # no norm among them
+
+
+@pytest.mark.parametrize("make", [
+    lambda: corpus.PlainLlama(vocab=32000, dim=2048, n_layers=4, n_heads=16, n_kv_heads=4,
+                              ffn_dim=5632, max_seq=4096),
+    lambda: corpus.NanoGPT(vocab=50304, block_size=4096, n_layer=4, n_head=16, n_embd=2048)])
+def test_the_ilp_prices_a_blocks_collectives_as_the_estimate_does(make):
+    """The ILP's communication for the layout a plan takes (sequence parallel, tp=4, its MLP
+    replicated) is the estimate's: its forward and backward collectives timed on the plan's
+    tp group are the estimate's per layer and micro-batch (`tp_collectives`), and the rest of
+    its communication is its layer's share, per micro-batch, of the once-a-step all-reduce
+    of the partial gradients the sequence shard leaves on all the rank's parameters, its
+    own bytes being the estimate's (`stream_gradient_bytes`); the estimate's step holds the same terms,
+    per layer and micro-batch and once a step (`breakdown["tp_comm"]`)."""
+    from autopar.estimate.core import costs_of_layout
+    from autopar.estimate.timing import slowest_groups, tp_collectives
+    from autopar.estimate.tp_comm import stream_gradient_bytes
+
+    with torch.device("meta"):
+        model = make()
+    plan = autopar.compile(model, NODE, global_batch_size=32, seq_len=2048,
+                           constraints={"tp": 4, "micro_batch_size": 1,
+                                        "sequence_parallel": True})
+    cfg, est = plan.config, plan.estimate
+    graph = autopar.trace(model, global_batch_size=1, seq_len=2048, dtype="bf16")
+    units = costs_of_layout(graph, cfg, plan.tp_placements).units
+    (unit,) = [u for u in units if u.is_block]
+    (block,) = plan.intra_op.values()
+    assert block["replicated_sublayers"] == [1] and cfg.pp == 1
+    group = slowest_groups(cfg, NODE).tp
+
+    def seconds(collectives):
+        return sum(NODE.collective_time(kind, n, group) for kind, n in collectives)
+
+    def all_reduce_beyond_empty(nbytes):
+        return seconds([("all_reduce", nbytes)]) - seconds([("all_reduce", 1.0)])
+
+    activations = seconds(block["forward_collectives"] + block["backward_collectives"])
+    assert activations == pytest.approx(seconds(sum(tp_collectives(unit, cfg), [])), rel=1e-4)
+    grads = sum(n for _, n in block["gradient_collectives"])
+    assert grads == pytest.approx(stream_gradient_bytes(unit))
+    m, layers = est.num_microbatches, unit.count
+    stream = sum(stream_gradient_bytes(u) * u.count for u in units)  # a final norm's too
+    share = all_reduce_beyond_empty(stream) * grads / stream / m
+    assert block["comm_s"] == pytest.approx(activations + share, rel=1e-4)
+    assert est.breakdown["tp_comm"] == pytest.approx(
+        m * sum(u.count * seconds(sum(tp_collectives(u, cfg), [])) for u in units)
+        + seconds([("all_reduce", stream)]), rel=1e-6)
