@@ -252,7 +252,7 @@ def test_the_ilp_prices_a_blocks_collectives_as_the_estimate_does(make):
     assert activations == pytest.approx(seconds(sum(tp_collectives(unit, cfg), [])), rel=1e-4)
     grads = sum(n for _, n in block["gradient_collectives"])
     assert grads == pytest.approx(stream_gradient_bytes(unit))
-    m, layers = est.num_microbatches, unit.count
+    m = est.num_microbatches
     stream = sum(stream_gradient_bytes(u) * u.count for u in units)  # a final norm's too
     share = all_reduce_beyond_empty(stream) * grads / stream / m
     assert block["comm_s"] == pytest.approx(activations + share, rel=1e-4)
