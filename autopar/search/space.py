@@ -35,7 +35,7 @@ import numpy as np
 from autopar.config import (DEFAULT_MESH_ORDER, PP_SCHEDULES, RECOMPUTE_POLICIES, ParallelConfig,
                             divisors)
 from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
-                               CUDA_CONTEXT_BYTES, state_bytes_per_param, state_bytes_split)
+                               CUDA_CONTEXT_BYTES, state_bytes_split)
 
 __all__ = ["ConfigTable", "config_table", "encode", "key_groups", "states_lower_bounds",
            "step_lower_bounds", "first_rank_memory", "TIME_KEY_COLUMNS"]
@@ -273,12 +273,18 @@ def _state_bytes(dtype: str, zero: np.ndarray, shards: np.ndarray,
     the shards from the ZeRO stage that shards it on (the same three terms, summed left to
     right). Two arrays of the table's length, reused in place: at tens of thousands of rows
     each new one costs page faults, more than its arithmetic. With `fp32_params` the terms
-    change with the stage: each distinct (stage, shards) is looked up."""
+    change with the stage (`state_bytes_split`'s three cases, stage 0, 1-2 and 3)."""
     if fp32_params and dtype != "fp32":
-        pairs, inverse = np.unique(np.stack([zero, shards]), axis=1, return_inverse=True)
-        values = np.array([state_bytes_per_param(dtype, int(z), int(n), True)
-                           for z, n in pairs.T])
-        return values[inverse.reshape(-1)]
+        whole = zero == 0
+        weights = np.where(zero == 3, 4.0 / shards, 2.0)
+        grads = 4.0 / shards
+        optim = np.where(zero == 3, 8.0, 12.0)
+        optim /= shards
+        for term, unsharded in ((weights, 4.0), (grads, 4.0), (optim, 8.0)):
+            term[whole] = unsharded
+        weights += grads
+        weights += optim
+        return weights
     terms = state_bytes_split(dtype, 0, 1)
     out, term = np.empty(len(zero)), np.empty(len(zero))
     for k, (bytes_, into) in enumerate(zip(terms, (out, term, term))):
