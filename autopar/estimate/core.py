@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Mapping
 
@@ -48,7 +47,7 @@ from autopar.estimate.timing import (RankGroups, UnitCompute, UnitTimes, slowest
 from autopar.estimate.tp_comm import stream_gradient_sync
 from autopar.estimate.units import Unit, units_from_graph
 from autopar.errors import InvalidConfigError
-from autopar.ir import Graph, OpKind
+from autopar.ir import Graph, Node, OpKind
 from costmodels.collectives import GroupLayout, LayoutTimer
 from costmodels.compute import optimizer_time_s
 from costmodels.memory import DTYPE_BYTES, state_bytes_per_param
@@ -264,16 +263,24 @@ class EvalCache:
 
 
 def _num_experts(graph: Graph) -> int | None:
-    found = set()
+    """Experts per MoE layer (the most of any layer), from each layer's traced span -- the
+    nodes between its MOE_DISPATCH and MOE_COMBINE: the leading dim of fused ``[E, ...]``
+    expert weights, or else the expert outputs the combine reads (one per expert of a list);
+    None without MoE layers."""
+    most = 0
+    span: list[Node] | None = None
     for node in graph.nodes:
-        for p in node.params:
-            m = re.search(r"experts\.(\d+)\.", p.fqn)
-            if m:
-                found.add(int(m.group(1)))
-            elif ".experts." in p.fqn or p.fqn.endswith("experts"):
-                if len(p.shape) == 3:
-                    found.update(range(p.shape[0]))
-    return len(found) or None
+        if node.kind is OpKind.MOE_DISPATCH:
+            span = []
+        elif node.kind is OpKind.MOE_COMBINE and span is not None:
+            fused = [p.shape[0] for n in span for p in n.params if len(p.shape) == 3]
+            inside = {n.name for n in span}
+            most = max(most, fused[0] if fused else
+                       sum(src in inside for src in node.input_sources))
+            span = None
+        elif span is not None:
+            span.append(node)
+    return most or None
 
 
 def _attention_heads(graph: Graph) -> tuple[int | None, int | None]:

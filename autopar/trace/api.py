@@ -71,14 +71,14 @@ def trace(
     if moe_capacity_factor <= 0:
         raise ValueError(f"moe_capacity_factor must be > 0, got {moe_capacity_factor}")
     stacks = blocks.find_stacks(model)
-    leaves: set[str] = set()
+    leaves: dict[str, int | None] = {}  # MoE leaves, with the top-k their forward took
     keep_all: set[str] = set()
     for _ in range(_MAX_ATTEMPTS):
         recorder, shapes = _run(model, stacks, frozenset(keep_all), leaves, args, kwargs,
                                 token_model=seq_len is not None, dtype=ir_dtype,
                                 capacity_factor=moe_capacity_factor)
         if isinstance(recorder, _Leaf):
-            leaves.add(recorder.fqn)
+            leaves[recorder.fqn] = recorder.top_k
             continue
         unsafe = _shape_changing_stacks(stacks, keep_all, shapes)
         if unsafe:
@@ -153,8 +153,8 @@ def _normalize_example(example_inputs):
 class _Leaf:
     """Signal from ``_run``: retry with this module costed as an MoE leaf."""
 
-    def __init__(self, fqn: str):
-        self.fqn = fqn
+    def __init__(self, fqn: str, top_k: int | None):
+        self.fqn, self.top_k = fqn, top_k
 
 
 def _layer_lookup(stacks):
@@ -199,7 +199,8 @@ def _run(model, stacks, keep_all, leaves, args, kwargs, *, token_model, dtype, c
         for fqn in sorted(leaves):
             module = modules[fqn]
             patched.append((module, module.__dict__.get("forward")))
-            module.forward = moe.leaf_forward(module, fqn, recorder, capacity_factor)
+            module.forward = moe.leaf_forward(module, fqn, recorder, capacity_factor,
+                                              top_k=leaves[fqn])
         for i, t in enumerate(pytree.tree_leaves((args, kwargs))):
             if isinstance(t, torch.Tensor):
                 recorder.add_input(t, i)
@@ -215,7 +216,10 @@ def _run(model, stacks, keep_all, leaves, args, kwargs, *, token_model, dtype, c
         if fqn is not None:  # experts fail on meta tensors in many ways: cost them as a leaf
             log.info("costing %s as an MoE leaf under uniform top-k routing (its forward "
                      "cannot run on fake tensors: %s failed in %r: %s)", fqn, op, path, error)
-            return _Leaf(fqn), shapes
+            # the first top-k its forward took before it failed: the layer's routing
+            taken = [k for path, ks in recorder.top_k.items()
+                     if path == fqn or path.startswith(fqn + ".") or not fqn for k in ks]
+            return _Leaf(fqn, taken[0] if taken else None), shapes
         if moe.is_data_dependent(error):
             what = ("a Python value is read from a tensor (.item(), bool(), int(), .tolist())"
                     if "_local_scalar_dense" in op else str(error))

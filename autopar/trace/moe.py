@@ -14,7 +14,8 @@ The leaf forward records: the router (if the module owns one), one MOE_DISPATCH 
 (tokens -> ``ceil(T·k·capacity_factor)`` routed rows), the experts on their share of the rows
 (uniform routing: each expert gets ``rows / num_experts``, every expert's parameters appear),
 and one MOE_COMBINE node back to the input shape. ``k`` comes from an integer top-k index
-input if the module is given one, else from an attribute (``top_k``, ``num_experts_per_tok``).
+input if the module is given one, else from the first ``torch.topk`` its own forward took
+before it failed on meta tensors, else from an attribute (``top_k``, ``num_experts_per_tok``).
 The leaf returns one tensor shaped like its hidden-state input.
 """
 
@@ -99,21 +100,27 @@ def find_moe(modules: dict[str, nn.Module], path: str, leaves: set[str]) -> str 
     return None
 
 
-def _top_k(module: nn.Module, int_inputs: list[torch.Tensor], fqn: str) -> int:
+def _top_k(module: nn.Module, int_inputs: list[torch.Tensor], fqn: str,
+           taken: int | None) -> int:
     for t in int_inputs:
         if t.dim() >= 2:
             return int(t.shape[-1])
+    if taken:
+        return taken
     for m in [module, *module.children()]:
         for attr in _TOP_K_ATTRS:
             val = getattr(m, attr, None)
             if isinstance(val, int) and not isinstance(val, bool) and val > 0:
                 return val
     raise TraceError("cannot tell how many experts each token is routed to", module_path=fqn,
-                     op="moe routing", hint=f"give the module one of {_TOP_K_ATTRS}")
+                     op="moe routing", hint=f"route with torch.topk in the module's forward, "
+                     f"pass it the chosen experts' indices, or give it one of {_TOP_K_ATTRS}")
 
 
-def leaf_forward(module: nn.Module, fqn: str, recorder, capacity_factor: float):
-    """A replacement ``forward`` that records the module's expected-routing cost."""
+def leaf_forward(module: nn.Module, fqn: str, recorder, capacity_factor: float, *,
+                 top_k: int | None = None):
+    """A replacement ``forward`` that records the module's expected-routing cost; ``top_k``
+    the k of the first top-k the module's own forward took (None if it took none)."""
 
     def forward(*args, **kwargs):
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -123,7 +130,7 @@ def leaf_forward(module: nn.Module, fqn: str, recorder, capacity_factor: float):
         hidden = floats[0]
         width = hidden.shape[-1]
         tokens = hidden.numel() // width
-        k = _top_k(module, [t for t in tensors if not t.dtype.is_floating_point], fqn)
+        k = _top_k(module, [t for t in tensors if not t.dtype.is_floating_point], fqn, top_k)
         rows = math.ceil(tokens * k * capacity_factor)
         flat = hidden.reshape(tokens, width)
         listed = _expert_list(module)

@@ -87,6 +87,9 @@ class Recorder:
         self.nodes: list[Node] = []
         self.unknown_ops: collections.Counter[str] = collections.Counter()
         self.failure: Failure | None = None
+        # the k of each top-k the forward takes, by module path, first call first (an MoE
+        # layer's routing: the experts each token goes to)
+        self.top_k: dict[str, list[int]] = collections.defaultdict(list)
         self.fused: dict[Callable, Callable] = {
             F.scaled_dot_product_attention: self._sdpa,
             F.rms_norm: self._rms_norm,
@@ -244,6 +247,8 @@ class Recorder:
     # ------------------------------------------------------------------ aten ops
     def on_aten(self, func, args, kwargs, out) -> None:
         name = func.overloadpacket.__name__
+        if name == "topk" and len(args) > 1 and isinstance(args[1], int):
+            self.top_k[self.module_stack[-1]].append(args[1])
         ins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
         if not outs:

@@ -111,3 +111,44 @@ def test_the_estimate_costs_the_all_gather_dispatch():
         evaluate(costs, cluster, one, global_batch_size=64).step_time_s
     with pytest.raises(ValueError, match="is not 'all_to_all' or 'all_gather'"):
         costs.with_ep_dispatch("ring")
+
+
+class _Renamed(nn.Module):
+    """A token model of two `_LoopMoE`-like layers whose router and expert list carry other
+    names (``scores``, ``ffns``) and six experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.layers = nn.ModuleList(_LoopMoE(num_experts=6) for _ in range(2))
+        for layer in self.layers:
+            layer.scores, layer.ffns = layer.router, layer.experts
+            del layer.router, layer.experts
+            layer.forward = _renamed_forward.__get__(layer)
+        self.head = nn.Linear(16, 64)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def _renamed_forward(self, x):
+    self.router, self.experts = self.scores, self.ffns
+    try:
+        return _LoopMoE.forward(self, x)
+    finally:
+        del self.router, self.experts
+
+
+def test_the_experts_are_counted_from_the_graph_not_their_names():
+    """Experts per layer come from the traced MoE span (the expert outputs its combine reads),
+    so a layer whose expert list is not called ``experts`` plans with ep over its 6 experts."""
+    from autopar.estimate.core import ModelCosts
+
+    graph = autopar.trace(_Renamed(), global_batch_size=4, seq_len=16)
+    assert ModelCosts.from_graph(graph).num_experts == 6
+    plan = autopar.compile(_Renamed(), autopar.Cluster.from_profile("cpu-gloo"),
+                           global_batch_size=8, seq_len=16, constraints={"dp": 4, "ep": 2})
+    assert plan.config.ep == 2
