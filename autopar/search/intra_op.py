@@ -430,9 +430,10 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     pins it to R, "S(d)" to that shard. ``sequence_shards`` is the context-parallel degree:
     the block's activations are costed at one rank's share of the sequence
     (:func:`~autopar.sharding.problem.build_problem`); ``microbatches`` per step share its
-    one all-reduce of partial parameter gradients, of ``gradient_buffer_bytes`` in all. ``cache`` is a caller-owned dict keyed
-    by (block signature, tp, micro-batch shape, ...); a hit returns the stored result (whose
-    node names are those of the block first solved). ``method`` picks the solver
+    one all-reduce of partial parameter gradients, of ``gradient_buffer_bytes`` in all.
+    ``cache`` is a caller-owned dict keyed by (block signature, tp, micro-batch shape, ...);
+    a hit returns the stored result (whose node names are those of the block first solved),
+    and a block's other solves (pinned, within a budget) reuse its problem tables. ``method`` picks the solver
     (:func:`solve_problem`). ``pinned_params`` ({param FQN: placement}; an unlisted parameter
     replicated) fixes the parameter layout, and the ILP chooses the rest: the best execution
     of that layout (:func:`~autopar.sharding.problem.pin_params`; ValueError if a node cannot
@@ -449,21 +450,26 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     if unknown or not names:
         raise ValueError(f"node_names must be non-empty names of graph nodes; unknown: "
                          f"{unknown[:5]}")
-    key = None
+    key = problem_key = None
     if cache is not None:
-        key = (_signature(graph, names), tp, (graph.batch_size, graph.seq_len), dtype,
-               memory_budget_bytes, cluster.fingerprint(), tuple(ranks or range(tp)),
-               bytes_per_param, step_s_per_param, boundary, sequence_shards, microbatches,
-               gradient_buffer_bytes, method,
-               tuple(sorted(pinned_params.items())) if pinned_params is not None else None)
+        setting = (tp, (graph.batch_size, graph.seq_len), dtype, cluster.fingerprint(),
+                   tuple(ranks or range(tp)), bytes_per_param, step_s_per_param, boundary,
+                   sequence_shards, microbatches, gradient_buffer_bytes)
+        key = (_signature(graph, names),) + setting + (memory_budget_bytes, method, tuple(
+            sorted(pinned_params.items())) if pinned_params is not None else None)
         if key in cache:
             return cache[key]
+        problem_key = ("problem", tuple(names)) + setting  # this block's, for its other solves
     start = time.perf_counter()
-    problem = build_problem(graph, names, axis_size=tp, cluster=cluster, dtype=dtype,
-                            ranks=ranks, bytes_per_param=bytes_per_param,
-                            step_s_per_param=step_s_per_param, boundary=boundary,
-                            sequence_shards=sequence_shards, microbatches=microbatches,
-                            gradient_buffer_bytes=gradient_buffer_bytes)
+    problem = cache.get(problem_key) if cache is not None else None
+    if problem is None:
+        problem = build_problem(graph, names, axis_size=tp, cluster=cluster, dtype=dtype,
+                                ranks=ranks, bytes_per_param=bytes_per_param,
+                                step_s_per_param=step_s_per_param, boundary=boundary,
+                                sequence_shards=sequence_shards, microbatches=microbatches,
+                                gradient_buffer_bytes=gradient_buffer_bytes)
+        if cache is not None:
+            cache[problem_key] = problem
     if pinned_params is not None:
         problem = pin_params(problem, pinned_params)
     choice, optimal = solve_problem(problem, memory_budget_bytes=memory_budget_bytes,

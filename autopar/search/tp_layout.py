@@ -27,7 +27,6 @@ gathered), it is recorded per block as advice with both objectives.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 from collections.abc import Callable
@@ -102,12 +101,16 @@ def _layers_on_rank(estimate: Estimate, layer_fqns: tuple[str, ...]) -> int:
     return max(per_rank)
 
 
-def _gradient_buffer(unit, subset: frozenset[int], layers: int, others: float
-                     ) -> float | None:
-    """Bytes of the step's one all-reduce of partial gradients that a block's join, with
-    the sub-layers ``subset`` of its layer ``unit`` replicated (`Unit.replicated`): the
-    stream's gradients of the block's ``layers`` on the rank and ``others`` beside them."""
-    return stream_gradient_bytes(unit.replicated(subset)) * layers + others if unit else None
+def _gradient_buffer(unit, layers: int, others: float) -> float | None:
+    """Bytes of the step's one all-reduce of partial gradients that a block's join when all
+    its replicable sub-layers are replicated (`Unit.replicated`; the usual layout taken: an
+    MLP): the stream's gradients of the block's ``layers`` on the rank and ``others`` beside
+    them. Every layout of the block is priced at this buffer's rate (in Megatron's, only
+    the norms' few bytes join it), so that its solves share one problem."""
+    if unit is None:
+        return None
+    every = frozenset(i for i, sub in enumerate(unit.sublayers) if sub.replicable)
+    return stream_gradient_bytes(unit.replicated(every)) * layers + others
 
 
 def tp_layout(graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, *,
@@ -135,8 +138,9 @@ def tp_layout(graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, *,
     replicated: dict[str, frozenset[int]] = {}
     units = {u.name: u for u in units_from_graph(graph)} \
         if replicate and cfg.sequence_parallel else {}
-    # blocks alike in structure (an encoder's and a decoder's stack) solve once
-    cache: dict | None = {} if len(graph.blocks) > 1 else None
+    # blocks alike in structure (an encoder's and a decoder's stack) solve once, and a
+    # block's solves share its problem
+    cache: dict = {}
     common = dict(tp=cfg.tp, cluster=cluster, dtype=dtype, cache=cache,
                   ranks=slowest_groups(cfg, cluster).tp,  # the tp group the estimate costs
                   sequence_shards=cfg.cp, microbatches=estimate.num_microbatches,
@@ -150,17 +154,13 @@ def tp_layout(graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, *,
         layers = _layers_on_rank(estimate, block.layer_fqns)
         # the other layers' stream gradients on a rank, their average over the pipeline
         others = (sum(stream.values()) - stream.get(block.representative, 0.0)) / cfg.pp
-        buffer = functools.partial(_gradient_buffer, unit, layers=layers, others=others)
-        every = frozenset(i for i, sub in enumerate(unit.sublayers) if sub.replicable) \
-            if unit else frozenset()
-        # the free solve may replicate any of them: priced at the largest such buffer
-        free = dict(common, gradient_buffer_bytes=buffer(every))
-        sol = solve_block(graph, block.node_names, **free)
+        block_common = dict(common, gradient_buffer_bytes=_gradient_buffer(unit, layers, others))
+        sol = solve_block(graph, block.node_names, **block_common)
         kept = budget = bound = None
         if not _same(sol.param_placements, megatron):
             try:  # the ILP's best execution of Megatron's layout
-                kept = solve_block(graph, block.node_names, pinned_params=megatron, **common,
-                                   gradient_buffer_bytes=buffer(frozenset()))
+                kept = solve_block(graph, block.node_names, pinned_params=megatron,
+                                   **block_common)
             except ValueError:  # a node cannot place its parameters as Megatron's says
                 kept = None
             budget = block_budget(estimate, block.layer_fqns, kept.memory_bytes) \
@@ -169,13 +169,13 @@ def tp_layout(graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, *,
                 # the best layout Lagrangian relaxation finds within the budget, optimal
                 # where it proves it (exact solving is ~0.2 s a block: too slow for compile)
                 sol = solve_block(graph, block.node_names, memory_budget_bytes=budget,
-                                  method="lagrangian", **free)
+                                  method="lagrangian", **block_common)
                 bound = budget
         megatron_best = _same(sol.param_placements, megatron)
         runs, subset = (sol if megatron_best or kept is None else kept), frozenset()
         if unit is not None and kept is not None and not megatron_best:
             runs, subset = _replicating(graph, block, unit, megatron, cfg, budget,
-                                        (kept, subset), common, buffer)
+                                        (kept, subset), block_common)
         same = megatron_best or bool(subset) and \
             dict(runs.param_placements) == dict(sol.param_placements)
         report[block.representative] = entry = {
@@ -211,7 +211,7 @@ _MAX_REPLICABLE = 4  # sub-layers per block whose replication is tried (2^4 layo
 
 
 def _replicating(graph: Graph, block, unit, megatron: dict[str, str], cfg, budget,
-                 incumbent, common: dict, buffer: Callable[[frozenset[int]], float | None]):
+                 incumbent, common: dict):
     """The cheapest of Megatron's layout (``incumbent``: its solve and the empty set) and
     Megatron's with each non-empty set of the block's replicable sub-layers replicated, by
     the ILP's price of its best execution, within ``budget``; a layout counts only where the
@@ -227,8 +227,7 @@ def _replicating(graph: Graph, block, unit, megatron: dict[str, str], cfg, budge
             pins = dict(megatron)
             pins.update({p.fqn: "R" for i in subset for n in runs[i] for p in n.params})
             try:
-                alt = solve_block(graph, block.node_names, pinned_params=pins, **common,
-                                  gradient_buffer_bytes=buffer(frozenset(subset)))
+                alt = solve_block(graph, block.node_names, pinned_params=pins, **common)
             except ValueError:
                 continue
             if alt.objective_s >= best.objective_s or \
