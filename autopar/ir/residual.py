@@ -125,8 +125,26 @@ def fused_chunks(nodes: Sequence[Node]) -> dict[str, int]:
     is split into k equal parts on the last dim (``qkv.split(h, -1)``), or viewed as
     ``(k, heads, head_dim)`` with as many heads as an attention of ``nodes`` has.  Column
     parallelism must then split each chunk, not the whole output, for every rank to hold
-    whole heads of q, k and v."""
-    return {fqn: k for fqn, (k, _) in _fused(nodes).items()}
+    whole heads of q, k and v. Likewise the ``[E, out, in]`` weight of grouped expert GEMMs
+    whose output a gated activation halves (an expert's fused gate and up projections): its
+    two chunks."""
+    gated = {p.fqn: 2 for p in _gated_expert_weights(nodes)}
+    return gated | {fqn: k for fqn, (k, _) in _fused(nodes).items()}
+
+
+def _gated_expert_weights(nodes: Sequence[Node]) -> list:
+    """The 3-D weights of GEMMs whose output of width ``2f`` an elementwise op reads into
+    ``f`` features (the gated activation of fused ``[E, 2f, h]`` gate/up expert weights)."""
+    readers = consumers(nodes)
+    out = []
+    for node in nodes:
+        if node.kind is not OpKind.MATMUL or not node.outputs:
+            continue
+        width = node.outputs[0].shape[-1]
+        if any(r.kind is OpKind.ELEMENTWISE and r.outputs and 2 * r.outputs[0].shape[-1] == width
+               for r in readers.get(node.name, ())):
+            out += [p for p in node.params if len(p.shape) == 3 and p.shape[1] == width]
+    return out
 
 
 def fused_splits(nodes: Sequence[Node]) -> dict[str, int]:

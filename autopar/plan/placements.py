@@ -68,11 +68,11 @@ def megatron_tp_placements(graph: Graph) -> dict[str, str]:
             feeds, fed = chained.get(node.name, (True, False))
             row = (fed and not feeds) if experts else node.name in rows
             for p in node.params:
-                features = _output_features_dim(node, p)
+                features, inputs = _feature_dims(node, p)
                 if p.shape and p.shape[features] in vocab and len(p.shape) == 2:
                     out.setdefault(p.fqn, f"S({features})")
                 elif len(p.shape) >= 2:
-                    out.setdefault(p.fqn, f"S({1 - features})" if row else f"S({features})")
+                    out.setdefault(p.fqn, f"S({inputs})" if row else f"S({features})")
                 else:  # bias
                     out.setdefault(p.fqn, "R" if row else "S(0)")
 
@@ -158,14 +158,18 @@ def _gemm_chains(nodes: list) -> dict[str, tuple[bool, bool]]:
     return {name: (name in feeds, name in fed) for name in gemm}
 
 
-def _output_features_dim(node, param) -> int:
-    """The dim of a GEMM's 2-D weight that holds its output features: 0 for a weight laid out
-    ``[out, in]`` and read transposed (``x @ W.T``: nn.Linear), 1 for one read as it is
-    (``x @ W``: GPT-2's Conv1D); 0 for anything else (a convolution's ``[out, in, ...]``)."""
+def _feature_dims(node, param) -> tuple[int, int]:
+    """The dims of a GEMM's weight that hold its output and its input features: (0, 1) for a
+    2-D weight laid out ``[out, in]`` and read transposed (``x @ W.T``: nn.Linear), (1, 0)
+    for one read as it is (``x @ W``: GPT-2's Conv1D), (1, 2) for grouped expert weights
+    ``[E, out, in]`` (as the trace's MoE leaf reads them), (0, 1) for a convolution's
+    ``[out, in, ...]``."""
+    if node.kind is OpKind.MATMUL and len(param.shape) == 3:
+        return 1, 2
     if node.kind is not OpKind.MATMUL or len(param.shape) != 2:
-        return 0
+        return 0, 1
     uses = [i for i, src in enumerate(node.input_sources) if src == f"param:{param.fqn}"]
-    return 0 if not uses or any(node.reads_transposed(i) for i in uses) else 1
+    return (0, 1) if not uses or any(node.reads_transposed(i) for i in uses) else (1, 0)
 
 
 def _layer_names(graph: Graph):
