@@ -44,7 +44,7 @@ from autopar.estimate.memory import activation_bytes, stage_memory, keeps_weight
 from autopar.estimate.stages import body_span
 from autopar.estimate.timing import (RankGroups, UnitCompute, UnitTimes, slowest_groups,
                                      unit_compute, unit_times)
-from autopar.estimate.tp_comm import stream_gradient_sync
+from autopar.estimate.tp_comm import partial_gradient_sync
 from autopar.estimate.units import Unit, units_from_graph
 from autopar.errors import InvalidConfigError
 from autopar.ir import Graph, Node, OpKind
@@ -407,7 +407,7 @@ class _Prepared:
     expert: float
     heavy_sums: dict[str, float]
     units_here: list["GatherUnit"]
-    tp_grad_sync: float  # seconds a step: `tp_comm.stream_gradient_sync`
+    tp_grad_sync: float  # seconds a step: `tp_comm.partial_gradient_sync`
     pipeline: dict = field(default_factory=dict)
     data_parallel: dict = field(default_factory=dict)
     timelines: dict = field(default_factory=dict)
@@ -534,7 +534,7 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
         lay=lay, groups=groups, p2p=p2p, dense=lay.rank_dense[heavy],
         expert=lay.rank_expert[heavy],
         heavy_sums=lay.attr_sums(heavy), units_here=units_here,
-        tp_grad_sync=stream_gradient_sync(cache, units, lay, config, groups))
+        tp_grad_sync=partial_gradient_sync(cache, units, lay, config, groups))
     return prep
 
 

@@ -1,7 +1,8 @@
 """Tensor-parallel traffic beyond one layer's (`timing.tp_collectives`): the all-reduce, once a
-step, of the partial gradients sequence parallelism leaves on the stream's parameters, and
-every tensor-parallel collective of a step as a list -- what a runtime's recorded collectives
-are checked against."""
+step, of the partial gradients a layout leaves on replicated parameters (sequence parallelism
+on the stream's, an MoE sub-layer reduced once on its router's), and every tensor-parallel
+collective of a step as a list -- what a runtime's recorded collectives are checked
+against."""
 
 from __future__ import annotations
 
@@ -17,26 +18,27 @@ from autopar.estimate.units import Unit
 if TYPE_CHECKING:
     from autopar.estimate.core import ModelCosts
 
-__all__ = ["primitive_collectives", "stream_gradient_bytes", "stream_gradient_sync",
+__all__ = ["partial_gradient_bytes", "partial_gradient_sync", "primitive_collectives",
            "tp_step_collectives"]
 
 
-def stream_gradient_bytes(unit: Unit) -> float:
-    """Bytes of one layer's gradients on the sequence-sharded stream (`Unit.stream_params`,
-    in the parameters' traced dtype)."""
-    return unit.stream_params * unit.param_bytes / max(1, unit.dense_params + unit.expert_params)
+def partial_gradient_bytes(unit: Unit, sequence_parallel: bool) -> float:
+    """Bytes of one layer's gradients that are partial sums over tp, in the parameters'
+    traced dtype: under sequence parallel those on the sequence-sharded stream
+    (`Unit.stream_params`), and an MoE sub-layer's router's (`Unit.router_params`)."""
+    params = unit.router_params + (unit.stream_params if sequence_parallel else 0)
+    return params * unit.param_bytes / max(1, unit.dense_params + unit.expert_params)
 
 
-def stream_gradient_sync(cache, units: tuple[Unit, ...], lay: Layout, config: ParallelConfig,
-                         groups: RankGroups) -> float:
-    """Seconds a step (`cache`: an EvalCache or a Cluster) of the all-reduce over tp, under
-    sequence parallel, of the gradients of the parameters on the sequence-sharded stream
-    (`Unit.stream_params`: each rank saw its shard of the sequence, so each holds a partial
-    sum), coalesced into one buffer as Megatron-LM and the runtime do, on the pipeline rank
-    with the most of them."""
-    if config.tp == 1 or not config.sequence_parallel:
+def partial_gradient_sync(cache, units: tuple[Unit, ...], lay: Layout, config: ParallelConfig,
+                          groups: RankGroups) -> float:
+    """Seconds a step (`cache`: an EvalCache or a Cluster) of the all-reduce over tp of the
+    partial gradients (`partial_gradient_bytes`: each rank saw its shard of the sequence, or
+    reduced an MoE sub-layer's output once), coalesced into one buffer as Megatron-LM and the
+    runtime do, on the pipeline rank with the most of them."""
+    if config.tp == 1:
         return 0.0
-    per_layer = np.array([stream_gradient_bytes(u) for u in units])
+    per_layer = np.array([partial_gradient_bytes(u, config.sequence_parallel) for u in units])
     nbytes = float((lay.rank_counts @ per_layer).max())
     return cache.collective_time("all_reduce", nbytes, groups.tp) if nbytes > 0 else 0.0
 
@@ -45,8 +47,8 @@ def tp_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_b
                         ) -> list[tuple[str, float]]:
     """Every tensor-parallel collective the estimate charges for one step of the whole model
     (all pipeline stages together) on one tp group, as ``(kind, nbytes)``: each layer's
-    `tp_collectives` forward and backward, per micro-batch, and under sequence parallel the
-    one all-reduce of the stream's gradients. What a runtime's recorded collectives are
+    `tp_collectives` forward and backward, per micro-batch, and the one all-reduce of the
+    partial gradients (`partial_gradient_bytes`). What a runtime's recorded collectives are
     checked against."""
     if config.tp == 1:
         return []
@@ -59,10 +61,8 @@ def tp_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_b
     for unit in units:
         fwd, bwd = tp_collectives(unit, config)
         out += (fwd + bwd) * (unit.count * m)
-    if config.sequence_parallel:
-        nbytes = sum(stream_gradient_bytes(u) * u.count for u in units)
-        out += [("all_reduce", nbytes)] if nbytes else []
-    return out
+    nbytes = sum(partial_gradient_bytes(u, config.sequence_parallel) * u.count for u in units)
+    return out + ([("all_reduce", nbytes)] if nbytes else [])
 
 
 def primitive_collectives(collectives) -> list[tuple[str, int]]:

@@ -133,6 +133,10 @@ class Unit:
     # sub-layers, a position table, the final norm): under sequence parallel they see a
     # sequence shard and their gradients are partial sums over tp, reduced once a step
     stream_params: int = 0
+    # elements of an MoE sub-layer's routing GEMMs' parameters (before its dispatch, whole on
+    # every tp rank): the sub-layer's output reduced once over tp, the router's gradient on a
+    # rank is a partial sum too, reduced once a step with the stream's, with or without SP
+    router_params: int = 0
     # how expert parallel moves tokens: "all_to_all" (dispatch and combine of the routed rows) or
     # "all_gather" (every ep rank's tokens gathered, outputs reduce-scattered)
     ep_dispatch: str = "all_to_all"
@@ -441,7 +445,23 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         loss_logits=sum(n.inputs[0].numel for n in losses),
         loss_logit_bytes=sum(n.inputs[0].num_bytes for n in losses), tail_kernels=tail_kernels,
         stream_params=sum(p.numel for n in nodes if n.name in stream for p in n.params
-                          if p.requires_grad and p.fqn in seen_params), sublayers=subs)
+                          if p.requires_grad and p.fqn in seen_params), sublayers=subs,
+        router_params=_router_params(nodes, residual, stream, seen_params))
+
+
+def _router_params(nodes: list[Node], residual, stream: set[str], owned: dict[str, int]
+                   ) -> int:
+    """Trainable elements of the GEMMs of a block's MoE sub-layers before their dispatch,
+    off the stream (their routers), owned by this unit."""
+    found: dict[str, int] = {}
+    runs = sublayers(nodes, residual) if residual.residual_adds else [nodes]
+    for run in runs:
+        dispatch = next((i for i, n in enumerate(run) if n.kind is OpKind.MOE_DISPATCH), None)
+        for node in run[:dispatch] if dispatch is not None else ():
+            if node.kind in _GEMM_KINDS and node.name not in stream:
+                found.update({p.fqn: p.numel for p in node.params
+                              if p.requires_grad and p.fqn in owned})
+    return sum(found.values())
 
 
 def _tp_sharded(nodes: list[Node], residual) -> set[str]:

@@ -57,6 +57,7 @@ from autopar.runtime.context_parallel import (
 from autopar.runtime.data_parallel import apply_data_parallel as _apply_data_parallel
 from autopar.runtime.data_parallel import sync_gradients
 from autopar.runtime.expert_gather import apply_gathered_experts
+from autopar.runtime.tp_moe import probe_moe_inputs
 from autopar.runtime.expert_parallel import (
     apply_expert_parallel,
     check_expert_parallel,
@@ -438,6 +439,9 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     loss_fn = loss_fn or lm_loss
     gbs = int(plan.training["global_batch_size"])
     n_micro = gbs // (dp * cfg.micro_batch_size)
+    # the MoE sub-layers' inputs, for the check that they run exactly on local shards
+    moe_inputs = probe_moe_inputs(model, plan, _example_microbatch(
+        plan, cp if layout == "zigzag" else 1)) if tp > 1 and cfg.ep == 1 else None
     if pp > 1:
         ids = stage_ids_for_rank(mesh["pp"].get_local_rank(), pp, len(plan.stages))
         # the probe sees the sequence as the model will: a zigzag share, or the whole sequence
@@ -457,7 +461,7 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
                 modules, model, ep_groups, example.to(next(model.parameters()).device))
     if tp > 1:
         for m, sid in zip(modules, ids):
-            applied = apply_tensor_parallel(m, plan, mesh["tp"])
+            applied = apply_tensor_parallel(m, plan, mesh["tp"], moe_inputs=moe_inputs)
             if pp > 1:
                 stage_boundaries(m, mesh["tp"], applied.sequence_parallel, first=sid == 0,
                                  last=sid == len(plan.stages) - 1)

@@ -72,6 +72,7 @@ from torch.utils._pytree import tree_map
 from autopar.ir import SEQUENCE_DIM
 from autopar.runtime.pipeline import tied_parameters
 from autopar.runtime.structure import block_slots
+from autopar.runtime.tp_moe import install_local_moe, local_moe_sublayers
 
 __all__ = ["LocalAttention", "TensorParallel", "apply_tensor_parallel", "local_heads",
            "settle_gradients", "stage_boundaries", "tp_dims"]
@@ -239,28 +240,36 @@ def _distribute(module: nn.Module, mesh: Any, dims: dict[str, int], own: list[st
         owner = module.get_submodule(owner_name)
         new = done.get(id(p))
         if new is None:
-            dim = dims.get(fqn)
-            if dim is not None and p.shape[dim] % mesh.size():
-                raise ValueError(f"{fqn} {tuple(p.shape)}: the plan shards dim {dim} over "
-                                 f"tp={mesh.size()}, which does not divide it; re-plan with a "
-                                 f"tp that divides it (or tp=1)")
-            k = chunks.get(fqn, 1) if dim is not None else 1
-            if k > 1 and p.dim() == 1 and replicate_fused_bias:
-                placement = (Replicate(),)
-            elif k > 1 and p.shape[dim] % (k * mesh.size()) == 0:
-                placement = (_StridedShard(dim, split_factor=k),)
-            else:
-                placement = (Replicate(),) if dim is None else (Shard(dim),)
+            placement = _placement(fqn, p, dims, chunks, mesh.size(), replicate_fused_bias)
             new = nn.Parameter(distribute_tensor(p.detach(), mesh, placement),
                                requires_grad=p.requires_grad)
             done[id(p)] = new
         owner.register_parameter(pname, new)
 
 
-def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any) -> TensorParallel:
+def _placement(fqn: str, p: torch.Tensor, dims: dict[str, int], chunks: dict[str, int],
+               size: int, replicate_fused_bias: bool) -> tuple:
+    """The tp placement of parameter ``fqn`` (see `_distribute`)."""
+    dim = dims.get(fqn)
+    if dim is not None and p.shape[dim] % size:
+        raise ValueError(f"{fqn} {tuple(p.shape)}: the plan shards dim {dim} over tp={size}, "
+                         f"which does not divide it; re-plan with a tp that divides it (or "
+                         f"tp=1)")
+    k = chunks.get(fqn, 1) if dim is not None else 1
+    if k > 1 and p.dim() == 1 and replicate_fused_bias:
+        return (Replicate(),)
+    if k > 1 and p.shape[dim] % (k * size) == 0:
+        return (_StridedShard(dim, split_factor=k),)
+    return (Replicate(),) if dim is None else (Shard(dim),)
+
+
+def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any, *,
+                          moe_inputs: dict[type, tuple] | None = None) -> TensorParallel:
     """Shard ``module`` (the whole model or one pipeline stage; FQNs as in the plan) over
-    ``tp_mesh`` as the plan's placements say; see the module docstring.  Raises ValueError for
-    layouts this runtime cannot run, before any collective."""
+    ``tp_mesh`` as the plan's placements say; see the module docstring.  Sub-layers holding
+    an MoE layer whose class has probe inputs in ``moe_inputs`` (`tp_moe.probe_moe_inputs`)
+    run on local shards with one reduction where that is exact (`tp_moe`).  Raises
+    ValueError for layouts this runtime cannot run, before any collective."""
     tp = tp_mesh.size()
     dims = tp_dims(module, plan.placements)
     own = _own_prefixes(module)
@@ -274,18 +283,24 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any) -> TensorP
     cfg = plan.config
     sp = bool(cfg.sequence_parallel)
     fsdp_follows = cfg.zero_stage >= 1 and cfg.dp * cfg.cp > 1
-    _distribute(module, tp_mesh, dims, own, plan.model.get("fused_projections", {}),
-                replicate_fused_bias=fsdp_follows)
+    chunks = plan.model.get("fused_projections", {})
+    holders = {fqn.rpartition(".")[0] for fqn in dims} - set(convs)
+    entries = _sublayer_entries(module, holders)
+    local_moe = local_moe_sublayers(module, entries, own, moe_inputs or {},
+                                    lambda fqn, p: _placement(fqn, p, dims, chunks, tp,
+                                                              fsdp_follows)[0], tp)
+    _distribute(module, tp_mesh, dims, own, chunks, replicate_fused_bias=fsdp_follows)
     for mod in convs.values():
         mod.__class__ = _CHANNEL_PARALLEL[type(mod)]
     seq = (Shard(SEQUENCE_DIM),) if sp else (Replicate(),)
-    holders = {fqn.rpartition(".")[0] for fqn in dims} - set(convs)
     enter = _gather_sequence if sp else _reduce_gradient
     entry = lambda _m, args, kwargs: (  # noqa: E731
         tree_map(lambda t: enter(t, tp_mesh), args),
         tree_map(lambda t: enter(t, tp_mesh), kwargs))
-    for name in sorted(_sublayer_entries(module, holders)):
+    for name in sorted(entries):
         module.get_submodule(name).register_forward_pre_hook(entry, with_kwargs=True)
+    for name in local_moe:
+        install_local_moe(module.get_submodule(name), tp_mesh, sp, SEQUENCE_DIM)
     for name in sorted(holders):
         module.get_submodule(name).register_forward_hook(
             lambda _m, _args, out: tree_map(

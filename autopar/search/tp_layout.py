@@ -39,7 +39,7 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate.core import Estimate, EstimateOptions, ModelCosts, evaluate
 from autopar.estimate.timing import slowest_groups, tp_collectives
-from autopar.estimate.tp_comm import primitive_collectives, stream_gradient_bytes
+from autopar.estimate.tp_comm import partial_gradient_bytes, primitive_collectives
 from autopar.estimate.units import units_from_graph
 from autopar.ir import SEQUENCE_DIM, Graph
 from autopar.ir.residual import residual_structure, sublayers
@@ -110,7 +110,7 @@ def _gradient_buffer(unit, layers: int, others: float) -> float | None:
     if unit is None:
         return None
     every = frozenset(i for i, sub in enumerate(unit.sublayers) if sub.replicable)
-    return stream_gradient_bytes(unit.replicated(every)) * layers + others
+    return partial_gradient_bytes(unit.replicated(every), True) * layers + others
 
 
 def tp_layout(graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, *,
@@ -148,7 +148,7 @@ def tp_layout(graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, *,
                   # the hidden state between blocks as the runtime places it
                   boundary=f"S({SEQUENCE_DIM})" if cfg.sequence_parallel else "replicated",
                   step_s_per_param=step_s_per_param)
-    stream = {name: stream_gradient_bytes(u) * u.count for name, u in units.items()}
+    stream = {name: partial_gradient_bytes(u, True) * u.count for name, u in units.items()}
     for block in graph.blocks:
         unit = units.get(block.representative)
         layers = _layers_on_rank(estimate, block.layer_fqns)

@@ -96,9 +96,11 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
     reported loss) are the ones the estimate charges for the plan's layout
     (`tp_step_collectives`), and each block's in the plan (`plan.intra_op`, the ILP's
     solution of the layout the plan runs) are the estimate's for one layer, as
-    reduce-scatters and all-gathers (`primitive_collectives`). Not yet so for MoE layers
-    (the runtime reduces each expert's rows, or gathers fused expert weights, where the
-    estimate charges one reduction per layer)."""
+    reduce-scatters and all-gathers (`primitive_collectives`). MoE layers written as a loop
+    over an expert list and Hugging Face Mixtral's fused experts included in the first:
+    each MoE sub-layer reduces its output once, its router's partial gradient joins the
+    once-a-step all-reduce (the ILP, which runs an MoE dispatch and combine replicated,
+    prices their blocks as advice)."""
     import torch
 
     import autopar
@@ -109,8 +111,7 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
 
     corpus = rm._corpus()
     checked = []
-    for cell in (c for c in cells + zoo_cells if c.plan == plan_name and c.loss_err is not None
-                 and c.model not in ("moe_loop", "hf_mixtral")):
+    for cell in (c for c in cells + zoo_cells if c.plan == plan_name and c.loss_err is not None):
         assert cell.loss_err <= rm.LOSS_TOL and cell.grad_err <= rm.GRAD_TOL, cell
         plan = load_plan(plan_dir / f"{cell.model}.{plan_name}.json")
         with torch.device("meta"):
@@ -129,15 +130,18 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
             costs, plan.config, global_batch_size=plan.training["global_batch_size"])]
         assert sorted(issued) == sorted(charged), cell.model
         for block, entry in plan.intra_op.items():
+            if cell.model in rm.MOE_MODELS:  # the ILP prices MoE dispatch/combine replicated
+                break
             unit = next(u for u in costs.units if u.name == block)
             fwd, bwd = tp_collectives(unit, plan.config)
             in_plan = entry["forward_collectives"] + entry["backward_collectives"]
             assert primitive_collectives(in_plan) == primitive_collectives(fwd + bwd), \
                 (cell.model, block)
         checked.append(cell.model)
-        if plan_name == "tp_sp_mb1":
+        if plan_name == "tp_sp_mb1" and cell.model not in rm.MOE_MODELS:  # MLPs, no routing
             assert all(e.get("replicated_sublayers") for e in plan.intra_op.values()), \
                 cell.model
-    assert set(checked) == {"plain_llama", "nano_gpt", "hf_llama", "hf_gpt2", "tiny_llama",
-                            "tiny_gpt"} | ({"vit_encoder"} if plan_name == "tp" else set()), \
+    assert set(checked) == {"plain_llama", "nano_gpt", "moe_loop", "hf_llama", "hf_mixtral",
+                            "hf_gpt2", "tiny_llama", "tiny_gpt"} | (
+        {"vit_encoder"} if plan_name == "tp" else set()), \
         checked

@@ -223,11 +223,11 @@ def test_the_ilp_prices_a_blocks_collectives_as_the_estimate_does(make):
     tp group are the estimate's per layer and micro-batch (`tp_collectives`), and the rest of
     its communication is its layer's share, per micro-batch, of the once-a-step all-reduce
     of the partial gradients the sequence shard leaves on all the rank's parameters, its
-    own bytes being the estimate's (`stream_gradient_bytes`); the estimate's step holds the same terms,
-    per layer and micro-batch and once a step (`breakdown["tp_comm"]`)."""
+    own bytes being the estimate's (`partial_gradient_bytes`); the estimate's step holds the
+    same terms, per layer and micro-batch and once a step (`breakdown["tp_comm"]`)."""
     from autopar.estimate.core import costs_of_layout
     from autopar.estimate.timing import slowest_groups, tp_collectives
-    from autopar.estimate.tp_comm import stream_gradient_bytes
+    from autopar.estimate.tp_comm import partial_gradient_bytes
 
     with torch.device("meta"):
         model = make()
@@ -251,9 +251,9 @@ def test_the_ilp_prices_a_blocks_collectives_as_the_estimate_does(make):
     activations = seconds(block["forward_collectives"] + block["backward_collectives"])
     assert activations == pytest.approx(seconds(sum(tp_collectives(unit, cfg), [])), rel=1e-4)
     grads = sum(n for _, n in block["gradient_collectives"])
-    assert grads == pytest.approx(stream_gradient_bytes(unit))
+    assert grads == pytest.approx(partial_gradient_bytes(unit, True))
     m = est.num_microbatches
-    stream = sum(stream_gradient_bytes(u) * u.count for u in units)  # a final norm's too
+    stream = sum(partial_gradient_bytes(u, True) * u.count for u in units)  # a final norm's too
     share = all_reduce_beyond_empty(stream) * grads / stream / m
     assert block["comm_s"] == pytest.approx(activations + share, rel=1e-4)
     assert est.breakdown["tp_comm"] == pytest.approx(

@@ -1,0 +1,202 @@
+"""MoE sub-layers under tensor parallel: one row-parallel unit on this rank's shards.
+
+A block's sub-layer that holds an MoE layer (``autopar.trace.moe.moe_experts``: a list of
+alike experts with a router or a top-k, or fused ``[E, ...]`` expert weights), written any
+way, runs its own forward on plain local tensors: its input whole (gathered from the sequence
+shard under sequence parallel), each parameter this rank's shard of the plan's placement
+(every expert's column GEMMs give this rank's features, its row GEMM a partial sum), so the
+combine -- a weighted sum over the experts -- leaves the sub-layer's output a partial sum over
+tp, reduced once: all-reduced, or reduce-scattered on the sequence under sequence parallel.
+One reduction per MoE layer each way, as the estimate charges it (Megatron-Core's MoE with
+its experts split over tp), where DTensor would reduce every expert's rows on its own.  The
+input's gradient, a partial sum, is reduced on the way back by the sub-layer's entry; a
+replicated parameter inside (the router) gets a partial gradient, all-reduced once a step
+with the stream's (``tensor_parallel.settle_gradients``).
+
+This is exact when the sub-layer's output is the sum over the tp ranks of its local outputs:
+``partial_sum_error`` runs it on random inputs of the shapes a probe forward gave it, with
+whole parameters and with each rank's shards, before any collective; a sub-layer that fails
+(a bias added after a row-parallel GEMM, a shared expert whose output is gathered, a
+nonlinearity after the combine) keeps DTensor's execution, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._pytree import tree_leaves, tree_map
+
+from autopar.trace.moe import moe_experts
+
+__all__ = ["install_local_moe", "local_moe_sublayers", "local_shard", "moe_sublayers",
+           "partial_sum_error", "probe_moe_inputs"]
+
+log = logging.getLogger(__name__)
+
+_TOLERANCE = 1e-4  # relative, fp32: the sum over ranks reorders the row GEMM's additions
+
+
+def moe_sublayers(module: nn.Module, entries: set[str]) -> list[str]:
+    """The sub-layer entries (FQNs in ``module``) that hold an MoE layer."""
+    return sorted(name for name in entries
+                  if any(moe_experts(m) is not None
+                         for m in module.get_submodule(name).modules()))
+
+
+def probe_moe_inputs(model: nn.Module, plan: Any, example: torch.Tensor) -> dict[type, tuple]:
+    """The inputs (args, kwargs) of the first call of each class of MoE sub-layer of the
+    whole ``model`` (its weights unsharded) in one forward of ``example``, for
+    `partial_sum_error`."""
+    from autopar.runtime.expert_gather import _capture_inputs
+    from autopar.runtime.tensor_parallel import _sublayer_entries, tp_dims
+
+    holders = {fqn.rpartition(".")[0] for fqn in tp_dims(model, plan.placements)}
+    names = moe_sublayers(model, _sublayer_entries(model, holders))
+    if not names:
+        return {}
+    found = _capture_inputs(model, names, example)
+    return {type(model.get_submodule(n)): found[n] for n in reversed(names) if n in found}
+
+
+def local_moe_sublayers(module: nn.Module, entries: set[str], own: list[str],
+                        moe_inputs: dict[type, tuple], placement, tp: int) -> list[str]:
+    """The MoE sub-layers among ``entries`` (FQNs in ``module``) that run on local shards:
+    those outside ``own`` (layers sharding their own experts) whose class has probe inputs
+    and whose output is the sum of its ranks' local outputs under the plan's ``placement``
+    (fqn, parameter -> tp placement). The others keep DTensor's execution, with a warning."""
+    names, exact = [], {}
+    for name in moe_sublayers(module, entries):
+        sub = module.get_submodule(name)
+        if any(o == name or o.startswith(name + ".") for o in own) or \
+                type(sub) not in moe_inputs:
+            continue
+        if type(sub) not in exact:
+            placements = [placement(".".join(x for x in (name, m, n) if x), p)
+                          for m, mod in sub.named_modules()
+                          for n, p in mod._parameters.items() if p is not None]
+            try:
+                error = partial_sum_error(sub, moe_inputs[type(sub)], placements, tp)
+            except RuntimeError as exc:  # its forward cannot run on its shards
+                log.debug("%s on local shards: %s", name, exc)
+                error = float("inf")
+            exact[type(sub)] = error <= _TOLERANCE
+            if not exact[type(sub)]:
+                log.warning("%s (%s): its output is not the sum of its tp ranks' outputs on "
+                            "their shards (relative error %.1e), so it runs with DTensor, "
+                            "which reduces each expert's rows apart: more collectives than "
+                            "the plan costs", name, type(sub).__name__, error)
+        if exact[type(sub)]:
+            names.append(name)
+    if names:
+        log.info("tensor parallel: %d MoE sub-layers run on local shards with one reduction "
+                 "each (%s%s)", len(names), names[0], ", ..." if len(names) > 1 else "")
+    return names
+
+
+def local_shard(full: torch.Tensor, placement: Any, size: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s local part of ``full`` under one tp ``placement``: whole when
+    replicated, its even chunk of ``Shard(d)``, or its chunk of each of the k chunks of
+    ``_StridedShard(d, k)`` (a fused projection: whole heads of each), as DTensor lays
+    them out."""
+    if isinstance(placement, _StridedShard):
+        d, k = placement.dim, placement.split_factor
+        return torch.cat([c.chunk(size, d)[rank] for c in full.chunk(k, d)], dim=d)
+    if isinstance(placement, Shard):
+        return full.chunk(size, placement.dim)[rank]
+    return full
+
+
+class _LocalParams:
+    """Within this context every parameter under ``module`` is ``values[i]`` instead."""
+
+    def __init__(self, module: nn.Module, values: list[torch.Tensor]):
+        self.slots = [(m, n) for m in module.modules() for n, p in m._parameters.items()
+                      if p is not None]
+        self.values, self.saved = values, []
+
+    def __enter__(self):
+        for (m, n), v in zip(self.slots, self.values):
+            self.saved.append(m._parameters[n])
+            m._parameters[n] = v
+        return self
+
+    def __exit__(self, *exc):
+        for (m, n), p in zip(self.slots, self.saved):
+            m._parameters[n] = p
+        self.saved = []
+
+
+@torch.no_grad()
+def partial_sum_error(sublayer: nn.Module, inputs: tuple, placements: list[Any], size: int
+                      ) -> float:
+    """The largest difference, relative to the output's largest value, between
+    ``sublayer``'s output on random ``inputs`` (args, kwargs of a real call; expert indices
+    kept below the expert count) with its whole parameters and the sum over ``size`` ranks of
+    its outputs with each rank's shards (``placements``: one tp placement per parameter, in
+    ``_LocalParams`` order)."""
+    from autopar.runtime.expert_gather import _random_like
+
+    experts = max(found[2] for m in sublayer.modules() if (found := moe_experts(m)))
+    args, kwargs = _random_like(inputs, experts, torch.Generator().manual_seed(0))
+    full = [p for m in sublayer.modules() for p in m._parameters.values() if p is not None]
+    want = sublayer(*args, **kwargs)
+    total = None
+    for rank in range(size):
+        local = [local_shard(p, pl, size, rank) for p, pl in zip(full, placements)]
+        with _LocalParams(sublayer, local):
+            part = sublayer(*args, **kwargs)
+        total = part if total is None else tree_map(torch.add, total, part)
+    worst = 0.0
+    for w, t in zip(tree_leaves(want), tree_leaves(total)):
+        if isinstance(w, torch.Tensor) and w.is_floating_point():
+            scale = float(w.abs().max()) or 1.0
+            worst = max(worst, float((w - t).abs().max()) / scale)
+    return worst
+
+
+def install_local_moe(sublayer: nn.Module, mesh: Any, sequence_parallel: bool,
+                      sequence_dim: int) -> None:
+    """Run ``sublayer`` (its parameters DTensors on the tp ``mesh``) on local shards with
+    one reduction of its output (see the module docstring), inside its forward: after its
+    hooks (the entry's gather of the sequence shard), and with its parameters restored
+    however the forward ends (a recompute that stops early)."""
+    from autopar.runtime.tensor_parallel import _settle
+
+    forward = sublayer.forward
+
+    def local_input(t: Any) -> Any:
+        if not isinstance(t, DTensor):
+            return t
+        # (a redistribute of a replicated input would all-reduce its gradient here)
+        whole = t if t.placements == (Replicate(),) else t.redistribute(mesh, (Replicate(),))
+        # this rank's share of the input gradient is a partial sum, reduced by the entry
+        return whole.to_local(grad_placements=(Partial(),)) if whole.requires_grad \
+            else whole.to_local()
+
+    def reduce(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or \
+                not t.is_floating_point():
+            return t
+        target = (Shard(sequence_dim),) if sequence_parallel and \
+            t.dim() > sequence_dim + 1 else (Replicate(),)
+        return _settle(DTensor.from_local(t, mesh, (Partial(),), run_check=False), mesh,
+                       target)
+
+    def local_forward(*args, **kwargs):
+        params = [p for m in sublayer.modules() for p in m._parameters.values()
+                  if p is not None]
+        # a replicated parameter's gradient here is this rank's partial sum
+        local = [p.to_local(grad_placements=(Partial(),) if p.placements == (Replicate(),)
+                            else p.placements) if isinstance(p, DTensor) else p
+                 for p in params]
+        args, kwargs = tree_map(local_input, args), tree_map(local_input, kwargs)
+        with _LocalParams(sublayer, local):
+            out = forward(*args, **kwargs)
+        return tree_map(reduce, out)
+
+    sublayer.forward = local_forward
