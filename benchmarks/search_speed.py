@@ -11,13 +11,13 @@ compile time. A last table gives the median wall time of each phase of compile
 (`plan.search["phase_seconds"]`: trace, search, stage_dp, intra_op, plan) for the two depths.
 The garbage of building each model is collected before its compile is timed (a full collection
 it brings due costs ~0.1 s with a 128-layer model alive and landed in the trace of some rounds).
-On the host of 2026-11-26 (eleven rounds) the 128-layer compile took 1.14x the 32-layer one
-(0.25 vs 0.22 s; the outer search 1.08x): its space is 42% larger (more pipeline degrees,
+On the host of 2026-11-26 (eleven rounds) the 128-layer compile took 1.19x the 32-layer one
+(0.17 vs 0.14 s; the outer search 1.16x): its space is 42% larger (more pipeline degrees,
 virtual-stage splits and one-in-k full recompute choices), its winner (dp256 tp4, full
-recompute of one block in four) needs the intra-op problem of its block (+5 ms), and the
-trace's +2 ms is the repeated-block check over 4x the layers. The recompute choices for these
-fused-attention models are none, per_op, full, full/2 and full/4: Llama-3-70B on 1,024 H100
-considers 83,064 configs in 0.23 s. The search column separates the outer search. On a shared
+recompute of one block in four) needs the intra-op problems of its block and of the layouts
+it prices (+5.5 ms), and the trace's +2 ms is the repeated-block check over 4x the layers.
+The recompute choices for these fused-attention models are none, per_op, full, full/2 and
+full/4: Llama-3-70B on 1,024 H100 considers 83,064 configs in 0.15 s. The search column separates the outer search. On a shared
 machine the wall times swing; the CPU column is the steadier one, and the per-round ratios (the
 two depths back to back) show the spread.
 
