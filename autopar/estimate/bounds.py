@@ -13,8 +13,9 @@ import numpy as np
 
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
+from autopar.estimate.cache import _rank_groups
 from autopar.estimate.core import (EstimateOptions, EvalCache, ModelCosts, _checked,
-                                   _data_parallel, _optimizer_s, _prepared, _rank_groups,
+                                   _data_parallel, _optimizer_s, _prepared,
                                    _unit_times, split_structure)
 from autopar.estimate.data_parallel import GatherUnit, dp_comm
 from autopar.estimate.layout import rank_work_extremes, simulated_lower_bound
