@@ -27,12 +27,15 @@ CONV         batch, output channels (weight S(0), output S(1)), input channels (
 POOL         batch, channels
 LOSS         batch (output partial), vocab parallel (logits S(1); Megatron's parallel cross
              entropy: three all-reduces of N fp32 values forward)
+MOE_COMBINE  partial experts' outputs in, partial out (a weighted sum; routing weights
+             replicated, their gradient partial)
+MOE_DISPATCH replicate, and "R~P" (below): its backward is linear in the routed rows' gradient
 other        replicate only
 ===========  ============================================================================
 
-Views, elementwise ops and dropout also have "R~P": replicated forward, partial gradients
-in and out (their backward is linear in the output gradient), so several column-parallel
-consumers of one tensor share a single gradient all-reduce, as in Megatron.
+Views, elementwise ops, dropout and an MoE dispatch also have "R~P": replicated forward,
+partial gradients in and out (their backward is linear in the output gradient), so several
+column-parallel consumers of one tensor share a single gradient all-reduce, as in Megatron.
 
 Parameter inputs take the placement the strategy asks of the operand; the caller maps it
 back through a transposed view (``nn.Linear`` traces ``x @ W.T``).
@@ -295,7 +298,21 @@ def _loss(node: Node, n: int) -> list[Strategy]:
     return found
 
 
+def _moe_combine(node: Node, n: int) -> list[Strategy]:
+    """A weighted sum of its experts' outputs (the inputs as wide as its output): their
+    partial sums pass through, the output partial; the routing weights stay replicated,
+    and their gradient is then a partial sum."""
+    width = node.outputs[0].shape[-1] if node.outputs[0].shape else None
+    experts = [bool(t.shape) and t.shape[-1] == width for t in node.inputs]
+    if not any(experts):
+        return []
+    return [Strategy(name="P", inputs=tuple(PARTIAL if e else REPLICATE for e in experts),
+                     outputs=(PARTIAL,),
+                     input_grads=tuple(REPLICATE if e else PARTIAL for e in experts))]
+
+
 _RULES = {
+    OpKind.MOE_COMBINE: _moe_combine,
     OpKind.MATMUL: _matmul, OpKind.ATTENTION: _attention, OpKind.NORM: _norm,
     OpKind.ELEMENTWISE: _elementwise, OpKind.DROPOUT: _elementwise, OpKind.SOFTMAX: _softmax,
     OpKind.REDUCE: _reduce, OpKind.VIEW: _view, OpKind.EMBEDDING: _embedding,
@@ -303,7 +320,7 @@ _RULES = {
 }
 
 # Ops without parameters whose replicated strategy may also defer partial gradients.
-_PARTIAL_GRAD_KINDS = {OpKind.VIEW, OpKind.ELEMENTWISE, OpKind.DROPOUT}
+_PARTIAL_GRAD_KINDS = {OpKind.VIEW, OpKind.ELEMENTWISE, OpKind.DROPOUT, OpKind.MOE_DISPATCH}
 
 
 def signature(node: Node) -> tuple:
