@@ -523,7 +523,9 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
     if cfg.ep > 1 and unit.moe_dispatch_bytes and groups is not None:
         split = cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)
         if unit.ep_dispatch == "all_gather":  # the layer's input gathered, its output scattered
-            gathered = unit.act_bytes * cfg.ep / split
+            # (by each tp rank: the MoE sub-layer's input is whole there, as it runs on local
+            # shards)
+            gathered = unit.act_bytes * cfg.ep / cfg.cp
             ep = (cluster.collective_time("all_gather", gathered, groups.ep)
                   + cluster.collective_time("reduce_scatter", gathered, groups.ep))
         else:

@@ -56,8 +56,8 @@ from autopar.runtime.context_parallel import (
 )
 from autopar.runtime.data_parallel import apply_data_parallel as _apply_data_parallel
 from autopar.runtime.data_parallel import sync_gradients
-from autopar.runtime.expert_gather import apply_gathered_experts
-from autopar.runtime.tp_moe import probe_moe_inputs
+from autopar.runtime.expert_gather import apply_gathered_experts, expert_holders
+from autopar.runtime.tp_moe import exact_moe_classes
 from autopar.runtime.expert_parallel import (
     apply_expert_parallel,
     check_expert_parallel,
@@ -439,9 +439,9 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     loss_fn = loss_fn or lm_loss
     gbs = int(plan.training["global_batch_size"])
     n_micro = gbs // (dp * cfg.micro_batch_size)
-    # the MoE sub-layers' inputs, for the check that they run exactly on local shards
-    moe_inputs = probe_moe_inputs(model, plan, _example_microbatch(
-        plan, cp if layout == "zigzag" else 1)) if tp > 1 and cfg.ep == 1 else None
+    # MoE sub-layers that run exactly on local tp shards, checked on the whole model
+    exact_moe = exact_moe_classes(model, plan, lambda: _example_microbatch(
+        plan, cp if layout == "zigzag" else 1)) if tp > 1 else set()
     if pp > 1:
         ids = stage_ids_for_rank(mesh["pp"].get_local_rank(), pp, len(plan.stages))
         # the probe sees the sequence as the model will: a zigzag share, or the whole sequence
@@ -461,10 +461,12 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
                 modules, model, ep_groups, example.to(next(model.parameters()).device))
     if tp > 1:
         for m, sid in zip(modules, ids):
-            applied = apply_tensor_parallel(m, plan, mesh["tp"], moe_inputs=moe_inputs)
+            applied = apply_tensor_parallel(m, plan, mesh["tp"], exact_moe=exact_moe)
             if pp > 1:
                 stage_boundaries(m, mesh["tp"], applied.sequence_parallel, first=sid == 0,
                                  last=sid == len(plan.stages) - 1)
+        if cfg.ep > 1 and not find_moe_modules(model):  # tp made the experts' DTensors
+            expert_params = [p for m in modules for _, ps in expert_holders(m) for p in ps]
     sequence = ShardedSequence(mesh["cp"]) if cp > 1 and layout == "contiguous" else None
     _apply_recompute(modules, cfg.recompute, cfg.recompute_every)
     for m, sid in zip(modules, ids):

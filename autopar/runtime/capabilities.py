@@ -19,7 +19,7 @@ the model's structure or its traced forward, never module names:
   top-k, or parameters with a leading expert dim (``autopar.trace.moe.moe_experts``).
   autopar's own router/experts/top-k layers run with all-to-all dispatch; others on their own
   forward with all-gathered tokens (``expert_gather``), which excludes tensor parallel in the
-  same plan.
+  same plan where the experts are fused ``[E, ...]`` tensors.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torch import nn
 from autopar.ir import Graph, OpKind
 from autopar.runtime.pipeline import tied_parameters
 from autopar.runtime.structure import block_names
+from autopar.trace.moe import moe_experts
 
 __all__ = ["RuntimeLimits", "runtime_limits"]
 
@@ -97,13 +98,14 @@ def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool, one_inp
                           "own forward on sequence-sharded DTensors, which this runtime does not "
                           "combine with tensor or expert parallel"))
     if (num_experts or OpKind.MOE_DISPATCH in kinds) and not find_moe_modules(model):
-        if gathered_moe_modules(model):
+        gathered = gathered_moe_modules(model)
+        if gathered:
             ep_dispatch = "all_gather"
-            exclusive.append((frozenset({"ep"}), frozenset({"tp"}),
-                              "this model's MoE layers are not autopar's router/experts/top-k "
-                              "layers, so expert parallel runs them on their own forward with "
-                              "all-gathered tokens, which this runtime does not combine with "
-                              "tensor parallel"))
+            if any(moe_experts(model.get_submodule(f))[0] == "fused" for f in gathered):
+                exclusive.append((frozenset({"ep"}), frozenset({"tp"}),
+                                  "this model's MoE layers keep their experts in [E, ...] "
+                                  "tensors, whose rows expert parallel splits over ep as "
+                                  "DTensors that this runtime does not split over tp too"))
         else:
             limits["ep"] = ("expert parallel in this runtime splits MoE layers that hold a list "
                             "of alike experts with a router or a top-k, or parameters with a "

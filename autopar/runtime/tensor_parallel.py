@@ -264,12 +264,12 @@ def _placement(fqn: str, p: torch.Tensor, dims: dict[str, int], chunks: dict[str
 
 
 def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any, *,
-                          moe_inputs: dict[type, tuple] | None = None) -> TensorParallel:
+                          exact_moe: set[type] = frozenset()) -> TensorParallel:
     """Shard ``module`` (the whole model or one pipeline stage; FQNs as in the plan) over
     ``tp_mesh`` as the plan's placements say; see the module docstring.  Sub-layers holding
-    an MoE layer whose class has probe inputs in ``moe_inputs`` (`tp_moe.probe_moe_inputs`)
-    run on local shards with one reduction where that is exact (`tp_moe`).  Raises
-    ValueError for layouts this runtime cannot run, before any collective."""
+    an MoE layer of the ``exact_moe`` classes (`tp_moe.exact_moe_classes`) run on local
+    shards with one reduction (`tp_moe`).  Raises ValueError for layouts this runtime cannot
+    run, before any collective."""
     tp = tp_mesh.size()
     dims = tp_dims(module, plan.placements)
     own = _own_prefixes(module)
@@ -286,9 +286,7 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any, *,
     chunks = plan.model.get("fused_projections", {})
     holders = {fqn.rpartition(".")[0] for fqn in dims} - set(convs)
     entries = _sublayer_entries(module, holders)
-    local_moe = local_moe_sublayers(module, entries, own, moe_inputs or {},
-                                    lambda fqn, p: _placement(fqn, p, dims, chunks, tp,
-                                                              fsdp_follows)[0], tp)
+    local_moe = local_moe_sublayers(module, entries, own, exact_moe)
     _distribute(module, tp_mesh, dims, own, chunks, replicate_fused_bias=fsdp_follows)
     for mod in convs.values():
         mod.__class__ = _CHANNEL_PARALLEL[type(mod)]

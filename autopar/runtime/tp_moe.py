@@ -15,7 +15,9 @@ with the stream's (``tensor_parallel.settle_gradients``).
 
 This is exact when the sub-layer's output is the sum over the tp ranks of its local outputs:
 ``partial_sum_error`` runs it on random inputs of the shapes a probe forward gave it, with
-whole parameters and with each rank's shards, before any collective; a sub-layer that fails
+whole parameters and with each rank's shards, before any collective and before expert
+parallel changes the layer (whose all-gather dispatch then runs inside the sub-layer, on the
+local tensors); a sub-layer that fails
 (a bias added after a row-parallel GEMM, a shared expert whose output is gathered, a
 nonlinearity after the combine) keeps DTensor's execution, with a warning.
 """
@@ -23,6 +25,7 @@ nonlinearity after the combine) keeps DTensor's execution, with a warning.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,8 +36,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autopar.trace.moe import moe_experts
 
-__all__ = ["install_local_moe", "local_moe_sublayers", "local_shard", "moe_sublayers",
-           "partial_sum_error", "probe_moe_inputs"]
+__all__ = ["exact_moe_classes", "install_local_moe", "local_moe_sublayers", "local_shard",
+           "moe_sublayers", "partial_sum_error"]
 
 log = logging.getLogger(__name__)
 
@@ -48,50 +51,60 @@ def moe_sublayers(module: nn.Module, entries: set[str]) -> list[str]:
                          for m in module.get_submodule(name).modules()))
 
 
-def probe_moe_inputs(model: nn.Module, plan: Any, example: torch.Tensor) -> dict[type, tuple]:
-    """The inputs (args, kwargs) of the first call of each class of MoE sub-layer of the
-    whole ``model`` (its weights unsharded) in one forward of ``example``, for
-    `partial_sum_error`."""
+def exact_moe_classes(model: nn.Module, plan: Any, example: Callable[[], torch.Tensor]
+                      ) -> set[type]:
+    """The classes of the whole ``model``'s MoE sub-layers (its weights unsharded, before
+    expert parallel changes them) that run exactly on local shards: on the inputs the first
+    of each class got in one forward of ``example()``, its output is the sum of its tp ranks'
+    outputs on their shards of the plan's placements (`partial_sum_error`). A class that is
+    not keeps DTensor's execution, with a warning."""
     from autopar.runtime.expert_gather import _capture_inputs
-    from autopar.runtime.tensor_parallel import _sublayer_entries, tp_dims
+    from autopar.runtime.tensor_parallel import _placement, _sublayer_entries, tp_dims
 
-    holders = {fqn.rpartition(".")[0] for fqn in tp_dims(model, plan.placements)}
-    names = moe_sublayers(model, _sublayer_entries(model, holders))
+    tp = dict(zip(plan.mesh["axes"], plan.mesh["sizes"]))["tp"]
+    dims = tp_dims(model, plan.placements)
+    names = moe_sublayers(model, _sublayer_entries(model, {f.rpartition(".")[0] for f in dims}))
     if not names:
-        return {}
-    found = _capture_inputs(model, names, example)
-    return {type(model.get_submodule(n)): found[n] for n in reversed(names) if n in found}
+        return set()
+    chunks = plan.model.get("fused_projections", {})
+    fsdp_follows = plan.config.zero_stage >= 1 and plan.config.dp * plan.config.cp > 1
+    inputs = _capture_inputs(model, names, example())
+    verdict: dict[type, bool] = {}
+    for name in names:
+        sub = model.get_submodule(name)
+        if type(sub) in verdict or name not in inputs:
+            continue
+        placements = [_placement(fqn, p, dims, chunks, tp, fsdp_follows)[0]
+                      for fqn, p in _local_params(sub, name)]
+        try:
+            error = partial_sum_error(sub, inputs[name], placements, tp)
+        except RuntimeError as exc:  # its forward cannot run on its shards
+            log.debug("%s on local shards: %s", name, exc)
+            error = float("inf")
+        verdict[type(sub)] = error <= _TOLERANCE
+        if not verdict[type(sub)]:
+            log.warning("%s (%s): its output is not the sum of its tp ranks' outputs on their "
+                        "shards (relative error %.1e), so it runs with DTensor, which reduces "
+                        "each expert's rows apart: more collectives than the plan costs", name,
+                        type(sub).__name__, error)
+    return {cls for cls, exact in verdict.items() if exact}
+
+
+def _local_params(sub: nn.Module, name: str) -> list[tuple[str, torch.Tensor]]:
+    """(FQN, parameter) of every parameter under ``sub`` (at ``name``), in `_LocalParams`
+    order."""
+    return [(".".join(x for x in (name, m, n) if x), p) for m, mod in sub.named_modules()
+            for n, p in mod._parameters.items() if p is not None]
 
 
 def local_moe_sublayers(module: nn.Module, entries: set[str], own: list[str],
-                        moe_inputs: dict[type, tuple], placement, tp: int) -> list[str]:
+                        exact: set[type]) -> list[str]:
     """The MoE sub-layers among ``entries`` (FQNs in ``module``) that run on local shards:
-    those outside ``own`` (layers sharding their own experts) whose class has probe inputs
-    and whose output is the sum of its ranks' local outputs under the plan's ``placement``
-    (fqn, parameter -> tp placement). The others keep DTensor's execution, with a warning."""
-    names, exact = [], {}
-    for name in moe_sublayers(module, entries):
-        sub = module.get_submodule(name)
-        if any(o == name or o.startswith(name + ".") for o in own) or \
-                type(sub) not in moe_inputs:
-            continue
-        if type(sub) not in exact:
-            placements = [placement(".".join(x for x in (name, m, n) if x), p)
-                          for m, mod in sub.named_modules()
-                          for n, p in mod._parameters.items() if p is not None]
-            try:
-                error = partial_sum_error(sub, moe_inputs[type(sub)], placements, tp)
-            except RuntimeError as exc:  # its forward cannot run on its shards
-                log.debug("%s on local shards: %s", name, exc)
-                error = float("inf")
-            exact[type(sub)] = error <= _TOLERANCE
-            if not exact[type(sub)]:
-                log.warning("%s (%s): its output is not the sum of its tp ranks' outputs on "
-                            "their shards (relative error %.1e), so it runs with DTensor, "
-                            "which reduces each expert's rows apart: more collectives than "
-                            "the plan costs", name, type(sub).__name__, error)
-        if exact[type(sub)]:
-            names.append(name)
+    those of the ``exact`` classes (`exact_moe_classes`) outside ``own`` (layers sharding
+    their own experts)."""
+    # by class: expert parallel may have replaced the other ranks' experts already
+    names = [name for name in sorted(entries) if type(module.get_submodule(name)) in exact
+             and not any(o == name or o.startswith(name + ".") for o in own)]
     if names:
         log.info("tensor parallel: %d MoE sub-layers run on local shards with one reduction "
                  "each (%s%s)", len(names), names[0], ", ..." if len(names) > 1 else "")

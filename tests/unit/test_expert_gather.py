@@ -84,13 +84,17 @@ def test_the_check_splits_fused_expert_weights_too():
         check_sum_of_experts(layer, fqn, ((hidden, index, weights), {}), 2)
 
 
-def test_compile_runs_ep_of_other_moe_layers_apart_from_tp():
+def test_compile_runs_ep_of_other_moe_layers_with_tp_where_the_experts_are_a_list():
+    """A list of experts runs expert and tensor parallel together (each ep rank's experts on
+    their tp shards); fused [E, ...] experts (Hugging Face Mixtral) keep ep apart from tp."""
     cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=4)
     kw = dict(global_batch_size=8, seq_len=64, dtype="fp32")
     plan = autopar.compile(corpus.hf_mixtral(), cluster, constraints={"ep": 2}, **kw)
     assert plan.model["ep_dispatch"] == "all_gather" and plan.config.tp == 1
     with pytest.raises(ValueError, match="cannot run together on this model"):
-        autopar.compile(corpus.moe_loop(), cluster, constraints={"ep": 2, "tp": 2}, **kw)
+        autopar.compile(corpus.hf_mixtral(), cluster, constraints={"ep": 2, "tp": 2}, **kw)
+    plan = autopar.compile(corpus.moe_loop(), cluster, constraints={"ep": 2, "tp": 2}, **kw)
+    assert plan.model["ep_dispatch"] == "all_gather" and (plan.config.ep, plan.config.tp) == (2, 2)
 
 
 def test_the_estimate_costs_the_all_gather_dispatch():
@@ -111,6 +115,18 @@ def test_the_estimate_costs_the_all_gather_dispatch():
         evaluate(costs, cluster, one, global_batch_size=64).step_time_s
     with pytest.raises(ValueError, match="is not 'all_to_all' or 'all_gather'"):
         costs.with_ep_dispatch("ring")
+    # under tensor parallel each tp rank gathers the whole tokens of its ep group (the MoE
+    # sub-layer runs on local shards with its input whole), sequence parallel or not
+    from autopar.estimate.timing import slowest_groups, unit_times
+    (unit,) = [u for u in gathered.units_for(1) if u.is_block]
+    for sp in (False, True):
+        cfg = ParallelConfig(dp=8, tp=2, ep=4, sequence_parallel=sp)
+        groups = slowest_groups(cfg, cluster)
+        times = unit_times(unit, cluster=cluster, dtype="bf16", cfg=cfg, groups=groups,
+                           attention_kernel="flash")
+        assert times.ep_fwd == pytest.approx(
+            cluster.collective_time("all_gather", unit.act_bytes * 4, groups.ep)
+            + cluster.collective_time("reduce_scatter", unit.act_bytes * 4, groups.ep))
 
 
 class _Renamed(nn.Module):
