@@ -442,6 +442,7 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     # MoE sub-layers that run exactly on local tp shards, checked on the whole model
     exact_moe = exact_moe_classes(model, plan, lambda: _example_microbatch(
         plan, cp if layout == "zigzag" else 1)) if tp > 1 else set()
+    own_moe = bool(find_moe_modules(model))  # autopar's MoE layers, before ep replaces them
     if pp > 1:
         ids = stage_ids_for_rank(mesh["pp"].get_local_rank(), pp, len(plan.stages))
         # the probe sees the sequence as the model will: a zigzag share, or the whole sequence
@@ -453,7 +454,7 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     ep_groups, expert_params = None, []
     if cfg.ep > 1:  # before tp: the expert-parallel layers shard their own experts on tp
         ep_groups = expert_groups(mesh, plan)
-        if find_moe_modules(model):
+        if own_moe:
             expert_params = apply_expert_parallel(modules, plan, ep_groups)
         else:  # MoE layers written otherwise: all-gather dispatch on the layer's own forward
             example = _example_microbatch(plan, cp if layout == "zigzag" else 1)
@@ -465,7 +466,7 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
             if pp > 1:
                 stage_boundaries(m, mesh["tp"], applied.sequence_parallel, first=sid == 0,
                                  last=sid == len(plan.stages) - 1)
-        if cfg.ep > 1 and not find_moe_modules(model):  # tp made the experts' DTensors
+        if cfg.ep > 1 and not own_moe:  # tp made the experts' DTensors
             expert_params = [p for m in modules for _, ps in expert_holders(m) for p in ps]
     sequence = ShardedSequence(mesh["cp"]) if cp > 1 and layout == "contiguous" else None
     _apply_recompute(modules, cfg.recompute, cfg.recompute_every)

@@ -61,7 +61,7 @@ def exact_moe_classes(model: nn.Module, plan: Any, example: Callable[[], torch.T
     from autopar.runtime.expert_gather import _capture_inputs
     from autopar.runtime.tensor_parallel import _placement, _sublayer_entries, tp_dims
 
-    tp = dict(zip(plan.mesh["axes"], plan.mesh["sizes"]))["tp"]
+    tp = plan.config.tp
     dims = tp_dims(model, plan.placements)
     names = moe_sublayers(model, _sublayer_entries(model, {f.rpartition(".")[0] for f in dims}))
     if not names:
