@@ -17,9 +17,9 @@ virtual-stage splits and one-in-k full recompute choices), its winner (dp256 tp4
 recompute of one block in four) needs the intra-op problems of its block and of the layouts
 it prices (+5.5 ms), and the trace's +2 ms is the repeated-block check over 4x the layers.
 The recompute choices for these fused-attention models are none, per_op, full, full/2 and
-full/4: Llama-3-70B on 1,024 H100 considers 83,064 configs in 0.15 s. The search column separates the outer search. On a shared
-machine the wall times swing; the CPU column is the steadier one, and the per-round ratios (the
-two depths back to back) show the spread.
+full/4: Llama-3-70B on 1,024 H100 considers 83,064 configs in 0.15 s. The search column
+separates the outer search. On a shared machine the wall times swing; the CPU column is the
+steadier one, and the per-round ratios (the two depths back to back) show the spread.
 
 Run: python benchmarks/search_speed.py [--repeats N]
 """
