@@ -434,10 +434,10 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     ``cache`` is a caller-owned dict keyed by (block signature, tp, micro-batch shape, ...);
     a hit returns the stored result (whose node names are those of the block first solved),
     and a block's other solves (pinned, within a budget) reuse its problem tables.
-    ``method`` picks the solver (:func:`solve_problem`). ``pinned_params`` ({param FQN:
-    placement}; an unlisted parameter replicated) fixes the parameter layout, and the ILP
-    chooses the rest: the best execution of that layout (:func:`~autopar.sharding.problem.pin_params`; ValueError if a node cannot
-    place its parameters so).
+    ``method`` picks the solver (:func:`solve_problem`). ``pinned_params`` ({param FQN: placement};
+    an unlisted parameter replicated) fixes the parameter layout, and the ILP chooses the rest: the
+    best execution of that layout (:func:`~autopar.sharding.problem.pin_params`; ValueError if a
+    node cannot place its parameters so).
     """
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
