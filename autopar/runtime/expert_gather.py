@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from autopar.trace.moe import moe_experts
 
 __all__ = ["apply_gathered_experts", "check_sum_of_experts", "expert_holders",
-           "gathered_moe_modules"]
+           "gathered_moe_modules", "sum_of_parts_errors"]
 
 log = logging.getLogger(__name__)
 
@@ -203,22 +203,32 @@ def check_sum_of_experts(layer: nn.Module, fqn: str, inputs: tuple, ep: int) -> 
     Returns a list expert's output width (None for a fused layer)."""
     _, _, num = moe_experts(layer)
     out_features = _expert_out_features(layer, inputs)
-    args, kwargs = _random_like(inputs, num, torch.Generator().manual_seed(0))
+    parts = (_OnlyExperts(layer, _expert_range(num, ep, rank, fqn), out_features)
+             for rank in range(ep))
+    for dtype, error in sum_of_parts_errors(layer, inputs, num, parts):
+        if error > (1e-4 if dtype == torch.float32 else 2e-2):
+            raise ValueError(
+                f"{fqn} ({type(layer).__name__}): its output is not the sum of its experts' "
+                f"contributions (a shared expert, or a term outside the experts), so expert "
+                f"parallel cannot split it over ep={ep}; plan with ep=1 for this model")
+    return out_features
+
+
+def sum_of_parts_errors(layer: nn.Module, inputs: tuple, num_experts: int, parts
+                        ) -> list[tuple[torch.dtype, float]]:
+    """Per floating-point output of ``layer`` on random ``inputs`` (`_random_like`): its dtype
+    and its largest difference, relative to its largest value, from the sum of the layer's
+    outputs within each context of ``parts`` (a part of its experts or of their weights)."""
+    args, kwargs = _random_like(inputs, num_experts, torch.Generator().manual_seed(0))
     want = layer(*args, **kwargs)
     total = None
-    for rank in range(ep):
-        with _OnlyExperts(layer, _expert_range(num, ep, rank, fqn), out_features):
-            part = layer(*args, **kwargs)
-        total = part if total is None else tree_map(torch.add, total, part)
-    for w, t in zip(tree_leaves(want), tree_leaves(total)):
-        if isinstance(w, torch.Tensor) and w.is_floating_point():
-            tol = 1e-4 if w.dtype == torch.float32 else 2e-2
-            if float((w - t).abs().max()) > tol * (float(w.abs().max()) or 1.0):
-                raise ValueError(
-                    f"{fqn} ({type(layer).__name__}): its output is not the sum of its experts' "
-                    f"contributions (a shared expert, or a term outside the experts), so expert "
-                    f"parallel cannot split it over ep={ep}; plan with ep=1 for this model")
-    return out_features
+    for part in parts:
+        with part:
+            out = layer(*args, **kwargs)
+        total = out if total is None else tree_map(torch.add, total, out)
+    return [(w.dtype, float((w - t).abs().max()) / (float(w.abs().max()) or 1.0))
+            for w, t in zip(tree_leaves(want), tree_leaves(total))
+            if isinstance(w, torch.Tensor) and w.is_floating_point()]
 
 
 def _capture_inputs(model: nn.Module, fqns: list[str], example: torch.Tensor) -> dict[str, tuple]:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from autopar.trace.moe import moe_experts
 
@@ -74,8 +74,9 @@ def exact_moe_classes(model: nn.Module, plan: Any, example: Callable[[], torch.T
         sub = model.get_submodule(name)
         if type(sub) in verdict or name not in inputs:
             continue
-        placements = [_placement(fqn, p, dims, chunks, tp, fsdp_follows)[0]
-                      for fqn, p in _local_params(sub, name)]
+        placements = [_placement(f"{name}.{fqn}" if name else fqn, m._parameters[n], dims,
+                                 chunks, tp, fsdp_follows)[0]
+                      for fqn, m, n in _param_slots(sub)]
         try:
             error = partial_sum_error(sub, inputs[name], placements, tp)
         except RuntimeError as exc:  # its forward cannot run on its shards
@@ -88,13 +89,6 @@ def exact_moe_classes(model: nn.Module, plan: Any, example: Callable[[], torch.T
                         "each expert's rows apart: more collectives than the plan costs", name,
                         type(sub).__name__, error)
     return {cls for cls, exact in verdict.items() if exact}
-
-
-def _local_params(sub: nn.Module, name: str) -> list[tuple[str, torch.Tensor]]:
-    """(FQN, parameter) of every parameter under ``sub`` (at ``name``), in `_LocalParams`
-    order."""
-    return [(".".join(x for x in (name, m, n) if x), p) for m, mod in sub.named_modules()
-            for n, p in mod._parameters.items() if p is not None]
 
 
 def local_moe_sublayers(module: nn.Module, entries: set[str], own: list[str],
@@ -124,22 +118,28 @@ def local_shard(full: torch.Tensor, placement: Any, size: int, rank: int) -> tor
     return full
 
 
-class _LocalParams:
-    """Within this context every parameter under ``module`` is ``values[i]`` instead."""
+def _param_slots(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(FQN under ``module``, holder, name) of every parameter under ``module``."""
+    return [(".".join(x for x in (prefix, n) if x), m, n)
+            for prefix, m in module.named_modules() for n, p in m._parameters.items()
+            if p is not None]
 
-    def __init__(self, module: nn.Module, values: list[torch.Tensor]):
-        self.slots = [(m, n) for m in module.modules() for n, p in m._parameters.items()
-                      if p is not None]
-        self.values, self.saved = values, []
+
+class _LocalParams:
+    """Within this context the parameter in each of ``slots`` (`_param_slots`) is
+    ``values[i]`` instead."""
+
+    def __init__(self, slots: list[tuple[str, nn.Module, str]], values: list[torch.Tensor]):
+        self.slots, self.values, self.saved = slots, values, []
 
     def __enter__(self):
-        for (m, n), v in zip(self.slots, self.values):
+        for (_, m, n), v in zip(self.slots, self.values):
             self.saved.append(m._parameters[n])
             m._parameters[n] = v
         return self
 
     def __exit__(self, *exc):
-        for (m, n), p in zip(self.slots, self.saved):
+        for (_, m, n), p in zip(self.slots, self.saved):
             m._parameters[n] = p
         self.saved = []
 
@@ -151,25 +151,16 @@ def partial_sum_error(sublayer: nn.Module, inputs: tuple, placements: list[Any],
     ``sublayer``'s output on random ``inputs`` (args, kwargs of a real call; expert indices
     kept below the expert count) with its whole parameters and the sum over ``size`` ranks of
     its outputs with each rank's shards (``placements``: one tp placement per parameter, in
-    ``_LocalParams`` order)."""
-    from autopar.runtime.expert_gather import _random_like
+    `_param_slots` order)."""
+    from autopar.runtime.expert_gather import sum_of_parts_errors
 
     experts = max(found[2] for m in sublayer.modules() if (found := moe_experts(m)))
-    args, kwargs = _random_like(inputs, experts, torch.Generator().manual_seed(0))
-    full = [p for m in sublayer.modules() for p in m._parameters.values() if p is not None]
-    want = sublayer(*args, **kwargs)
-    total = None
-    for rank in range(size):
-        local = [local_shard(p, pl, size, rank) for p, pl in zip(full, placements)]
-        with _LocalParams(sublayer, local):
-            part = sublayer(*args, **kwargs)
-        total = part if total is None else tree_map(torch.add, total, part)
-    worst = 0.0
-    for w, t in zip(tree_leaves(want), tree_leaves(total)):
-        if isinstance(w, torch.Tensor) and w.is_floating_point():
-            scale = float(w.abs().max()) or 1.0
-            worst = max(worst, float((w - t).abs().max()) / scale)
-    return worst
+    slots = _param_slots(sublayer)
+    full = [m._parameters[n] for _, m, n in slots]
+    parts = (_LocalParams(slots, [local_shard(p, pl, size, rank)
+                                  for p, pl in zip(full, placements)]) for rank in range(size))
+    return max((error for _, error in sum_of_parts_errors(sublayer, inputs, experts, parts)),
+               default=0.0)
 
 
 def install_local_moe(sublayer: nn.Module, mesh: Any, sequence_parallel: bool,
@@ -200,15 +191,16 @@ def install_local_moe(sublayer: nn.Module, mesh: Any, sequence_parallel: bool,
         return _settle(DTensor.from_local(t, mesh, (Partial(),), run_check=False), mesh,
                        target)
 
+    slots = _param_slots(sublayer)
+
     def local_forward(*args, **kwargs):
-        params = [p for m in sublayer.modules() for p in m._parameters.values()
-                  if p is not None]
+        params = [m._parameters[n] for _, m, n in slots]  # as FSDP put them in place
         # a replicated parameter's gradient here is this rank's partial sum
         local = [p.to_local(grad_placements=(Partial(),) if p.placements == (Replicate(),)
                             else p.placements) if isinstance(p, DTensor) else p
                  for p in params]
         args, kwargs = tree_map(local_input, args), tree_map(local_input, kwargs)
-        with _LocalParams(sublayer, local):
+        with _LocalParams(slots, local):
             out = forward(*args, **kwargs)
         return tree_map(reduce, out)
 
