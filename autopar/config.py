@@ -29,11 +29,12 @@ RECOMPUTE_POLICIES = ("none", "selective", "per_op", "full")
 # recompute="per_op", torchtitan's per-op selective checkpointing (selective_ac_option = "op",
 # torchtitan/distributed/activation_checkpoint.py): inside each checkpointed block the outputs
 # of these ops are kept for backward and everything else is re-run, except that every second
-# matmul (`PER_OP_ALTERNATED`, counted in forward order per block) is re-run too. Biased Linear
+# matmul (`PER_OP_ALTERNATED`, counted together in forward order per block) is re-run too. A
+# grouped GEMM (all experts of an MoE layer in one call) counts as one matmul. Biased Linear
 # layers run `aten.addmm`, which the policy re-runs.
-PER_OP_ALTERNATED = "aten.mm.default"
+PER_OP_ALTERNATED = frozenset({"aten.mm.default", "aten._grouped_mm.default"})
 PER_OP_SAVED = frozenset({
-    PER_OP_ALTERNATED,
+    *PER_OP_ALTERNATED,
     "aten._scaled_dot_product_flash_attention.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
     "aten._scaled_dot_product_efficient_attention.default",

@@ -206,7 +206,8 @@ class ModelCosts:
     @functools.cached_property
     def per_op_costed(self) -> bool:
         """Whether per-op recompute is costed: every block keeps some op's output
-        (`OpCost.kept`; an MoE layer costed as a whole, `autopar.trace.moe`, has no ops)."""
+        (`OpCost.kept`; not one with an MoE layer costed as a whole whose experts' matmuls
+        alternate with the routing, `autopar.estimate.units._per_op_kept`)."""
         blocks = [u for u in self.units if u.is_block]
         return bool(blocks) and all(any(op.kept for op in u.ops) for u in blocks)
 
@@ -248,9 +249,10 @@ def _checked(costs: ModelCosts, cluster: Cluster, config: ParallelConfig,
     """`check_config` against the model and the cluster: the number of micro-batches."""
     if config.recompute == "per_op" and not costs.per_op_costed:
         raise InvalidConfigError(
-            "recompute='per_op' keeps the outputs of chosen ops of each block, and a block of "
-            "this model has none the trace saw one by one (an MoE layer costed as a whole); "
-            "use recompute='full' or 'none'")
+            "recompute='per_op' keeps the outputs of every other matmul of each block, and "
+            "in a block of this model which ones depends on the routing (an MoE layer with an "
+            "odd number of [E, ...] expert weights, run expert by expert); use "
+            "recompute='full' or 'none'")
     return check_config(config, world_size=cluster.world_size,
                         global_batch_size=global_batch_size, num_layers=costs.num_layers,
                         num_heads=costs.num_heads, num_kv_heads=costs.num_kv_heads,

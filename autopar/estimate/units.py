@@ -22,10 +22,11 @@ Pure functions of the IR; no torch import.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from autopar.config import PER_OP_ALTERNATED, PER_OP_SAVED
-from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
+from autopar.ir import MOE_GROUPED_MM, Graph, Node, OpKind, dtype_num_bytes
 from autopar.ir.residual import MIXING_KINDS, consumers, residual_structure, sublayers
 
 LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
@@ -300,19 +301,25 @@ def _per_op_kept(nodes: list[Node]) -> dict[str, int]:
     """The nodes per-op recompute keeps the output of, with its bytes: attention (its output
     and fp32 log-sum-exp; a fused kernel's, the math kernel's ops being re-run) and the ops of
     `PER_OP_SAVED` but every second `PER_OP_ALTERNATED` matmul, counted in forward order.
-    None in a block with an MoE layer costed as a whole, whose ops the trace did not see."""
+
+    A fused MoE layer's expert GEMM (`autopar.trace.moe`: one node per ``[E, out, in]`` weight)
+    runs as one grouped matmul, or as one matmul per expert hit, expert after expert: with an
+    even number of such weights (gate_up and down) each node falls on the same parity either
+    way, however many experts the routing hits. With an odd number a per-expert loop's parity
+    follows the routing; such a block keeps nothing here (per-op recompute is not costed)."""
     out: dict[str, int] = {}
+    grouped = Counter(n.module_path for n in nodes if n.target == MOE_GROUPED_MM)
+    if any(count % 2 for count in grouped.values()):
+        return out
     matmuls = 0
-    if any(node.target.startswith("moe.") and node.kind is OpKind.MATMUL for node in nodes):
-        return out  # an MoE costed as a whole (autopar.trace.moe): its ops are not known
     for node in nodes:
         if node.kind is OpKind.ATTENTION and node.attention is not None:
             a = node.attention
             out[node.name] = node.outputs[0].num_bytes + 4 * a.batch * a.num_heads * a.seq_q
             continue
-        matmuls += node.target == PER_OP_ALTERNATED
-        if node.target in PER_OP_SAVED and not (node.target == PER_OP_ALTERNATED
-                                                 and matmuls % 2 == 0):
+        alternated = node.target in PER_OP_ALTERNATED or node.target == MOE_GROUPED_MM
+        matmuls += alternated
+        if (node.target in PER_OP_SAVED or alternated) and not (alternated and matmuls % 2 == 0):
             out[node.name] = sum(o.num_bytes for o in node.outputs)
     return out
 

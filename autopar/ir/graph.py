@@ -80,6 +80,11 @@ class OpKind(enum.Enum):
     GENERIC = "generic"
 
 
+# the target of a fused MoE layer's expert GEMM node (`autopar.trace.moe`): one node per
+# ``[num_experts, out, in]`` weight, standing for one matmul per expert
+MOE_GROUPED_MM = "moe.grouped_mm"
+
+
 @dataclass(frozen=True, kw_only=True)
 class TensorSpec:
     """Shape and dtype of one tensor."""

@@ -222,7 +222,7 @@ def per_op_contexts() -> tuple[Any, Any]:
 
     def policy(ctx, func, *args, **kwargs):
         name = str(func)
-        if name == PER_OP_ALTERNATED:
+        if name in PER_OP_ALTERNATED:
             matmuls[ctx.is_recompute] += 1
             if matmuls[ctx.is_recompute] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE

@@ -102,8 +102,9 @@ def why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
                           f"({settings.max_virtual_stages})",
         "sequence_parallel": "sequence parallelism needs tp > 1 and a sequence",
         "recompute": "selective recompute needs attention that keeps its scores (a math "
-                     "kernel); per_op needs every block's ops traced one by one (no MoE "
-                     "layer costed as a whole)",
+                     "kernel); per_op needs ops whose outputs each block keeps (an MoE layer "
+                     "costed as a whole must hold its experts in an even number of [E, ...] "
+                     "weights)",
         "recompute_every": f"recompute_every > 1 needs recompute='full' and that many layers "
                            f"in each chunk of a pipeline rank, and is one of "
                            f"SearchSettings.recompute_every "

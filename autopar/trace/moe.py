@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
-from autopar.ir import OpKind
+from autopar.ir import MOE_GROUPED_MM, OpKind
 from autopar.trace.blocks import all_alike
 
 __all__ = ["find_moe", "is_data_dependent", "leaf_forward", "moe_experts"]
@@ -171,25 +171,39 @@ def _run_expert_list(experts: nn.ModuleList, routed: torch.Tensor, num_experts: 
     return outs
 
 
+def _activation(recorder, fqn: str, x: torch.Tensor, width: int) -> torch.Tensor:
+    """The experts' activation between two GEMMs, as eager code runs it: ``act(x)``, or, when
+    ``x`` is twice the next GEMM's input (the SwiGLU gate_up -> down shape), ``act(gate) * up``
+    on its halves, which keeps ``x`` and ``act(gate)`` for backward."""
+    rows = x.shape[0]
+    with recorder.paused():
+        act = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    recorder.emit(kind=OpKind.ELEMENTWISE, target="moe.expert_activation", short="expert_act",
+                  path=fqn, in_tensors=[x], out_tensors=[act], save=[x])
+    if x.shape[-1] != 2 * width:
+        return act
+    with recorder.paused():
+        gated = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    recorder.emit(kind=OpKind.ELEMENTWISE, target="moe.expert_gate", short="expert_gate",
+                  path=fqn, in_tensors=[act, x], out_tensors=[gated], save=[act])
+    return gated
+
+
 def _run_fused(module: nn.Module, fqn: str, recorder, routed: torch.Tensor) -> torch.Tensor:
-    """Each 3-D weight [E, out, in] applied to every routed row; widths joined by a gated
-    activation when one output is twice the next input (the SwiGLU gate_up -> down shape)."""
+    """Each 3-D weight [E, out, in] applied to every routed row, consecutive GEMMs joined by
+    the experts' activation (`_activation`)."""
     x = routed
     rows = routed.shape[0]
-    for name, weight in _fused_params(module):
+    for i, (name, weight) in enumerate(_fused_params(module)):
         weight = getattr(module, name)  # the meta copy functional_call put in place
         _, out_dim, in_dim = weight.shape
-        if x.shape[-1] != in_dim:
-            with recorder.paused():
-                act = torch.empty(rows, in_dim, dtype=x.dtype, device=x.device)
-            recorder.emit(kind=OpKind.ELEMENTWISE, target="moe.expert_activation",
-                          short="expert_act", path=fqn, in_tensors=[x], out_tensors=[act], save=[x])
-            x = act
+        if i:
+            x = _activation(recorder, fqn, x, in_dim)
         with recorder.paused():
             y = torch.empty(rows, out_dim, dtype=x.dtype, device=x.device)
         flops = 2 * rows * out_dim * in_dim
         grads = recorder.needs_grad(x) + recorder.needs_grad(weight)
-        recorder.emit(kind=OpKind.MATMUL, target="moe.grouped_mm", short=f"grouped_mm_{name}",
+        recorder.emit(kind=OpKind.MATMUL, target=MOE_GROUPED_MM, short=f"grouped_mm_{name}",
                       path=f"{fqn}", in_tensors=[x, weight], out_tensors=[y], flops_fwd=flops,
                       flops_bwd=flops * grads, save=[x])
         x = y
