@@ -59,16 +59,19 @@ PLANS: dict[str, tuple[int, dict]] = {
     "cp_pp": (4, {"cp": 2, "pp": 2, "pp_schedule": "1f1b", **MB2}),
     "ep": (2, {"dp": 2, "ep": 2}),
     "ep_zero3": (4, {"dp": 4, "ep": 2, "zero_stage": 3}),
+    # experts reduced over their own replicas by FSDP2 inside the checkpointed blocks
+    "ep_zero3_per_op": (4, {"dp": 4, "ep": 2, "zero_stage": 3, "recompute": "per_op"}),
     "ep_pp": (4, {"dp": 2, "ep": 2, "pp": 2, "pp_schedule": "1f1b", **MB2}),
     "tp_zero3": (4, {"dp": 2, "tp": 2, "zero_stage": 3, "sequence_parallel": True}),
     "tp_pp": (4, {"tp": 2, "pp": 2, "pp_schedule": "1f1b", "sequence_parallel": False, **MB2}),
     "tp_sp_pp": (4, {"tp": 2, "pp": 2, "pp_schedule": "1f1b", "sequence_parallel": True,
                      **MB2}),
     "ep_tp": (4, {"dp": 2, "tp": 2, "ep": 2}),
+    "ep_tp_zero1": (8, {"dp": 4, "tp": 2, "ep": 2, "zero_stage": 1}),
     "dp_tp_pp": (8, {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 1, "pp_schedule": "1f1b",
                      **MB2}),
 }
-EXPERT_PLANS = ("ep", "ep_zero3", "ep_pp", "ep_tp")
+EXPERT_PLANS = ("ep", "ep_zero3", "ep_zero3_per_op", "ep_pp", "ep_tp", "ep_tp_zero1")
 MOE_MODELS = ("moe_loop", "moe_batched", "hf_mixtral")
 
 

@@ -212,11 +212,36 @@ class _Reentered:
         return self._stacks.pop().__exit__(*exc)
 
 
+# ops that selective checkpointing must run as they come, never count or cache: FSDP2's
+# unshard of a module inside a checkpointed block (experts reduced over their own replicas)
+# issues them in forward and, prefetched differently, in the recompute
+_SIDE_EFFECT_OPS = (("profiler", "_record_function_enter_new"),
+                    ("profiler", "_record_function_exit"), ("fsdp", "all_gather_copy_in"),
+                    ("fsdp", "split_with_sizes_copy"), ("fsdp", "chunk_cat"),
+                    ("c10d", "_allgather_base_"), ("c10d", "_reduce_scatter_base_"),
+                    ("c10d", "allreduce_"), ("c10d", "allgather_"), ("c10d", "reduce_scatter_"),
+                    ("c10d", "broadcast_"))
+
+
+def _ignore_side_effect_ops() -> None:
+    """Add `_SIDE_EFFECT_OPS` (those this torch has) to ``SAC_IGNORED_OPS``."""
+    import torch.distributed.fsdp  # noqa: F401  (registers the fsdp ops)
+    from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+    for namespace, name in _SIDE_EFFECT_OPS:
+        packet = getattr(getattr(torch.ops, namespace), name, None)
+        for overload in packet.overloads() if packet is not None else ():
+            SAC_IGNORED_OPS.add(getattr(packet, overload))
+
+
 def per_op_contexts() -> tuple[Any, Any]:
     """`_recompute_contexts` under recompute="per_op": the outputs of the ops in
     `PER_OP_SAVED` are kept, but every second `PER_OP_ALTERNATED` matmul's, counted in forward
-    order from the block's start; everything else is re-run in backward."""
+    order from the block's start; everything else is re-run in backward (collectives and the
+    profiler's marks run as they come: `_SIDE_EFFECT_OPS`)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    _ignore_side_effect_ops()
 
     matmuls = {False: 0, True: 0}  # forward, recompute (torch versions that ask again)
 

@@ -18,8 +18,7 @@ the model's structure or its traced forward, never module names:
 * expert parallel: the model's MoE layers hold a list of alike experts with a router or a
   top-k, or parameters with a leading expert dim (``autopar.trace.moe.moe_experts``).
   autopar's own router/experts/top-k layers run with all-to-all dispatch; others on their own
-  forward with all-gathered tokens (``expert_gather``), which excludes tensor parallel in the
-  same plan where the experts are fused ``[E, ...]`` tensors.
+  forward with all-gathered tokens (``expert_gather``).
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from torch import nn
 from autopar.ir import Graph, OpKind
 from autopar.runtime.pipeline import tied_parameters
 from autopar.runtime.structure import block_names
-from autopar.trace.moe import moe_experts
 
 __all__ = ["RuntimeLimits", "runtime_limits"]
 
@@ -101,11 +99,6 @@ def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool, one_inp
         gathered = gathered_moe_modules(model)
         if gathered:
             ep_dispatch = "all_gather"
-            if any(moe_experts(model.get_submodule(f))[0] == "fused" for f in gathered):
-                exclusive.append((frozenset({"ep"}), frozenset({"tp"}),
-                                  "this model's MoE layers keep their experts in [E, ...] "
-                                  "tensors, whose rows expert parallel splits over ep as "
-                                  "DTensors that this runtime does not split over tp too"))
         else:
             limits["ep"] = ("expert parallel in this runtime splits MoE layers that hold a list "
                             "of alike experts with a router or a top-k, or parameters with a "

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from autopar.trace.moe import moe_experts
 
 __all__ = ["apply_gathered_experts", "check_sum_of_experts", "expert_holders",
-           "gathered_moe_modules", "sum_of_parts_errors"]
+           "gathered_moe_modules", "split_rows_over_tp", "sum_of_parts_errors"]
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +257,31 @@ def _same_rows(t: Any, rows: int) -> bool:
     return isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == rows
 
 
+def _in_zeros(rows: torch.Tensor, keep: range, num: int) -> torch.Tensor:
+    """A fused expert weight's rows ``keep`` (this ep rank's experts: a DTensor ``Shard(0)``
+    on the ep mesh or, split over tp too, on the (ep, tp) mesh, or its local tensor) placed in
+    zeros of all ``num`` experts' shape."""
+    if isinstance(rows, DTensor):
+        rows = rows.to_local()
+    return torch.cat([rows.new_zeros((keep.start,) + tuple(rows.shape[1:])), rows,
+                      rows.new_zeros((num - keep.stop,) + tuple(rows.shape[1:]))])
+
+
+def split_rows_over_tp(rows: DTensor, tp_mesh: Any, placement: tuple) -> DTensor:
+    """A fused expert weight's rows (`_install`: ``Shard(0)`` on the ep mesh) split further
+    over the tensor-parallel ``tp_mesh`` by ``placement`` (on a feature dim): a DTensor on the
+    (ep, tp) mesh, of the weight's global shape."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from autopar.runtime.tp_moe import local_shard
+
+    local = local_shard(rows.to_local().detach(), placement[0], tp_mesh.size(),
+                        tp_mesh.get_local_rank())
+    both = DeviceMesh._concatenate([rows.device_mesh, tp_mesh])
+    return DTensor.from_local(local.clone(), both, (*rows.placements, *placement),
+                              run_check=False, shape=rows.shape, stride=rows.stride())
+
+
 def _install(layer: nn.Module, keep: range, out_features: int | None, groups: Any) -> None:
     """Make ``layer`` run with the experts in ``keep`` on every ep rank's inputs; fused expert
     parameters keep their rows as DTensors ``Shard(0)`` on the ep mesh."""
@@ -291,10 +316,7 @@ def _install(layer: nn.Module, keep: range, out_features: int | None, groups: An
         if kind == "fused":  # this rank's rows in place, zeros for the other ranks' experts
             for name in names:
                 saved[name] = layer._parameters[name]
-                local = saved[name].to_local()
-                before = local.new_zeros((keep.start,) + tuple(local.shape[1:]))
-                after = local.new_zeros((num - keep.stop,) + tuple(local.shape[1:]))
-                layer._parameters[name] = torch.cat([before, local, after])
+                layer._parameters[name] = _in_zeros(saved[name], keep, num)
         try:
             out = forward(layer, *args, **kwargs)
         finally:

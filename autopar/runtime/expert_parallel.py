@@ -68,6 +68,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.runtime.context_parallel import replica_dims
 from autopar.runtime.data_parallel import fsdp_precision
@@ -320,8 +322,6 @@ def _local_linear_forward(lin: nn.Linear):
 
 
 def _shard_expert_on_tp(expert: nn.Module, dims: dict[str, int], groups: ExpertGroups) -> None:
-    from torch.distributed.tensor import DTensor, Shard
-
     for name, dim in dims.items():
         lin = expert.get_submodule(name)
         for pname, d in (("weight", dim), ("bias", 0)):
@@ -552,11 +552,23 @@ def shard_expert_params(module: nn.Module, plan: Any, groups: ExpertGroups) -> N
     for holder, mine in holders:
         others = set(holder.parameters()) - set(mine)
         fully_shard(holder, mesh=groups.replica_mesh, reshard_after_forward=reshard,
-                    ignored_params=others or None, mp_policy=policy)
+                    ignored_params=others or None, mp_policy=policy,
+                    shard_placement_fn=_unsplit_dim)
         holder.set_gradient_divide_factor(float(groups.dp_cp))
         holder.set_force_sum_reduction_for_comms(True)
     log.info("experts: FSDP2 over %d replicas (ZeRO-%d), gradients divided by D=%d",
              groups.num_replicas, zero, groups.dp_cp)
+
+
+def _unsplit_dim(param: nn.Parameter) -> Shard | None:
+    """Where FSDP2 shards a fused expert weight over its replicas: its largest dim that
+    expert and tensor parallel leave whole (a dim split twice, once by a ``_StridedShard``
+    of gate and up, is a layout DTensor cannot gather in torch 2.13); None: dim 0."""
+    if not isinstance(param, DTensor):
+        return None
+    split = {pl.dim for pl in param.placements if isinstance(pl, (Shard, _StridedShard))}
+    whole = [d for d in range(param.dim()) if d not in split]
+    return Shard(max(whole, key=lambda d: param.shape[d])) if whole else None
 
 
 def sync_expert_gradients(modules: list[nn.Module]) -> None:

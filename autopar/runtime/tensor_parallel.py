@@ -70,6 +70,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from autopar.ir import SEQUENCE_DIM
+from autopar.runtime.expert_gather import split_rows_over_tp
 from autopar.runtime.pipeline import tied_parameters
 from autopar.runtime.structure import block_slots
 from autopar.runtime.tp_moe import install_local_moe, local_moe_sublayers
@@ -225,7 +226,8 @@ class TensorParallel:
 
 
 def _distribute(module: nn.Module, mesh: Any, dims: dict[str, int], own: list[str],
-                chunks: dict[str, int], replicate_fused_bias: bool) -> None:
+                chunks: dict[str, int], replicate_fused_bias: bool, local_moe: list[str]
+                ) -> None:
     """Every parameter of ``module`` (outside ``own`` subtrees) becomes a DTensor on ``mesh``,
     sharded on the plan's dim or replicated; tied parameters stay one object.  A fused
     projection's weight and bias (``chunks``: k head-major chunks of output features) are
@@ -241,8 +243,17 @@ def _distribute(module: nn.Module, mesh: Any, dims: dict[str, int], own: list[st
         new = done.get(id(p))
         if new is None:
             placement = _placement(fqn, p, dims, chunks, mesh.size(), replicate_fused_bias)
-            new = nn.Parameter(distribute_tensor(p.detach(), mesh, placement),
-                               requires_grad=p.requires_grad)
+            if isinstance(p, DTensor):  # a fused expert weight's rows on the ep mesh
+                if not _under(owner_name, local_moe):
+                    raise ValueError(
+                        f"{fqn}: fused expert weights split over ep and tp run only in an MoE "
+                        f"sub-layer that runs on its local tp shards, and this one does not "
+                        f"(its output is not the sum of its tp ranks' outputs: see the warning "
+                        f"above); plan with ep=1 or tp=1")
+                value = split_rows_over_tp(p, mesh, placement)
+            else:
+                value = distribute_tensor(p.detach(), mesh, placement)
+            new = nn.Parameter(value, requires_grad=p.requires_grad)
             done[id(p)] = new
         owner.register_parameter(pname, new)
 
@@ -287,7 +298,8 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any, *,
     holders = {fqn.rpartition(".")[0] for fqn in dims} - set(convs)
     entries = _sublayer_entries(module, holders)
     local_moe = local_moe_sublayers(module, entries, own, exact_moe)
-    _distribute(module, tp_mesh, dims, own, chunks, replicate_fused_bias=fsdp_follows)
+    _distribute(module, tp_mesh, dims, own, chunks, replicate_fused_bias=fsdp_follows,
+                local_moe=local_moe)
     for mod in convs.values():
         mod.__class__ = _CHANNEL_PARALLEL[type(mod)]
     seq = (Shard(SEQUENCE_DIM),) if sp else (Replicate(),)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from autopar.trace.moe import moe_experts
@@ -125,6 +126,29 @@ def _param_slots(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
             if p is not None]
 
 
+def _local(p: Any) -> Any:
+    """A DTensor parameter as its local shard (a replicated one's gradient here is this
+    rank's partial sum); anything else as it is."""
+    if not isinstance(p, DTensor):
+        return p
+    return p.to_local(grad_placements=tuple(Partial() if isinstance(pl, Replicate) else pl
+                                            for pl in p.placements))
+
+
+class _LocalWeights(TorchFunctionMode):
+    """Within a sub-layer's local forward: a parameter that arrives as a DTensor (FSDP puts its
+    unsharded parameters back in place when a module inside it runs) is used as its local
+    shard (`_local`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        args, kwargs = tree_map(_local_parameter, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _local_parameter(t: Any) -> Any:
+    return _local(t) if isinstance(t, nn.Parameter) else t
+
+
 class _LocalParams:
     """Within this context the parameter in each of ``slots`` (`_param_slots`) is
     ``values[i]`` instead."""
@@ -194,13 +218,9 @@ def install_local_moe(sublayer: nn.Module, mesh: Any, sequence_parallel: bool,
     slots = _param_slots(sublayer)
 
     def local_forward(*args, **kwargs):
-        params = [m._parameters[n] for _, m, n in slots]  # as FSDP put them in place
-        # a replicated parameter's gradient here is this rank's partial sum
-        local = [p.to_local(grad_placements=(Partial(),) if p.placements == (Replicate(),)
-                            else p.placements) if isinstance(p, DTensor) else p
-                 for p in params]
+        local = [_local(m._parameters[n]) for _, m, n in slots]  # as FSDP put them in place
         args, kwargs = tree_map(local_input, args), tree_map(local_input, kwargs)
-        with _LocalParams(slots, local):
+        with _LocalParams(slots, local), _LocalWeights():
             out = forward(*args, **kwargs)
         return tree_map(reduce, out)
 

@@ -84,17 +84,15 @@ def test_the_check_splits_fused_expert_weights_too():
         check_sum_of_experts(layer, fqn, ((hidden, index, weights), {}), 2)
 
 
-def test_compile_runs_ep_of_other_moe_layers_with_tp_where_the_experts_are_a_list():
-    """A list of experts runs expert and tensor parallel together (each ep rank's experts on
-    their tp shards); fused [E, ...] experts (Hugging Face Mixtral) keep ep apart from tp."""
+def test_compile_runs_ep_of_other_moe_layers_with_tp():
+    """Experts in a list and fused [E, ...] experts (Hugging Face Mixtral) run expert and
+    tensor parallel together (each ep rank's experts on their tp shards)."""
     cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=4)
     kw = dict(global_batch_size=8, seq_len=64, dtype="fp32")
-    plan = autopar.compile(corpus.hf_mixtral(), cluster, constraints={"ep": 2}, **kw)
-    assert plan.model["ep_dispatch"] == "all_gather" and plan.config.tp == 1
-    with pytest.raises(ValueError, match="cannot run together on this model"):
-        autopar.compile(corpus.hf_mixtral(), cluster, constraints={"ep": 2, "tp": 2}, **kw)
-    plan = autopar.compile(corpus.moe_loop(), cluster, constraints={"ep": 2, "tp": 2}, **kw)
-    assert plan.model["ep_dispatch"] == "all_gather" and (plan.config.ep, plan.config.tp) == (2, 2)
+    for model in (corpus.hf_mixtral(), corpus.moe_loop()):
+        plan = autopar.compile(model, cluster, constraints={"ep": 2, "tp": 2}, **kw)
+        assert plan.model["ep_dispatch"] == "all_gather"
+        assert (plan.config.ep, plan.config.tp) == (2, 2)
 
 
 def test_the_estimate_costs_the_all_gather_dispatch():
