@@ -95,8 +95,15 @@ def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool, one_inp
                           "autopar.models.common.attention, so context parallel runs through its "
                           "own forward on sequence-sharded DTensors, which this runtime does not "
                           "combine with tensor or expert parallel"))
-    if (num_experts or OpKind.MOE_DISPATCH in kinds) and not find_moe_modules(model):
-        gathered = gathered_moe_modules(model)
+    gathered = gathered_moe_modules(model)
+    if gathered and not (num_experts or OpKind.MOE_DISPATCH in kinds):
+        limits["ep"] = (f"expert parallel splits the tokens each expert computes on, and this "
+                        f"model's MoE layers ({gathered[0]}{', ...' if len(gathered) > 1 else ''})"
+                        f" compute every expert on a fixed capacity whatever the routing (a "
+                        f"dense dispatch, such as one-hot einsums): the trace costs them as the "
+                        f"dense ops they are, and this runtime would run every expert on every "
+                        f"ep rank's gathered tokens")
+    elif (num_experts or OpKind.MOE_DISPATCH in kinds) and not find_moe_modules(model):
         if gathered:
             ep_dispatch = "all_gather"
         else:

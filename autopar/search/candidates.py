@@ -100,7 +100,10 @@ def why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
         "virtual_stages": f"v > 1 only with interleaved-1f1b, the body layers split evenly "
                           f"into pp·v chunks, at most max_virtual_stages "
                           f"({settings.max_virtual_stages})",
-        "sequence_parallel": "sequence parallelism needs tp > 1 and a sequence",
+        "sequence_parallel": ("sequence parallelism needs tp > 1 and a sequence" if costs.seq_len
+                              else "sequence parallelism splits a sequence in the model's "
+                                   "inputs (token ids [batch, seq]), which this model's inputs "
+                                   "do not have"),
         "recompute": "selective recompute needs attention that keeps its scores (a math "
                      "kernel); per_op needs ops whose outputs each block keeps (an MoE layer "
                      "costed as a whole must hold its experts in an even number of [E, ...] "

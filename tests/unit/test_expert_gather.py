@@ -95,6 +95,20 @@ def test_compile_runs_ep_of_other_moe_layers_with_tp():
         assert (plan.config.ep, plan.config.tp) == (2, 2)
 
 
+def test_compile_refuses_ep_of_moe_layers_with_a_dense_dispatch_saying_why():
+    """Stacked expert weights under a router, dispatched by one-hot einsums on a fixed
+    capacity: the trace costs every expert on every token (the ops the model runs), so expert
+    parallel has no routed tokens to split; a pin is refused with that reason, not with the
+    search's empty space."""
+    cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=2)
+    with torch.device("meta"):
+        model = corpus.moe_batched()
+    assert gathered_moe_modules(model)[0] == "stack.0.moe"
+    with pytest.raises(ValueError, match="ep=2 cannot run on this model: .*dense dispatch"):
+        autopar.compile(model, cluster, global_batch_size=8, seq_len=64, dtype="fp32",
+                        constraints={"ep": 2})
+
+
 def test_the_estimate_costs_the_all_gather_dispatch():
     with torch.device("meta"):
         model = corpus.moe_loop()
