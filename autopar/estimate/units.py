@@ -27,7 +27,8 @@ from dataclasses import dataclass, replace
 
 from autopar.config import PER_OP_ALTERNATED, PER_OP_SAVED
 from autopar.ir import MOE_GROUPED_MM, Graph, Node, OpKind, dtype_num_bytes
-from autopar.ir.residual import MIXING_KINDS, consumers, residual_structure, sublayers
+from autopar.ir.residual import (MIXING_KINDS, consumers, residual_structure, router_gemms,
+                                 sublayers)
 
 LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
 LOSS_REDUCTION_BYTES = 4  # fp32 per row each
@@ -453,21 +454,16 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         loss_logit_bytes=sum(n.inputs[0].num_bytes for n in losses), tail_kernels=tail_kernels,
         stream_params=sum(p.numel for n in nodes if n.name in stream for p in n.params
                           if p.requires_grad and p.fqn in seen_params), sublayers=subs,
-        router_params=_router_params(nodes, residual, stream, seen_params))
+        router_params=_router_params(nodes, residual, seen_params))
 
 
-def _router_params(nodes: list[Node], residual, stream: set[str], owned: dict[str, int]
-                   ) -> int:
-    """Trainable elements of the GEMMs of a block's MoE sub-layers before their dispatch,
-    off the stream (their routers), owned by this unit."""
+def _router_params(nodes: list[Node], residual, owned: dict[str, int]) -> int:
+    """Trainable elements of the routers of a block's MoE sub-layers (`router_gemms`) owned
+    by this unit."""
     found: dict[str, int] = {}
     runs = sublayers(nodes, residual) if residual.residual_adds else [nodes]
-    for run in runs:
-        dispatch = next((i for i, n in enumerate(run) if n.kind is OpKind.MOE_DISPATCH), None)
-        for node in run[:dispatch] if dispatch is not None else ():
-            if node.kind in _GEMM_KINDS and node.name not in stream:
-                found.update({p.fqn: p.numel for p in node.params
-                              if p.requires_grad and p.fqn in owned})
+    for node in (n for run in runs for n in router_gemms(run)):
+        found.update({p.fqn: p.numel for p in node.params if p.requires_grad and p.fqn in owned})
     return sum(found.values())
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from autopar.ir.graph import Node, OpKind
 
 __all__ = ["MIXING_KINDS", "Residual", "consumers", "fused_chunks", "fused_splits",
-           "residual_structure", "sublayers"]
+           "residual_structure", "router_gemms", "sublayers"]
 
 MIXING_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
                      OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE})
@@ -113,6 +113,16 @@ def sublayers(nodes: Sequence[Node], residual: Residual) -> list[list[Node]]:
         if node.name in adds:
             out.append([])
     return [run for run in out if run]
+
+
+def router_gemms(run: Sequence[Node]) -> list[Node]:
+    """The GEMMs of a sub-layer (``run``, one of `sublayers`) before its MoE dispatch: its
+    router, which every rank runs whole (routing needs all the experts' logits); none in a
+    sub-layer without a dispatch."""
+    dispatch = next((i for i, n in enumerate(run) if n.kind is OpKind.MOE_DISPATCH), None)
+    if dispatch is None:
+        return []
+    return [n for n in run[:dispatch] if n.kind in (OpKind.MATMUL, OpKind.CONV)]
 
 
 _RESHAPES = ("aten.view", "aten.reshape", "aten._unsafe_view")

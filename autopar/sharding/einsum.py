@@ -36,6 +36,10 @@ MATMUL_EQUATIONS = {
     "mv": ("mk,k->m", ()),
     "addmv": ("m,mk,k->m", (0,)),
     "_scaled_mm": ("mk,kn->mn", ()),
+    # a fused MoE layer's expert GEMM (`autopar.ir.MOE_GROUPED_MM`): routed rows times the
+    # [experts, out, in] weight; its expert letter is not contracted (each row meets one
+    # expert), so the rules never shard it
+    "grouped_mm": ("mk,enk->mn", ()),
 }
 _BATCH_LETTERS = "abcdefgh"
 

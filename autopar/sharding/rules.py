@@ -7,7 +7,8 @@ multiple of the axis size. The table, by ``OpKind``:
 
 ===========  ============================================================================
 MATMUL       from einsum equations (:mod:`autopar.sharding.einsum`): shard any output
-             letter (batch/rows, columns) or the contracted letter (output partial)
+             letter (batch/rows, columns) or the contracted letter (output partial); a
+             fused MoE layer's expert GEMM likewise, never on its experts
 ATTENTION    heads (q, k, v, out on dim 1; q-only with replicated k/v when the kv heads do
              not divide), batch (dim 0)
 NORM         any non-normalised dim; batch norm also its channel dim (params sharded) and
@@ -15,7 +16,8 @@ NORM         any non-normalised dim; batch norm also its channel dim (params sha
 ELEMENTWISE  any output dim, inputs following by right-aligned broadcasting (a broadcast or
 DROPOUT      a differently-sized input dim stays replicated / excludes the dim); linear ops
              (add, sub, neg, cat, clone, stack) also pass partial sums through; ``stack``
-             any input dim, moved past the new dim
+             any input dim, moved past the new dim; an MoE layer's gated expert activation
+             its features, from both halves of its input
 SOFTMAX      any dim but the last (the softmax dim in every traced model)
 REDUCE       any kept dim; sum/mean also a reduced dim, giving a partial output
 VIEW         a shard of an input dim that maps 1:1 to an output dim (:mod:`.views`); R and
@@ -36,6 +38,9 @@ other        replicate only
 Views, elementwise ops, dropout and an MoE dispatch also have "R~P": replicated forward,
 partial gradients in and out (their backward is linear in the output gradient), so several
 column-parallel consumers of one tensor share a single gradient all-reduce, as in Megatron.
+So has an MoE layer's router (`partial_grad_strategy`, given by the caller, which sees the
+sub-layer): its weight's gradient is then a partial sum, reduced once a step with the other
+replicated parameters' (the runtime runs the MoE sub-layer on local shards so).
 
 Parameter inputs take the placement the strategy asks of the operand; the caller maps it
 back through a transposed view (``nn.Linear`` traces ``x @ W.T``).
@@ -52,7 +57,7 @@ from autopar.sharding.placement import PARTIAL, REPLICATE, shard
 from autopar.sharding.strategy import Strategy, default_input_grads
 from autopar.sharding.views import op_name, view_dim_map
 
-__all__ = ["signature", "strategies", "op_name"]
+__all__ = ["op_name", "partial_grad_strategy", "signature", "strategies"]
 
 _LINEAR = {"add", "add_", "sub", "sub_", "neg", "cat", "clone", "copy", "copy_", "sum"}
 _LINEAR_REDUCE = {"sum", "mean"}
@@ -80,6 +85,11 @@ def _replicate_partial_grad(num_inputs: int, num_outputs: int) -> Strategy:
     return Strategy(name="R~P", inputs=(REPLICATE,) * num_inputs,
                     outputs=(REPLICATE,) * num_outputs, input_grads=(PARTIAL,) * num_inputs,
                     output_grads=(PARTIAL,) * num_outputs)
+
+
+def partial_grad_strategy(node: Node) -> Strategy:
+    """``node`` replicated, taking and handing on partial gradients ("R~P")."""
+    return _replicate_partial_grad(len(node.inputs), len(node.outputs))
 
 
 def _make(name: str, inputs: Sequence[str], outputs: Sequence[str], n: int, *,
@@ -144,7 +154,7 @@ def _elementwise(node: Node, n: int) -> list[Strategy]:
     if op_name(node.target) == "stack":
         return _stacked(node, n) + [_make("P", [PARTIAL] * len(node.inputs), [PARTIAL], n,
                                           split=False)]
-    found = _pointwise(node, n)
+    found = _pointwise(node, n) + _gated_halves(node, n)
     if op_name(node.target) in _LINEAR and node.outputs[0].shape:
         found.append(_make("P", [PARTIAL] * len(node.inputs), [PARTIAL] * len(node.outputs),
                            n, split=False))
@@ -158,7 +168,19 @@ def _matmul(node: Node, n: int) -> list[Strategy]:
     equation, additive = found
     strategies = einsum_strategies(equation, additive, [t.shape for t in node.inputs],
                                    node.outputs[0].shape, n)
-    return [s for s in strategies if s.name != "R"]
+    return [s for s in strategies if s.name not in ("R", "S(e)")]
+
+
+def _gated_halves(node: Node, n: int) -> list[Strategy]:
+    """An MoE layer's gated expert activation (``act(gate) * up`` on the halves of a
+    ``[rows, 2f]`` input, `autopar.trace.moe`) on features: a column-parallel gate_up split
+    by chunk gives each rank its features of both halves, so ``S(1)`` in, ``S(1)`` out."""
+    out = node.outputs[0].shape
+    last = len(out) - 1
+    if not node.target.startswith("moe.") or not _ok(out[last], n) or any(
+            t.shape[-1] not in (out[last], 2 * out[last]) for t in node.inputs):
+        return []
+    return [_make(f"S({last})", [shard(len(t.shape) - 1) for t in node.inputs], [shard(last)], n)]
 
 
 def _attention(node: Node, n: int) -> list[Strategy]:

@@ -259,3 +259,35 @@ def test_the_ilp_prices_a_blocks_collectives_as_the_estimate_does(make):
     assert est.breakdown["tp_comm"] == pytest.approx(
         m * sum(u.count * seconds(sum(tp_collectives(u, cfg), [])) for u in units)
         + seconds([("all_reduce", stream)]), rel=1e-6)
+
+
+@pytest.mark.parametrize("make", [corpus.hf_mixtral, corpus.moe_loop])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_the_ilp_prices_an_moe_block_as_the_runtime_runs_it(make, sequence_parallel):
+    """MoE blocks (Hugging Face Mixtral's fused [E, out, in] experts with the router outside
+    them, and experts in a loop over a list) at tp=2, on a cluster where a collective's
+    latency dominates (gloo): the ILP's solve of the plan's layout issues the estimate's
+    collectives, one reduction each way per sub-layer (the routing hands partial gradients
+    back, "R~P"; the fused experts' weights and gated activation split on features), and
+    the partial parameter gradients it leaves are the estimate's, the router's among them
+    (`partial_gradient_bytes`)."""
+    from autopar.estimate.core import costs_of_layout
+    from autopar.estimate.timing import tp_collectives
+    from autopar.estimate.tp_comm import partial_gradient_bytes, primitive_collectives
+
+    with torch.device("meta"):
+        model = make()
+    gloo = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=2)
+    plan = autopar.compile(model, gloo, global_batch_size=8, seq_len=64, dtype="fp32",
+                           constraints={"tp": 2, "sequence_parallel": sequence_parallel})
+    graph = autopar.trace(model, global_batch_size=plan.config.micro_batch_size, seq_len=64,
+                          dtype="fp32")
+    (unit,) = [u for u in costs_of_layout(graph, plan.config, plan.tp_placements).units
+               if u.is_block]
+    assert unit.router_params > 0
+    (block,) = plan.intra_op.values()
+    fwd, bwd = tp_collectives(unit, plan.config)
+    assert primitive_collectives(block["forward_collectives"] + block["backward_collectives"]) \
+        == primitive_collectives(fwd + bwd)
+    assert sum(n for _, n in block["gradient_collectives"]) == pytest.approx(
+        partial_gradient_bytes(unit, sequence_parallel))
