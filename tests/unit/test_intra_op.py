@@ -497,6 +497,29 @@ def test_matmul_rules_from_einsum():
     assert strategies(node, 1) == (by_name["R"],)
 
 
+def test_grouped_expert_gemm_rules_split_features_never_experts():
+    """A fused MoE layer's expert GEMM (routed rows times [E, out, in]) shards its output
+    features (column), its input features (row: output partial) or its rows, and never the
+    expert dim; the gated activation after it keeps the features split from both halves."""
+    rows, h, f, e = 64, 32, 16, 4
+    gemm = Node(name="gate_up", kind=OpKind.MATMUL, target="moe.grouped_mm",
+                inputs=(_t((rows, h)), _t((e, 2 * f, h))),
+                input_sources=("dispatch", "param:experts.gate_up"), outputs=(_t((rows, 2 * f)),),
+                params=(ParamSpec(fqn="experts.gate_up", shape=(e, 2 * f, h), dtype=DT),))
+    by_name = {s.name: s for s in strategies(gemm, 2)}
+    assert set(by_name) == {"R", "S(m)", "S(k)", "S(n)"}
+    assert by_name["S(n)"].inputs == ("R", "S(1)") and by_name["S(n)"].outputs == ("S(1)",)
+    assert by_name["S(k)"].inputs == ("S(1)", "S(2)") and by_name["S(k)"].outputs == ("P",)
+    act = Node(name="act", kind=OpKind.ELEMENTWISE, target="moe.expert_gate",
+               inputs=(_t((rows, f)), _t((rows, 2 * f))), input_sources=("silu", "gate_up"),
+               outputs=(_t((rows, f)),))
+    split = [s for s in strategies(act, 2) if s.outputs == ("S(1)",)]
+    assert [s.inputs for s in split] == [("S(1)", "S(1)")]
+    user_glu = Node(name="glu", kind=OpKind.ELEMENTWISE, target="aten.glu.default",
+                    inputs=(_t((rows, 2 * f)),), input_sources=("x",), outputs=(_t((rows, f)),))
+    assert not [s for s in strategies(user_glu, 2) if s.outputs == ("S(1)",)]
+
+
 def test_expand_nd_is_the_product_of_axis_rules():
     node = _mm("up", "input:0", (64, 32), 128, "up.weight")
     nd = expand_nd({"dp": 2, "tp": 4}, [t.shape for t in node.inputs],
