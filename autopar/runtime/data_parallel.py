@@ -3,7 +3,10 @@ parameters and train on different data (dp, or dp×cp flattened under context pa
 
 Mapping:
 
-* ZeRO-0, plain tensors only (no tensor parallel): ``DistributedDataParallel``.
+* ZeRO-0, plain tensors only (no tensor parallel): ``DistributedDataParallel``, without its
+  broadcast of the buffers before every forward (a collective per micro-batch the estimate
+  does not charge; buffers are each rank's own under every other mapping too, batch-norm
+  statistics included).
 * ZeRO-0 otherwise (DTensor parameters under tensor parallel, pipeline stages, parameters left
   to another owner): full replicas, and after backward one bucketed all-reduce per dtype of the
   local gradients, divided by the group size (DDP's numerics, without overlap).
@@ -99,7 +102,8 @@ def apply_data_parallel(module: nn.Module, plan: Any, dp_mesh: Any, *, pure_dp: 
         if pure_dp and not ignored and not _has_dtensor(params):
             from torch.nn.parallel import DistributedDataParallel
 
-            return DistributedDataParallel(module, process_group=dp_mesh.get_group())
+            return DistributedDataParallel(module, process_group=dp_mesh.get_group(),
+                                           broadcast_buffers=False)
         _SYNCS[module] = _GradientAllReduce(params, dp_mesh.get_group(), dp_mesh.size())
         return module
     from torch.distributed.fsdp import fully_shard
