@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from autopar.ir.graph import Node, OpKind
 
 __all__ = ["MIXING_KINDS", "Residual", "consumers", "fused_chunks", "fused_splits",
-           "residual_structure", "router_gemms", "sublayers"]
+           "residual_structure", "router_gemms", "routing_nodes", "sublayers"]
 
 MIXING_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
                      OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE})
@@ -123,6 +123,19 @@ def router_gemms(run: Sequence[Node]) -> list[Node]:
     if dispatch is None:
         return []
     return [n for n in run[:dispatch] if n.kind in (OpKind.MATMUL, OpKind.CONV)]
+
+
+def routing_nodes(nodes: Sequence[Node], residual: Residual) -> set[str]:
+    """The nodes of the MoE sub-layers of ``nodes`` (their structure ``residual``) up to each
+    dispatch, off the residual stream: the router (`router_gemms`) and what turns its logits
+    into routing weights."""
+    runs = sublayers(nodes, residual) if residual.residual_adds else [nodes]
+    out = set()
+    for run in runs:
+        if router_gemms(run):
+            dispatch = next(i for i, n in enumerate(run) if n.kind is OpKind.MOE_DISPATCH)
+            out.update(n.name for n in run[:dispatch] if n.name not in residual.stream)
+    return out
 
 
 _RESHAPES = ("aten.view", "aten.reshape", "aten._unsafe_view")

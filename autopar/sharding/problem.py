@@ -45,10 +45,10 @@ from typing import Callable, Mapping, Sequence
 
 from autopar.estimate.timing import BACKWARD_MEMORY_RATIO
 from autopar.ir import Graph, Node, OpKind, TensorSpec, dtype_num_bytes
-from autopar.ir.residual import fused_splits, residual_structure, router_gemms, sublayers
+from autopar.ir.residual import fused_splits, residual_structure, routing_nodes
 from autopar.sharding.placement import (PARTIAL, REPLICATE, is_shard, reshard_collective,
                                         shard, shard_dim)
-from autopar.sharding.rules import partial_grad_strategy
+from autopar.sharding.rules import on_sequence_shard, partial_grad_strategy
 from autopar.sharding.rules import signature as rule_signature
 from autopar.sharding.rules import strategies as rule_strategies
 from autopar.sharding.strategy import Collective, Strategy, default_input_grads
@@ -400,7 +400,10 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
     fused = fused_splits([by_name[n] for n in names])
     block_nodes = [by_name[n] for n in names]
     residual = residual_structure(block_nodes)
-    routing = _routing(block_nodes, residual)
+    # the runtime runs an MoE sub-layer on local tensors, its gradients partial sums
+    # (`autopar.runtime.tp_moe`): its routing may defer them ("R~P"), the router's weight
+    # gradient joining the step's one all-reduce
+    routing = routing_nodes(block_nodes, residual)
     for name in names:
         node = by_name[name]
         key = rule_signature(node)
@@ -413,7 +416,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
                 not any(s.name == "R~P" for s in strategies[name]):
             strategies[name] += (partial_grad_strategy(node),)
         if is_shard(boundary) and name in residual.stream and node.params:
-            strategies[name] = _on_shard(strategies[name], node, boundary)
+            strategies[name] = on_sequence_shard(strategies[name], node, boundary)
         for i, spec in enumerate(node.inputs):
             if (name, i) not in sources:
                 continue
@@ -538,31 +541,6 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
                         memory_bytes=memory,
                         tensors=tensors, params=tuple(params), periodic=periodic,
                         grad_bytes_per_elem=grad_bytes, collective_units=collective_units)
-
-
-def _on_shard(sts: tuple[Strategy, ...], node: Node, boundary: str) -> tuple[Strategy, ...]:
-    """Under sequence parallelism (``boundary``: the sequence shard) an op with parameters on
-    the residual stream (a norm's scale) runs on the shard, as the runtime runs it (its
-    parameter's gradient then a partial sum): its strategies taking every activation input
-    so, where it has any."""
-    acts = [i for i, src in enumerate(node.input_sources)
-            if not src.startswith(("param:", "buffer:", "const"))]
-    return tuple(s for s in sts if all(s.inputs[i] == boundary for i in acts)) or sts
-
-
-def _routing(nodes: list[Node], residual) -> set[str]:
-    """The nodes of ``nodes``' MoE sub-layers up to each dispatch, off the residual stream: the
-    router and what turns its logits into routing weights (`router_gemms`). The runtime runs
-    an MoE sub-layer on local tensors, their gradients partial sums (`autopar.runtime.tp_moe`),
-    so each may defer its gradients ("R~P": every op's backward is linear in its output's
-    gradient); the router's weight gradient then joins the step's one all-reduce."""
-    runs = sublayers(nodes, residual) if residual.residual_adds else [nodes]
-    out = set()
-    for run in runs:
-        if router_gemms(run):
-            dispatch = next(i for i, n in enumerate(run) if n.kind is OpKind.MOE_DISPATCH)
-            out.update(n.name for n in run[:dispatch] if n.name not in residual.stream)
-    return out
 
 
 def pin_params(problem: BlockProblem, placements: Mapping[str, str]) -> BlockProblem:

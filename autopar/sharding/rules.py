@@ -57,7 +57,8 @@ from autopar.sharding.placement import PARTIAL, REPLICATE, shard
 from autopar.sharding.strategy import Strategy, default_input_grads
 from autopar.sharding.views import op_name, view_dim_map
 
-__all__ = ["op_name", "partial_grad_strategy", "signature", "strategies"]
+__all__ = ["on_sequence_shard", "op_name", "partial_grad_strategy", "signature",
+           "strategies"]
 
 _LINEAR = {"add", "add_", "sub", "sub_", "neg", "cat", "clone", "copy", "copy_", "sum"}
 _LINEAR_REDUCE = {"sum", "mean"}
@@ -90,6 +91,17 @@ def _replicate_partial_grad(num_inputs: int, num_outputs: int) -> Strategy:
 def partial_grad_strategy(node: Node) -> Strategy:
     """``node`` replicated, taking and handing on partial gradients ("R~P")."""
     return _replicate_partial_grad(len(node.inputs), len(node.outputs))
+
+
+def on_sequence_shard(sts: tuple[Strategy, ...], node: Node, shard_placement: str
+                      ) -> tuple[Strategy, ...]:
+    """Of ``sts``, those of an op with parameters on the residual stream (a norm's scale)
+    that take every activation input on the sequence shard (``shard_placement``), as the
+    runtime runs it under sequence parallelism (its parameter's gradient then a partial sum);
+    all of ``sts`` where none does."""
+    acts = [i for i, src in enumerate(node.input_sources)
+            if not src.startswith(("param:", "buffer:", "const"))]
+    return tuple(s for s in sts if all(s.inputs[i] == shard_placement for i in acts)) or sts
 
 
 def _make(name: str, inputs: Sequence[str], outputs: Sequence[str], n: int, *,
