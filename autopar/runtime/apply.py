@@ -32,6 +32,7 @@ tensor, a mapping or ``ModelOutput`` with ``logits``, or a tuple (``model_logits
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -223,8 +224,9 @@ _SIDE_EFFECT_OPS = (("profiler", "_record_function_enter_new"),
                     ("c10d", "broadcast_"))
 
 
+@functools.cache
 def _ignore_side_effect_ops() -> None:
-    """Add `_SIDE_EFFECT_OPS` (those this torch has) to ``SAC_IGNORED_OPS``."""
+    """Add `_SIDE_EFFECT_OPS` (those this torch has) to ``SAC_IGNORED_OPS``, once."""
     import torch.distributed.fsdp  # noqa: F401  (registers the fsdp ops)
     from torch.utils.checkpoint import SAC_IGNORED_OPS
 
