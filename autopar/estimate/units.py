@@ -461,8 +461,7 @@ def _router_params(nodes: list[Node], residual, owned: dict[str, int]) -> int:
     """Trainable elements of the routers of a block's MoE sub-layers (`router_gemms`) owned
     by this unit."""
     found: dict[str, int] = {}
-    runs = sublayers(nodes, residual) if residual.residual_adds else [nodes]
-    for node in (n for run in runs for n in router_gemms(run)):
+    for node in (n for run in sublayers(nodes, residual) for n in router_gemms(run)):
         found.update({p.fqn: p.numel for p in node.params if p.requires_grad and p.fqn in owned})
     return sum(found.values())
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from autopar.ir.graph import Node, OpKind
 
 __all__ = ["MIXING_KINDS", "Residual", "consumers", "fused_chunks", "fused_splits",
-           "residual_structure", "router_gemms", "routing_nodes", "sublayers"]
+           "moe_dispatch", "residual_structure", "router_gemms", "routing_nodes", "sublayers"]
 
 MIXING_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
                      OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE})
@@ -115,27 +115,26 @@ def sublayers(nodes: Sequence[Node], residual: Residual) -> list[list[Node]]:
     return [run for run in out if run]
 
 
+def moe_dispatch(run: Sequence[Node]) -> int | None:
+    """The index of the MoE dispatch in ``run`` (a sub-layer), or None."""
+    return next((i for i, n in enumerate(run) if n.kind is OpKind.MOE_DISPATCH), None)
+
+
 def router_gemms(run: Sequence[Node]) -> list[Node]:
     """The GEMMs of a sub-layer (``run``, one of `sublayers`) before its MoE dispatch: its
     router, which every rank runs whole (routing needs all the experts' logits); none in a
     sub-layer without a dispatch."""
-    dispatch = next((i for i, n in enumerate(run) if n.kind is OpKind.MOE_DISPATCH), None)
-    if dispatch is None:
-        return []
-    return [n for n in run[:dispatch] if n.kind in (OpKind.MATMUL, OpKind.CONV)]
+    dispatch = moe_dispatch(run)
+    return [n for n in run[:dispatch] if n.kind in (OpKind.MATMUL, OpKind.CONV)] \
+        if dispatch is not None else []
 
 
 def routing_nodes(nodes: Sequence[Node], residual: Residual) -> set[str]:
     """The nodes of the MoE sub-layers of ``nodes`` (their structure ``residual``) up to each
     dispatch, off the residual stream: the router (`router_gemms`) and what turns its logits
     into routing weights."""
-    runs = sublayers(nodes, residual) if residual.residual_adds else [nodes]
-    out = set()
-    for run in runs:
-        if router_gemms(run):
-            dispatch = next(i for i, n in enumerate(run) if n.kind is OpKind.MOE_DISPATCH)
-            out.update(n.name for n in run[:dispatch] if n.name not in residual.stream)
-    return out
+    return {n.name for run in sublayers(nodes, residual) if router_gemms(run)
+            for n in run[:moe_dispatch(run)] if n.name not in residual.stream}
 
 
 _RESHAPES = ("aten.view", "aten.reshape", "aten._unsafe_view")

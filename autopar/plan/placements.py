@@ -25,8 +25,8 @@ from autopar.config import ParallelConfig
 from autopar.errors import InvalidConfigError
 from autopar.estimate.units import Unit, token_lookup, vocab_sizes
 from autopar.ir import Graph, OpKind
-from autopar.ir.residual import (MIXING_KINDS, consumers, fused_chunks, residual_structure,
-                                 router_gemms, sublayers)
+from autopar.ir.residual import (MIXING_KINDS, consumers, fused_chunks, moe_dispatch,
+                                 residual_structure, router_gemms, sublayers)
 
 __all__ = ["fused_projections", "megatron_tp_placements", "param_placements",
            "replicated_sublayers"]
@@ -49,13 +49,12 @@ def megatron_tp_placements(graph: Graph) -> dict[str, str]:
         """One sub-layer (the nodes up to its residual add).  An MoE sub-layer is a replicated
         router (every rank needs all expert logits to route) and a column→row chain per
         expert."""
-        routers = router_gemms(group)
-        if not routers:
+        dispatch = moe_dispatch(group)
+        if dispatch is None:
             close_run(group)
             return
-        for p in (p for node in routers for p in node.params):
+        for p in (p for node in router_gemms(group) for p in node.params):
             out.setdefault(p.fqn, "R")
-        dispatch = next(i for i, n in enumerate(group) if n.kind is OpKind.MOE_DISPATCH)
         close_run(group[dispatch + 1:], experts=True)
 
     def close_run(group: list, experts: bool = False) -> None:

@@ -48,7 +48,7 @@ from autopar.ir import Graph, Node, OpKind, TensorSpec, dtype_num_bytes
 from autopar.ir.residual import fused_splits, residual_structure, routing_nodes
 from autopar.sharding.placement import (PARTIAL, REPLICATE, is_shard, reshard_collective,
                                         shard, shard_dim)
-from autopar.sharding.rules import on_sequence_shard, partial_grad_strategy
+from autopar.sharding.rules import on_sequence_shard
 from autopar.sharding.rules import signature as rule_signature
 from autopar.sharding.rules import strategies as rule_strategies
 from autopar.sharding.strategy import Collective, Strategy, default_input_grads
@@ -397,8 +397,8 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
     external: dict[str, set[int]] = {}
     hidden_in = None
     shared: dict[tuple, tuple[Strategy, ...]] = {}  # nodes the rules cannot tell apart
-    fused = fused_splits([by_name[n] for n in names])
     block_nodes = [by_name[n] for n in names]
+    fused = fused_splits(block_nodes)
     residual = residual_structure(block_nodes)
     # the runtime runs an MoE sub-layer on local tensors, its gradients partial sums
     # (`autopar.runtime.tp_moe`): its routing may defer them ("R~P"), the router's weight
@@ -406,15 +406,12 @@ def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cl
     routing = routing_nodes(block_nodes, residual)
     for name in names:
         node = by_name[name]
-        key = rule_signature(node)
+        key = (rule_signature(node), name in routing)
         if key not in shared:
-            shared[key] = rule_strategies(node, axis_size)
+            shared[key] = rule_strategies(node, axis_size, defers_gradients=name in routing)
         strategies[name] = shared[key]
         if name in fused:
             strategies[name] += _per_chunk(node, axis_size)
-        if name in routing and axis_size > 1 and node.outputs and node.inputs and \
-                not any(s.name == "R~P" for s in strategies[name]):
-            strategies[name] += (partial_grad_strategy(node),)
         if is_shard(boundary) and name in residual.stream and node.params:
             strategies[name] = on_sequence_shard(strategies[name], node, boundary)
         for i, spec in enumerate(node.inputs):

@@ -38,9 +38,10 @@ other        replicate only
 Views, elementwise ops, dropout and an MoE dispatch also have "R~P": replicated forward,
 partial gradients in and out (their backward is linear in the output gradient), so several
 column-parallel consumers of one tensor share a single gradient all-reduce, as in Megatron.
-So has an MoE layer's router (`partial_grad_strategy`, given by the caller, which sees the
-sub-layer): its weight's gradient is then a partial sum, reduced once a step with the other
-replicated parameters' (the runtime runs the MoE sub-layer on local shards so).
+So has any op the caller says defers its gradients (``strategies(..., defers_gradients=True)``:
+an MoE layer's routing, which the caller finds in the sub-layer): a router's weight gradient is
+then a partial sum, reduced once a step with the other replicated parameters' (the runtime runs
+the MoE sub-layer on local shards so).
 
 Parameter inputs take the placement the strategy asks of the operand; the caller maps it
 back through a transposed view (``nn.Linear`` traces ``x @ W.T``).
@@ -57,8 +58,7 @@ from autopar.sharding.placement import PARTIAL, REPLICATE, shard
 from autopar.sharding.strategy import Strategy, default_input_grads
 from autopar.sharding.views import op_name, view_dim_map
 
-__all__ = ["on_sequence_shard", "op_name", "partial_grad_strategy", "signature",
-           "strategies"]
+__all__ = ["on_sequence_shard", "op_name", "signature", "strategies"]
 
 _LINEAR = {"add", "add_", "sub", "sub_", "neg", "cat", "clone", "copy", "copy_", "sum"}
 _LINEAR_REDUCE = {"sum", "mean"}
@@ -86,11 +86,6 @@ def _replicate_partial_grad(num_inputs: int, num_outputs: int) -> Strategy:
     return Strategy(name="R~P", inputs=(REPLICATE,) * num_inputs,
                     outputs=(REPLICATE,) * num_outputs, input_grads=(PARTIAL,) * num_inputs,
                     output_grads=(PARTIAL,) * num_outputs)
-
-
-def partial_grad_strategy(node: Node) -> Strategy:
-    """``node`` replicated, taking and handing on partial gradients ("R~P")."""
-    return _replicate_partial_grad(len(node.inputs), len(node.outputs))
 
 
 def on_sequence_shard(sts: tuple[Strategy, ...], node: Node, shard_placement: str
@@ -364,8 +359,10 @@ def signature(node: Node) -> tuple:
             tuple(t.shape for t in node.outputs), node.attention)
 
 
-def strategies(node: Node, axis_size: int) -> tuple[Strategy, ...]:
-    """The strategies of ``node`` on one mesh axis of ``axis_size`` ranks, replicate first."""
+def strategies(node: Node, axis_size: int, *, defers_gradients: bool = False
+               ) -> tuple[Strategy, ...]:
+    """The strategies of ``node`` on one mesh axis of ``axis_size`` ranks, replicate first;
+    "R~P" too where its kind allows it or the caller says it ``defers_gradients``."""
     if axis_size < 1:
         raise ValueError(f"axis size must be >= 1, got {axis_size}")
     base = _replicate(len(node.inputs), len(node.outputs))
@@ -373,7 +370,7 @@ def strategies(node: Node, axis_size: int) -> tuple[Strategy, ...]:
         return (base,)
     rule = _RULES.get(node.kind)
     found = rule(node, axis_size) if rule is not None else []
-    if node.kind in _PARTIAL_GRAD_KINDS and node.outputs[0].shape:
+    if (node.kind in _PARTIAL_GRAD_KINDS or defers_gradients) and node.outputs[0].shape:
         found.append(_replicate_partial_grad(len(node.inputs), len(node.outputs)))
     arity = (len(node.inputs), len(node.outputs))
     unique: dict[tuple, Strategy] = {}
