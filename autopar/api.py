@@ -20,7 +20,7 @@ from autopar.errors import NoPlanFitsError, RuntimeLimitError, StageMemoryError
 from autopar.search.inter_op import partition_stages
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES
 from autopar.models.common import count_attention_calls
-from autopar.plan import Plan, fused_projections, param_placements
+from autopar.plan import Plan, fp8_weights, fused_projections, param_placements
 from autopar.runtime.capabilities import RuntimeLimits, runtime_limits
 from autopar.search.tp_layout import LayoutContext, choose_layout
 from autopar.search.outer import SearchResult, SearchSettings, check_constraints, search
@@ -120,6 +120,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
         training={"global_batch_size": global_batch_size, "seq_len": graph.seq_len,
                   **({"input": input_spec} if input_spec else {}),
                   "dtype": dtype, "constraints": dict(sorted(constraints.items())),
+                  **({"fp8_weights": fp8_weights(graph)} if dtype == "fp8" else {}),
                   "memory_headroom": settings.memory_headroom,
                   "memory_headroom_kept": found.headroom_kept,
                   "device_memory_bytes": cluster.hardware.device.memory_bytes,

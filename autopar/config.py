@@ -30,9 +30,11 @@ RECOMPUTE_POLICIES = ("none", "selective", "per_op", "full")
 # torchtitan/distributed/activation_checkpoint.py): inside each checkpointed block the outputs
 # of these ops are kept for backward and everything else is re-run, except that every second
 # matmul (`PER_OP_ALTERNATED`, counted together in forward order per block) is re-run too. A
-# grouped GEMM (all experts of an MoE layer in one call) counts as one matmul. Biased Linear
-# layers run `aten.addmm`, which the policy re-runs.
-PER_OP_ALTERNATED = frozenset({"aten.mm.default", "aten._grouped_mm.default"})
+# grouped GEMM (all experts of an MoE layer in one call) counts as one matmul, as does the
+# forward GEMM of an fp8 weight (`autopar.runtime.fp8`). Biased Linear layers run `aten.addmm`,
+# which the policy re-runs.
+PER_OP_ALTERNATED = frozenset({"aten.mm.default", "aten._grouped_mm.default",
+                               "aten._scaled_mm.default"})
 PER_OP_SAVED = frozenset({
     *PER_OP_ALTERNATED,
     "aten._scaled_dot_product_flash_attention.default",

@@ -67,7 +67,7 @@ def main(argv=None):
         rank, trained, modules, pp_rank = 0, model, [model], 0
 
         def train_step(x, y):
-            with runtime.precision(plan):  # bf16 plans: bf16 autocast, as the ranks run
+            with runtime.precision(plan, model=model):  # bf16/fp8 plans, as the ranks run
                 loss = loss_fn(runtime.model_logits(model(x)), y)
             loss.backward()
             return loss.item()

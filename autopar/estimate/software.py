@@ -30,9 +30,8 @@ SOFTWARE: dict[str, SoftwarePreset] = {
         "the cross-entropy on fp32-upcast logits, DDP/FSDP2 gradient reduction overlapped with "
         "backward, fp32 gradient reduction, non-reentrant checkpointing that stops recomputing "
         "early; fp32 parameters under bf16 autocast, whose cast weights each forward keeps "
-        "without ZeRO (FSDP2 gathers bf16 parameters). It has no fp8 GEMMs yet: it trains an "
-        "fp8 plan in bf16, while the estimate costs the fp8 GEMMs of torchao's dynamic "
-        "tensorwise scaling"),
+        "without ZeRO (FSDP2 gathers bf16 parameters); an fp8 plan's Linear GEMMs in fp8 "
+        "with torchao's dynamic tensorwise scaling, eager casts (autopar.runtime.fp8)"),
     "megatron": SoftwarePreset(
         EstimateOptions(attention_kernel="cudnn", overlap_dp_comm=True, overlap_tp_comm=True,
                         kernels="fused", loss_kernel="megatron", grad_reduce_dtype="bf16",

@@ -354,6 +354,17 @@ def cp_attention_blocks(cp: int, seq_kv: float, *, balanced: bool, causal: bool
     return cp, seq_kv / cp
 
 
+def fp8_casts(op: OpCost, cluster: Cluster, cfg: ParallelConfig, fp8_recipe: str,
+              kernels: str) -> tuple[float, float]:
+    """Seconds of an fp8 GEMM's operand casts on one rank, forward and backward."""
+    inputs, weights, outputs = op.fp8_elements
+    scale = cfg.tp * cfg.cp
+    return fp8_cast_time_s(cluster.hardware.device, fp8_recipe, kernels,
+                           inputs=inputs / scale,
+                           weights=weights / (1 if op.tp_replicated else cfg.tp),
+                           outputs=outputs / scale)
+
+
 def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
              kernel: str, kernels: str = "eager", loss_kernel: str = "eager",
              fp8_recipe: str = "tensorwise") -> tuple[float, float, float]:
@@ -378,12 +389,7 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
             bwd *= unaligned_gemm_slowdown(device, dtype, backward=True)
         wgrad = bwd / 2 if op.flops_bwd >= 2 * op.flops_fwd else 0.0
         if fp8:
-            inputs, weights, outputs = op.fp8_elements
-            cast_fwd, cast_bwd = fp8_cast_time_s(device, fp8_recipe, kernels,
-                                                 inputs=inputs / scale,
-                                                 weights=weights / (1 if op.tp_replicated
-                                                                    else tp),
-                                                 outputs=outputs / scale)
+            cast_fwd, cast_bwd = fp8_casts(op, cluster, cfg, fp8_recipe, kernels)
             fwd, bwd = fwd + cast_fwd, bwd + cast_bwd
         return fwd, bwd, wgrad
     if op.kind == "attention":
@@ -478,6 +484,10 @@ def unit_compute(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfi
             tail_gemms += op.kind == "gemm"
         if not op.kept or (op.kind == "attention" and attention_kernel == "math"):
             rerun[op.tail] += f + gap
+        elif dtype == "fp8" and op.kind == "gemm" and op.fp8_elements:
+            # a kept fp8 GEMM's output is not re-run, but the casts of its operands are: its
+            # backward needs them, and they are ops of their own
+            rerun[op.tail] += fp8_casts(op, cluster, cfg, fp8_recipe, kernels)[0]
         if op.kind == "attention":
             attn_fwd, attn_bwd = attn_fwd + f, attn_bwd + b
         elif op.kind == "gemm":

@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from autopar.config import PER_OP_ALTERNATED, PER_OP_SAVED
+from autopar.estimate.fp8 import fp8_elements
 from autopar.ir import MOE_GROUPED_MM, Graph, Node, OpKind, dtype_num_bytes
 from autopar.ir.residual import (MIXING_KINDS, consumers, residual_structure, router_gemms,
                                  sublayers)
@@ -65,9 +66,9 @@ class OpCost:
     tail: bool = False
     logits: float = 0.0  # a cross-entropy: elements of its logits (timed by `loss_time_s`)
     logit_bytes: int = 0  # bytes of one logit in its traced dtype
-    # a Linear layer's GEMM, which fp8 training runs in fp8: elements of its activation input,
-    # weight and output, whose fp8 casts it pays (costmodels.compute.fp8_cast_time_s); (): a GEMM
-    # that stays in 16 bits (no weight, a convolution, the vocabulary projection)
+    # a GEMM fp8 training runs in fp8 (`autopar.estimate.fp8`): elements of its activation
+    # input, weight and output, whose fp8 casts it pays (costmodels.compute.fp8_cast_time_s);
+    # (): a GEMM that stays in 16 bits (no weight, a convolution, the vocabulary projection)
     fp8_elements: tuple[float, float, float] = ()
     # an MoE combine: routed rows added into their tokens' rows by index (in eager software an
     # atomic scatter-add, costmodels.compute.SCATTER_ADD_TRAFFIC_FACTOR)
@@ -240,17 +241,6 @@ def _scaled_fp8(elements: tuple[float, ...], factor: float) -> tuple[float, ...]
     return inputs * factor, weights, outputs * factor
 
 
-def _fp8_elements(node: Node, vocab: bool) -> tuple[float, float, float] | tuple[()]:
-    """`OpCost.fp8_elements` of a GEMM node: a matmul reading a parameter weight, not over the
-    vocabulary."""
-    if node.kind is not OpKind.MATMUL or not node.params or vocab:
-        return ()
-    params = {f"param:{p.fqn}" for p in node.params}
-    inputs = sum(t.numel for t, src in zip(node.inputs, node.input_sources) if src not in params)
-    return (float(inputs), float(sum(p.numel for p in node.params)),
-            float(sum(t.numel for t in node.outputs[:1])))
-
-
 def _aligned(node: Node) -> bool:
     """Whether every operand and result of a GEMM has rows of a multiple of 16 bytes: tensor-
     core GEMM kernels need that alignment, and cuBLAS falls back to far slower ones without it
@@ -395,7 +385,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
             ops.append(OpCost(kind="gemm", flops_fwd=node.flops_fwd, flops_bwd=node.flops_bwd,
                               bytes_fwd=io, param_bytes=weights, expert=in_moe, vocab=vocab,
                               aligned=_aligned(node), tail=node.name in tail,
-                              fp8_elements=_fp8_elements(node, vocab), **fixed))
+                              fp8_elements=fp8_elements(node, vocab_dims), **fixed))
         elif node.kind is OpKind.ATTENTION and node.attention is not None:
             a = node.attention
             score = a.batch * a.num_heads * a.seq_q * a.seq_kv * node.inputs[0].num_bytes \

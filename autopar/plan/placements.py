@@ -23,12 +23,13 @@ from collections.abc import Mapping, Sequence
 
 from autopar.config import ParallelConfig
 from autopar.errors import InvalidConfigError
+from autopar.estimate.fp8 import fp8_weight
 from autopar.estimate.units import Unit, token_lookup, vocab_sizes
 from autopar.ir import Graph, OpKind
 from autopar.ir.residual import (MIXING_KINDS, consumers, fused_chunks, moe_dispatch,
                                  residual_structure, router_gemms, sublayers)
 
-__all__ = ["fused_projections", "megatron_tp_placements", "param_placements",
+__all__ = ["fp8_weights", "fused_projections", "megatron_tp_placements", "param_placements",
            "replicated_sublayers"]
 
 
@@ -189,6 +190,17 @@ def fused_projections(graph: Graph) -> dict[str, int]:
     chunks = fused_chunks(graph.nodes)
     return {name: chunks[p.fqn] for _, p, names in _layer_names(graph) if p.fqn in chunks
             for name in sorted(names)}
+
+
+def fp8_weights(graph: Graph) -> list[str]:
+    """The FQNs of the weights, in every layer, whose GEMMs fp8 training runs in fp8
+    (`autopar.estimate.fp8`): what an fp8 plan's runtime converts, and its estimate costs."""
+    vocab, names = vocab_sizes(graph), {}
+    for node, p, layer_names in _layer_names(graph):
+        weight = fp8_weight(node, vocab)
+        if weight is not None and weight.fqn == p.fqn:
+            names.update(dict.fromkeys(layer_names))
+    return list(names)
 
 
 def _expert_params(graph: Graph) -> set[str]:

@@ -58,6 +58,7 @@ from autopar.runtime.context_parallel import (
 from autopar.runtime.data_parallel import apply_data_parallel as _apply_data_parallel
 from autopar.runtime.data_parallel import sync_gradients
 from autopar.runtime.expert_gather import apply_gathered_experts, expert_holders
+from autopar.runtime.fp8 import Float8Gemms, float8_gemms
 from autopar.runtime.tp_moe import exact_moe_classes
 from autopar.runtime.expert_parallel import (
     apply_expert_parallel,
@@ -88,19 +89,32 @@ __all__ = ["RuntimeModel", "apply_plan", "check_world_size", "init_distributed",
 
 log = logging.getLogger(__name__)
 
-# A plan's precision as this runtime trains it: bf16 (and fp8, whose GEMMs it does not have)
-# under bf16 autocast, with fp32 weights, gradients and optimizer states (16 bytes a parameter,
-# as the plan counts them); fp32 as it is. fp16 would need loss scaling: it trains in fp32.
+# A plan's precision as this runtime trains it: bf16 and fp8 under bf16 autocast (fp8 with
+# the GEMMs of its fp8 weights in fp8: `autopar.runtime.fp8`), with fp32 weights, gradients and
+# optimizer states (16 bytes a parameter, as the plan counts them); fp32 as it is. fp16 would
+# need loss scaling: it trains in fp32.
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
-def precision(plan: Any, device: torch.device | str = "cpu"):
-    """The context to run a forward pass of `plan` in: bf16 autocast for a bf16 (or fp8)
-    plan, nothing otherwise. The backward pass runs in the dtypes its forward chose."""
+def precision(plan: Any, device: torch.device | str = "cpu", model: nn.Module | None = None):
+    """The context to run a forward pass of `plan` in: bf16 autocast for a bf16 or fp8 plan
+    (an fp8 plan also runs its fp8 weights' GEMMs in fp8, through hooks on `model`'s modules,
+    which it needs), nothing otherwise. The backward pass runs in the dtypes its forward
+    chose."""
     dtype = AUTOCAST_DTYPES.get(plan.training["dtype"])
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=dtype)
+    autocast = torch.autocast(torch.device(device).type, dtype=dtype)
+    if plan.training["dtype"] != "fp8":
+        return autocast
+    if model is None:
+        raise ValueError("an fp8 plan runs the GEMMs of its fp8 weights in fp8 through hooks "
+                         "on the model's modules: pass the model, precision(plan, device, "
+                         "model)")
+    stack = contextlib.ExitStack()
+    stack.enter_context(autocast)
+    stack.enter_context(float8_gemms(model, plan))
+    return stack
 
 
 def model_logits(output: Any) -> torch.Tensor:
@@ -283,6 +297,7 @@ class RuntimeModel:
     selective_recompute: bool = False  # recompute="selective": re-run the attention core
     zero_stage: int = 0
     forward_context: Callable[[], Any] = contextlib.nullcontext  # `precision`
+    fp8: Float8Gemms | None = None  # an fp8 plan's GEMMs (`autopar.runtime.fp8`)
 
     def parameters(self):
         seen = set()
@@ -338,6 +353,8 @@ class RuntimeModel:
         if self.context_parallel is not None:
             # once: the model's attention really went through the ring
             self.context_parallel.verify(self.device)
+        if self.fp8 is not None:  # the GEMMs costed in fp8 really ran in fp8
+            self.fp8.check()
         return float(total)
 
     def _dtensor_context(self):
@@ -470,6 +487,8 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     exact_moe = exact_moe_classes(model, plan, lambda: _example_microbatch(
         plan, cp if layout == "zigzag" else 1)) if tp > 1 else set()
     own_moe = bool(find_moe_modules(model))  # autopar's MoE layers, before ep replaces them
+    # before any module is copied or sharded: stage copies keep the hooks
+    fp8 = float8_gemms(model, plan) if plan.training["dtype"] == "fp8" else None
     if pp > 1:
         ids = stage_ids_for_rank(mesh["pp"].get_local_rank(), pp, len(plan.stages))
         # the probe sees the sequence as the model will: a zigzag share, or the whole sequence
@@ -518,7 +537,7 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
                       default_loss=default_loss,
                       selective_recompute=cfg.recompute == "selective",
                       zero_stage=cfg.zero_stage if dp * cp > 1 else 0,
-                      forward_context=lambda: precision(plan, device))
+                      forward_context=lambda: precision(plan, device, model), fp8=fp8)
     if plan.training["dtype"] == "fp16":
         log.warning("fp16 plan: trains in fp32 (fp16 needs loss scaling, which this runtime "
                     "does not do); plan with dtype='bf16' to train in 16-bit")

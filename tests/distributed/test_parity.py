@@ -81,8 +81,8 @@ def _env() -> dict[str, str]:
 
 
 def _make_script(tmp: Path, name: str, ranks: int, factory: str, constraints: dict,
-                 dtype: str = "fp32") -> Path:
-    cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=ranks)
+                 dtype: str = "fp32", profile: str = "cpu-gloo") -> Path:
+    cluster = autopar.Cluster.from_profile(profile, gpus_per_node=ranks)
     module, _, fn = factory.rpartition(":")
     model = getattr(corpus if module == "corpus" else tiny_models, fn)()
     plan = autopar.compile(model, cluster, global_batch_size=8, seq_len=64, dtype=dtype,

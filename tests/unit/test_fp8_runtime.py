@@ -1,0 +1,142 @@
+"""fp8 training in the runtime (`autopar.runtime.fp8`) against an independent oracle: the same
+fp8 operands, dequantised and multiplied in float64; which GEMMs a plan runs in fp8
+(`autopar.plan.fp8_weights`) and what the estimate charges for them under per-op recompute."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autopar
+from autopar.estimate.timing import fp8_casts, unit_compute
+from autopar.estimate.units import units_from_graph
+from autopar.plan import fp8_weights
+from autopar.runtime.fp8 import float8_gemms
+from autopar.trace import trace
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def dequantised(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as dynamic tensorwise scaling leaves it: scaled so its amax is the format's largest
+    value, rounded to the format, scaled back -- in float64."""
+    fmax = torch.finfo(dtype).max
+    scale = fmax / t.detach().double().abs().max().clamp(min=1e-12)
+    return (t.detach().double() * scale).clamp(-fmax, fmax).to(dtype).double() / scale
+
+
+def oracle(x, w, b, g):
+    """(y, grad x, grad w, grad b) of y = x wᵀ + b with x, w in e4m3 and g in e5m2."""
+    xq, wq, gq = dequantised(x, E4M3), dequantised(w, E4M3), dequantised(g, E5M2)
+    return xq @ wq.T + b.double(), gq @ wq, gq.T @ xq, g.double().sum(0)
+
+
+@pytest.mark.parametrize("rows", [37, 64])  # 37: the weight gradient's inner dim is padded
+def test_an_fp8_linear_is_the_product_of_its_fp8_operands(rows):
+    from autopar.runtime.fp8 import float8_linear
+
+    torch.manual_seed(0)
+    x = torch.randn(rows, 64, requires_grad=True)
+    w = torch.randn(48, 64, requires_grad=True)
+    b = torch.randn(48, requires_grad=True)
+    y = float8_linear(x, w, b, out_dtype=torch.float32)
+    g = torch.randn_like(y)
+    y.backward(g)
+    want = oracle(x, w, b, g)
+    for got, ref in zip((y, x.grad, w.grad, b.grad), want):
+        assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    # and fp8 is not bf16: the product of the unrounded operands differs by far more
+    assert (F.linear(x, w, b).double() - want[0]).abs().max() > 1e-2 * want[0].abs().max()
+
+
+class Styles(nn.Module):
+    """GEMMs of parameter weights written three ways, and one the mode does not take."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(32, 48, bias=False)
+        self.conv1d = nn.Module()  # GPT-2's Conv1D: addmm(bias, x, w[in, out])
+        self.conv1d.weight = nn.Parameter(torch.randn(48, 64) * 0.1)
+        self.conv1d.bias = nn.Parameter(torch.randn(64) * 0.1)
+        self.proj = nn.Module()
+        self.proj.weight = nn.Parameter(torch.randn(64, 32) * 0.1)  # x @ w
+        self.left = nn.Module()
+        self.left.weight = nn.Parameter(torch.randn(16, 16) * 0.1)  # w @ x: stays bf16
+        self.conv1d.forward = lambda x: torch.addmm(self.conv1d.bias, x, self.conv1d.weight)
+        self.proj.forward = lambda x: x @ self.proj.weight
+        self.left.forward = lambda x: self.left.weight @ x
+
+    def forward(self, x):
+        h = self.proj(self.conv1d(self.linear(x)))
+        return h + self.left(h.reshape(16, -1)).reshape(h.shape)
+
+
+def test_the_mode_runs_a_plans_fp8_weights_whatever_op_calls_them(caplog):
+    torch.manual_seed(0)
+    model = Styles()
+    names = ["linear.weight", "conv1d.weight", "proj.weight", "left.weight"]
+    plan = type("P", (), {"training": {"fp8_weights": names, "dtype": "fp8"}})()
+    mode = float8_gemms(model, plan)
+    x = torch.randn(16, 32)
+    with mode:
+        y = model(x)
+    with caplog.at_level(logging.INFO, logger="autopar.runtime.fp8"):
+        mode.check()
+    assert mode.ran == {"linear.weight", "conv1d.weight", "proj.weight"}
+    assert "GEMMs of 3 weight(s) ran in fp8" in caplog.text
+    assert "1 weight(s) ran their GEMMs in bf16" in caplog.text and "left.weight" in caplog.text
+    # the oracle, op by op
+    h = dequantised(x, E4M3) @ dequantised(model.linear.weight, E4M3).T
+    h = dequantised(h.float(), E4M3) @ dequantised(model.conv1d.weight.T, E4M3).T \
+        + model.conv1d.bias.double()
+    h = dequantised(h.float(), E4M3) @ dequantised(model.proj.weight.T, E4M3).T
+    want = h + (model.left.weight.double() @ h.reshape(16, -1)).reshape(h.shape)
+    assert (y.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    # outside the mode (a probe forward), the same modules run as written
+    assert torch.equal(model(x), Styles.forward(model, x))
+
+
+def test_an_fp8_plan_names_every_layers_gemm_weights_but_the_vocabulary_projection():
+    from tests import corpus
+
+    model = corpus.PlainLlama(vocab=256, dim=64, n_layers=3, n_heads=4, n_kv_heads=2,
+                              ffn_dim=176, max_seq=64)
+    graph = trace(model, global_batch_size=1, seq_len=64)
+    names = fp8_weights(graph)
+    weights = {n for n, p in model.named_parameters() if p.dim() == 2}
+    head = [n for n, p in model.named_parameters() if p.shape[0] == 256]  # embedding, output
+    assert set(names) == weights - set(head) and len(names) == 3 * 7
+    # a width that is not a multiple of 16 keeps the GEMMs reading it in bf16
+    odd = corpus.PlainLlama(vocab=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                            ffn_dim=168, max_seq=64)
+    kept = fp8_weights(trace(odd, global_batch_size=1, seq_len=64))
+    assert len(kept) == 2 * 4 and not any(".w1." in n or ".w2." in n or ".w3." in n
+                                          for n in kept)
+
+
+def test_per_op_recompute_reruns_the_casts_of_the_fp8_gemms_it_keeps():
+    from tests import corpus
+
+    model = corpus.PlainLlama(vocab=256, dim=256, n_layers=2, n_heads=4, n_kv_heads=2,
+                              ffn_dim=512, max_seq=256)
+    graph = trace(model, global_batch_size=4, seq_len=256)
+    cluster = autopar.Cluster.from_profile("dgx-h100", gpus_per_node=1)
+    block = next(u for u in units_from_graph(graph) if u.is_block)
+    cfg = autopar.ParallelConfig(recompute="per_op")
+    kw = dict(cluster=cluster, cfg=cfg, attention_kernel="flash")
+    fp8 = unit_compute(block, dtype="fp8", **kw)
+    kept = [op for op in block.ops if op.kind == "gemm" and op.kept and op.fp8_elements]
+    assert kept
+    casts = sum(fp8_casts(op, cluster, cfg, "tensorwise", "eager")[0] for op in kept)
+    dropped = dataclasses.replace(block, ops=tuple(
+        dataclasses.replace(op, fp8_elements=()) if op in kept else op for op in block.ops))
+    without = unit_compute(dropped, dtype="fp8", **kw)
+    # the same block with the kept GEMMs in bf16: their GEMM is not re-run either way, so the
+    # difference in what is re-run is their casts alone
+    assert fp8.per_op_fwd + fp8.per_op_tail_fwd == pytest.approx(
+        without.per_op_fwd + without.per_op_tail_fwd + casts, rel=1e-9)
