@@ -39,3 +39,15 @@ def hf_llama_1b():
         attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).float()
+
+
+def plain_llama_8b_4l():
+    """tests/corpus.py's PlainLlama at Llama-3-8B widths over 4 layers (hidden 4096, 32 query
+    and 8 kv heads, SwiGLU 14336, vocabulary 128,256): GEMMs large enough for fp8 to pay."""
+    import torch
+
+    from tests.corpus import PlainLlama
+
+    torch.manual_seed(0)
+    return PlainLlama(vocab=128256, dim=4096, n_layers=4, n_heads=32, n_kv_heads=8,
+                      ffn_dim=14336, max_seq=8192)

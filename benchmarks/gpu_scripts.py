@@ -8,7 +8,7 @@ Planning needs OR-Tools (this machine); running needs a CUDA GPU and nothing els
     python benchmarks/gpu_scripts.py run --dir DIR [--steps 10]              # on the GPU
 
 ``plan`` compiles each case of `CASES` (benchmarks/gpu_models.py's models, 8 sequences of 1,024
-tokens, one GPU of the profile) and writes DIR/NAME.json and DIR/NAME.py. ``run`` launches each
+tokens, or 2 of 8,192 for the 8B-wide one, one GPU of the profile) and writes DIR/NAME.json and DIR/NAME.py. ``run`` launches each
 script with ``torchrun --nproc_per_node=1 ... --steps N``, parses its step lines and summary,
 and writes DIR/gpu_scripts.json (one row per case, after each) and prints a table: the median
 step after the first, peak allocated memory, and the plan's predictions beside them.
@@ -30,7 +30,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 GLOBAL_BATCH, SEQ_LEN = 8, 1024
-# (name, model factory, dtype, constraints pinned in compile)
+BIG = {"global_batch_size": 2, "seq_len": 8192}  # the 8B-wide model's problem
+MB1 = {"micro_batch_size": 1}
+# (name, model factory, dtype, constraints pinned in compile[, problem])
 CASES = [
     ("plain_llama_bf16", "benchmarks.gpu_models:plain_llama_1b", "bf16", {}),
     ("plain_llama_fp8", "benchmarks.gpu_models:plain_llama_1b", "fp8", {}),
@@ -40,6 +42,8 @@ CASES = [
      {"recompute": "per_op"}),
     ("hf_llama_bf16", "benchmarks.gpu_models:hf_llama_1b", "bf16", {}),
     ("hf_llama_fp8", "benchmarks.gpu_models:hf_llama_1b", "fp8", {}),
+    ("llama8b_4l_bf16", "benchmarks.gpu_models:plain_llama_8b_4l", "bf16", MB1, BIG),
+    ("llama8b_4l_fp8", "benchmarks.gpu_models:plain_llama_8b_4l", "fp8", MB1, BIG),
 ]
 STEP = re.compile(r"^step (\d+) loss (\S+) time_ms (\S+) mem_mb (\S+)", re.MULTILINE)
 
@@ -50,11 +54,16 @@ def plan(out: Path, profile: str) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     cluster = autopar.Cluster.from_profile(profile, gpus_per_node=1)
-    for name, factory, dtype, constraints in CASES:
+    import torch
+
+    for name, factory, dtype, constraints, *problem in CASES:
         module, _, fn = factory.rpartition(":")
-        model = getattr(__import__(module, fromlist=[fn]), fn)()
-        p = autopar.compile(model, cluster, global_batch_size=GLOBAL_BATCH, seq_len=SEQ_LEN,
-                            dtype=dtype, constraints={"dp": 1, **constraints})
+        with torch.device("meta"):  # the plan needs shapes only
+            model = getattr(__import__(module, fromlist=[fn]), fn)()
+        size = problem[0] if problem else {"global_batch_size": GLOBAL_BATCH,
+                                           "seq_len": SEQ_LEN}
+        p = autopar.compile(model, cluster, dtype=dtype, constraints={"dp": 1, **constraints},
+                            **size)
         path = p.save(out / f"{name}.json")
         assert cli_main(["codegen", str(path), "--model-factory", factory,
                          "-o", str(out / f"{name}.py")]) == 0
@@ -99,7 +108,7 @@ def run(folder: Path, steps: int, names: set[str] | None = None) -> None:
     rows = []
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node=1"]
-    for name, factory, dtype, constraints in CASES:
+    for name, factory, dtype, constraints, *_ in CASES:
         if names and name not in names:
             continue
         script = folder / f"{name}.py"

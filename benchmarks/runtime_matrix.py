@@ -14,7 +14,12 @@ backward, the largest gradient difference relative to the largest reference grad
 when they are within 1e-4 and 1e-5.  A plan compile refuses shows "refused: <reason>"; a
 plan that compiled and then failed shows "FAIL: <error>".  ep plans apply to MoE models only.
 
+With ``--dtype fp8`` the plans are compiled for dgx-h100 (the CPU profile has no fp8 rate)
+and the reference runs in fp8 too (`autopar.runtime.precision`); each rank scales the shards
+it holds, so the fp8 rounding differs from the reference's: "ok" within `FP8_TOL`.
+
     python benchmarks/runtime_matrix.py [--models plain_llama,hf_llama] [--plans tp,pp_1f1b]
+                                        [--dtype fp8]
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ TESTS = ROOT / "tests"
 WORKER = Path(__file__).with_name("runtime_matrix_worker.py")
 
 LOSS_TOL, GRAD_TOL = 1e-4, 1e-5
+FP8_TOL = (2e-3, 5e-2)  # loss, gradient: e4m3 keeps 3 mantissa bits, e5m2 2
 GLOBAL_BATCH, SEQ_LEN, STEPS = 8, 64, 3
 MB2 = {"micro_batch_size": 2}
 
@@ -83,12 +89,18 @@ class Cell:
     loss_err: float | None = None
     grad_err: float | None = None
     detail: dict = field(default_factory=dict)
+    dtype: str = "fp32"
+
+    @property
+    def ok(self) -> bool:
+        loss_tol, grad_tol = FP8_TOL if self.dtype == "fp8" else (LOSS_TOL, GRAD_TOL)
+        return self.loss_err is not None and self.loss_err <= loss_tol \
+            and self.grad_err <= grad_tol
 
     def text(self) -> str:
         if self.loss_err is None:
             return self.status
-        mark = "ok" if self.loss_err <= LOSS_TOL and self.grad_err <= GRAD_TOL else "DIVERGED"
-        return f"{mark} {self.loss_err:.1e}/{self.grad_err:.1e}"
+        return f"{'ok' if self.ok else 'DIVERGED'} {self.loss_err:.1e}/{self.grad_err:.1e}"
 
 
 def _corpus():
@@ -110,7 +122,8 @@ def factory(name: str):
     return getattr(tiny_models, name)
 
 
-def compile_cell(model_name: str, plan_name: str, out_dir: Path) -> tuple[Cell, Path | None]:
+def compile_cell(model_name: str, plan_name: str, out_dir: Path,
+                 dtype: str = "fp32") -> tuple[Cell, Path | None]:
     """Compile one cell's plan; the cell says why when compile refuses it."""
     import torch
 
@@ -118,25 +131,26 @@ def compile_cell(model_name: str, plan_name: str, out_dir: Path) -> tuple[Cell, 
 
     corpus = _corpus()
     ranks, pins = PLANS[plan_name]
-    cell = Cell(model_name, plan_name)
+    cell = Cell(model_name, plan_name, dtype=dtype)
     if plan_name in EXPERT_PLANS and model_name not in MOE_MODELS:
         cell.status = "n/a (dense)"
         return cell, None
     with torch.device("meta"):
         model = factory(model_name)()
-    cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=ranks)
+    cluster = autopar.Cluster.from_profile("dgx-h100" if dtype == "fp8" else "cpu-gloo",
+                                           gpus_per_node=ranks)
     if model_name in corpus.IMAGE_MODELS:
         shape = {"example_inputs": (torch.empty(GLOBAL_BATCH, *corpus.IMAGE_SHAPE,
                                                 device="meta"),)}
     else:
         shape = {"seq_len": SEQ_LEN}
     try:
-        plan = autopar.compile(model, cluster, global_batch_size=GLOBAL_BATCH, dtype="fp32",
+        plan = autopar.compile(model, cluster, global_batch_size=GLOBAL_BATCH, dtype=dtype,
                                constraints=pins, **shape)
     except ValueError as exc:
         cell.status = "refused: " + str(exc).splitlines()[0][:160]
         return cell, None
-    path = out_dir / f"{model_name}.{plan_name}.json"
+    path = out_dir / f"{model_name}.{plan_name}.{dtype}.json"
     plan.save(path)
     return cell, path
 
@@ -175,14 +189,15 @@ def run_cells(cells: list[tuple[Cell, Path]], ranks: int, out_dir: Path,
         cell.detail = rows[0]
 
 
-def run_matrix(models: list[str], plans: list[str], out_dir: Path) -> list[Cell]:
+def run_matrix(models: list[str], plans: list[str], out_dir: Path,
+               dtype: str = "fp32") -> list[Cell]:
     """Compile every cell, then train the compiled ones: one launch per model and rank count,
     so a crash costs the cells of that launch only."""
     compiled: dict[tuple[str, int], list[tuple[Cell, Path]]] = {}
     cells = []
     for model in models:
         for plan in plans:
-            cell, path = compile_cell(model, plan, out_dir)
+            cell, path = compile_cell(model, plan, out_dir, dtype)
             cells.append(cell)
             if path is not None:
                 compiled.setdefault((model, PLANS[plan][0]), []).append((cell, path))
@@ -205,13 +220,15 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(corpus.TOKEN_MODELS + corpus.IMAGE_MODELS))
     ap.add_argument("--plans", default=",".join(PLANS))
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "fp8"))
     args = ap.parse_args(argv)
     models, plans = args.models.split(","), args.plans.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        cells = run_matrix(models, plans, Path(tmp))
-    print(f"max relative loss difference over {STEPS} steps / max gradient difference after "
-          f"the first backward (relative to the largest reference gradient); ok within "
-          f"{LOSS_TOL:g} / {GRAD_TOL:g}\n")
+        cells = run_matrix(models, plans, Path(tmp), args.dtype)
+    loss_tol, grad_tol = FP8_TOL if args.dtype == "fp8" else (LOSS_TOL, GRAD_TOL)
+    print(f"{args.dtype} plans: max relative loss difference over {STEPS} steps / max gradient "
+          f"difference after the first backward (relative to the largest reference "
+          f"gradient); ok within {loss_tol:g} / {grad_tol:g}\n")
     print(table(cells, models, plans))
 
 

@@ -111,7 +111,8 @@ def _run(plan_path: str, model_name: str, steps: int) -> dict:
     comms, log = CommDebugMode(), _CollectiveLog()
     for step in range(1, steps + 1):
         x, y = _batch(model_name, ref, plan, step)
-        want = runtime.lm_loss(ref(x), y)
+        with runtime.precision(plan, "cpu", ref):  # an fp8 plan's reference runs in fp8
+            want = runtime.lm_loss(ref(x), y)
         want.backward()
         # counted without a pipeline: the dispatch mode upsets the zero-bubble schedule's split
         # backward

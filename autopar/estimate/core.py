@@ -432,7 +432,8 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
     if vkey not in cache.vectors:
         cache.vectors[vkey] = unit_vectors(units, times, config,
                                            options.attention_kernel != "math",
-                                           options.loss_kernel, weight_copies=copies)
+                                           options.loss_kernel, weight_copies=copies,
+                                           fp8=dtype == "fp8" and options.fp32_params)
     lay = layout(cache.vectors[vkey], config, split)
     groups = _rank_groups(cache, config)
     act = max(u.act_bytes for u in units) / config.cp / config.tp
@@ -484,7 +485,8 @@ def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, 
     for unit in units:  # every layer of a unit alike, in model order
         t = times[unit.name]
         kept = activation_bytes(unit, config, flash, options.loss_kernel,
-                                weight_copies=copies)[0]
+                                weight_copies=copies,
+                                fp8=dtype == "fp8" and options.fp32_params)[0]
         states = unit.dense_on_tp_rank(config.tp) * dense_b \
             + unit.expert_params / (config.tp * config.ep) * expert_b
         for key, value in (("forward", t.forward), ("backward", t.backward),

@@ -184,11 +184,11 @@ class UnitVectors:
 
 def unit_vectors(units: tuple[Unit, ...], times: dict[str, UnitTimes], cfg: ParallelConfig,
                  flash: bool, loss_kernel: str = "eager", *,
-                 weight_copies: bool = False) -> UnitVectors:
+                 weight_copies: bool = False, fp8: bool = False) -> UnitVectors:
     t = [times[u.name] for u in units]
     per_unit = {a: np.array([getattr(x, a) for x in t])
                 for a in TIME_ATTRS + ("forward", "backward", "compute_wgrad")}
-    acts = [activation_bytes(u, cfg, flash, loss_kernel, weight_copies=weight_copies)
+    acts = [activation_bytes(u, cfg, flash, loss_kernel, weight_copies=weight_copies, fp8=fp8)
             for u in units]
     pbytes = np.array([u.param_bytes for u in units], float)
     return UnitVectors(

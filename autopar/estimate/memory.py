@@ -56,7 +56,7 @@ def keeps_weight_copies(cfg: ParallelConfig, dtype: str, fp32_params: bool) -> b
 
 def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
                      loss_kernel: str = "eager", *,
-                     weight_copies: bool = False) -> tuple[float, float]:
+                     weight_copies: bool = False, fp8: bool = False) -> tuple[float, float]:
     """(kept per layer per micro-batch, working set of one layer while it runs) on one rank.
 
     A fused attention node keeps no score matrix; with an unfused kernel (`flash` False) the
@@ -68,7 +68,11 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
     and briefly holds what `loss_bytes` says, its logits sharded over tp (vocabulary-parallel)
     and cp. With `weight_copies` (autocast over fp32 parameters, `keeps_weight_copies`) a layer
     that is not checkpointed also keeps the 16-bit copy of each GEMM's weight (its share over
-    tp, and ep for experts); a checkpointed one casts them again in its recompute.
+    tp, and ep for experts); a checkpointed one casts them again in its recompute. With `fp8`
+    (fp8 training by software that casts each forward's operands and keeps the casts for
+    backward: autopar's runtime, torchao's Float8Linear under autocast) a layer that is not
+    checkpointed keeps, for each fp8 GEMM, 1-byte copies of its input and its weight, whatever
+    the ZeRO stage (`Unit.fp8_saved_bytes_delta`).
     """
     tp, cp = cfg.tp, cfg.cp
     loss_kept, loss = (b / (tp * cp) for b in loss_bytes(unit, loss_kernel))
@@ -76,11 +80,13 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
     scores = 0.0 if flash else unit.attention_score_bytes / (tp * cp)
     full = (unit.saved_bytes - unit.saved_bytes_memory_ops) / (tp * cp) \
         + unit.saved_bytes_memory_ops / mem_split + scores + loss_kept
-    if weight_copies:
-        copies = sum(op.param_bytes / ((1 if op.tp_replicated else tp)
-                                       * (cfg.ep if op.expert else 1))
-                     for op in unit.ops if op.kind == "gemm")
-        full += copies
+    if weight_copies or fp8:
+        full += sum((op.fp8_elements[1] if fp8 and op.fp8_elements else
+                     op.param_bytes if weight_copies else 0.0)
+                    / ((1 if op.tp_replicated else tp) * (cfg.ep if op.expert else 1))
+                    for op in unit.ops if op.kind == "gemm")
+    if fp8:
+        full += unit.fp8_saved_bytes_delta / (tp * cp)
     if cfg.recompute == "full" and unit.is_block:  # the glue is not checkpointed
         # one layer in `recompute_every` keeps its input only, the others all they save
         share = 1.0 / cfg.recompute_every

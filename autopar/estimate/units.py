@@ -118,6 +118,9 @@ class Unit:
     saved_bytes_per_op: int = 0
     saved_bytes_per_op_partial: int = 0
     saved_bytes_per_op_attention: int = 0
+    # fp8 training without recompute: each fp8 GEMM keeps its own 1-byte copy of its input
+    # (`autopar.runtime.fp8`) where the traced graph charges what it saves in 16 bits
+    fp8_saved_bytes_delta: int = 0
     act_bytes: int  # the hidden state entering the unit
     # tensor-parallel synchronisations per layer under Megatron's layout: (direction
     # "forward"/"backward", kind, nbytes at the traced batch); kind "reduce" (a partial sum:
@@ -221,6 +224,7 @@ class Unit:
                        saved_bytes_per_op=self.saved_bytes_per_op * factor,
                        saved_bytes_per_op_partial=self.saved_bytes_per_op_partial * factor,
                        saved_bytes_per_op_attention=self.saved_bytes_per_op_attention * factor,
+                       fp8_saved_bytes_delta=self.fp8_saved_bytes_delta * factor,
                        act_bytes=self.act_bytes * factor,
                        moe_dispatch_bytes=self.moe_dispatch_bytes * factor,
                        attention_kv_bytes=self.attention_kv_bytes * factor,
@@ -341,7 +345,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     dense = expert = 0
     in_moe = False
     seen_params: dict[str, int] = {}
-    saved_memory = kernels = dispatch = kv = scores = tail_kernels = 0
+    saved_memory = kernels = dispatch = kv = scores = tail_kernels = fp8_delta = 0
     act = 0
     tail = recompute_tail(nodes)
     residual = residual_structure(nodes)
@@ -386,6 +390,8 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
                               bytes_fwd=io, param_bytes=weights, expert=in_moe, vocab=vocab,
                               aligned=_aligned(node), tail=node.name in tail,
                               fp8_elements=fp8_elements(node, vocab_dims), **fixed))
+            if ops[-1].fp8_elements:
+                fp8_delta += int(ops[-1].fp8_elements[0]) - node.saved_bytes
         elif node.kind is OpKind.ATTENTION and node.attention is not None:
             a = node.attention
             score = a.batch * a.num_heads * a.seq_q * a.seq_kv * node.inputs[0].num_bytes \
@@ -437,7 +443,8 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         saved_bytes_recompute=sum(n.saved_bytes_recompute for n in nodes),
         saved_bytes_memory_ops=saved_memory, saved_bytes_per_op=per_op,
         saved_bytes_per_op_partial=per_op_partial,
-        saved_bytes_per_op_attention=per_op_attention, act_bytes=act, tp_syncs=syncs,
+        saved_bytes_per_op_attention=per_op_attention, fp8_saved_bytes_delta=fp8_delta,
+        act_bytes=act, tp_syncs=syncs,
         moe_dispatch_bytes=dispatch, attention_kv_bytes=kv, attention_score_bytes=scores,
         param_bytes=sum(seen_params.values()),
         loss_logits=sum(n.inputs[0].numel for n in losses),

@@ -81,7 +81,8 @@ def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_b
         structure_of=functools.partial(_split, costs, cache),
         activations_of=lambda unit, cfg, flash: activation_bytes(
             unit, cfg, flash, options.loss_kernel,
-            weight_copies=keeps_weight_copies(cfg, dtype, options.fp32_params)),
+            weight_copies=keeps_weight_copies(cfg, dtype, options.fp32_params),
+            fp8=dtype == "fp8" and options.fp32_params),
         dtype=dtype, global_batch_size=global_batch_size,
         flash=options.attention_kernel != "math", zero3_cap=options.zero3_max_live_params,
         memo={}, fp32_params=options.fp32_params)
