@@ -16,8 +16,9 @@ each timing the median of CUDA-event-timed repetitions after warm-up, on random 
   transposed copy the backward needs; bytes moved per element follow from the times.
 - ``fp8_step``: forward and backward of a stack of Llama-3-8B-wide blocks (RMSNorm, q/k/v/o
   projections, causal SDPA with 8 kv heads, SwiGLU MLP) with bf16 Linears and with Float8
-  Linears (dynamic tensorwise scaling: input and weight cast to e4m3 in forward, the output
-  gradient to e5m2 in backward, the float8 copies saved for backward), eager and compiled:
+  Linears (``autopar.runtime.fp8``'s: dynamic tensorwise scaling, input and weight cast to e4m3
+  in forward, the output gradient to e5m2 in backward, the float8 copies saved for backward),
+  eager and compiled:
   step time and the activation memory saved for backward.
 - ``cp_attention``: flash attention (SDPA) forward and backward on the chunk lengths context
   parallelism gives each ring step (a chunk's queries against a chunk's keys, causal on the
@@ -50,9 +51,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.gpu_calibrate import _build, _time_ms  # noqa: E402
+from autopar.runtime.fp8 import float8_linear, quantize  # noqa: E402
 
-E4M3_MAX = 448.0
-E5M2_MAX = 57344.0
 BF16 = torch.bfloat16
 
 
@@ -74,14 +74,6 @@ def _fp8_shapes() -> list[tuple[str, int, int, int]]:
                     if 2 * m * k * n <= 4e12:
                         shapes.append((f"{model}-tp{tp}-{kind}", m, k, n))
     return shapes
-
-
-def _quantize(x: torch.Tensor, fp8_dtype, fmax: float):
-    """Dynamic per-tensor scaling: (x · s) cast to fp8, s = fmax / amax(x); returns the fp8
-    tensor and 1/s (the scale _scaled_mm multiplies back)."""
-    amax = x.abs().amax().float().clamp(min=1e-12)
-    scale = fmax / amax
-    return (x.float() * scale).clamp(-fmax, fmax).to(fp8_dtype), scale.reciprocal()
 
 
 def measure_fp8_gemm() -> list[dict]:
@@ -126,15 +118,15 @@ def measure_fp8_cast() -> list[dict]:
     e4m3 = torch.float8_e4m3fn
 
     def cast_t(x):  # the cast and its transposed copy, as a backward's wgrad needs it
-        q, s = _quantize(x, e4m3, E4M3_MAX)
+        q, s = quantize(x, e4m3)
         return q, q.t().contiguous(), s
 
-    compiled = torch.compile(lambda x: _quantize(x, e4m3, E4M3_MAX))
+    compiled = torch.compile(lambda x: quantize(x, e4m3))
     compiled_t = torch.compile(cast_t)
     for m, k in ((8192, 4096), (16384, 8192), (8192, 14336)):
         x = torch.randn(m, k, device="cuda", dtype=BF16)
         row = {"m": m, "k": k, "elements": m * k,
-               "eager_ms": _time_ms(lambda: _quantize(x, e4m3, E4M3_MAX)),
+               "eager_ms": _time_ms(lambda: quantize(x, e4m3)),
                "eager_with_transpose_ms": _time_ms(lambda: cast_t(x)),
                "copy_bf16_ms": _time_ms(lambda: x.clone())}
         try:
@@ -150,28 +142,6 @@ def measure_fp8_cast() -> list[dict]:
     return rows
 
 
-class _Float8Matmul(torch.autograd.Function):
-    """y = x Wᵀ with x and W cast to e4m3 (dynamic per-tensor scales) and the output gradient
-    to e5m2; the float8 copies are what backward keeps."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        xq, sx = _quantize(x, torch.float8_e4m3fn, E4M3_MAX)
-        wq, sw = _quantize(w, torch.float8_e4m3fn, E4M3_MAX)
-        ctx.save_for_backward(xq, sx, wq, sw)
-        return torch._scaled_mm(xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=BF16)
-
-    @staticmethod
-    def backward(ctx, gy):
-        xq, sx, wq, sw = ctx.saved_tensors
-        gq, sg = _quantize(gy, torch.float8_e5m2, E5M2_MAX)
-        gx = torch._scaled_mm(gq, wq.t().contiguous().t(), scale_a=sg, scale_b=sw,
-                              out_dtype=BF16)
-        gw = torch._scaled_mm(gq.t().contiguous(), xq.t().contiguous().t(), scale_a=sg,
-                              scale_b=sx, out_dtype=BF16)
-        return gx, gw
-
-
 class _Linear(torch.nn.Module):
     def __init__(self, k, n, fp8):
         super().__init__()
@@ -181,7 +151,7 @@ class _Linear(torch.nn.Module):
     def forward(self, x):
         if not self.fp8:
             return F.linear(x, self.weight)
-        return _Float8Matmul.apply(x.flatten(0, -2), self.weight).unflatten(0, x.shape[:-1])
+        return float8_linear(x, self.weight, out_dtype=BF16)
 
 
 class _Block(torch.nn.Module):

@@ -99,12 +99,55 @@ def fp8_gemm_check() -> dict:
     return out
 
 
+def sac_dispatch(ops: int = 400, reps: int = 15) -> dict:
+    """Host time selective activation checkpointing adds per op: a chain of `ops` tiny
+    elementwise ops (launch-bound) trained forward and backward plainly and inside a
+    non-reentrant checkpoint whose policy saves every op's output (so its recompute re-runs
+    nothing and replays every op through the policy's dispatch mode); median seconds per op
+    of each, and of their difference."""
+    import functools
+    import statistics as stats
+
+    import torch
+    from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                        create_selective_checkpoint_contexts)
+
+    x = torch.randn(64, 64, device="cuda", requires_grad=True)
+
+    def chain(t):
+        for _ in range(ops // 2):
+            t = t * 1.0001 + 0.0001
+        return t
+
+    def save_all(ctx, func, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE
+
+    context = functools.partial(create_selective_checkpoint_contexts, save_all)
+    forms = {"plain": lambda: chain(x),
+             "sac": lambda: checkpoint(chain, x, use_reentrant=False, context_fn=context)}
+    out = {"ops": ops}
+    for name, fn in forms.items():
+        times = []
+        for _ in range(reps + 3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn().sum().backward()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out[f"{name}_s_per_op"] = stats.median(times[3:]) / ops
+    out["sac_extra_s_per_op"] = out["sac_s_per_op"] - out["plain_s_per_op"]
+    return out
+
+
 def run(folder: Path, steps: int, names: set[str] | None = None) -> None:
     import torch
 
     check = fp8_gemm_check() if not names or any("fp8" in n for n in names) else {}
     print("fp8 GEMM, GPU against CPU (max abs difference / max abs):", check, flush=True)
     (folder / "fp8_gemm_check.json").write_text(json.dumps(check, indent=1) + "\n")
+    sac = sac_dispatch()
+    print("selective checkpointing's host time per op:", sac, flush=True)
+    (folder / "sac_dispatch.json").write_text(json.dumps(sac, indent=1) + "\n")
     rows = []
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node=1"]

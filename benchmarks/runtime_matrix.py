@@ -15,8 +15,14 @@ when they are within 1e-4 and 1e-5.  A plan compile refuses shows "refused: <rea
 plan that compiled and then failed shows "FAIL: <error>".  ep plans apply to MoE models only.
 
 With ``--dtype fp8`` the plans are compiled for dgx-h100 (the CPU profile has no fp8 rate)
-and the reference runs in fp8 too (`autopar.runtime.precision`); each rank scales the shards
-it holds, so the fp8 rounding differs from the reference's: "ok" within `FP8_TOL`.
+and the reference runs in fp8 too (`autopar.runtime.precision`). Each rank scales the shards
+it holds (its batch slice, its weight shards), so its fp8 rounding differs from the
+reference's, by about as much as fp8 rounding moves the reference from a bf16 run of it (the
+"gap", measured per cell on the same batches): "ok" within 3 times the gap, and 1e-3 / 1e-2
+where that is smaller. A sharded run's rounding is another draw of the same size (a one-rank
+fp8 run in two halves of the batch differs from the whole batch's by 0.8-1.2x the gap in the
+gradients, `dp` cells up to 2.6x in the loss of the ViT, whose loss averages 8 images), where a
+wrong layout or reduction moves the losses by 1e-2 or more and gradients by their own size.
 
     python benchmarks/runtime_matrix.py [--models plain_llama,hf_llama] [--plans tp,pp_1f1b]
                                         [--dtype fp8]
@@ -38,7 +44,8 @@ TESTS = ROOT / "tests"
 WORKER = Path(__file__).with_name("runtime_matrix_worker.py")
 
 LOSS_TOL, GRAD_TOL = 1e-4, 1e-5
-FP8_TOL = (2e-3, 5e-2)  # loss, gradient: e4m3 keeps 3 mantissa bits, e5m2 2
+FP8_GAPS = 3  # an fp8 cell is ok within this many times its reference's fp8-vs-bf16 gap
+FP8_FLOOR = (1e-3, 1e-2)  # loss, gradient: an fp8 cell's least tolerance (bf16 arithmetic)
 GLOBAL_BATCH, SEQ_LEN, STEPS = 8, 64, 3
 MB2 = {"micro_batch_size": 2}
 
@@ -92,15 +99,24 @@ class Cell:
     dtype: str = "fp32"
 
     @property
+    def tolerance(self) -> tuple[float, float]:
+        if self.dtype != "fp8":
+            return LOSS_TOL, GRAD_TOL
+        return (max(FP8_FLOOR[0], FP8_GAPS * self.detail.get("fp8_loss_gap", 0.0)),
+                max(FP8_FLOOR[1], FP8_GAPS * self.detail.get("fp8_grad_gap", 0.0)))
+
+    @property
     def ok(self) -> bool:
-        loss_tol, grad_tol = FP8_TOL if self.dtype == "fp8" else (LOSS_TOL, GRAD_TOL)
+        loss_tol, grad_tol = self.tolerance
         return self.loss_err is not None and self.loss_err <= loss_tol \
             and self.grad_err <= grad_tol
 
     def text(self) -> str:
         if self.loss_err is None:
             return self.status
-        return f"{'ok' if self.ok else 'DIVERGED'} {self.loss_err:.1e}/{self.grad_err:.1e}"
+        gap = (f" (gap {self.detail['fp8_loss_gap']:.1e}/{self.detail['fp8_grad_gap']:.1e})"
+               if "fp8_loss_gap" in self.detail else "")
+        return f"{'ok' if self.ok else 'DIVERGED'} {self.loss_err:.1e}/{self.grad_err:.1e}{gap}"
 
 
 def _corpus():
@@ -187,6 +203,9 @@ def run_cells(cells: list[tuple[Cell, Path]], ranks: int, out_dir: Path,
         cell.loss_err = max(row["loss_err"] for row in rows)
         cell.grad_err = max(row["grad_err"] for row in rows)
         cell.detail = rows[0]
+        for key in ("fp8_loss_gap", "fp8_grad_gap"):  # each rank's reference: the same batches
+            if key in rows[0]:
+                cell.detail[key] = max(row[key] for row in rows)
 
 
 def run_matrix(models: list[str], plans: list[str], out_dir: Path,
@@ -225,10 +244,12 @@ def main(argv: list[str] | None = None) -> None:
     models, plans = args.models.split(","), args.plans.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         cells = run_matrix(models, plans, Path(tmp), args.dtype)
-    loss_tol, grad_tol = FP8_TOL if args.dtype == "fp8" else (LOSS_TOL, GRAD_TOL)
+    within = (f"{FP8_GAPS} times the fp8 reference's gap from a bf16 one (shown), at least "
+              f"{FP8_FLOOR[0]:g} / {FP8_FLOOR[1]:g}" if args.dtype == "fp8"
+              else f"{LOSS_TOL:g} / {GRAD_TOL:g}")
     print(f"{args.dtype} plans: max relative loss difference over {STEPS} steps / max gradient "
           f"difference after the first backward (relative to the largest reference "
-          f"gradient); ok within {loss_tol:g} / {grad_tol:g}\n")
+          f"gradient); ok within {within}\n")
     print(table(cells, models, plans))
 
 

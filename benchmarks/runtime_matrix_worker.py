@@ -3,7 +3,8 @@ builds the corpus model, applies the plan with ``autopar.runtime.apply_plan`` an
 the given number of AdamW steps next to a one-process reference (a deep copy of the same model,
 the same global batches); writes ``<out>/<plan stem>.<rank>.json`` with the largest relative
 loss difference over the steps, the largest gradient difference after the first backward
-(relative to the largest reference gradient, over the parameters this rank holds), the
+(relative to the largest reference gradient, over the parameters this rank holds; for an fp8
+plan also the same two differences between its fp8 reference and a bf16 one, `_Bf16`), the
 collectives of the second step by kind (``CommDebugMode``) and each with its bytes in
 ``Cluster.collective_time``'s convention (``_CollectiveLog``; plans without a pipeline), or the
 error this rank raised.
@@ -99,12 +100,37 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+class _Bf16:
+    """An fp8 plan's reference trained in bf16 beside it: how far fp8 rounding alone moves the
+    losses and first gradients, the scale an fp8 cell's differences are judged on."""
+
+    def __init__(self, model, plan):
+        self.model = copy.deepcopy(model)
+        self.opt = make_optimizer(self.model.parameters())
+        self.plan = type("Bf16Plan", (), {"training": dict(plan.training, dtype="bf16")})()
+        self.loss_gap = self.grad_gap = 0.0
+
+    def step(self, x, y, want: float, ref_grads: dict | None, scale: float) -> None:
+        with runtime.precision(self.plan, "cpu"):
+            loss = runtime.lm_loss(self.model(x), y)
+        loss.backward()
+        self.loss_gap = max(self.loss_gap, abs(float(loss) - want) / max(abs(want), 1e-12))
+        if ref_grads is not None:
+            for name, p in self.model.named_parameters():
+                if p.grad is not None and ref_grads.get(name) is not None:
+                    self.grad_gap = max(self.grad_gap,
+                                        float((p.grad - ref_grads[name]).abs().max()) / scale)
+        self.opt.step()
+        self.opt.zero_grad()
+
+
 def _run(plan_path: str, model_name: str, steps: int) -> dict:
     torch.manual_seed(0)
     model = factory(model_name)()
     plan = load_plan(plan_path, model=model)
     ref = copy.deepcopy(model)
     ref_opt = make_optimizer(ref.parameters())
+    bf16 = _Bf16(model, plan) if plan.training["dtype"] == "fp8" else None
     sharded = runtime.apply_plan(model, plan)
     opt = make_optimizer(sharded.parameters())
     loss_err = grad_err = 0.0
@@ -114,6 +140,10 @@ def _run(plan_path: str, model_name: str, steps: int) -> dict:
         with runtime.precision(plan, "cpu", ref):  # an fp8 plan's reference runs in fp8
             want = runtime.lm_loss(ref(x), y)
         want.backward()
+        if bf16 is not None:
+            grads = {n: p.grad for n, p in ref.named_parameters()} if step == 1 else None
+            bf16.step(x, y, float(want), grads, max(
+                float(g.abs().max()) for g in grads.values() if g is not None) if grads else 1.0)
         # counted without a pipeline: the dispatch mode upsets the zero-bubble schedule's split
         # backward
         # CommDebugMode's module tracker fails on a second forward within one mode (gradient
@@ -140,7 +170,8 @@ def _run(plan_path: str, model_name: str, steps: int) -> dict:
         ref_opt.zero_grad()
         opt.step()
         opt.zero_grad()
-    return {"loss_err": loss_err, "grad_err": grad_err,
+    gaps = {"fp8_loss_gap": bf16.loss_gap, "fp8_grad_gap": bf16.grad_gap} if bf16 else {}
+    return {"loss_err": loss_err, "grad_err": grad_err, **gaps,
             "loss_parallel": sharded.loss_parallel, "collective_bytes": log.log,
             "collectives": {str(k).rpartition(".")[2]: v
                             for k, v in sorted(comms.get_comm_counts().items(), key=str)}}

@@ -199,6 +199,20 @@ def sustained_fraction(arch: str) -> float:
 # Nsight guidance ("launch overhead of a few microseconds").
 KERNEL_GAP_S = 2e-6
 
+# Host time selective activation checkpointing (torch.utils.checkpoint with a policy: autopar's
+# and torchtitan's per-op mode) adds per op an eager block dispatches: each op passes through
+# the policy's Python dispatch mode in forward and is replayed through it in the recompute.
+# Measured by benchmarks/gpu_scripts.py's sac_dispatch on an H200 host (torch 2.11.0+cu130,
+# 2026-11-26): 17.7, 19.1 and 23.0 us per op over chains of 200, 400 and 800 launch-bound ops
+# trained forward and backward, beside 19-21.5 us per op without checkpointing.
+SAC_DISPATCH_S = 19.1e-6
+# aten ops an eager GEMM of a parameter weight dispatches besides its traced node, by how it
+# runs (counted with a TorchDispatchMode, torch 2.13, a 3-D input): fp32 a transpose and two
+# views; under autocast also the casts of input and weight; an fp8 GEMM of
+# autopar.runtime.fp8 10 ops per operand cast (absolute value, max, clamp, scale, multiply,
+# saturate, cast, reciprocals), the transpose, the views and the scaled GEMM
+EAGER_GEMM_EXTRA_OPS = {"fp32": 3, "bf16": 5, "fp8": 23}
+
 # The optimizer step's passes over each parameter (fp32 master weights, gradients and Adam
 # moments), as Megatron-LM, torchtitan and llm-foundry run them by default:
 # - "adam": the AdamW update reads master, gradient, m and v (16 B), writes master, m, v (12 B);

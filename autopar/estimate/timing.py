@@ -33,13 +33,15 @@ from autopar.cluster import Cluster
 from autopar.config import DEFAULT_MESH_ORDER, ParallelConfig
 from autopar.estimate.units import OpCost, Unit
 from costmodels.collectives import GroupLayout, estimate_on_layout, group_layout
-from costmodels.compute import (SCATTER_ADD_TRAFFIC_FACTOR, activation_memory_time_s,
+from costmodels.compute import (EAGER_GEMM_EXTRA_OPS, SAC_DISPATCH_S,
+                                SCATTER_ADD_TRAFFIC_FACTOR, activation_memory_time_s,
                                 attention_time_s, fp8_cast_time_s, gemm_time_s, loss_time_s,
                                 memory_time_s, op_overhead_s, unaligned_gemm_slowdown)
 
 __all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitCompute", "UnitTimes", "axis_strides",
            "cp_attention_blocks", "mesh_groups", "op_times", "rank_groups", "replica_axes",
-           "slowest_groups", "tp_collectives", "unit_compute", "unit_times"]
+           "selective_checkpoint_time_s", "slowest_groups", "tp_collectives", "unit_compute",
+           "unit_times"]
 
 # A memory-bound op's backward reads the output gradient and the saved input and writes the
 # input gradient: about twice the forward's traffic (read input, write output).
@@ -365,6 +367,20 @@ def fp8_casts(op: OpCost, cluster: Cluster, cfg: ParallelConfig, fp8_recipe: str
                            outputs=outputs / scale)
 
 
+def selective_checkpoint_time_s(unit: Unit, dtype: str) -> float:
+    """Host seconds per-op selective checkpointing adds to one layer of `unit` in eager
+    PyTorch: every op the layer dispatches (its traced nodes and what each GEMM dispatches
+    besides, `EAGER_GEMM_EXTRA_OPS`) passes through the policy's Python mode in forward and in
+    the recompute (`SAC_DISPATCH_S`)."""
+    def extra(op: OpCost) -> int:
+        if dtype == "fp8" and op.fp8_elements:
+            return EAGER_GEMM_EXTRA_OPS["fp8"]
+        return EAGER_GEMM_EXTRA_OPS["fp32" if dtype == "fp32" else "bf16"]
+
+    gemms = sum(extra(op) for op in unit.ops if op.kind == "gemm")
+    return SAC_DISPATCH_S * (unit.num_ops + gemms)
+
+
 def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
              kernel: str, kernels: str = "eager", loss_kernel: str = "eager",
              fp8_recipe: str = "tensorwise") -> tuple[float, float, float]:
@@ -492,6 +508,8 @@ def unit_compute(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfi
             attn_fwd, attn_bwd = attn_fwd + f, attn_bwd + b
         elif op.kind == "gemm":
             gemm_fwd, gemm_bwd = gemm_fwd + f, gemm_bwd + b
+    if kernels == "eager" and unit.is_block:  # the policy's dispatch, forward and recompute
+        rerun[0] += selective_checkpoint_time_s(unit, dtype)
     return UnitCompute(fwd=fwd + unit.num_kernels * gap, bwd=bwd + 2 * unit.num_kernels * gap,
                        wgrad=wgrad, attn_fwd=attn_fwd, attn_bwd=attn_bwd, gemm_fwd=gemm_fwd,
                        gemm_bwd=gemm_bwd, tail_fwd=tail_fwd, tail_gemms=tail_gemms,

@@ -107,6 +107,7 @@ class Unit:
     layer_fqns: tuple[str, ...]  # one module path per copy
     ops: tuple[OpCost, ...]
     num_kernels: int
+    num_ops: int  # its traced nodes, views included: the ops eager PyTorch dispatches for it
     dense_params: int
     expert_params: int
     saved_bytes: int
@@ -437,7 +438,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     subs = tuple(_sublayer(run, op_index, residual, kept, seen_params)
                  for run in sublayers(nodes, residual)) if residual.residual_adds else ()
     return Unit(
-        name=name, layer_fqns=fqns, ops=tuple(ops), num_kernels=kernels,
+        name=name, layer_fqns=fqns, ops=tuple(ops), num_kernels=kernels, num_ops=len(nodes),
         dense_params=dense, expert_params=expert,
         saved_bytes=sum(n.saved_bytes for n in nodes),
         saved_bytes_recompute=sum(n.saved_bytes_recompute for n in nodes),

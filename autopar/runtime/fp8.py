@@ -84,14 +84,18 @@ class _Float8Matmul(torch.autograd.Function):
     def backward(ctx, gy: torch.Tensor):
         xq, sx, wq, sw = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        gq, sg = quantize(gy, E5M2)
-        gx = _scaled_mm(gq, _column_major(wq), sg, sw, x_dtype)
-        gw = _scaled_mm(_padded_rows(gq).t().contiguous(), _column_major(_padded_rows(xq)), sg,
-                        sx, w_dtype)
+        # a pipeline schedule runs backward under the forward's autocast, which takes no fp8
+        with torch.autocast(gy.device.type, enabled=False):
+            gq, sg = quantize(gy, E5M2)
+            gx = _scaled_mm(gq, _column_major(wq), sg, sw, x_dtype)
+            gw = _scaled_mm(_padded_rows(gq).t().contiguous(), _column_major(_padded_rows(xq)),
+                            sg, sx, w_dtype)
         return gx, gw, None
 
 
 def _local_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    if not x.numel():  # no rows (an expert no token reached): nothing to scale
+        return F.linear(x.to(out_dtype), w.to(out_dtype))
     out = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), w, out_dtype)
     return out.reshape(*x.shape[:-1], w.shape[0])
 

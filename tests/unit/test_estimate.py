@@ -506,8 +506,9 @@ def test_triton_flash_attention_runs_at_its_ampere_plateau_at_every_key_length()
 def _unit(name: str, count: int) -> "Unit":
     from autopar.estimate.units import Unit
 
-    zero = dict.fromkeys(("num_kernels", "dense_params", "expert_params", "saved_bytes",
-                          "saved_bytes_recompute", "saved_bytes_memory_ops", "act_bytes",
+    zero = dict.fromkeys(("num_kernels", "num_ops", "dense_params", "expert_params",
+                          "saved_bytes", "saved_bytes_recompute", "saved_bytes_memory_ops",
+                          "act_bytes",
                           "moe_dispatch_bytes", "attention_kv_bytes",
                           "attention_score_bytes", "param_bytes"), 0)
     fqns = tuple(f"{name}.{i}" for i in range(count)) if count > 1 else (name,)
