@@ -166,7 +166,8 @@ def compile_cell(model_name: str, plan_name: str, out_dir: Path,
     except ValueError as exc:
         cell.status = "refused: " + str(exc).splitlines()[0][:160]
         return cell, None
-    path = out_dir / f"{model_name}.{plan_name}.{dtype}.json"
+    path = out_dir / (f"{model_name}.{plan_name}.json" if dtype == "fp32" else
+                      f"{model_name}.{plan_name}.{dtype}.json")
     plan.save(path)
     return cell, path
 
