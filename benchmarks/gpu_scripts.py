@@ -73,9 +73,9 @@ def plan(out: Path, profile: str) -> None:
               f"{est.peak_memory_bytes / 2**20:.0f} MiB", flush=True)
 
 
-def fp8_gemm_check() -> dict:
-    """autopar.runtime.fp8's GEMM on the GPU (``torch._scaled_mm``) against the same fp8
-    operands multiplied in fp32 on the CPU: forward, input and weight gradients, with a token
+def fp8_gemm_check(recipe: str = "tensorwise") -> dict:
+    """autopar.runtime.fp8's GEMM (`recipe`) on the GPU (``torch._scaled_mm``) against the same
+    fp8 operands multiplied in fp32 on the CPU: forward, input and weight gradients, with a token
     count that is not a multiple of 16 (the weight gradient's padded inner dim)."""
     import torch
 
@@ -86,14 +86,15 @@ def fp8_gemm_check() -> dict:
     for m, k, n in ((1000, 2048, 5632), (4096, 4096, 1024)):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w = torch.randn(n, k, device="cuda", requires_grad=True)
-        y = fp8.float8_linear(x, w, out_dtype=torch.bfloat16)
+        y = fp8.float8_linear(x, w, out_dtype=torch.bfloat16, recipe=recipe)
         g = torch.randn_like(y)
         y.backward(g)
         xc, wc = x.detach().cpu().requires_grad_(), w.detach().cpu().requires_grad_()
-        yc = fp8.float8_linear(xc, wc, out_dtype=torch.bfloat16)
+        yc = fp8.float8_linear(xc, wc, out_dtype=torch.bfloat16, recipe=recipe)
         yc.backward(g.cpu())
         out[f"{m}x{k}x{n}"] = {
-            name: float((a.detach().float().cpu() - b.float()).abs().max() / b.float().abs().max())
+            name: float((a.detach().float().cpu() - b.detach().float()).abs().max()
+                        / b.detach().float().abs().max())
             for name, a, b in (("y", y, yc), ("grad_x", x.grad, xc.grad),
                                ("grad_w", w.grad, wc.grad))}
     return out
@@ -142,7 +143,8 @@ def sac_dispatch(ops: int = 400, reps: int = 15) -> dict:
 def run(folder: Path, steps: int, names: set[str] | None = None) -> None:
     import torch
 
-    check = fp8_gemm_check() if not names or any("fp8" in n for n in names) else {}
+    check = {recipe: fp8_gemm_check(recipe) for recipe in ("tensorwise", "rowwise")} \
+        if not names or any("fp8" in n for n in names) else {}
     print("fp8 GEMM, GPU against CPU (max abs difference / max abs):", check, flush=True)
     (folder / "fp8_gemm_check.json").write_text(json.dumps(check, indent=1) + "\n")
     sac = sac_dispatch()

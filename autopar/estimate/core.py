@@ -40,7 +40,8 @@ from autopar.estimate.cache import EvalCache, _rank_groups, order_key, placement
 from autopar.estimate.data_parallel import GatherUnit, dp_comm
 from autopar.estimate.layout import (Layout, Structure, analytic_inflight, fast_peak_memory,
                                      layout, pipeline_bound, structure, unit_vectors)
-from autopar.estimate.memory import activation_bytes, stage_memory, keeps_weight_copies
+from autopar.estimate.memory import (activation_bytes, keeps_fp8_copies,
+                                     keeps_weight_copies, stage_memory)
 from autopar.estimate.stages import body_span
 from autopar.estimate.timing import RankGroups, UnitTimes, unit_compute, unit_times
 from autopar.estimate.tp_comm import partial_gradient_sync
@@ -420,6 +421,7 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
               boundaries: tuple[tuple[int, int], ...] | None) -> _Prepared:
     times = _unit_times(costs, cache, config, dtype, options)
     copies = keeps_weight_copies(config, dtype, options.fp32_params)  # in the activations
+    fp8_copies = keeps_fp8_copies(dtype, options.fp32_params, options.fp8_recipe)
     vkey = _times_key(cache, config, dtype, options) + (copies,)
     lkey = vkey + (config.pp, config.virtual_stages, boundaries)
     prep = cache.layouts.get(lkey)
@@ -433,7 +435,7 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
         cache.vectors[vkey] = unit_vectors(units, times, config,
                                            options.attention_kernel != "math",
                                            options.loss_kernel, weight_copies=copies,
-                                           fp8=dtype == "fp8" and options.fp32_params)
+                                           fp8=fp8_copies)
     lay = layout(cache.vectors[vkey], config, split)
     groups = _rank_groups(cache, config)
     act = max(u.act_bytes for u in units) / config.cp / config.tp
@@ -482,11 +484,12 @@ def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, 
     out: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "wgrad", "act",
                                                    "states")}
     copies = keeps_weight_copies(config, dtype, options.fp32_params)
+    fp8_copies = keeps_fp8_copies(dtype, options.fp32_params, options.fp8_recipe)
     for unit in units:  # every layer of a unit alike, in model order
         t = times[unit.name]
         kept = activation_bytes(unit, config, flash, options.loss_kernel,
                                 weight_copies=copies,
-                                fp8=dtype == "fp8" and options.fp32_params)[0]
+                                fp8=fp8_copies)[0]
         states = unit.dense_on_tp_rank(config.tp) * dense_b \
             + unit.expert_params / (config.tp * config.ep) * expert_b
         for key, value in (("forward", t.forward), ("backward", t.backward),

@@ -19,8 +19,8 @@ from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
                                LOSS_KEPT_BYTES_PER_LOGIT, state_bytes_split)
 from costmodels.pipeline import PipelineTimeline
 
-__all__ = ["stage_memory", "activation_bytes", "loss_bytes", "peak_inflight_bytes",
-           "keeps_weight_copies"]
+__all__ = ["stage_memory", "activation_bytes", "keeps_fp8_copies", "keeps_weight_copies",
+           "loss_bytes", "peak_inflight_bytes"]
 
 
 def loss_bytes(unit: Unit, loss_kernel: str) -> tuple[float, float]:
@@ -52,6 +52,14 @@ def keeps_weight_copies(cfg: ParallelConfig, dtype: str, fp32_params: bool) -> b
     (`EstimateOptions.fp32_params`): a 16-bit run without ZeRO (FSDP2 gathers the
     parameters in 16 bits)."""
     return fp32_params and dtype in ("bf16", "fp8") and cfg.zero_stage == 0
+
+
+def keeps_fp8_copies(dtype: str, fp32_params: bool, fp8_recipe: str) -> bool:
+    """Whether each fp8 GEMM keeps 1-byte copies of its input and weight for backward: fp8
+    training with tensorwise scaling by software that casts each forward's operands
+    (`EstimateOptions.fp32_params`: autopar's runtime, torchao under autocast). Rowwise
+    scaling keeps the 16-bit operands and casts them again along the other dim in backward."""
+    return dtype == "fp8" and fp32_params and fp8_recipe == "tensorwise"
 
 
 def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,

@@ -6,7 +6,9 @@ calls it: ``F.linear`` (``nn.Linear``), ``addmm`` (a Conv1D), ``x @ w`` -- runs 
 default recipe runs a ``Float8Linear``: dynamic tensorwise scaling, the activation and the
 weight cast to e4m3 in forward (scale = max / amax, computed each call), the output gradient to
 e5m2 in backward, three ``torch._scaled_mm`` per GEMM (`_scaled_mm`), the fp8 copies kept for
-backward; a bias is added in 16 bits. Everything else runs as before, in bf16 under autocast.
+backward; a bias is added in 16 bits. A plan costed with ``fp8_recipe="rowwise"`` runs
+torchao's rowwise recipe (`_RowwiseFloat8Matmul`). Everything else runs as before, in bf16
+under autocast.
 
 How a GEMM is found: a forward pre-hook on each weight's module marks the module running, and
 the torch-function mode `Float8Gemms` (entered with the plan's precision) takes a GEMM whose
@@ -34,18 +36,25 @@ __all__ = ["Float8Gemms", "float8_linear", "float8_gemms", "quantize", "RECIPES"
 log = logging.getLogger(__name__)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-RECIPES = ("tensorwise",)  # the scaling recipes this runtime runs (EstimateOptions.fp8_recipe)
+RECIPES = ("tensorwise", "rowwise")  # the scaling recipes it runs (EstimateOptions.fp8_recipe)
 _EPS = 1e-12  # torchao's floor on an amax, so that an all-zero tensor gets a finite scale
 _ROWS = 16  # _scaled_mm's inner dim must be a multiple of 16: wgrad's (the tokens) is padded
 
 
-def quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic tensorwise scaling: (t · s) cast to `dtype`, s = max(dtype) / amax(t); returns
-    the fp8 tensor (row-major) and 1/s, the scale ``_scaled_mm`` multiplies back. The amax is an
-    ``aten.max`` (per-op recompute keeps it: `autopar.config.PER_OP_SAVED`)."""
+def quantize(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic scaling: (t · s) cast to `dtype`, s = max(dtype) / amax; returns the fp8
+    tensor (row-major) and 1/s, the scale ``_scaled_mm`` multiplies back. Tensorwise (`dim`
+    None) one amax, an ``aten.max`` (per-op recompute keeps it: `autopar.config.PER_OP_SAVED`);
+    axiswise one per slice along `dim` (kept as a dim of 1), its scale rounded down to a power
+    of two (torchao's rowwise recipe)."""
     fmax = torch.finfo(dtype).max
-    amax = torch.max(t.detach().abs()).float()
-    scale = fmax / torch.clamp(amax, min=_EPS)
+    if dim is None:
+        amax = torch.max(t.detach().abs()).float()
+        scale = fmax / torch.clamp(amax, min=_EPS)
+    else:
+        amax = torch.amax(t.detach().abs(), dim=dim, keepdim=True).float()
+        scale = torch.exp2(torch.floor(torch.log2(fmax / torch.clamp(amax, min=_EPS))))
     return (t.float() * scale).clamp(-fmax, fmax).to(dtype).contiguous(), scale.reciprocal()
 
 
@@ -70,7 +79,7 @@ def _padded_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Float8Matmul(torch.autograd.Function):
-    """y = x wᵀ for x [m, k], w [n, k] in fp8 (see the module's docstring)."""
+    """y = x wᵀ for x [m, k], w [n, k] in fp8, tensorwise (see the module's docstring)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -93,10 +102,40 @@ class _Float8Matmul(torch.autograd.Function):
         return gx, gw, None
 
 
-def _local_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+class _RowwiseFloat8Matmul(torch.autograd.Function):
+    """y = x wᵀ as torchao's rowwise recipe runs it: each GEMM's operands scaled per row of
+    the left and per column of the right (power-of-two scales), all three in e4m3 (the output
+    gradient too); x and w kept in 16 bits and cast again in backward along the other dim."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        xq, sx = quantize(x, E4M3, dim=-1)
+        wq, sw = quantize(w, E4M3, dim=-1)
+        ctx.save_for_backward(x, w)
+        return _scaled_mm(xq, wq.t(), sx, sw.t(), torch.bfloat16).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        x, w = ctx.saved_tensors
+        with torch.autocast(gy.device.type, enabled=False):
+            gq, sg = quantize(gy, E4M3, dim=-1)  # per row of the output gradient
+            wq, sw = quantize(w, E4M3, dim=0)  # per column of w, over its rows
+            gx = _scaled_mm(gq, _column_major(wq), sg, sw, torch.bfloat16).to(x.dtype)
+            g_rows, x_rows = _padded_rows(gy), _padded_rows(x)
+            gtq, sgt = quantize(g_rows.t(), E4M3, dim=-1)  # per column of the gradient
+            xq, sxc = quantize(x_rows, E4M3, dim=0)  # per column of x, over the tokens
+            gw = _scaled_mm(gtq, _column_major(xq), sgt, sxc, torch.bfloat16).to(w.dtype)
+        return gx, gw, None
+
+
+_MATMULS_BY_RECIPE = {"tensorwise": _Float8Matmul, "rowwise": _RowwiseFloat8Matmul}
+
+
+def _local_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
+                  recipe: str = "tensorwise") -> torch.Tensor:
     if not x.numel():  # no rows (an expert no token reached): nothing to scale
         return F.linear(x.to(out_dtype), w.to(out_dtype))
-    out = _Float8Matmul.apply(x.reshape(-1, x.shape[-1]), w, out_dtype)
+    out = _MATMULS_BY_RECIPE[recipe].apply(x.reshape(-1, x.shape[-1]), w, out_dtype)
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -139,18 +178,20 @@ def _layouts(x: Any, w: Any, ndim: int, mesh_dims: int):
 
 
 def float8_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None,
+                  recipe: str = "tensorwise") -> torch.Tensor:
     """``F.linear(x, w, bias)`` with its GEMM in fp8, on tensors or DTensors. A DTensor GEMM
     runs on the local shards (each rank scaling its own): x is redistributed to what w's layout
     multiplies locally (replicated for a column-parallel weight, split on its features for a
     row-parallel one), and the output, bias included, is the DTensor DTensor's own linear would
-    give. `out_dtype` defaults to autocast's dtype where autocast is on, else x's."""
+    give. `out_dtype` defaults to autocast's dtype where autocast is on, else x's; `recipe`
+    is one of `RECIPES`."""
     if out_dtype is None:
         kind = x.device.type
         out_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) \
             else x.dtype
     if not isinstance(x, DTensor) and not isinstance(w, DTensor):
-        out = _local_linear(x, w, out_dtype)
+        out = _local_linear(x, w, out_dtype, recipe)
         return out if bias is None else out + bias.to(out_dtype)
     mesh = (w if isinstance(w, DTensor) else x).device_mesh
     if isinstance(x, DTensor) and isinstance(w, DTensor) and x.device_mesh != w.device_mesh:
@@ -165,7 +206,7 @@ def float8_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     if x.placements != want:
         x = x.redistribute(mesh, want)
     w_local = w.to_local(grad_placements=gw) if isinstance(w, DTensor) else w
-    out = _local_linear(x.to_local(grad_placements=gx), w_local, out_dtype)
+    out = _local_linear(x.to_local(grad_placements=gx), w_local, out_dtype, recipe)
     if bias is not None:  # added to the local output: a row-parallel bias once over the sum
         if isinstance(bias, DTensor):  # a replicated bias of split output features: sliced
             aligned = tuple(_moved(o, 0) if _split_dim(o) == x.dim() - 1 and p.is_replicate()
@@ -193,8 +234,9 @@ class Float8Gemms(TorchFunctionMode):
     docstring). `seen` and `ran` name the weights whose modules ran and whose GEMMs went to
     fp8, for `check`."""
 
-    def __init__(self):
+    def __init__(self, recipe: str = "tensorwise"):
         super().__init__()
+        self.recipe = recipe
         self.running: list[tuple[nn.Module, tuple[str, ...], str]] = []
         self.seen: set[str] = set()
         self.ran: set[str] = set()
@@ -224,13 +266,15 @@ class Float8Gemms(TorchFunctionMode):
             x, w, bias = (*args, None, None)[:3]
             w, bias = kwargs.get("weight", w), kwargs.get("bias", bias)
             name = weights.get(id(w))
-            out = None if name is None else float8_linear(x, w, bias)
+            out = None if name is None else float8_linear(x, w, bias, recipe=self.recipe)
         elif func in _MATMULS and len(args) == 2 and not kwargs:
             name = weights.get(id(args[1]))
-            out = None if name is None else float8_linear(args[0], args[1].t())
+            out = None if name is None else float8_linear(args[0], args[1].t(),
+                                                          recipe=self.recipe)
         elif func in _ADDMMS and len(args) == 3 and not kwargs:
             name = weights.get(id(args[2]))
-            out = None if name is None else float8_linear(args[1], args[2].t(), args[0])
+            out = None if name is None else float8_linear(args[1], args[2].t(), args[0],
+                                                          recipe=self.recipe)
         else:
             return None
         if out is not None:
@@ -276,9 +320,10 @@ def float8_gemms(model: nn.Module, plan: Any) -> Float8Gemms:
                          "re-plan it with autopar.compile")
     recipe = plan.training.get("options", {}).get("fp8_recipe", "tensorwise")
     if recipe not in RECIPES:
-        log.warning("fp8 plan costed with fp8_recipe=%r: this runtime scales %s", recipe,
-                    " or ".join(RECIPES))
-    mode = Float8Gemms()
+        log.warning("fp8 plan costed with fp8_recipe=%r: this runtime scales %s; it runs "
+                    "tensorwise", recipe, " or ".join(RECIPES))
+        recipe = "tensorwise"
+    mode = Float8Gemms(recipe)
     owners: dict[str, list[str]] = {}
     for fqn in names:
         owner, _, leaf = fqn.rpartition(".")

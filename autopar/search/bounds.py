@@ -26,7 +26,7 @@ from autopar.config import DEFAULT_MESH_ORDER, ParallelConfig
 from autopar.estimate.bounds import BOUND_MARGIN, step_lower_bound, unit_work
 from autopar.estimate.core import EstimateOptions, EvalCache, ModelCosts, order_key, split_structure
 from autopar.estimate.layout import Structure, rank_work_extremes
-from autopar.estimate.memory import activation_bytes, keeps_weight_copies
+from autopar.estimate.memory import activation_bytes, keeps_fp8_copies, keeps_weight_copies
 from autopar.errors import InvalidConfigError
 from autopar.search.space import (TIME_KEY_COLUMNS, ConfigTable, first_rank_memory, key_groups,
                                   states_lower_bounds, step_lower_bounds)
@@ -82,7 +82,7 @@ def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_b
         activations_of=lambda unit, cfg, flash: activation_bytes(
             unit, cfg, flash, options.loss_kernel,
             weight_copies=keeps_weight_copies(cfg, dtype, options.fp32_params),
-            fp8=dtype == "fp8" and options.fp32_params),
+            fp8=keeps_fp8_copies(dtype, options.fp32_params, options.fp8_recipe)),
         dtype=dtype, global_batch_size=global_batch_size,
         flash=options.attention_kernel != "math", zero3_cap=options.zero3_max_live_params,
         memo={}, fp32_params=options.fp32_params)

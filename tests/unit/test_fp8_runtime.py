@@ -194,3 +194,45 @@ def test_the_ops_a_block_dispatches_are_the_ones_per_op_recompute_is_charged_for
     dispatched = Count.n - (5 * gemms if dtype == "fp8" else 0)
     assert selective_checkpoint_time_s(block, dtype) / SAC_DISPATCH_S == pytest.approx(
         dispatched, rel=0.05)
+
+
+def rowwise(t: torch.Tensor, dim: int, dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """t as torchao's rowwise recipe leaves it: one power-of-two scale per slice along `dim`
+    (its amax to at most the format's largest value), rounded to the format -- in float64."""
+    fmax = torch.finfo(dtype).max
+    amax = t.detach().double().abs().amax(dim=dim, keepdim=True).clamp(min=1e-12)
+    scale = torch.exp2(torch.floor(torch.log2(fmax / amax)))
+    return (t.detach().double() * scale).clamp(-fmax, fmax).to(dtype).double() / scale
+
+
+@pytest.mark.parametrize("rows", [37, 64])
+def test_a_rowwise_fp8_linear_is_the_product_of_its_axiswise_fp8_operands(rows):
+    """Rowwise: forward x per row and w per output row; input gradient the output gradient
+    per row and w per column; weight gradient both over the tokens; all in e4m3."""
+    from autopar.runtime.fp8 import float8_linear
+
+    torch.manual_seed(1)
+    x = torch.randn(rows, 64, requires_grad=True)
+    w = torch.randn(48, 64, requires_grad=True)
+    y = float8_linear(x, w, out_dtype=torch.float32, recipe="rowwise")
+    g = torch.randn_like(y)
+    y.backward(g)
+    want_y = rowwise(x, -1) @ rowwise(w, -1).T
+    want_gx = rowwise(g, -1) @ rowwise(w, 0)
+    want_gw = rowwise(g, 0).T @ rowwise(x, 0)
+    # the GEMMs write bf16 (the rowwise kernels' only output), hence bf16's rounding
+    for got, want in ((y, want_y), (x.grad, want_gx), (w.grad, want_gw)):
+        assert (got.double() - want).abs().max() <= 2 ** -8 * want.abs().max()
+    tensorwise = float8_linear(x, w, out_dtype=torch.float32)
+    assert (tensorwise.double() - want_y).abs().max() > 2 ** -8 * want_y.abs().max()
+
+
+def test_a_plan_costed_rowwise_runs_rowwise():
+    model = Styles()
+    plan = type("P", (), {"training": {"fp8_weights": ["linear.weight"], "dtype": "fp8",
+                                       "options": {"fp8_recipe": "rowwise"}}})()
+    assert float8_gemms(model, plan).recipe == "rowwise"
+    other = Styles()
+    delayed = type("P", (), {"training": {"fp8_weights": ["linear.weight"], "dtype": "fp8",
+                                          "options": {"fp8_recipe": "delayed"}}})()
+    assert float8_gemms(other, delayed).recipe == "tensorwise"
