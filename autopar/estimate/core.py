@@ -422,7 +422,7 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
     times = _unit_times(costs, cache, config, dtype, options)
     copies = keeps_weight_copies(config, dtype, options.fp32_params)  # in the activations
     fp8_copies = keeps_fp8_copies(dtype, options.fp32_params, options.fp8_recipe)
-    vkey = _times_key(cache, config, dtype, options) + (copies,)
+    vkey = _times_key(cache, config, dtype, options) + (copies, fp8_copies)
     lkey = vkey + (config.pp, config.virtual_stages, boundaries)
     prep = cache.layouts.get(lkey)
     if prep is not None:
