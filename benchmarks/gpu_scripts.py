@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -162,7 +163,7 @@ def run(folder: Path, steps: int, names: set[str] | None = None) -> None:
         res = subprocess.run([*torchrun, str(script), "--steps", str(steps),
                               "--plan", str(folder / f"{name}.json")],
                              capture_output=True, text=True, cwd=ROOT,
-                             env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
         steps_seen = STEP.findall(res.stdout)
         est = plan_doc["estimate"]
         row = {"name": name, "model": factory, "dtype": dtype, "constraints": constraints,

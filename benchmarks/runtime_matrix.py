@@ -20,7 +20,7 @@ it holds (its batch slice, its weight shards), so its fp8 rounding differs from 
 reference's, by about as much as fp8 rounding moves the reference from a bf16 run of it (the
 "gap", measured per cell on the same batches): "ok" within 3 times the gap, and 1e-3 / 1e-2
 where that is smaller. A sharded run's rounding is another draw of the same size (a one-rank
-fp8 run in two halves of the batch differs from the whole batch's by 0.8-1.2x the gap in the
+fp8 run in two halves of the batch differs from the whole batch's by 0.7-1.2x the gap in the
 gradients, `dp` cells up to 2.6x in the loss of the ViT, whose loss averages 8 images), where a
 wrong layout or reduction moves the losses by 1e-2 or more and gradients by their own size.
 

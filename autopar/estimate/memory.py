@@ -57,7 +57,8 @@ def keeps_weight_copies(cfg: ParallelConfig, dtype: str, fp32_params: bool) -> b
 def keeps_fp8_copies(dtype: str, fp32_params: bool, fp8_recipe: str) -> bool:
     """Whether each fp8 GEMM keeps 1-byte copies of its input and weight for backward: fp8
     training with tensorwise scaling by software that casts each forward's operands
-    (`EstimateOptions.fp32_params`: autopar's runtime, torchao under autocast). Rowwise
+    (`EstimateOptions.fp32_params`: measured for autopar's runtime, `autopar.runtime.fp8`;
+    other software under autocast over fp32 parameters is taken to keep them alike). Rowwise
     scaling keeps the 16-bit operands and casts them again along the other dim in backward."""
     return dtype == "fp8" and fp32_params and fp8_recipe == "tensorwise"
 
@@ -78,7 +79,7 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
     that is not checkpointed also keeps the 16-bit copy of each GEMM's weight (its share over
     tp, and ep for experts); a checkpointed one casts them again in its recompute. With `fp8`
     (fp8 training by software that casts each forward's operands and keeps the casts for
-    backward: autopar's runtime, torchao's Float8Linear under autocast) a layer that is not
+    backward, `keeps_fp8_copies`) a layer that is not
     checkpointed keeps, for each fp8 GEMM, 1-byte copies of its input and its weight, whatever
     the ZeRO stage (`Unit.fp8_saved_bytes_delta`).
     """

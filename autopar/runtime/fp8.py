@@ -227,6 +227,7 @@ _LINEAR = {F.linear}
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
             torch.Tensor.mm}
 _ADDMMS = {torch.addmm, torch.Tensor.addmm}
+_GEMMS = frozenset(_LINEAR | _MATMULS | _ADDMMS)
 
 
 class Float8Gemms(TorchFunctionMode):
@@ -253,7 +254,7 @@ class Float8Gemms(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.running and (func in _LINEAR or func in _MATMULS or func in _ADDMMS):
+        if self.running and func in _GEMMS:
             out = self._float8(func, args, kwargs)
             if out is not None:
                 return out
