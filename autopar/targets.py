@@ -40,7 +40,7 @@ import numpy as np
 from autopar.config import DEFAULT_MESH_ORDER, FEW_MICROBATCHES, ParallelConfig
 from autopar.errors import InvalidConfigError, TargetRuleError
 from autopar.estimate.core import EstimateOptions, ModelCosts
-from autopar.estimate.stages import megatron_boundaries
+from autopar.estimate.stages import layer_sequence, megatron_boundaries
 from autopar.estimate.units import Unit
 from autopar.plan.export import glue_layout, is_block_entry
 from autopar.search.space import ConfigTable, encode
@@ -67,7 +67,7 @@ class Facts:
     @functools.cached_property
     def layers(self) -> tuple[str, ...]:
         """Every layer's stage entry, in model order (as `Plan.stages` lists them)."""
-        return tuple(fqn for u in self.units for fqn in u.layer_fqns)
+        return tuple(fqn for _, fqn in layer_sequence(self.units))
 
     @functools.cached_property
     def _glue(self) -> tuple[tuple[str, ...], tuple[str, ...]]:

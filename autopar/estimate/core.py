@@ -42,7 +42,7 @@ from autopar.estimate.layout import (Layout, Structure, analytic_inflight, fast_
                                      layout, pipeline_bound, structure, unit_vectors)
 from autopar.estimate.memory import (activation_bytes, keeps_fp8_copies,
                                      keeps_weight_copies, stage_memory)
-from autopar.estimate.stages import body_span
+from autopar.estimate.stages import body_span, layer_sequence
 from autopar.estimate.timing import RankGroups, UnitTimes, unit_compute, unit_times
 from autopar.estimate.tp_comm import partial_gradient_sync
 from autopar.estimate.units import Unit, units_from_graph
@@ -485,16 +485,19 @@ def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, 
                                                    "states")}
     copies = keeps_weight_copies(config, dtype, options.fp32_params)
     fp8_copies = keeps_fp8_copies(dtype, options.fp32_params, options.fp8_recipe)
-    for unit in units:  # every layer of a unit alike, in model order
+    per_unit = {}
+    for unit in units:  # every layer of a unit alike
         t = times[unit.name]
         kept = activation_bytes(unit, config, flash, options.loss_kernel,
                                 weight_copies=copies,
                                 fp8=fp8_copies)[0]
         states = unit.dense_on_tp_rank(config.tp) * dense_b \
             + unit.expert_params / (config.tp * config.ep) * expert_b
-        for key, value in (("forward", t.forward), ("backward", t.backward),
-                           ("wgrad", t.compute_wgrad), ("act", kept), ("states", states)):
-            out[key] += [value] * unit.count
+        per_unit[unit.name] = (("forward", t.forward), ("backward", t.backward),
+                               ("wgrad", t.compute_wgrad), ("act", kept), ("states", states))
+    for unit, _ in layer_sequence(units):  # in model order
+        for key, value in per_unit[unit.name]:
+            out[key].append(value)
     return out
 
 

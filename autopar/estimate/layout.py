@@ -14,7 +14,6 @@ inputs), so any change to how a sum is formed changes plans at the last bit.
 from __future__ import annotations
 
 import functools
-import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -22,7 +21,8 @@ import numpy as np
 
 from autopar.config import ParallelConfig
 from autopar.estimate.memory import activation_bytes
-from autopar.estimate.stages import Boundaries, check_boundaries, megatron_boundaries
+from autopar.estimate.stages import (Boundaries, check_boundaries, layer_sequence,
+                                     megatron_boundaries, unit_order)
 from autopar.estimate.timing import UnitTimes
 from autopar.estimate.units import Unit
 from autopar.errors import InvalidConfigError
@@ -143,7 +143,7 @@ def structure(units: tuple[Unit, ...], pp: int, v: int,
               boundaries: Boundaries | None = None) -> Structure:
     """Layers per unit on each of the pp x v chunks; the same for every micro-batch size
     (scaling a unit changes its costs, not its layers), so callers key it by the split only."""
-    fqns = tuple(itertools.chain.from_iterable(u.layer_fqns for u in units))
+    fqns = tuple(fqn for _, fqn in layer_sequence(units))
     if boundaries is None:
         cuts = megatron_boundaries(units, pp * v)
     else:
@@ -153,13 +153,11 @@ def structure(units: tuple[Unit, ...], pp: int, v: int,
                 f"{len(boundaries)} stage boundaries for pp x virtual stages = "
                 f"{pp} x {v} chunks")
         cuts = np.array(boundaries, dtype=np.int64)
-    # a unit's layers are consecutive in the sequence: chunk [a, b) holds the overlap of
-    # [a, b) with each unit's span [start, end)
-    sizes = np.array([len(u.layer_fqns) for u in units])
-    ends = np.cumsum(sizes)
-    counts = np.maximum(np.minimum(cuts[:, 1, None], ends) - np.maximum(cuts[:, 0, None],
-                                                                        ends - sizes), 0)
-    counts = counts.astype(np.float64)
+    # chunk [a, b) holds, of each unit, its layers at positions a..b-1 of the model's order
+    prefix = np.zeros((len(fqns) + 1, len(units)))
+    prefix[np.arange(1, len(fqns) + 1), unit_order(units)] = 1.0
+    prefix = np.cumsum(prefix, axis=0)
+    counts = prefix[cuts[:, 1]] - prefix[cuts[:, 0]]
     rank_counts = counts.reshape(v, pp, len(units)).sum(axis=0)  # chunk c on rank c mod pp
     return Structure(counts=counts, rank_counts=rank_counts, cuts=cuts, fqns=fqns,
                      in_chunk=counts > 0, in_rank=rank_counts > 0)

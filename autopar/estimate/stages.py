@@ -20,7 +20,7 @@ from autopar.estimate.units import Unit
 from autopar.errors import InvalidConfigError
 
 __all__ = ["Boundaries", "body_span", "megatron_boundaries", "check_boundaries",
-           "layer_sequence"]
+           "layer_sequence", "unit_order"]
 
 Boundaries = tuple[tuple[int, int], ...]  # half-open layer ranges over layer_sequence(units)
 
@@ -60,20 +60,33 @@ def megatron_boundaries(units: tuple[Unit, ...], num_chunks: int) -> np.ndarray:
     return cuts
 
 
+def unit_order(units: tuple[Unit, ...]) -> list[int]:
+    """The unit of each layer in model order (`Unit.positions`; the units' own order where
+    they carry none): copies of two blocks may alternate (sliding-window and global attention
+    layers, dense and MoE layers)."""
+    keyed = [((u.positions[k] if len(u.positions) == u.count else i), i, k)
+             for i, u in enumerate(units) for k in range(u.count)]
+    if not all(len(u.positions) == u.count for u in units):
+        keyed = [(i, i, k) for _, i, k in keyed]
+    return [i for _, i, _ in sorted(keyed)]
+
+
 def body_span(units: tuple[Unit, ...]) -> tuple[int, int]:
     """Half-open range over `layer_sequence` from the first block layer to the end of the
     last (the glue between blocks included); the whole sequence when there are no blocks."""
-    spans, start = [], 0
-    for u in units:
-        spans.append((u, start, start + len(u.layer_fqns)))
-        start += len(u.layer_fqns)
-    body = [(a, b) for u, a, b in spans if u.is_block and a < b]
-    return (body[0][0], body[-1][1]) if body else (0, start)
+    order = unit_order(units)
+    body = [p for p, i in enumerate(order) if units[i].is_block]
+    return (body[0], body[-1] + 1) if body else (0, len(order))
 
 
 def layer_sequence(units: tuple[Unit, ...]) -> list[tuple[Unit, str]]:
     """Every layer of the model in order, glue included: (unit, module path)."""
-    return [(u, fqn) for u in units for fqn in u.layer_fqns]
+    seen = [0] * len(units)
+    out = []
+    for i in unit_order(units):
+        out.append((units[i], units[i].layer_fqns[seen[i]]))
+        seen[i] += 1
+    return out
 
 
 def check_boundaries(num_layers: int, boundaries: Boundaries) -> None:

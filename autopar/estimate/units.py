@@ -151,6 +151,9 @@ class Unit:
     # elements of `dense_params` whole on every tp rank: the GEMM weights of the sub-layers
     # the layout replicates (`replicated`)
     tp_replicated_params: int = 0
+    # each copy's place in the model's layer order (`autopar.estimate.stages.layer_sequence`):
+    # copies of one block may interleave with another's (alternating attention kinds)
+    positions: tuple[float, ...] = ()
 
     @property
     def count(self) -> int:
@@ -588,5 +591,11 @@ def units_from_graph(graph: Graph) -> tuple[Unit, ...]:
     """The graph's units in execution order (blocks stand for all their copies)."""
     vocab_dims = vocab_sizes(graph)
     counted: set[str] = set()
-    return tuple(_make_unit(name, nodes, fqns, vocab_dims, counted, graph.from_inputs)
-                 for name, nodes, fqns in _segments(graph))
+    index = {b.representative: b.layer_indices for b in graph.blocks}
+    units, last = [], -1.0  # glue sits after the blocks run before it
+    for name, nodes, fqns in _segments(graph):
+        unit = _make_unit(name, nodes, fqns, vocab_dims, counted, graph.from_inputs)
+        places = tuple(map(float, index.get(name, ()))) or (last + 0.5,)
+        last = max(last, *places) if name in index else last
+        units.append(replace(unit, positions=places))
+    return tuple(units)

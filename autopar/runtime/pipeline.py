@@ -289,6 +289,13 @@ def _stage_owner(layout: ModelLayout, stages: list[list[str]]) -> dict[str, set[
     missing = [b for b in layout.blocks if b not in block_stage]
     if missing:
         raise ValueError(f"plan stages do not cover block {missing[0]}; re-plan for this model")
+    ranks = [block_stage[b] for b in layout.blocks]
+    if ranks != sorted(ranks):
+        at = next(i for i in range(1, len(ranks)) if ranks[i] < ranks[i - 1])
+        raise ValueError(f"plan stages are not in the order the model runs its blocks: "
+                         f"{layout.blocks[at]} (stage {ranks[at]}) runs after "
+                         f"{layout.blocks[at - 1]} (stage {ranks[at - 1]}); re-plan for this "
+                         f"model")
     last = len(stages) - 1
     out: dict[str, set[int]] = {}
     for name, owner in layout.param_owner.items():

@@ -40,7 +40,8 @@ def space_table(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
     target runs with fewer micro-batches than pipeline ranks."""
     return config_table(
         world=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
-        num_layers=costs.body_layers, body_layers=max(u.count for u in costs.units),
+        num_layers=costs.body_layers,
+        body_layers=sum(u.count for u in costs.units if u.is_block) or costs.body_layers,
         num_heads=costs.num_heads, num_kv_heads=costs.num_kv_heads, seq_len=costs.seq_len,
         num_experts=costs.num_experts,
         global_batch_size=global_batch_size, constraints=constraints,
@@ -86,9 +87,13 @@ def why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
                  f"({costs.num_kv_heads})" if costs.num_heads else ""),
         "pp": f"pp divides GPUs / (tp·cp) and is at most the block layers "
               f"({costs.body_layers})",
-        "cp": (f"cp needs attention and a sequence ({costs.seq_len}) divisible by 2·cp, and "
-               f"is at most max_cp ({settings.max_cp})" if costs.seq_len else
-               "cp needs a sequence to split, which this model's inputs do not have"),
+        "cp": ("cp needs a sequence to split, which this model's inputs do not have"
+               if not costs.seq_len else
+               f"cp needs a sequence ({costs.seq_len}) divisible by 2·cp and is at most max_cp "
+               f"({settings.max_cp})" + ("" if costs.num_heads else
+                                         "; it splits attention computed by "
+                                         "F.scaled_dot_product_attention, and this model "
+                                         "computes attention with ops of its own (or none)")),
         "ep": f"ep divides dp·cp and the experts ({costs.num_experts or 'none'})",
         "zero_stage": "ZeRO needs dp·cp > 1",
         "micro_batch_size": f"the micro-batch size divides the global batch / dp, leaves a "
