@@ -179,8 +179,10 @@ def _run(model, stacks, keep_all, leaves, args, kwargs, *, token_model, dtype, c
     params = dict(clone.named_parameters())
     buffers = dict(clone.named_buffers())
     # fake tensors on the meta device: no memory, and libraries that branch on values see
-    # that they are being traced (`_eager_sequences` for the one branch that must not)
-    fake_mode = FakeTensorMode()
+    # that they are being traced (`_eager_sequences` for the one branch that must not); tensors
+    # the forward makes outside the mode (an index from a Python list, as Falcon's attention
+    # takes k and v, a table kept as a plain attribute) become fake ones as they enter an op
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     to_fake = fake_mode.from_tensor
     meta_params = {n: to_fake(torch.empty_like(p, device="meta")) for n, p in params.items()}
     meta_buffers = {n: to_fake(torch.empty_like(b, device="meta")) for n, b in buffers.items()}
@@ -233,7 +235,7 @@ def _run(model, stacks, keep_all, leaves, args, kwargs, *, token_model, dtype, c
                          module_path=path, op=op,
                          hint="check that the inputs match the model (shapes, dtypes, "
                               "token ids vs features), and that forward uses no real-tensor "
-                              "data (.item(), .tolist(), non-buffer tensors)") from error
+                              "data (.item(), .tolist())") from error
     finally:
         for handle in handles:
             handle.remove()

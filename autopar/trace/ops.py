@@ -60,7 +60,8 @@ _ELEMENTWISE_NO_SAVE = {
     "scalar_tensor", "type_as", "to", "_assert_tensor_metadata", "lerp", "addcmul",
     "new_zeros", "new_ones", "new_empty", "expand_copy", "floor_divide", "remainder",
     "maximum", "minimum", "sign", "floor", "ceil", "round", "fmod", "any", "all", "isinf",
-    "isnan", "nan_to_num", "scatter_add", "masked_select", "bincount", "histc",
+    "isnan", "nan_to_num", "scatter_add", "masked_select", "bincount", "histc", "scatter_",
+    "scatter_add_", "index_fill", "index_fill_", "masked_scatter", "masked_scatter_",
 }
 
 
