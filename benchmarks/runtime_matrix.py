@@ -1,7 +1,9 @@
 """Does every plan run on every model?  Models written independently of autopar (the corpus in
 ``tests/corpus.py``: hand-written and library norms, rotary and learned positions, fused and
 separate q/k/v, tied and untied heads, MoE layers written as a loop and as batched experts, a
-ViT, and Hugging Face Llama, Mistral, Qwen2, Mixtral and GPT-2 built from small configs) times
+ViT, and 20 Hugging Face architectures built from small configs: Llama, Mistral, Qwen2/3,
+Mixtral, GPT-2, Phi-2/3, GPT-NeoX, Gemma 2/3, OLMo 2, StarCoder, OPT, Falcon, BLOOM, BERT,
+Qwen3-MoE, OLMoE, DeepSeek-V3) times
 plans pinned at compile time (dp, ZeRO-1/2/3, tp, tp+sp, pp with each schedule, cp, ep, and
 their 3-D/4-D combinations on 2-8 CPU ranks with gloo). autopar's own models run too, by their
 names in ``tests/distributed/tiny_models.py`` (``--models tiny_llama,tiny_gpt``).
@@ -85,7 +87,7 @@ PLANS: dict[str, tuple[int, dict]] = {
                      **MB2}),
 }
 EXPERT_PLANS = ("ep", "ep_zero3", "ep_zero3_per_op", "ep_pp", "ep_tp", "ep_tp_zero1")
-MOE_MODELS = ("moe_loop", "moe_batched", "hf_mixtral")
+MOE_MODELS = ("moe_loop", "moe_batched", "hf_mixtral", "hf_qwen3_moe", "hf_deepseek_v3", "hf_olmoe")
 
 
 @dataclass

@@ -26,7 +26,6 @@ import corpus
 import torch
 from runtime_matrix import factory
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar import runtime
@@ -70,11 +69,13 @@ def _nbytes(x) -> int:
 class _CollectiveLog(TorchDispatchMode):
     """Every collective a rank issues, as ``[kind, nbytes]`` in ``Cluster.collective_time``'s
     convention (all-gather: the gathered size; reduce-scatter: the input; all-to-all: what a
-    rank sends)."""
+    rank sends), and how many of each op (functional ``all_reduce`` as DTensor issues it,
+    c10d's ``allreduce_``, ...)."""
 
     def __init__(self):
         super().__init__()
         self.log: list[list] = []
+        self.counts: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if isinstance(func, torch._ops.HigherOrderOperator):
@@ -93,6 +94,7 @@ class _CollectiveLog(TorchDispatchMode):
             else:
                 tensor = out if which == "out" else args[0]
             self.log.append([kind, _nbytes(tensor)])
+            self.counts[op] = self.counts.get(op, 0) + 1
         return out
 
 
@@ -134,7 +136,7 @@ def _run(plan_path: str, model_name: str, steps: int) -> dict:
     sharded = runtime.apply_plan(model, plan)
     opt = make_optimizer(sharded.parameters())
     loss_err = grad_err = 0.0
-    comms, log = CommDebugMode(), _CollectiveLog()
+    log = _CollectiveLog()
     for step in range(1, steps + 1):
         x, y = _batch(model_name, ref, plan, step)
         with runtime.precision(plan, "cpu", ref):  # an fp8 plan's reference runs in fp8
@@ -146,12 +148,8 @@ def _run(plan_path: str, model_name: str, steps: int) -> dict:
                 float(g.abs().max()) for g in grads.values() if g is not None) if grads else 1.0)
         # counted without a pipeline: the dispatch mode upsets the zero-bubble schedule's split
         # backward
-        # CommDebugMode's module tracker fails on a second forward within one mode (gradient
-        # accumulation): several micro-batches are counted by the dispatch log alone
         count = step == 2 and plan.config.pp == 1
-        one = count and plan.estimate.num_microbatches == 1
-        with comms if one else contextlib.nullcontext(), \
-                log if count else contextlib.nullcontext():
+        with log if count else contextlib.nullcontext():
             got = sharded.train_step(x, y)
         loss_err = max(loss_err, abs(got - float(want)) / max(abs(float(want)), 1e-12))
         if step == 1:
@@ -173,8 +171,7 @@ def _run(plan_path: str, model_name: str, steps: int) -> dict:
     gaps = {"fp8_loss_gap": bf16.loss_gap, "fp8_grad_gap": bf16.grad_gap} if bf16 else {}
     return {"loss_err": loss_err, "grad_err": grad_err, **gaps,
             "loss_parallel": sharded.loss_parallel, "collective_bytes": log.log,
-            "collectives": {str(k).rpartition(".")[2]: v
-                            for k, v in sorted(comms.get_comm_counts().items(), key=str)}}
+            "collectives": dict(sorted(log.counts.items()))}
 
 
 def main() -> None:

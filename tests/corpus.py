@@ -33,7 +33,11 @@ NUM_CLASSES = 10
 IMAGE_SHAPE = (3, 16, 16)
 
 TOKEN_MODELS = ["plain_llama", "nano_gpt", "litgpt_style", "moe_loop", "moe_batched",
-                "hf_llama", "hf_mistral", "hf_qwen2", "hf_mixtral", "hf_gpt2"]
+                "hf_llama", "hf_mistral", "hf_qwen2", "hf_mixtral", "hf_gpt2", "hf_qwen3",
+                "hf_phi3", "hf_gpt_neox", "hf_gemma2", "hf_gemma3", "hf_olmo2",
+                "hf_gpt_bigcode", "hf_opt", "hf_falcon", "hf_bloom", "hf_phi", "hf_bert",
+                "hf_qwen3_moe", "hf_olmoe", "hf_deepseek_v3"]
+BIDIRECTIONAL = ("hf_bert",)  # token models whose attention is not causal
 IMAGE_MODELS = ["vit_encoder"]
 
 
@@ -733,10 +737,11 @@ _HF_DECODER = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_
                    use_cache=False)
 
 
-def _hf(config_name, model_name, seed, **kwargs):
+def _hf(config_name, model_name, seed, attn_implementation="sdpa", **kwargs):
     import transformers
 
-    config = getattr(transformers, config_name)(**kwargs, attn_implementation="sdpa")
+    config = getattr(transformers, config_name)(**kwargs,
+                                                attn_implementation=attn_implementation)
     torch.manual_seed(seed)
     return getattr(transformers, model_name)(config).float()
 
@@ -772,3 +777,135 @@ def hf_gpt2():
     return _hf("GPT2Config", "GPT2LMHeadModel", 111, vocab_size=VOCAB, n_embd=64, n_layer=4,
                n_head=4, n_positions=MAX_SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                summary_first_dropout=0.0, bos_token_id=0, eos_token_id=0, use_cache=False)
+
+
+
+def hf_qwen3():
+    """``transformers.Qwen3ForCausalLM``: RMSNorm over each head of q and k (``q_norm``,
+    ``k_norm``) before RoPE, head_dim 16 set apart from hidden / heads."""
+    return _hf("Qwen3Config", "Qwen3ForCausalLM", 112, **_HF_DECODER, head_dim=16)
+
+
+def hf_phi3():
+    """``transformers.Phi3ForCausalLM``: fused ``qkv_proj`` (q, then k, then v rows: GQA 4/2)
+    and fused ``gate_up_proj`` split by ``chunk``."""
+    return _hf("Phi3Config", "Phi3ForCausalLM", 113, **_HF_DECODER, resid_pdrop=0.0,
+               embd_pdrop=0.0)
+
+
+def hf_gpt_neox():
+    """``transformers.GPTNeoXForCausalLM``: fused ``query_key_value`` laid out head by head
+    ([heads, 3, head_dim] rows), parallel attention and MLP residual, rotary on a quarter of
+    each head, LayerNorm with biases, untied ``embed_out``."""
+    return _hf("GPTNeoXConfig", "GPTNeoXForCausalLM", 114, vocab_size=VOCAB, hidden_size=64,
+               intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               max_position_embeddings=MAX_SEQ, rotary_pct=0.25, hidden_dropout=0.0,
+               attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+
+
+def hf_gemma2():
+    """``transformers.Gemma2ForCausalLM`` with its eager attention (hand-written scores with
+    tanh soft-capping: SDPA is not offered for it): sliding-window and global layers
+    alternate (two kinds of block in one list), embeddings scaled by sqrt(hidden), norms
+    before and after each sub-layer, final logit soft-capping, tied head."""
+    return _hf("Gemma2Config", "Gemma2ForCausalLM", 115, **_HF_DECODER, head_dim=16,
+               attn_implementation="eager")
+
+
+def hf_gemma3():
+    """``transformers.Gemma3ForCausalLM`` (text): five sliding-window layers (window 16,
+    shorter than the sequences here) to one global layer, RMSNorm on q and k, tied head."""
+    return _hf("Gemma3TextConfig", "Gemma3ForCausalLM", 124, **_HF_DECODER, head_dim=16,
+               sliding_window=16)
+
+
+def hf_olmo2():
+    """``transformers.Olmo2ForCausalLM``: RMSNorm over the whole q and k projections (not per
+    head), norms after each sub-layer instead of before."""
+    return _hf("Olmo2Config", "Olmo2ForCausalLM", 116, **_HF_DECODER)
+
+
+def hf_gpt_bigcode():
+    """``transformers.GPTBigCodeForCausalLM`` (StarCoder): multi-query attention (one k/v
+    head) in a fused ``c_attn`` of q then k then v rows, learned positions, tied head."""
+    return _hf("GPTBigCodeConfig", "GPTBigCodeForCausalLM", 117, vocab_size=VOCAB, n_embd=64,
+               n_layer=4, n_head=4, n_positions=MAX_SEQ, multi_query=True, resid_pdrop=0.0,
+               embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+
+
+def hf_opt():
+    """``transformers.OPTForCausalLM``: learned positions offset by 2, ReLU MLP, biases
+    everywhere, tied head."""
+    return _hf("OPTConfig", "OPTForCausalLM", 118, vocab_size=VOCAB, hidden_size=64,
+               ffn_dim=128, num_hidden_layers=4, num_attention_heads=4, word_embed_proj_dim=64,
+               max_position_embeddings=MAX_SEQ, dropout=0.0, attention_dropout=0.0,
+               use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=1)
+
+
+def hf_falcon():
+    """``transformers.FalconForCausalLM``, new decoder architecture: one fused
+    ``query_key_value`` grouped by kv head ([kv heads, q per kv + 2, head_dim] rows, k and v
+    taken by list indices), parallel attention and MLP, GQA 4/2, tied head."""
+    return _hf("FalconConfig", "FalconForCausalLM", 121, vocab_size=VOCAB, hidden_size=64,
+               num_hidden_layers=4, num_attention_heads=4, num_kv_heads=2,
+               new_decoder_architecture=True, parallel_attn=True, bias=False,
+               max_position_embeddings=MAX_SEQ, hidden_dropout=0.0, attention_dropout=0.0,
+               use_cache=False, bos_token_id=0, eos_token_id=0)
+
+
+def hf_bloom():
+    """``transformers.BloomForCausalLM``: ALiBi position biases added to hand-written
+    attention scores (``baddbmm``), fused q/k/v head by head, LayerNorm after the embedding,
+    tied head."""
+    return _hf("BloomConfig", "BloomForCausalLM", 122, vocab_size=VOCAB, hidden_size=64,
+               n_layer=4, n_head=4, hidden_dropout=0.0, attention_dropout=0.0,
+               use_cache=False, bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+
+
+def hf_phi():
+    """``transformers.PhiForCausalLM`` (Phi-2): one LayerNorm feeding attention and MLP in
+    parallel, partial rotary, biases, untied head with a bias."""
+    return _hf("PhiConfig", "PhiForCausalLM", 125, vocab_size=VOCAB, hidden_size=64,
+               intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
+               max_position_embeddings=MAX_SEQ, use_cache=False, bos_token_id=0,
+               eos_token_id=0)
+
+
+def hf_bert():
+    """``transformers.BertForMaskedLM``: a bidirectional encoder (no causal mask), post-norm
+    blocks, learned and token-type embeddings, a transform + LayerNorm before the tied
+    decoder; trained here on every token."""
+    return _hf("BertConfig", "BertForMaskedLM", 123, vocab_size=VOCAB, hidden_size=64,
+               num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+               max_position_embeddings=MAX_SEQ, pad_token_id=0)
+
+
+def hf_qwen3_moe():
+    """``transformers.Qwen3MoeForCausalLM``: 4 fused experts ([E, ...] weights), top-2 with
+    normalised weights, every layer sparse."""
+    return _hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", 119, **_HF_DECODER, head_dim=16,
+               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+               decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def hf_olmoe():
+    """``transformers.OlmoeForCausalLM``: 4 fused experts, top-2 without renormalising, q/k
+    RMSNorm over the whole projections."""
+    return _hf("OlmoeConfig", "OlmoeForCausalLM", 126, **_HF_DECODER, num_experts=4,
+               num_experts_per_tok=2)
+
+
+def hf_deepseek_v3():
+    """``transformers.DeepseekV3ForCausalLM``: multi-head latent attention (low-rank q and
+    kv with a shared rotary key), a dense first layer then MoE layers (a block list of two
+    kinds), sigmoid routing limited to the top group of experts, one shared expert."""
+    return _hf("DeepseekV3Config", "DeepseekV3ForCausalLM", 120, vocab_size=VOCAB,
+               hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+               n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+               topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
+               qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8,
+               max_position_embeddings=MAX_SEQ, use_cache=False, bos_token_id=0,
+               eos_token_id=0, pad_token_id=0)

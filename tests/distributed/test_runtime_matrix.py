@@ -71,6 +71,20 @@ def test_plans_run_on_the_models_own_forward(cells):
     assert by["vit_encoder", "pp_zero_bubble"].startswith("ok"), by  # an image model's stages
 
 
+def test_alternating_blocks_run_in_order_in_a_pipeline(plan_dir):
+    """Gemma 2 (sliding-window and global layers alternating in one block list, hand-written
+    soft-capped attention, tied head) in a 1F1B pipeline: each stage owns consecutive layers
+    and the losses and gradients are the reference's."""
+    import json
+
+    cells = rm.run_matrix(["hf_gemma2"], ["pp_1f1b"], plan_dir)
+    assert all(c.ok for c in cells), [c.text() for c in cells]
+    stages = json.loads((plan_dir / "hf_gemma2.pp_1f1b.json").read_text())["stages"]
+    layers = [int(n.rsplit(".", 1)[1]) for stage in stages for n in stage
+              if n.startswith("model.layers.")]
+    assert layers == list(range(4)) and all(stages), stages
+
+
 def test_vocab_parallel_logits_take_the_parallel_loss(cells):
     """Under tensor parallel the untied heads' logits stay vocab-sharded on the last stage and
     the loss runs under loss_parallel."""
