@@ -64,11 +64,10 @@ def unit_order(units: tuple[Unit, ...]) -> list[int]:
     """The unit of each layer in model order (`Unit.positions`; the units' own order where
     they carry none): copies of two blocks may alternate (sliding-window and global attention
     layers, dense and MoE layers)."""
-    keyed = [((u.positions[k] if len(u.positions) == u.count else i), i, k)
-             for i, u in enumerate(units) for k in range(u.count)]
-    if not all(len(u.positions) == u.count for u in units):
-        keyed = [(i, i, k) for _, i, k in keyed]
-    return [i for _, i, _ in sorted(keyed)]
+    placed = all(len(u.positions) == u.count for u in units)
+    keyed = sorted((u.positions[k] if placed else i, i, k)
+                   for i, u in enumerate(units) for k in range(u.count))
+    return [i for _, i, _ in keyed]
 
 
 def body_span(units: tuple[Unit, ...]) -> tuple[int, int]:

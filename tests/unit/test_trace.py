@@ -529,3 +529,32 @@ def test_bad_arguments(kwargs, match):
 def test_not_a_module():
     with pytest.raises(ValueError, match="nn.Module"):
         trace(lambda x: x, example_inputs=torch.empty(1))
+
+
+def test_tensors_the_forward_makes_outside_the_fake_mode_are_traced():
+    """A plain tensor attribute (not a buffer) and a list index (``x[..., [-2], :]``, which
+    Python turns into an index tensor outside any mode) trace as the real forward computes
+    them: the forward FLOPs FlopCounterMode counts on the real model."""
+
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(64, 32)
+            self.blocks = nn.ModuleList(nn.Linear(32, 64) for _ in range(2))
+            self.head = nn.Linear(32, 64)
+            self.scale = torch.ones(32)  # an attribute, not a registered buffer
+
+        def forward(self, x):
+            h = self.emb(x) * self.scale
+            for block in self.blocks:
+                y = block(h).view(*h.shape[:2], 2, 32)
+                h = h + y[..., [-2], :].squeeze(-2)
+            return self.head(h)
+
+    tokens = torch.zeros(2, 16, dtype=torch.long)
+    with FlopCounterMode(display=False) as counter:
+        Plain()(tokens)
+    with torch.device("meta"):
+        meta = Plain()
+    graph = trace(meta, global_batch_size=2, seq_len=16)
+    assert graph.flops_fwd == counter.get_total_flops()
