@@ -21,7 +21,8 @@ from typing import Any, Literal
 
 from autopar.errors import InvalidConfigError
 
-__all__ = ["ParallelConfig", "check_config", "divisors", "placed_order", "DEFAULT_MESH_ORDER",
+__all__ = ["ParallelConfig", "check_config", "divisors", "placed_order", "tp_splits_heads",
+           "DEFAULT_MESH_ORDER",
            "PP_SCHEDULES", "RECOMPUTE_POLICIES", "PER_OP_ALTERNATED", "PER_OP_SAVED"]
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -187,12 +188,26 @@ def divisors(n: int) -> list[int]:
 FEW_MICROBATCHES = ("gpipe", "1f1b")
 
 
+def tp_splits_heads(tp: int, num_heads: int | None, num_kv_heads: int | None,
+                    kv_fused: bool = True) -> bool:
+    """Whether tensor parallel over ``tp`` ranks splits attention of these heads: tp divides
+    the query heads, and the key/value heads -- or, where K and V come from projections that
+    make no queries (not ``kv_fused`` into one q/k/v GEMM), tp is a multiple of them: each
+    rank then computes K and V whole and reads the kv heads its query heads use
+    (`autopar.estimate.units.kv_whole`). Megatron-LM and torchtitan split K and V by head
+    and need tp to divide them."""
+    if num_heads is not None and num_heads % tp:
+        return False
+    return num_kv_heads is None or num_kv_heads % tp == 0 or \
+        (not kv_fused and tp % num_kv_heads == 0)
+
+
 def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int,
                  num_layers: int, num_heads: int | None = None,
                  num_kv_heads: int | None = None, num_experts: int | None = None,
-                 seq_len: int | None = None) -> int:
+                 seq_len: int | None = None, kv_fused: bool = True) -> int:
     """Raise InvalidConfigError when `cfg` cannot run; return the number of micro-batches per
-    step."""
+    step. ``kv_fused``: the model makes K and V in one GEMM with Q (`tp_splits_heads`)."""
     if cfg.world_size != world_size:
         rest = cfg.tp * cfg.pp * cfg.cp
         hint = (f"dp={world_size // rest} would match" if world_size % rest == 0 else
@@ -204,13 +219,16 @@ def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int
         raise InvalidConfigError(
             f"tp={cfg.tp} must divide the {num_heads} attention heads; allowed tp: "
             f"{[d for d in divisors(num_heads) if world_size % d == 0]}")
-    if num_kv_heads is not None and num_kv_heads % cfg.tp:
-        # K and V are column-parallel by head, as Megatron-LM (num_query_groups) and torchtitan
-        # shard them: a rank cannot hold part of a head
+    if not tp_splits_heads(cfg.tp, num_heads, num_kv_heads, kv_fused):
+        # a rank cannot hold part of a head
+        allowed = [d for d in divisors(num_heads or num_kv_heads) if world_size % d == 0
+                   and tp_splits_heads(d, num_heads, num_kv_heads, kv_fused)]
         raise InvalidConfigError(
-            f"tp={cfg.tp} must divide the {num_kv_heads} key/value heads (K and V "
-            f"are split by head); allowed tp: "
-            f"{[d for d in divisors(num_kv_heads) if world_size % d == 0]}")
+            f"tp={cfg.tp} must divide the {num_kv_heads} key/value heads (K and V are split "
+            f"by head)" + (", and this model makes K and V in one GEMM with Q, so they "
+                           "cannot be replicated apart from Q" if kv_fused else
+                           " or be a multiple of them (K and V are then replicated)")
+            + f"; allowed tp: {allowed}")
     if (cfg.dp * cfg.cp) % cfg.ep:
         raise InvalidConfigError(f"ep={cfg.ep} must divide dp*cp = {cfg.dp * cfg.cp}; allowed ep: "
                          f"{divisors(cfg.dp * cfg.cp)}")

@@ -59,10 +59,13 @@ class Facts:
     options: EstimateOptions
     seq_len: int | None = None
     """Tokens per sequence; None for a model traced from other example inputs."""
+    num_kv_heads: int | None = None
+    """Key/value heads of the model's attention; None without attention."""
 
     @classmethod
     def of(cls, costs: ModelCosts, dtype: str, options: EstimateOptions) -> "Facts":
-        return cls(units=costs.units, dtype=dtype, options=options, seq_len=costs.seq_len)
+        return cls(units=costs.units, dtype=dtype, options=options, seq_len=costs.seq_len,
+                   num_kv_heads=costs.num_kv_heads)
 
     @functools.cached_property
     def layers(self) -> tuple[str, ...]:
@@ -277,6 +280,10 @@ def _titan_experts(table: ConfigTable, facts: Facts) -> np.ndarray:
     return (c["ep"] == 1) | ((c["ep"] % c["cp"] == 0) & (shard % c["ep"] == 0))
 
 
+def _kv_split_by_head(table: ConfigTable, facts: Facts) -> np.ndarray:
+    return facts.num_kv_heads is None or facts.num_kv_heads % table.columns["tp"] == 0
+
+
 def _pipe_zero1(table: ConfigTable, facts: Facts) -> np.ndarray:
     c = table.columns
     return (c["pp"] == 1) | (c["zero_stage"] <= 1)
@@ -337,6 +344,11 @@ MEGATRON = EngineTarget(
                         "(EstimateOptions.overlap_tp_comm), which is --tp-comm-overlap, and "
                         "that flag needs --sequence-parallel",
                  source=f"{_MEGATRON_ARGS} (validate_args: --tp-comm-overlap)"),
+        Requires(name="tp divides the key/value heads", holds=_kv_split_by_head,
+                 reason="each tp rank holds num_query_groups / tp whole K/V heads; it does not "
+                        "replicate K and V where tp exceeds them",
+                 source="megatron/core/transformer/attention.py "
+                        "(num_query_groups_per_partition = divide(num_query_groups, tp))"),
         Requires(name="mesh order tp-cp-ep-dp-pp (inner first)", holds=_megatron_layout,
                  reason="ranks are laid out tp-cp-ep-dp-pp, inner first, or without cp and "
                         "ep tp-pp-dp (--use-tp-pp-dp-mapping); other mesh orders put the "
@@ -404,6 +416,11 @@ TORCHTITAN = EngineTarget(
         Requires(name="tp > 1 with sequence_parallel", holds=_sp_with_tp,
                  reason="its tensor-parallel plan always shards the norms and residual "
                         "stream on the sequence (SequenceParallel)",
+                 source="torchtitan/models/llama3/infra/parallelize.py (apply_tp)"),
+        Requires(name="tp divides the key/value heads", holds=_kv_split_by_head,
+                 reason="its tensor-parallel plan splits wk and wv column-wise "
+                        "(ColwiseParallel) and views each rank's shard as whole heads; it "
+                        "does not replicate K and V where tp exceeds them",
                  source="torchtitan/models/llama3/infra/parallelize.py (apply_tp)"),
         Requires(name="ZeRO-0 (DDP) over dp > 1 only as the sole parallelism",
                  holds=_ddp_alone,

@@ -32,10 +32,10 @@ MAX_SEQ = 128
 NUM_CLASSES = 10
 IMAGE_SHAPE = (3, 16, 16)
 
-TOKEN_MODELS = ["plain_llama", "nano_gpt", "litgpt_style", "moe_loop", "moe_batched",
+TOKEN_MODELS = ["plain_llama", "plain_mqa", "nano_gpt", "litgpt_style", "moe_loop", "moe_batched",
                 "hf_llama", "hf_mistral", "hf_qwen2", "hf_mixtral", "hf_gpt2", "hf_qwen3",
                 "hf_phi3", "hf_gpt_neox", "hf_gemma2", "hf_gemma3", "hf_olmo2",
-                "hf_gpt_bigcode", "hf_opt", "hf_falcon", "hf_bloom", "hf_phi", "hf_bert",
+                "hf_gpt_bigcode", "hf_gemma", "hf_opt", "hf_falcon", "hf_bloom", "hf_phi", "hf_bert",
                 "hf_qwen3_moe", "hf_olmoe", "hf_deepseek_v3"]
 BIDIRECTIONAL = ("hf_bert",)  # token models whose attention is not causal
 IMAGE_MODELS = ["vit_encoder"]
@@ -177,6 +177,13 @@ def plain_llama():
     untied head; returns a tensor."""
     torch.manual_seed(101)
     return PlainLlama()
+
+
+def plain_mqa():
+    """The Meta-llama style model with multi-query attention: one k/v head repeated to the 4
+    query heads by ``repeat_interleave`` before SDPA."""
+    torch.manual_seed(126)
+    return PlainLlama(n_kv_heads=1)
 
 
 # =============================================================================================
@@ -831,6 +838,14 @@ def hf_gpt_bigcode():
     return _hf("GPTBigCodeConfig", "GPTBigCodeForCausalLM", 117, vocab_size=VOCAB, n_embd=64,
                n_layer=4, n_head=4, n_positions=MAX_SEQ, multi_query=True, resid_pdrop=0.0,
                embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+
+
+def hf_gemma():
+    """``transformers.GemmaForCausalLM`` (Gemma 1 as its 2B size has it): multi-query attention
+    (4 query heads, one k/v head) with separate k and v projections, GeGLU MLP, embeddings
+    scaled by sqrt(hidden), tied head."""
+    return _hf("GemmaConfig", "GemmaForCausalLM", 125, **{**_HF_DECODER, "num_key_value_heads": 1},
+               head_dim=16)
 
 
 def hf_opt():

@@ -137,8 +137,8 @@ def data_parallel_floor(costs: ModelCosts, cache: EvalCache, config: ParallelCon
         split = split_structure(costs, cache, config.pp, config.virtual_stages)
         if isinstance(split, str):
             raise InvalidConfigError(split)
-        dense = split.rank_counts @ np.array([u.dense_params for u in costs.units], float) \
-            / config.tp
+        dense = split.rank_counts @ np.array([u.dense_on_tp_rank(config.tp)
+                                              for u in costs.units], float)
         expert = split.rank_counts @ np.array([u.expert_params for u in costs.units], float) \
             / (config.tp * config.ep)
         most = float((dense + expert).max())
@@ -146,7 +146,7 @@ def data_parallel_floor(costs: ModelCosts, cache: EvalCache, config: ParallelCon
         e = max(float(expert.min()), most - float(dense.max()), 0.0)
     else:  # the heaviest rank holds at least the average: one floor for every virtual split
         e = 0.0
-        d = most = sum(u.dense_params * u.count for u in costs.units) / (config.tp * config.pp)
+        d = most = sum(u.dense_on_tp_rank(config.tp) * u.count for u in costs.units) / config.pp
     optimizer = _optimizer_s(cache.hardware.device, most, config, dtype)
     zero3 = config.zero_stage == 3
     traffic = 0.0

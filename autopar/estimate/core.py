@@ -48,6 +48,7 @@ from autopar.estimate.tp_comm import partial_gradient_sync
 from autopar.estimate.units import Unit, units_from_graph
 from autopar.errors import InvalidConfigError
 from autopar.ir import Graph, Node, OpKind
+from autopar.ir.residual import kv_projections
 from costmodels.compute import optimizer_time_s
 from costmodels.memory import DTYPE_BYTES, state_bytes_per_param
 from costmodels.pipeline import PipelineTimeline, simulate_pipeline
@@ -163,14 +164,20 @@ class ModelCosts:
     num_heads: int | None
     num_kv_heads: int | None
     num_experts: int | None
+    # K and V come from a GEMM that makes Q too (`autopar.config.tp_splits_heads`)
+    kv_fused: bool = False
 
     @classmethod
     def from_graph(cls, graph: Graph) -> "ModelCosts":
         units = units_from_graph(graph)
         heads, kv_heads = _attention_heads(graph)
+        kv = kv_projections(graph.nodes).values()
+        if kv:  # the heads the K/V projections make (before any repeat to the query heads)
+            kv_heads = min(made.heads for made in kv)
         return cls(units=units, traced_batch=graph.batch_size, seq_len=graph.seq_len,
                    flops_fwd=float(graph.flops_fwd), num_layers=sum(u.count for u in units),
-                   num_heads=heads, num_kv_heads=kv_heads, num_experts=_num_experts(graph))
+                   num_heads=heads, num_kv_heads=kv_heads, num_experts=_num_experts(graph),
+                   kv_fused=any(made.fused for made in kv))
 
     def with_cp_layout(self, layout: str) -> "ModelCosts":
         """These costs with context parallel run as ``layout``: "zigzag" (load-balanced) or
@@ -208,7 +215,7 @@ class ModelCosts:
     def per_op_costed(self) -> bool:
         """Whether per-op recompute is costed: every block keeps some op's output
         (`OpCost.kept`; not one with an MoE layer costed as a whole whose experts' matmuls
-        alternate with the routing, `autopar.estimate.units._per_op_kept`)."""
+        alternate with the routing, `autopar.estimate.kept.per_op_kept`)."""
         blocks = [u for u in self.units if u.is_block]
         return bool(blocks) and all(any(op.kept for op in u.ops) for u in blocks)
 
@@ -257,7 +264,8 @@ def _checked(costs: ModelCosts, cluster: Cluster, config: ParallelConfig,
     return check_config(config, world_size=cluster.world_size,
                         global_batch_size=global_batch_size, num_layers=costs.num_layers,
                         num_heads=costs.num_heads, num_kv_heads=costs.num_kv_heads,
-                        num_experts=costs.num_experts, seq_len=costs.seq_len)
+                        num_experts=costs.num_experts, seq_len=costs.seq_len,
+                        kv_fused=costs.kv_fused)
 
 
 def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
@@ -517,14 +525,16 @@ def _breakdown(step: float, sums: dict[str, float], m: int) -> dict[str, float]:
 def costs_of_layout(graph: Graph, config: ParallelConfig,
                     tp_placements: Mapping[str, str] | None) -> ModelCosts:
     """`ModelCosts` of ``graph`` under the tensor-parallel layout ``tp_placements`` ({param
-    FQN: placement on tp}; None: Megatron-LM's, `autopar.plan.megatron_tp_placements`)."""
+    FQN: placement on tp}; None: Megatron-LM's at the config's tp,
+    `autopar.plan.megatron_tp_placements`)."""
     costs = ModelCosts.from_graph(graph)
     if tp_placements is None or config.tp == 1:
         return costs
     from autopar.plan.placements import replicated_sublayers  # plan imports the estimate
 
     return costs.with_tp_layout(replicated_sublayers(
-        graph, costs.units, tp_placements, sequence_parallel=config.sequence_parallel))
+        graph, costs.units, tp_placements, sequence_parallel=config.sequence_parallel,
+        tp=config.tp))
 
 
 def estimate_graph(graph: Graph, cluster: Cluster, config: ParallelConfig, *,

@@ -174,7 +174,7 @@ class UnitVectors:
     kept: np.ndarray  # activation bytes kept per layer per micro-batch
     working: np.ndarray  # one layer's working set while it runs
     dense: np.ndarray  # parameters per layer, unsharded
-    tp_replicated: np.ndarray  # the part of `dense` whole on every tp rank
+    tp_replicated: np.ndarray  # the part of `dense` whole on every tp rank (`tp_whole_params`)
     expert: np.ndarray
     param_bytes: np.ndarray
     bytes_per_param: np.ndarray
@@ -193,7 +193,7 @@ def unit_vectors(units: tuple[Unit, ...], times: dict[str, UnitTimes], cfg: Para
         times=per_unit, work=per_unit["forward"] + per_unit["backward"],
         kept=np.array([k for k, _ in acts]), working=np.array([w for _, w in acts]),
         dense=np.array([u.dense_params for u in units], float),
-        tp_replicated=np.array([u.tp_replicated_params for u in units], float),
+        tp_replicated=np.array([u.tp_whole_params(cfg.tp) for u in units], float),
         expert=np.array([u.expert_params for u in units], float), param_bytes=pbytes,
         bytes_per_param=pbytes / np.maximum(1, [u.dense_params + u.expert_params
                                                 for u in units]))

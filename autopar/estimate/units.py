@@ -22,20 +22,20 @@ Pure functions of the IR; no torch import.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
-from autopar.config import PER_OP_ALTERNATED, PER_OP_SAVED
 from autopar.estimate.fp8 import fp8_elements
-from autopar.ir import MOE_GROUPED_MM, Graph, Node, OpKind, dtype_num_bytes
-from autopar.ir.residual import (MIXING_KINDS, consumers, residual_structure, router_gemms,
-                                 sublayers)
+from autopar.estimate.kept import per_op_kept, recompute_tail
+from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
+from autopar.ir.residual import (MIXING_KINDS, consumers, kv_projections, residual_structure,
+                                 router_gemms, sublayers)
 
 LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
 LOSS_REDUCTION_BYTES = 4  # fp32 per row each
 
-__all__ = ["LOSS_REDUCTIONS", "LOSS_REDUCTION_BYTES", "OpCost", "SubLayer", "Unit",
-           "recompute_tail", "token_lookup", "units_from_graph", "vocab_sizes"]
+__all__ = ["LOSS_REDUCTIONS", "LOSS_REDUCTION_BYTES", "KvGemm", "OpCost", "SubLayer", "Unit",
+           "kv_whole", "token_lookup", "units_from_graph", "vocab_sizes"]
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV)
 _FREE_KINDS = (OpKind.VIEW,)
@@ -79,10 +79,23 @@ class OpCost:
     # a GEMM of a sub-layer the layout replicates over tp (`Unit.replicated`): each tp rank
     # reads (and under fp8 casts) its whole weight
     tp_replicated: bool = False
+    # a GEMM that makes an attention's keys or values and no queries: its kv heads. Where tp
+    # does not divide them, every tp rank runs it whole (`kv_whole`)
+    kv_heads: int = 0
     # a memory-bound op on features Megatron's layout splits over tp (after a sub-layer's
     # column-parallel GEMMs, before its row-parallel one: an MLP's activation, RoPE on the
     # heads): its work is split over tp with or without sequence parallel
     tp_sharded: bool = False
+
+
+class KvGemm(NamedTuple):
+    """A GEMM that makes an attention's keys or values and no queries, in a unit
+    (`autopar.ir.residual.kv_projections`)."""
+
+    heads: int  # kv heads it makes
+    params: int  # elements of its parameters the unit owns
+    read_bytes: float  # bytes of the attention inputs it makes, at the unit's batch
+    read_heads: int  # their heads (more where the model repeats K/V to the query heads)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -154,6 +167,9 @@ class Unit:
     # each copy's place in the model's layer order (`autopar.estimate.stages.layer_sequence`):
     # copies of one block may interleave with another's (alternating attention kinds)
     positions: tuple[float, ...] = ()
+    # each GEMM that makes keys or values only (`OpCost.kv_heads`): whole on every tp rank
+    # where tp does not divide its heads (`timing.tp_collectives` says what its gradient moves)
+    kv_projections: tuple[KvGemm, ...] = ()
 
     @property
     def count(self) -> int:
@@ -165,11 +181,16 @@ class Unit:
         return (sum(d == "forward" and k == "reduce" for d, k, _ in self.tp_syncs),
                 sum(d == "backward" and k == "reduce" for d, k, _ in self.tp_syncs))
 
+    def tp_whole_params(self, tp: int) -> int:
+        """Elements of `dense_params` whole on every rank at ``tp``: the replicated
+        sub-layers' and the K/V projections tp does not split (`kv_whole`)."""
+        return self.tp_replicated_params + sum(kv.params for kv in self.kv_projections
+                                               if kv_whole(kv.heads, tp))
+
     def dense_on_tp_rank(self, tp: int) -> float:
         """Dense parameter elements one tp rank holds of one layer."""
-        if not self.tp_replicated_params:
-            return self.dense_params / tp
-        return (self.dense_params - self.tp_replicated_params) / tp + self.tp_replicated_params
+        whole = self.tp_whole_params(tp)
+        return (self.dense_params - whole) / tp + whole
 
     def replicated(self, which: frozenset[int]) -> "Unit":
         """This unit with the sub-layers ``which`` (indices into `sublayers`) run replicated
@@ -236,8 +257,17 @@ class Unit:
                        loss_logits=self.loss_logits * factor,
                        loss_logit_bytes=self.loss_logit_bytes * factor,
                        tp_syncs=tuple((d, k, n * factor) for d, k, n in self.tp_syncs),
+                       kv_projections=tuple(kv._replace(read_bytes=kv.read_bytes * factor)
+                                            for kv in self.kv_projections),
                        sublayers=tuple(replace(sub, per_op_partial=sub.per_op_partial * factor)
                                        for sub in self.sublayers))
+
+
+def kv_whole(kv_heads: int, tp: int) -> bool:
+    """Whether a projection making ``kv_heads`` key/value heads (0: none) runs whole on every
+    tp rank: tp does not divide its heads (`autopar.plan.megatron_tp_placements` replicates
+    it; each rank reads the kv heads its query heads use)."""
+    return bool(kv_heads) and kv_heads % tp != 0
 
 
 def _scaled_fp8(elements: tuple[float, ...], factor: float) -> tuple[float, ...]:
@@ -280,49 +310,6 @@ def _segments(graph: Graph) -> list[tuple[str, list[Node], tuple[str, ...]]]:
     return named
 
 
-def recompute_tail(nodes: list[Node]) -> set[str]:
-    """The trailing nodes a recompute that stops early need not re-run: walking back from
-    the last node, each one that keeps no tensor of its own for backward and whose output no
-    later node of the unit keeps (torch.utils.checkpoint's non-reentrant early stop re-runs a
-    block only until every tensor its backward saved is back: in a transformer block, the last
-    GEMM and the residual add after it)."""
-    kept_later: set[str] = set()
-    tail: set[str] = set()
-    for node in reversed(nodes):
-        if node.name in kept_later or node.name in node.saved_from:
-            break
-        tail.add(node.name)
-        kept_later.update(node.saved_from)
-    return tail
-
-
-def _per_op_kept(nodes: list[Node]) -> dict[str, int]:
-    """The nodes per-op recompute keeps the output of, with its bytes: attention (its output
-    and fp32 log-sum-exp; a fused kernel's, the math kernel's ops being re-run) and the ops of
-    `PER_OP_SAVED` but every second `PER_OP_ALTERNATED` matmul, counted in forward order.
-
-    A fused MoE layer's expert GEMM (`autopar.trace.moe`: one node per ``[E, out, in]`` weight)
-    runs as one grouped matmul, or as one matmul per expert hit, expert after expert: with an
-    even number of such weights (gate_up and down) each node falls on the same parity either
-    way, however many experts the routing hits. With an odd number a per-expert loop's parity
-    follows the routing; such a block keeps nothing here (per-op recompute is not costed)."""
-    out: dict[str, int] = {}
-    grouped = Counter(n.module_path for n in nodes if n.target == MOE_GROUPED_MM)
-    if any(count % 2 for count in grouped.values()):
-        return out
-    matmuls = 0
-    for node in nodes:
-        if node.kind is OpKind.ATTENTION and node.attention is not None:
-            a = node.attention
-            out[node.name] = node.outputs[0].num_bytes + 4 * a.batch * a.num_heads * a.seq_q
-            continue
-        alternated = node.target in PER_OP_ALTERNATED or node.target == MOE_GROUPED_MM
-        matmuls += alternated
-        if (node.target in PER_OP_SAVED or alternated) and not (alternated and matmuls % 2 == 0):
-            out[node.name] = sum(o.num_bytes for o in node.outputs)
-    return out
-
-
 def _is_cross_entropy(node: Node) -> bool:
     return node.kind is OpKind.LOSS and node.target == "F.cross_entropy"
 
@@ -354,7 +341,9 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     tail = recompute_tail(nodes)
     residual = residual_structure(nodes)
     sharded = _tp_sharded(nodes, residual)
-    kept = _per_op_kept(nodes)
+    kept = per_op_kept(nodes)
+    kv_gemms = {name: kv for name, kv in kv_projections(nodes).items() if not kv.fused}
+    kv_made: list[KvGemm] = []
     per_op = per_op_partial = per_op_attention = 0
     op_index: dict[str, int] = {}
     for node in nodes:
@@ -393,7 +382,14 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
             ops.append(OpCost(kind="gemm", flops_fwd=node.flops_fwd, flops_bwd=node.flops_bwd,
                               bytes_fwd=io, param_bytes=weights, expert=in_moe, vocab=vocab,
                               aligned=_aligned(node), tail=node.name in tail,
+                              kv_heads=kv_gemms[node.name].heads if node.name in kv_gemms
+                              else 0,
                               fp8_elements=fp8_elements(node, vocab_dims), **fixed))
+            if node.name in kv_gemms:
+                made = kv_gemms[node.name]
+                kv_made.append(KvGemm(made.heads, sum(p.numel for p in node.params
+                                                      if p.fqn in seen_params),
+                                      made.read_bytes, made.read_heads))
             if ops[-1].fp8_elements:
                 fp8_delta += int(ops[-1].fp8_elements[0]) - node.saved_bytes
         elif node.kind is OpKind.ATTENTION and node.attention is not None:
@@ -455,7 +451,8 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         loss_logit_bytes=sum(n.inputs[0].num_bytes for n in losses), tail_kernels=tail_kernels,
         stream_params=sum(p.numel for n in nodes if n.name in stream for p in n.params
                           if p.requires_grad and p.fqn in seen_params), sublayers=subs,
-        router_params=_router_params(nodes, residual, seen_params))
+        router_params=_router_params(nodes, residual, seen_params),
+        kv_projections=tuple(kv_made))
 
 
 def _router_params(nodes: list[Node], residual, owned: dict[str, int]) -> int:

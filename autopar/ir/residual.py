@@ -19,11 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from autopar.ir.graph import Node, OpKind
 
 __all__ = ["MIXING_KINDS", "Residual", "consumers", "fused_chunks", "fused_splits",
-           "moe_dispatch", "residual_structure", "router_gemms", "routing_nodes", "sublayers"]
+           "KvProjection", "kv_projections", "moe_dispatch", "residual_structure", "router_gemms", "routing_nodes", "sublayers"]
 
 MIXING_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
                      OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE})
@@ -212,3 +213,62 @@ def _chunks(name: str, width: int, readers: dict[str, list[Node]], heads: set[in
                     and out[-3] > 1:
                 return out[-3], nxt.name
     return 1, None
+
+
+class KvProjection(NamedTuple):
+    """A GEMM that makes the keys or values of attention (`kv_projections`)."""
+
+    heads: int  # the kv heads it makes
+    fused: bool  # it makes queries too (a fused q/k/v projection)
+    read_bytes: int  # bytes of the attention inputs (K or V) it reaches
+    read_heads: int  # their heads: its own, or as many as the queries' where it is repeated
+
+
+def kv_projections(nodes: Sequence[Node]) -> dict[str, KvProjection]:
+    """``{GEMM node name: KvProjection}`` for each weight GEMM of ``nodes`` that makes the
+    keys or values of an attention: its output reaches the attention's K or V input through
+    ops that mix no features (views, a norm, RoPE, a head repeat). Its kv heads are the heads
+    it makes (its output features over the attention's head dim: K and V repeated to the
+    query heads before the attention, as grouped-query attention is often written, still come
+    from fewer), at most the attention's kv heads; a fused projection's are the attention's.
+    A tensor-parallel layout may replicate the K and V projections that make no queries where
+    tp does not divide their heads; each rank then reads the kv heads of its query heads from
+    the attention input they reach: its gradient is all-gathered from the ranks' heads where
+    tp divides that input's heads (K and V repeated to the query heads), else all-reduced."""
+    by_name = {n.name: n for n in nodes}
+    out: dict[str, KvProjection] = {}
+    for node in nodes:
+        if node.kind is not OpKind.ATTENTION or node.attention is None or \
+                len(node.input_sources) < 3:
+            continue
+        q, *kv = (_projections(src, by_name) for src in node.input_sources[:3])
+        head_dim = node.inputs[1].shape[-1]
+        for i, made in enumerate(kv, start=1):
+            for name in made:
+                seen = out.get(name, KvProjection(1 << 30, False, 0, 1 << 30))
+                fused = name in q or seen.fused
+                heads = node.attention.num_kv_heads
+                width = by_name[name].outputs[0].shape[-1]
+                if not fused and head_dim and width % head_dim == 0:
+                    heads = min(heads, width // head_dim)
+                out[name] = KvProjection(min(heads, seen.heads), fused,
+                                         seen.read_bytes + node.inputs[i].num_bytes,
+                                         min(node.attention.num_kv_heads, seen.read_heads))
+    return out
+
+
+def _projections(src: str, by_name: dict[str, Node]) -> set[str]:
+    """The weight GEMMs whose outputs reach the value ``src`` through ops mixing no
+    features."""
+    found: set[str] = set()
+    stack, seen = [src], set()
+    while stack:
+        node = by_name.get(stack.pop())
+        if node is None or node.name in seen:
+            continue
+        seen.add(node.name)
+        if node.kind is OpKind.MATMUL and node.params:
+            found.add(node.name)
+        elif node.kind not in MIXING_KINDS:
+            stack += [s for s in node.input_sources if not s.startswith(_NOT_ACTIVATION)]
+    return found

@@ -107,6 +107,13 @@ def export_plan(plan: Any, fmt: str) -> ExportResult:
                      f"autopar's runtime runs); {fmt} splits every sub-layer as Megatron-LM "
                      f"does, so its step is not the plan's: compile with target=\"{fmt}\" for a "
                      f"plan costed in its layout")
+    kv = sorted(block for block, info in getattr(plan, "intra_op", {}).items()
+                if info.get("replicated_kv"))
+    if kv and fmt in ("megatron", "torchtitan"):
+        notes.append(f"tensor-parallel layout: tp={plan.config.tp} exceeds the key/value heads "
+                     f"of {', '.join(kv)}, whose K/V projections the plan replicates; {fmt} "
+                     f"splits K and V by head and needs tp to divide them: compile with "
+                     f"target=\"{fmt}\" for a plan it runs")
     return ExportResult(format=fmt, text=text, notes=tuple(notes), setup=tuple(setup))
 
 

@@ -8,7 +8,11 @@ residual add is row-parallel (weight sharded on its input features, its bias rep
 the other GEMMs are column-parallel (weight and bias sharded on the output features: dim 0 of
 an ``[out, in]`` weight read transposed as nn.Linear's, dim 1 of an ``[in, out]`` one read as
 it is as GPT-2's Conv1D, told apart by how the GEMM reads it); embeddings and the vocabulary
-head are vocab-parallel; norms stay replicated. In an MoE sub-layer the router is
+head are vocab-parallel; norms stay replicated. Where tp does not divide an attention's key/value
+heads (but is a multiple of them: multi-query or grouped-query attention with fewer kv heads
+than ranks), its K and V projections (`autopar.ir.residual.kv_projections`) are replicated:
+each rank computes them whole and reads the kv heads its query heads use, and their weight
+gradients, partial sums over tp, are all-reduced once a step. In an MoE sub-layer the router is
 replicated and each expert's GEMMs are a column→row chain (the last GEMM, fed by another and
 feeding none, is row-parallel: what the estimate costs, expert weights split over tp, one tp
 reduction per sub-layer). Block representatives
@@ -26,16 +30,17 @@ from autopar.errors import InvalidConfigError
 from autopar.estimate.fp8 import fp8_weight
 from autopar.estimate.units import Unit, token_lookup, vocab_sizes
 from autopar.ir import Graph, OpKind
-from autopar.ir.residual import (MIXING_KINDS, consumers, fused_chunks, moe_dispatch,
-                                 residual_structure, router_gemms, sublayers)
+from autopar.ir.residual import (MIXING_KINDS, consumers, fused_chunks, kv_projections,
+                                 moe_dispatch, residual_structure, router_gemms, sublayers)
 
 __all__ = ["fp8_weights", "fused_projections", "megatron_tp_placements", "param_placements",
            "replicated_sublayers"]
 
 
-def megatron_tp_placements(graph: Graph) -> dict[str, str]:
+def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
     vocab = vocab_sizes(graph)
-    out: dict[str, str] = {}
+    out: dict[str, str] = {p.fqn: "R" for name, kv in kv_projections(graph.nodes).items()
+                           if kv.heads % tp and not kv.fused for p in graph.node(name).params}
     sublayer: list = []
     block_of = {name: b.representative for b in graph.blocks for name in b.node_names}
     runs: dict[str | None, list] = {}
@@ -89,16 +94,17 @@ def megatron_tp_placements(graph: Graph) -> dict[str, str]:
 
 
 def replicated_sublayers(graph: Graph, units: Sequence[Unit], tp_placements: Mapping[str, str],
-                         *, sequence_parallel: bool) -> dict[str, frozenset[int]]:
+                         *, sequence_parallel: bool, tp: int = 1
+                         ) -> dict[str, frozenset[int]]:
     """``{block representative: indices of its sub-layers}`` (``units``: the graph's,
     `units_from_graph`) that ``tp_placements`` ({param
     FQN: placement on tp}, a block's layers read at its representative) runs replicated where
     Megatron-LM's layout splits them: every parameter of the sub-layer "R", under sequence
     parallel, in a sub-layer a runtime can run so on the sequence shard
     (`autopar.estimate.units.SubLayer.replicable`). Every other parameter must be placed as
-    `megatron_tp_placements` does: InvalidConfigError otherwise, naming the first that is
-    not."""
-    megatron = megatron_tp_placements(graph)
+    `megatron_tp_placements` does at ``tp``: InvalidConfigError otherwise, naming the first
+    that is not."""
+    megatron = megatron_tp_placements(graph, tp)
     placed = lambda fqn: tp_placements.get(fqn, "R")  # noqa: E731
     owner = {name: b for b in graph.blocks for name in b.node_names}
     by_name = {u.name: u for u in units if u.sublayers}

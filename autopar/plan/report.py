@@ -323,11 +323,14 @@ def _placements(plan: Plan) -> Section:
 def _taken(info: dict[str, Any]) -> str:
     """The layout the plan runs and its estimate costs (`tp_layout`)."""
     subs = info.get("replicated_sublayers")
+    kv = info.get("replicated_kv")
+    kv = (f" and the K/V projections ({', '.join(kv)}) replicated: tp exceeds their "
+          f"heads" if kv else "")
     if subs:
         return (f"the plan runs Megatron's layout with sub-layer{'s' if len(subs) > 1 else ''} "
-                f"{', '.join(map(str, subs))} replicated on the sequence shard, as the "
+                f"{', '.join(map(str, subs))} replicated on the sequence shard{kv}, as the "
                 f"estimate costs it")
-    return "the plan runs Megatron's layout, as the estimate costs it"
+    return f"the plan runs Megatron's layout{kv}, as the estimate costs it"
 
 
 def _ilp_advice(info: dict[str, Any]) -> str:

@@ -76,9 +76,9 @@ from autopar.runtime.pipeline import (
     set_stage_tokens,
     stage_ids_for_rank,
 )
+from autopar.runtime.local_attention import LocalAttention
 from autopar.runtime.structure import block_slots
 from autopar.runtime.tensor_parallel import (
-    LocalAttention,
     apply_tensor_parallel,
     settle_gradients,
     stage_boundaries,

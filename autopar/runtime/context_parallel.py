@@ -42,8 +42,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_leaves, tree_map
 
-from autopar.runtime.tensor_parallel import (SEQUENCE_DIM, LocalAttention, _replicated_call,
-                                             local_heads)
+from autopar.ir import SEQUENCE_DIM
+from autopar.runtime.local_attention import LocalAttention, _replicated_call, local_heads
 
 __all__ = ["BlockKind", "ContextParallel", "block_kind", "block_mask", "check_context_parallel",
            "data_parallel_mesh", "replica_dims", "ring_attention", "zigzag_chunks", "zigzag_merge",

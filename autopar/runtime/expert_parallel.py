@@ -73,6 +73,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.runtime.context_parallel import replica_dims
 from autopar.runtime.data_parallel import fsdp_precision
+from autopar.runtime.local_attention import sum_grad_over_tp
 
 __all__ = ["ExpertGroups", "ExpertParallelMoE", "apply_expert_parallel", "check_expert_parallel",
            "expert_groups", "find_moe_modules", "shard_expert_params", "sync_expert_gradients"]
@@ -106,21 +107,6 @@ class _AllToAll(torch.autograd.Function):
         back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
         dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
         return back, None, None, None
-
-
-class _SumGradOverTP(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the tp group (Megatron's ``f``)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class _SumOverTP(torch.autograd.Function):
@@ -383,8 +369,8 @@ class ExpertParallelMoE(nn.Module):
         gates = weights.reshape(-1)[order]
         source = flat
         if self.tp_sharded:  # partial expert outputs make these gradients partial over tp
-            source = _SumGradOverTP.apply(flat, self._tp_group)
-            gates = _SumGradOverTP.apply(gates, self._tp_group)
+            source = sum_grad_over_tp(flat, self._tp_group)
+            gates = sum_grad_over_tp(gates, self._tp_group)
         send = source[token_of]
         counts = torch.bincount(expert_of, minlength=self.num_experts)
         if ep > 1:

@@ -49,7 +49,7 @@ def space_table(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
         max_micro_batch_size=settings.max_micro_batch_size,
         max_virtual_stages=settings.max_virtual_stages, max_cp=settings.max_cp,
         recompute_every=tuple(settings.recompute_every),
-        few_microbatches=target.few_microbatches)
+        few_microbatches=target.few_microbatches, kv_fused=costs.kv_fused)
 
 
 def enumerate_configs(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
@@ -84,7 +84,9 @@ def why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
         "dp": f"dp = GPUs / (tp·pp·cp) and divides the global batch ({global_batch_size})",
         "tp": f"tp divides the GPUs and stays within a node ({cluster.gpus_per_node} GPUs)"
               + (f" and divides the attention heads ({costs.num_heads}) and key/value heads "
-                 f"({costs.num_kv_heads})" if costs.num_heads else ""),
+                 f"({costs.num_kv_heads})" + ("" if costs.kv_fused else
+                                              " or is a multiple of the latter")
+                 if costs.num_heads else ""),
         "pp": f"pp divides GPUs / (tp·cp) and is at most the block layers "
               f"({costs.body_layers})",
         "cp": ("cp needs a sequence to split, which this model's inputs do not have"

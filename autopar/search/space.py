@@ -33,7 +33,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from autopar.config import (DEFAULT_MESH_ORDER, PP_SCHEDULES, RECOMPUTE_POLICIES, ParallelConfig,
-                            divisors)
+                            divisors, tp_splits_heads)
 from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
                                CUDA_CONTEXT_BYTES, state_bytes_split)
 
@@ -117,11 +117,12 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
                  recomputes: tuple[str, ...], max_micro_batch_size: int,
                  max_virtual_stages: int, max_cp: int,
                  few_microbatches: tuple[str, ...] = ("gpipe",),
-                 recompute_every: tuple[int, ...] = (1,)) -> ConfigTable:
+                 recompute_every: tuple[int, ...] = (1,), kv_fused: bool = True
+                 ) -> ConfigTable:
     """Every candidate config (validity is checked by `evaluate`), in the order: tp, cp, pp,
     ep ascending; then micro-batch size, recompute, SP, schedule (gpipe, 1f1b, zero-bubble,
-    interleaved by virtual stages), ZeRO stage. tp stays within a node and divides the heads
-    and the key/value heads;
+    interleaved by virtual stages), ZeRO stage. tp stays within a node and splits the heads
+    (`tp_splits_heads`; ``kv_fused``: K and V come from one GEMM with Q);
     sequence parallelism needs a sequence (``seq_len``) whose cp shards tp divides;
     cp needs a sequence divisible by 2·cp; pp is at most ``num_layers`` (the block layers) and the micro-batches
     per step at least pp; interleaving needs the body layers to split evenly into pp·v chunks
@@ -134,8 +135,8 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
     inner: list[dict[str, np.ndarray]] = []
     grids = _Grids()
     blocks: dict[tuple[int, int, bool, bool], dict[str, np.ndarray] | None] = {}
-    tps = [t for t in divisors(world) if t <= gpus_per_node and (heads is None or heads % t == 0)
-           and (num_kv_heads is None or num_kv_heads % t == 0)]
+    tps = [t for t in divisors(world) if t <= gpus_per_node
+           and tp_splits_heads(t, heads, num_kv_heads, kv_fused)]
     for tp in _allowed("tp", tps, constraints):
         cps = [c for c in divisors(world // tp) if c <= max_cp
                and (c == 1 or (heads is not None and seq_len and seq_len % (2 * c) == 0))]
@@ -413,7 +414,9 @@ def first_rank_memory(table: ConfigTable, rows: np.ndarray, *, units: dict[int, 
     kept = (counts * kept_u[a_index]).sum(axis=1)
     working = np.where(present, working_u[a_index], 0.0).max(axis=1)
     base = units[min(units)]
-    dense = (counts * np.array([u.dense_params for u in base], float)).sum(axis=1) / tp
+    tps, at = np.unique(tp, return_inverse=True)
+    dense = (counts * np.array([[u.dense_on_tp_rank(int(t)) for u in base]
+                                for t in tps])[at]).sum(axis=1)
     expert = (counts * np.array([u.expert_params for u in base], float)).sum(axis=1) \
         / (tp * c["ep"])
     shards = c["dp"] * cp

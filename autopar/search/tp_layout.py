@@ -42,7 +42,7 @@ from autopar.estimate.timing import slowest_groups, tp_collectives
 from autopar.estimate.tp_comm import partial_gradient_bytes, primitive_collectives
 from autopar.estimate.units import units_from_graph
 from autopar.ir import SEQUENCE_DIM, Graph
-from autopar.ir.residual import residual_structure, sublayers
+from autopar.ir.residual import kv_projections, residual_structure, sublayers
 from autopar.plan import megatron_tp_placements
 from autopar.search.intra_op import solve_block
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, state_bytes_per_param
@@ -123,15 +123,23 @@ def tp_layout(graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, *,
     taken, whether its solve is proven optimal, its compute, communication and
     parameter-state seconds per micro-batch, its memory by the ILP's model, its forward and
     backward collectives and the partial parameter gradients it all-reduces once a step, and
-    ``replicated_sublayers`` (indices) where it replicates some; ``matches_estimate_layout``
+    ``replicated_sublayers`` (indices) where it replicates some, ``replicated_kv`` the K/V
+    projections' parameters Megatron's layout replicates where tp exceeds their heads
+    (`megatron_tp_placements`); ``matches_estimate_layout``
     whether the ILP's unconstrained optimum is that layout, and ``memory_budget_bytes`` the
     bound it was solved within when its unbounded optimum held more. Where it is not,
     ``ilp_placements`` holds the ILP's layout, ``ilp_objective_s`` and ``ilp_memory_bytes``
     its price."""
-    megatron = megatron_tp_placements(graph)
     cfg = estimate.config
+    megatron = megatron_tp_placements(graph, cfg.tp)
     if cfg.tp == 1:
         return TpLayout(megatron, {}, {})
+    kv = {p.fqn: made.heads for name, made in kv_projections(graph.nodes).items()
+          if made.heads % cfg.tp and not made.fused for p in graph.node(name).params}
+    if kv:
+        log.info("tp=%d exceeds the %d key/value heads: their projections (%s, ...) are "
+                 "replicated on every tp rank, each reading the kv heads its query heads use",
+                 cfg.tp, min(kv.values()), next(iter(kv)))
     bytes_per_param, step_s_per_param = layout_price(estimate, dtype, fp32_params)
     tp_map = dict(megatron)
     report: dict[str, Any] = {}
@@ -186,6 +194,8 @@ def tp_layout(graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, *,
             "gradient_collectives": [list(c) for c in runs.gradient_collectives],
             "matches_estimate_layout": same,
             **({"replicated_sublayers": sorted(subset)} if subset else {}),
+            **({"replicated_kv": kv_params} if (kv_params := sorted(
+                f for f in kv if f.startswith(block.representative + "."))) else {}),
             **({"memory_budget_bytes": bound} if bound is not None else {}),
         }
         if subset:

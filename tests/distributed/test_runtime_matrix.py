@@ -39,6 +39,15 @@ def zoo_cells(plan_dir):
     return rm.run_matrix(["tiny_llama", "tiny_gpt"], ["tp", "tp_sp", "tp_sp_mb1"], plan_dir)
 
 
+@pytest.fixture(scope="module")
+def mqa_cells(plan_dir):
+    """Multi-query attention, one kv head over tp=2: repeated to the query heads before SDPA
+    (a hand-written Llama) and read as one head by SDPA's grouped-query path (Hugging Face
+    Gemma): the K and V projections run replicated."""
+    return rm.run_matrix(["plain_mqa"], ["tp", "tp_sp", "tp_sp_mb1"], plan_dir) + \
+        rm.run_matrix(["hf_gemma"], ["tp"], plan_dir)
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_every_cell_matches_the_reference_or_was_refused_at_compile(cells, model):
     for cell in (c for c in cells if c.model == model):
@@ -106,7 +115,7 @@ def test_tensor_parallel_issues_megatrons_collectives(cells):
 
 @pytest.mark.parametrize("plan_name", ["tp", "tp_sp", "tp_sp_mb1"])
 def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
-        cells, zoo_cells, plan_dir, plan_name):
+        cells, zoo_cells, mqa_cells, plan_dir, plan_name):
     """One layout, three readers: on the dense models (a hand-written Llama, nanoGPT with its
     fused q/k/v and tied head, Hugging Face Llama and GPT-2 with its [in, out] Conv1D weights,
     autopar's own Llama and GPT with q/k/v viewed as (3, heads, head_dim), a ViT with its
@@ -121,7 +130,10 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
     over an expert list and Hugging Face Mixtral's fused experts included in the first:
     each MoE sub-layer reduces its output once, its router's partial gradient joins the
     once-a-step all-reduce, and the ILP prices their blocks so (the routing ops pass partial
-    gradients back, the experts' gated activation keeps its features split)."""
+    gradients back, the experts' gated activation keeps its features split). With one kv
+    head (`mqa_cells`) K and V are replicated and the gradients of the attention's K/V inputs
+    move backward: all-gathered where the model repeats them to the query heads, all-reduced
+    where SDPA reads the one head."""
     import torch
 
     import autopar
@@ -132,7 +144,8 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
 
     corpus = rm._corpus()
     checked = []
-    for cell in (c for c in cells + zoo_cells if c.plan == plan_name and c.loss_err is not None):
+    for cell in (c for c in cells + zoo_cells + mqa_cells
+                 if c.plan == plan_name and c.loss_err is not None):
         assert cell.loss_err <= rm.LOSS_TOL and cell.grad_err <= rm.GRAD_TOL, cell
         plan = load_plan(plan_dir / f"{cell.model}.{plan_name}.json")
         with torch.device("meta"):
@@ -161,6 +174,12 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
             assert all(e.get("replicated_sublayers") for e in plan.intra_op.values()), \
                 cell.model
     assert set(checked) == {"plain_llama", "nano_gpt", "moe_loop", "hf_llama", "hf_mixtral",
-                            "hf_gpt2", "tiny_llama", "tiny_gpt"} | (
-        {"vit_encoder"} if plan_name == "tp" else set()), \
+                            "hf_gpt2", "tiny_llama", "tiny_gpt", "plain_mqa"} | (
+        {"vit_encoder", "hf_gemma"} if plan_name == "tp" else set()), \
         checked
+    for cell in mqa_cells:  # K and V replicated: whole on each rank
+        plan = load_plan(plan_dir / f"{cell.model}.{cell.plan}.json")
+        name = "blocks.0.attn.{}.weight" if cell.model == "plain_mqa" else \
+            "model.layers.0.self_attn.{}_proj.weight"
+        assert [plan.tp_placements[name.format(w)] for w in "qkvo"] == \
+            ["S(0)", "R", "R", "S(1)"], cell.model

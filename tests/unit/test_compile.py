@@ -313,23 +313,31 @@ def test_a_space_empty_without_pins_says_what_to_change():
                         settings=autopar.SearchSettings(max_cp=1, progress=False))
 
 
-def test_tp_divides_the_key_value_heads_as_the_runtime_and_megatron_shard_them():
-    """K and V are column-parallel by head (Megatron-LM's num_query_groups, torchtitan): a tp
-    that only the query heads allow is neither searched nor estimated (the generated script
-    would stop on it)."""
+def test_tp_beyond_the_key_value_heads_replicates_k_and_v_where_the_engine_does():
+    """K and V are column-parallel by head where tp divides their heads; beyond them autopar's
+    runtime replicates their projections (`tests/unit/test_kv_replicated.py`), while Megatron-LM
+    (num_query_groups / tp heads per rank) neither searches nor estimates such a tp; a tp that
+    neither divides the kv heads nor is a multiple of them is refused (a rank's query heads
+    would read parts of two kv heads' groups)."""
     from autopar.models.llama import Llama, LlamaConfig
 
     with torch.device("meta"):
         model = Llama(LlamaConfig(vocab_size=8192, dim=1024, n_layers=4, n_heads=16,
                                   n_kv_heads=2, ffn_dim=4096, max_seq_len=1024))
-    plan = autopar.compile(model, H100, global_batch_size=8, seq_len=1024)
-    assert set(plan.candidates["tp"]) <= {1, 2}
-    with pytest.raises(ValueError, match=r"no config has tp=4 \(without the pins: 1, 2\).*"
-                                         r"attention heads \(16\) and key/value heads \(2\)"):
-        autopar.compile(model, H100, global_batch_size=8, seq_len=1024, constraints={"tp": 4})
-    with pytest.raises(ValueError, match=r"tp=4 must divide the 2 key/value heads .*allowed "
-                                         r"tp: \[1, 2\]"):
-        autopar.estimate(model, H100, autopar.ParallelConfig(dp=2, tp=4),
+    plan = autopar.compile(model, H100, global_batch_size=8, seq_len=1024, constraints={"tp": 4})
+    assert plan.config.tp == 4
+    assert [plan.tp_placements[f"layers.0.attention.{w}.weight"] for w in ("wq", "wk", "wo")] \
+        == ["S(0)", "R", "S(1)"]
+    with pytest.raises(ValueError, match=r"target='megatron'\) runs none .* tp divides the "
+                                         r"key/value heads"):
+        autopar.compile(model, H100, global_batch_size=8, seq_len=1024, constraints={"tp": 4},
+                        target="megatron")
+    with torch.device("meta"):
+        three = Llama(LlamaConfig(vocab_size=8192, dim=768, n_layers=4, n_heads=12,
+                                  n_kv_heads=3, ffn_dim=2048, max_seq_len=1024))
+    with pytest.raises(ValueError, match=r"tp=4 must divide the 3 key/value heads .* or be a "
+                                         r"multiple of them .*allowed tp: \[1\]"):
+        autopar.estimate(three, H100, autopar.ParallelConfig(dp=2, tp=4),
                          global_batch_size=8, seq_len=1024)
 
 

@@ -1,0 +1,232 @@
+"""Attention and the functions DTensor has no strategy for, under tensor parallel.
+
+Scaled-dot-product attention has no DTensor strategy on CPU: ``LocalAttention`` (a
+``TorchFunctionMode`` the step runs under) runs ``F.scaled_dot_product_attention`` on the local
+shards when q, k and v are sharded on the heads dim, slicing replicated k/v to the kv heads the
+local query heads read (multi-query or grouped-query attention with fewer kv heads than tp,
+whose projections the plan replicates: the gradient of those k/v, a partial sum over tp, is
+all-reduced at the attention's input), and gathers them otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from autopar.runtime.tensor_parallel import _to_local_replicated
+
+__all__ = ["LocalAttention", "local_heads", "sum_grad_over_tp"]
+
+log = logging.getLogger(__name__)
+
+
+def sum_grad_over_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """``x``, whose gradient is summed over the tp ``group`` in backward (Megatron's ``f``)."""
+    return _SumGradOverTP.apply(x, group)
+
+
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the tp group (Megatron's ``f``)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class LocalAttention(TorchFunctionMode):
+    """The step's torch-function mode under tensor parallel.  Runs
+    ``F.scaled_dot_product_attention`` on DTensor q/k/v as local attention over this rank's
+    heads (dim 1 of ``[batch, heads, seq, head_dim]``): q sharded on the heads, k/v sharded
+    likewise or replicated (then sliced to the kv heads the local query heads read); any other
+    layout is gathered and attention runs replicated.  A fused projection's output, sharded
+    within each of its k chunks, split into the chunks or viewed as ``(k, heads, head_dim)``,
+    is cut locally (``_split_chunks``, ``_view_chunks``: sharded on the features or the heads,
+    where DTensor would gather it).  A function DTensor has no sharding strategy for
+    (``adaptive_avg_pool2d``), or a view it cannot keep sharded, runs on gathered local
+    tensors, replicated (an op without a strategy is remembered, so its later calls in the
+    step go there directly; one refused for its operands' layout is remembered with the
+    layout, so that a block's recompute runs the ops its forward ran, which per-op
+    checkpointing replays call by call).
+    The numbers are the reference's; the layout costs the gathers."""
+
+    def __init__(self):
+        super().__init__()
+        self._replicated: set = set()  # functions that had no sharding strategy
+        self._refused: set = set()  # (function, operand layouts) DTensor refused
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _PASSED or not any(isinstance(t, DTensor)
+                                      for t in (*args, *kwargs.values())):
+            return func(*args, **kwargs)
+        if func is F.scaled_dot_product_attention:
+            return _local_sdpa(func, *args, **kwargs)
+        if func in _SPLITS and isinstance(args[0], DTensor):
+            pieces = _split_chunks(func, *args, **kwargs)
+            if pieces is not None:
+                return pieces
+        if func in _VIEWS and isinstance(args[0], DTensor) and not kwargs:
+            heads = _view_chunks(args[0], args[1:])
+            if heads is not None:
+                return heads
+        if func in self._replicated or (
+                self._refused and _layout_key(func, args, kwargs) in self._refused):
+            return _replicated_call(func, args, kwargs)
+        try:
+            return func(*args, **kwargs)
+        except (NotImplementedError, RuntimeError) as exc:
+            if not _no_strategy(exc) or getattr(func, "__name__", "").endswith("_"):
+                raise  # an in-place op cannot run on a gathered copy of its operand
+            log.info("%s: %s; it runs on replicated tensors", getattr(func, "__name__", func),
+                     str(exc).splitlines()[0])
+            if isinstance(exc, NotImplementedError):  # the op, not this layout
+                self._replicated.add(func)
+            else:
+                self._refused.add(_layout_key(func, args, kwargs))
+            return _replicated_call(func, args, kwargs)
+
+
+# run as they are: an error inside backward is the backward's, never a missing strategy
+_PASSED = (torch.Tensor.backward, torch.autograd.backward)
+_SPLITS = (torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk)
+
+
+def _split_chunks(func, t: DTensor, size_or_chunks=None, dim: int = 0, **named) -> tuple | None:
+    """A fused projection's output (``_StridedShard(d, k)``: k chunks, each sharded over tp)
+    split into its k chunks along d: each chunk is this rank's local piece, sharded ``Shard(d)``
+    (DTensor would gather the whole output first).  None for any other split."""
+    if len(t.placements) != 1 or not isinstance(t.placements[0], _StridedShard):
+        return None
+    if size_or_chunks is None:  # given by name
+        size_or_chunks = next(iter(named.values()), None)
+    placement, dim = t.placements[0], dim % t.dim()
+    k = placement.split_factor
+    if placement.dim != dim:
+        return None
+    chunk = t.shape[dim] // k
+    by_size = func in (torch.Tensor.split, torch.split)
+    if (by_size and size_or_chunks not in (chunk, [chunk] * k)) or \
+            (not by_size and size_or_chunks != k):
+        return None
+    return tuple(DTensor.from_local(piece, t.device_mesh, (Shard(dim),), run_check=False)
+                 for piece in t.to_local().chunk(k, dim=dim))
+
+
+_VIEWS = (torch.Tensor.view, torch.Tensor.reshape)
+
+
+def _view_chunks(t: DTensor, shape: tuple) -> DTensor | None:
+    """A fused projection's output (``_StridedShard`` of its last dim into k chunks) viewed as
+    ``(..., k, heads, head_dim)``: this rank's piece viewed as ``(..., k, heads / tp,
+    head_dim)``, sharded on the heads (DTensor would gather the whole output first).  None for
+    any other view."""
+    if len(t.placements) != 1 or not isinstance(t.placements[0], _StridedShard):
+        return None
+    placement, last = t.placements[0], t.dim() - 1
+    shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list,
+                                                                          torch.Size)) else shape
+    if placement.dim != last or len(shape) != t.dim() + 2 or \
+            tuple(shape[:last]) != tuple(t.shape[:last]) or shape[last] != placement.split_factor:
+        return None
+    n = t.device_mesh.size()
+    k, heads, head_dim = shape[last], shape[last + 1], shape[last + 2]
+    if head_dim == -1:
+        head_dim = t.shape[last] // (k * heads)
+    if heads == -1:
+        heads = t.shape[last] // (k * head_dim)
+    if k * heads * head_dim != t.shape[last] or heads % n:
+        return None
+    local = t.to_local().view(*t.to_local().shape[:last], k, heads // n, head_dim)
+    return DTensor.from_local(local, t.device_mesh, (Shard(last + 1),), run_check=False)
+
+
+def _layout_key(func, args: tuple, kwargs: dict) -> tuple:
+    """A call's function with the shape and placements of its DTensor operands."""
+    return (func,) + tuple((tuple(t.shape), t.placements) for t in (*args, *kwargs.values())
+                           if isinstance(t, DTensor))
+
+
+def _no_strategy(exc: Exception) -> bool:
+    """Whether DTensor refused an op for its layout (no strategy, or a view it cannot keep
+    sharded), rather than the op failing for another reason."""
+    text = str(exc)
+    return "sharding strategy" in text or "Sharding propagation failed" in text or \
+        "unevenly sharded" in text
+
+
+def _replicated_call(func, args: tuple, kwargs: dict) -> Any:
+    """``func`` on the full local tensors of its DTensor arguments; tensor results rejoin as
+    replicated DTensors (every rank computes the same numbers)."""
+    mesh = next(t.device_mesh for t in (*args, *kwargs.values()) if isinstance(t, DTensor))
+    out = func(*tree_map(_to_local_replicated, args), **tree_map(_to_local_replicated, kwargs))
+    return tree_map(lambda t: DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+                    if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t, out)
+
+
+def _heads_sharded(t: Any) -> bool:
+    return isinstance(t, DTensor) and t.placements == (Shard(1),)
+
+
+def local_heads(query: Any, key: Any, value: Any) -> tuple:
+    """``(q, k, v, wrap)``: plain local tensors of attention inputs that may be DTensors, and the
+    function that turns the local attention output back into a DTensor.  With q sharded on the
+    heads (dim 1), each rank keeps its query heads and the kv heads they read (sliced from
+    replicated k/v when the kv heads do not shard alike, e.g. fewer kv heads than tp ranks);
+    otherwise everything is gathered and attention runs replicated."""
+    mesh = next(t.device_mesh for t in (query, key, value) if isinstance(t, DTensor))
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    if _heads_sharded(query) and query.shape[1] % tp == 0:
+        per_rank = query.shape[1] // tp
+        kv = []
+        for t in (key, value):
+            if _heads_sharded(t) and t.shape[1] % tp == 0 and \
+                    (t.shape[1] // tp) * (query.shape[1] // t.shape[1]) == per_rank:
+                kv.append(t.to_local())
+                continue
+            if isinstance(t, DTensor) and t.shape[1] % tp == 0 and \
+                    (t.shape[1] // tp) * (query.shape[1] // t.shape[1]) == per_rank:
+                # K/V repeated to heads tp divides: each rank's are a slice, whose
+                # gradients are all-gathered (as the estimate charges them)
+                kv.append(t.redistribute(mesh, (Shard(1),)).to_local())
+                continue
+            # each rank reads some kv heads: their gradients are partial sums over tp, summed
+            # here, at the attention's input, as the estimate charges it
+            full = sum_grad_over_tp(t.redistribute(mesh, (Replicate(),)).to_local(),
+                                    mesh.get_group()) if isinstance(t, DTensor) else t
+            group = query.shape[1] // full.shape[1]  # query heads per kv head
+            lo, hi = rank * per_rank // group, ((rank + 1) * per_rank - 1) // group + 1
+            kv.append(full[:, lo:hi])
+        placement = (Shard(1),)
+        q = query.to_local()
+    else:
+        q, *kv = (t.redistribute(mesh, (Replicate(),)).to_local() if isinstance(t, DTensor)
+                  else t for t in (query, key, value))
+        placement = (Replicate(),)
+    return (q, kv[0], kv[1],
+            lambda out: DTensor.from_local(out, mesh, placement, run_check=False))
+
+
+def _local_sdpa(func, query, key, value, attn_mask=None, *args, enable_gqa=False, **kwargs):
+    if isinstance(attn_mask, DTensor):
+        attn_mask = attn_mask.redistribute(attn_mask.device_mesh, (Replicate(),)).to_local()
+    if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[1] > 1 and \
+            _heads_sharded(query):  # a per-head mask: run on all heads
+        query = query.redistribute(query.device_mesh, (Replicate(),))
+    q, k, v, wrap = local_heads(query, key, value)
+    return wrap(func(q, k, v, attn_mask, *args, enable_gqa=enable_gqa or k.shape[1] != q.shape[1],
+                     **kwargs))
