@@ -25,8 +25,10 @@ __all__ = ["partial_gradient_bytes", "partial_gradient_sync", "primitive_collect
 def partial_gradient_bytes(unit: Unit, sequence_parallel: bool) -> float:
     """Bytes of one layer's gradients that are partial sums over tp, in the parameters'
     traced dtype: under sequence parallel those on the sequence-sharded stream
-    (`Unit.stream_params`), and an MoE sub-layer's router's (`Unit.router_params`)."""
-    params = unit.router_params + (unit.stream_params if sequence_parallel else 0)
+    (`Unit.stream_params`), an MoE sub-layer's router's (`Unit.router_params`) and those of
+    ops on the heads tp splits (`Unit.head_params`)."""
+    params = unit.router_params + unit.head_params \
+        + (unit.stream_params if sequence_parallel else 0)
     return params * unit.param_bytes / max(1, unit.dense_params + unit.expert_params)
 
 

@@ -28,14 +28,15 @@ from typing import NamedTuple
 from autopar.estimate.fp8 import fp8_elements
 from autopar.estimate.kept import per_op_kept, recompute_tail
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
-from autopar.ir.residual import (MIXING_KINDS, consumers, kv_projections, residual_structure,
-                                 router_gemms, sublayers)
+from autopar.ir.residual import (after_row_ops, consumers, kv_projections, made_of_params,
+                                 residual_structure, router_gemms, sublayers, tp_split_ops,
+                                 vocab_sizes)
 
 LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
 LOSS_REDUCTION_BYTES = 4  # fp32 per row each
 
 __all__ = ["LOSS_REDUCTIONS", "LOSS_REDUCTION_BYTES", "KvGemm", "OpCost", "SubLayer", "Unit",
-           "kv_whole", "token_lookup", "units_from_graph", "vocab_sizes"]
+           "kv_whole", "units_from_graph"]
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV)
 _FREE_KINDS = (OpKind.VIEW,)
@@ -157,6 +158,10 @@ class Unit:
     # every tp rank): the sub-layer's output reduced once over tp, the router's gradient on a
     # rank is a partial sum too, reduced once a step with the stream's, with or without SP
     router_params: int = 0
+    # elements of the replicated parameters of ops on the heads tp splits (a per-head q/k
+    # norm and its scale): each rank's gradient is a partial sum over its heads, reduced
+    # once a step with the stream's, with or without SP
+    head_params: int = 0
     # how expert parallel moves tokens: "all_to_all" (dispatch and combine of the routed rows) or
     # "all_gather" (every ep rank's tokens gathered, outputs reduce-scattered)
     ep_dispatch: str = "all_to_all"
@@ -340,7 +345,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     act = 0
     tail = recompute_tail(nodes)
     residual = residual_structure(nodes)
-    sharded = _tp_sharded(nodes, residual)
+    sharded = tp_split_ops(nodes, residual)
     kept = per_op_kept(nodes)
     kv_gemms = {name: kv for name, kv in kv_projections(nodes).items() if not kv.fused}
     kv_made: list[KvGemm] = []
@@ -449,10 +454,29 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         param_bytes=sum(seen_params.values()),
         loss_logits=sum(n.inputs[0].numel for n in losses),
         loss_logit_bytes=sum(n.inputs[0].num_bytes for n in losses), tail_kernels=tail_kernels,
-        stream_params=sum(p.numel for n in nodes if n.name in stream for p in n.params
-                          if p.requires_grad and p.fqn in seen_params), sublayers=subs,
+        stream_params=_params_of(nodes, stream | after_row_ops(nodes, residual), seen_params),
+        sublayers=subs,
         router_params=_router_params(nodes, residual, seen_params),
+        head_params=_head_params(nodes, sharded, seen_params),
         kv_projections=tuple(kv_made))
+
+
+def _params_of(nodes: list[Node], users: set[str], owned: dict[str, int]) -> int:
+    """Trainable elements, owned by this unit, of the parameters the nodes ``users`` read,
+    directly or through ops made of parameters alone (`made_of_params`)."""
+    users = users | made_of_params(nodes, users)
+    return sum({p.fqn: p.numel for n in nodes if n.name in users for p in n.params
+                if p.requires_grad and p.fqn in owned}.values())
+
+
+def _head_params(nodes: list[Node], sharded: set[str], owned: dict[str, int]) -> int:
+    """Trainable elements of the parameters, owned by this unit, of the ops on split features
+    (``sharded``, `tp_split_ops`) that read them as heads (a 4-D ``[..., heads, head_dim]``
+    input: tp splits the heads, not what the op normalises or scales), and of the ops made of
+    parameters alone that only those read (`made_of_params`)."""
+    return _params_of(nodes, {n.name for n in nodes if n.name in sharded and any(
+        len(t.shape) >= 4 for t, src in zip(n.inputs, n.input_sources)
+        if not src.startswith(("param:", "buffer:", "const")))}, owned)
 
 
 def _router_params(nodes: list[Node], residual, owned: dict[str, int]) -> int:
@@ -462,33 +486,6 @@ def _router_params(nodes: list[Node], residual, owned: dict[str, int]) -> int:
     for node in (n for run in sublayers(nodes, residual) for n in router_gemms(run)):
         found.update({p.fqn: p.numel for p in node.params if p.requires_grad and p.fqn in owned})
     return sum(found.values())
-
-
-def _tp_sharded(nodes: list[Node], residual) -> set[str]:
-    """The memory-bound ops of a block on features Megatron's layout splits over tp: those
-    computed from a sub-layer's mixing ops (its column-parallel GEMMs, attention) that are not
-    on the residual stream and not after its row-parallel GEMM (whose reduced output, like
-    the stream, is whole on every rank without sequence parallel)."""
-    if not residual.residual_adds:
-        return set()
-    readers = consumers(nodes)
-    after_row: set[str] = set()
-    frontier = list(residual.row_gemms)
-    while frontier:
-        for nxt in readers.get(frontier.pop(), ()):
-            if nxt.name not in after_row and nxt.kind not in MIXING_KINDS \
-                    and nxt.name not in residual.stream:
-                after_row.add(nxt.name)
-                frontier.append(nxt.name)
-    mixed: set[str] = set()
-    for node in nodes:
-        if node.kind in MIXING_KINDS:
-            mixed.add(node.name)
-        elif any(src in mixed for src in node.input_sources) and node.name not in \
-                residual.stream and node.name not in after_row:
-            mixed.add(node.name)
-    return {n.name for n in nodes if n.name in mixed and n.kind not in MIXING_KINDS
-            and n.kind not in _FREE_KINDS}
 
 
 _NOT_REPLICABLE = frozenset({OpKind.ATTENTION, OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE,
@@ -538,7 +535,9 @@ def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]
         for nxt in readers.get(name, ()):
             if _is_cross_entropy(nxt):
                 return nxt
-            if nxt.kind in _FREE_KINDS and (found := read_by_loss(nxt.name)) is not None:
+            # views and element-wise ops (a final logit soft-capping) keep the logits split
+            if nxt.kind in (*_FREE_KINDS, OpKind.ELEMENTWISE) and \
+                    (found := read_by_loss(nxt.name)) is not None:
                 return found
         return None
 
@@ -562,26 +561,6 @@ def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]
         else:
             stream.add(node.name)
     return tuple(syncs), stream
-
-
-def vocab_sizes(graph: Graph) -> set[int]:
-    """Rows of the embedding tables indexed by the model's token input (not positions)."""
-    return {p.shape[0] for n in graph.nodes if token_lookup(graph, n) for p in n.params
-            if p.shape}
-
-
-def token_lookup(graph: Graph, node: Node) -> bool:
-    """Whether ``node`` is an embedding lookup of the model's token ids: its indices are a
-    model input, or views of one (``input_ids.view(-1, s)``), not positions made inside."""
-    if node.kind is not OpKind.EMBEDDING:
-        return False
-    by_name = {n.name: n for n in graph.nodes}
-    for src in node.input_sources:
-        while src in by_name and by_name[src].kind is OpKind.VIEW:
-            src = by_name[src].input_sources[0]
-        if src.startswith("input:"):
-            return True
-    return False
 
 
 def units_from_graph(graph: Graph) -> tuple[Unit, ...]:

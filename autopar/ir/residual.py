@@ -13,6 +13,10 @@ written by hand (``x * rsqrt(mean(x²) + eps) * w``) and ``nn.RMSNorm`` give the
   view ops only, and whose input is not the stream itself: the last GEMM of a sub-layer, which
   Megatron-LM splits on its input features (row-parallel) so that one reduction per sub-layer
   completes it.  Parallel residuals (``x + attn(n1(x)) + mlp(n2(x))``) have two.
+
+Other structure read from the dataflow alike: fused projections and their chunks, the K and V
+projections of attention (`kv_projections`), the vocabulary tables (`vocab_sizes`), and nodes
+made of parameters alone (`made_of_params`).
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from autopar.ir.graph import Node, OpKind
+from autopar.ir.graph import Graph, Node, OpKind
 
-__all__ = ["MIXING_KINDS", "Residual", "consumers", "fused_chunks", "fused_splits",
-           "KvProjection", "kv_projections", "moe_dispatch", "residual_structure", "router_gemms", "routing_nodes", "sublayers"]
+__all__ = ["KvProjection", "MIXING_KINDS", "Residual", "after_row_ops", "consumers",
+           "fused_chunks", "fused_splits", "kv_projections", "made_of_params", "moe_dispatch",
+           "residual_structure", "router_gemms", "routing_nodes", "sublayers", "token_lookup",
+           "tp_split_ops", "vocab_sizes"]
 
 MIXING_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
                      OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE})
@@ -58,6 +64,15 @@ def _activations(node: Node) -> list[tuple[str, tuple[int, ...]]]:
             if not src.startswith(_NOT_ACTIVATION)]
 
 
+def _parameter_values(nodes: Sequence[Node]) -> set[str]:
+    """The nodes of ``nodes`` computed from parameters, buffers and constants alone."""
+    made: set[str] = set()
+    for node in nodes:
+        if all(src.startswith(_NOT_ACTIVATION) or src in made for src in node.input_sources):
+            made.add(node.name)
+    return made
+
+
 def residual_structure(nodes: Sequence[Node]) -> Residual:
     """The stream, residual adds and row GEMMs of ``nodes`` (one block, in execution order)."""
     if not nodes:
@@ -67,8 +82,9 @@ def residual_structure(nodes: Sequence[Node]) -> Residual:
     stream: set[str] = set()
     mixed: set[str] = set()  # values computed through a mixing op of the run
     adds: list[str] = []
+    weights = _parameter_values(nodes)  # a norm's ``1 + w`` is no activation
     for node in nodes:
-        acts = _activations(node)
+        acts = [(src, shape) for src, shape in _activations(node) if src not in weights]
         on_stream = [src in stream or (src not in names and shape == hidden)
                      for src, shape in acts]
         through_mixing = [src in mixed for src, _ in acts]
@@ -272,3 +288,73 @@ def _projections(src: str, by_name: dict[str, Node]) -> set[str]:
         elif node.kind not in MIXING_KINDS:
             stack += [s for s in node.input_sources if not s.startswith(_NOT_ACTIVATION)]
     return found
+
+
+def made_of_params(nodes: list[Node], readers_in: set[str]) -> set[str]:
+    """The nodes computed from parameters, buffers and constants alone (Gemma's norm scale
+    ``1 + w``, a weight's cast) whose outputs only nodes of ``readers_in`` read, directly or
+    through other such nodes: their parameters' gradients are those of the ops reading them."""
+    made = _parameter_values(nodes)
+    readers = consumers(nodes)
+    out: set[str] = set()
+    for node in reversed(nodes):
+        reads = readers.get(node.name, ())
+        if node.name in made and reads and all(r.name in readers_in or r.name in out
+                                               for r in reads):
+            out.add(node.name)
+    return out
+
+
+def vocab_sizes(graph: Graph) -> set[int]:
+    """Rows of the embedding tables indexed by the model's token input (not positions)."""
+    return {p.shape[0] for n in graph.nodes if token_lookup(graph, n) for p in n.params
+            if p.shape}
+
+
+def token_lookup(graph: Graph, node: Node) -> bool:
+    """Whether ``node`` is an embedding lookup of the model's token ids: its indices are a
+    model input, or views of one (``input_ids.view(-1, s)``), not positions made inside."""
+    if node.kind is not OpKind.EMBEDDING:
+        return False
+    by_name = {n.name: n for n in graph.nodes}
+    for src in node.input_sources:
+        while src in by_name and by_name[src].kind is OpKind.VIEW:
+            src = by_name[src].input_sources[0]
+        if src.startswith("input:"):
+            return True
+    return False
+
+
+def after_row_ops(nodes: Sequence[Node], residual: Residual) -> set[str]:
+    """The ops of a block after a row GEMM and before its residual add (a post-norm): they
+    mix no features and are off the stream; under sequence parallel they run on the sequence
+    shard the row GEMM's output is reduce-scattered to."""
+    readers = consumers(nodes)
+    after: set[str] = set()
+    frontier = list(residual.row_gemms)
+    while frontier:
+        for nxt in readers.get(frontier.pop(), ()):
+            if nxt.name not in after and nxt.kind not in MIXING_KINDS \
+                    and nxt.name not in residual.stream:
+                after.add(nxt.name)
+                frontier.append(nxt.name)
+    return after
+
+
+def tp_split_ops(nodes: Sequence[Node], residual: Residual) -> set[str]:
+    """The memory-bound ops of a block on features Megatron's layout splits over tp: those
+    computed from a sub-layer's mixing ops (its column-parallel GEMMs, attention) that are not
+    on the residual stream and not after its row-parallel GEMM (whose reduced output, like
+    the stream, is whole on every rank without sequence parallel)."""
+    if not residual.residual_adds:
+        return set()
+    after_row = after_row_ops(nodes, residual)
+    mixed: set[str] = set()
+    for node in nodes:
+        if node.kind in MIXING_KINDS:
+            mixed.add(node.name)
+        elif any(src in mixed for src in node.input_sources) and node.name not in \
+                residual.stream and node.name not in after_row:
+            mixed.add(node.name)
+    return {n.name for n in nodes if n.name in mixed and n.kind not in MIXING_KINDS
+            and n.kind is not OpKind.VIEW}

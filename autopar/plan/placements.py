@@ -28,10 +28,11 @@ from collections.abc import Mapping, Sequence
 from autopar.config import ParallelConfig
 from autopar.errors import InvalidConfigError
 from autopar.estimate.fp8 import fp8_weight
-from autopar.estimate.units import Unit, token_lookup, vocab_sizes
+from autopar.estimate.units import Unit
 from autopar.ir import Graph, OpKind
 from autopar.ir.residual import (MIXING_KINDS, consumers, fused_chunks, kv_projections,
-                                 moe_dispatch, residual_structure, router_gemms, sublayers)
+                                 moe_dispatch, residual_structure, router_gemms, sublayers,
+                                 token_lookup, vocab_sizes)
 
 __all__ = ["fp8_weights", "fused_projections", "megatron_tp_placements", "param_placements",
            "replicated_sublayers"]

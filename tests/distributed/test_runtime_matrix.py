@@ -48,6 +48,16 @@ def mqa_cells(plan_dir):
         rm.run_matrix(["hf_gemma"], ["tp"], plan_dir)
 
 
+@pytest.fixture(scope="module")
+def norm_cells(plan_dir):
+    """Norms the layout leaves replicated where tp splits or shards what they read: Qwen3's
+    per-head q/k norms (partial gradients over the heads, with sequence parallel too) and
+    Gemma 2's post-norms with their ``1 + w`` scales and final logit soft-capping (the loss
+    reads the logits through element-wise ops, still split over the vocabulary)."""
+    return rm.run_matrix(["hf_qwen3"], ["tp", "tp_sp"], plan_dir) + \
+        rm.run_matrix(["hf_gemma2"], ["tp"], plan_dir)
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_every_cell_matches_the_reference_or_was_refused_at_compile(cells, model):
     for cell in (c for c in cells if c.model == model):
@@ -115,7 +125,7 @@ def test_tensor_parallel_issues_megatrons_collectives(cells):
 
 @pytest.mark.parametrize("plan_name", ["tp", "tp_sp", "tp_sp_mb1"])
 def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
-        cells, zoo_cells, mqa_cells, plan_dir, plan_name):
+        cells, zoo_cells, mqa_cells, norm_cells, plan_dir, plan_name):
     """One layout, three readers: on the dense models (a hand-written Llama, nanoGPT with its
     fused q/k/v and tied head, Hugging Face Llama and GPT-2 with its [in, out] Conv1D weights,
     autopar's own Llama and GPT with q/k/v viewed as (3, heads, head_dim), a ViT with its
@@ -133,7 +143,8 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
     gradients back, the experts' gated activation keeps its features split). With one kv
     head (`mqa_cells`) K and V are replicated and the gradients of the attention's K/V inputs
     move backward: all-gathered where the model repeats them to the query heads, all-reduced
-    where SDPA reads the one head."""
+    where SDPA reads the one head. Replicated norms on split heads or after a row GEMM join
+    the once-a-step all-reduce of partial gradients (`norm_cells`)."""
     import torch
 
     import autopar
@@ -144,7 +155,7 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
 
     corpus = rm._corpus()
     checked = []
-    for cell in (c for c in cells + zoo_cells + mqa_cells
+    for cell in (c for c in cells + zoo_cells + mqa_cells + norm_cells
                  if c.plan == plan_name and c.loss_err is not None):
         assert cell.loss_err <= rm.LOSS_TOL and cell.grad_err <= rm.GRAD_TOL, cell
         plan = load_plan(plan_dir / f"{cell.model}.{plan_name}.json")
@@ -175,8 +186,8 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
                 cell.model
     assert set(checked) == {"plain_llama", "nano_gpt", "moe_loop", "hf_llama", "hf_mixtral",
                             "hf_gpt2", "tiny_llama", "tiny_gpt", "plain_mqa"} | (
-        {"vit_encoder", "hf_gemma"} if plan_name == "tp" else set()), \
-        checked
+        {"vit_encoder", "hf_gemma", "hf_qwen3", "hf_gemma2"} if plan_name == "tp" else
+        {"hf_qwen3"} if plan_name == "tp_sp" else set()), checked
     for cell in mqa_cells:  # K and V replicated: whole on each rank
         plan = load_plan(plan_dir / f"{cell.model}.{cell.plan}.json")
         name = "blocks.0.attn.{}.weight" if cell.model == "plain_mqa" else \

@@ -1,0 +1,100 @@
+"""Does the estimate charge the tensor-parallel collectives the runtime issues?  For each corpus
+model (``tests/corpus.py``) under tensor-parallel plans of ``benchmarks/runtime_matrix.py`` (tp
+and tp + sequence parallel on 2 gloo ranks by default), the plan is compiled, trained for 3
+steps next to the one-process reference, and the collectives rank 0 issued in one training
+step (each kind with its bytes, less the scalar all-reduce of the reported loss) are compared
+with the estimate's for the plan's layout (`autopar.estimate.tp_comm.tp_step_collectives`), and
+each block's in the plan (`plan.intra_op`, the ILP's execution of the layout) with the
+estimate's per layer, as reduce-scatters and all-gathers (`primitive_collectives`).
+
+A row says whether the numbers matched the reference ("ok"), whether the runtime's collectives
+are the estimate's ("same") or which (kind, bytes) x count only one side has, and whether the
+ILP's per-layer collectives are the estimate's.
+
+    python benchmarks/collectives_agreement.py [--models hf_llama,hf_qwen3] [--plans tp,tp_sp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks import runtime_matrix as rm  # noqa: E402
+
+
+def _difference(issued: Counter, charged: Counter) -> str:
+    def text(c: Counter) -> str:
+        return ", ".join(f"{kind} {n} B x{k}" for (kind, n), k in sorted(c.items())) or "-"
+
+    return f"runtime only: {text(issued - charged)}; estimate only: {text(charged - issued)}"
+
+
+def agreement(cell, plan_dir: Path) -> tuple[str, bool]:
+    """(what differs, or "same"; whether the ILP's per-layer collectives are the estimate's)
+    for one trained cell."""
+    import torch
+
+    import autopar
+    from autopar.estimate.core import costs_of_layout
+    from autopar.estimate.timing import tp_collectives
+    from autopar.estimate.tp_comm import primitive_collectives, tp_step_collectives
+    from autopar.plan import load_plan
+
+    corpus = rm._corpus()
+    plan = load_plan(plan_dir / f"{cell.model}.{cell.plan}.json")
+    with torch.device("meta"):
+        model = rm.factory(cell.model)()
+    if cell.model in corpus.IMAGE_MODELS:
+        shape = {"example_inputs": (torch.empty(plan.config.micro_batch_size,
+                                                *corpus.IMAGE_SHAPE, device="meta"),)}
+    else:
+        shape = {"global_batch_size": plan.config.micro_batch_size,
+                 "seq_len": plan.training["seq_len"]}
+    costs = costs_of_layout(autopar.trace(model, dtype=plan.training["dtype"], **shape),
+                            plan.config, plan.tp_placements)
+    issued = Counter((kind, int(n)) for kind, n in cell.detail["collective_bytes"])
+    issued[("all_reduce", 4)] -= 1  # the reported loss, summed over the ranks
+    charged = Counter((kind, round(n)) for kind, n in tp_step_collectives(
+        costs, plan.config, global_batch_size=plan.training["global_batch_size"]))
+    units = {u.name: u for u in costs.units}
+    ilp = all(primitive_collectives(entry["forward_collectives"]
+                                    + entry["backward_collectives"])
+              == primitive_collectives(sum(tp_collectives(units[block], plan.config), []))
+              for block, entry in plan.intra_op.items())
+    issued, charged = +issued, +charged
+    return ("same" if issued == charged else _difference(issued, charged)), ilp
+
+
+def main(argv: list[str] | None = None) -> None:
+    corpus = rm._corpus()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(corpus.TOKEN_MODELS + corpus.IMAGE_MODELS))
+    ap.add_argument("--plans", default="tp,tp_sp")
+    args = ap.parse_args(argv)
+    models, plans = args.models.split(","), args.plans.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        cells = rm.run_matrix(models, plans, Path(tmp))
+        rows = []
+        for cell in cells:
+            if cell.loss_err is None:
+                rows.append((cell.model, cell.plan, cell.text()[:60], "", ""))
+                continue
+            what, ilp = agreement(cell, Path(tmp))
+            rows.append((cell.model, cell.plan, cell.text().split(" ")[0], what,
+                         "same" if ilp else "differs"))
+    print("| model | plan | numerics | runtime vs estimate | ILP per layer vs estimate |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    ran = [r for r in rows if r[3]]
+    print(f"\n{sum(r[3] == 'same' for r in ran)} of {len(ran)} cells that ran: the runtime "
+          f"issued the collectives the estimate charges; {len(rows) - len(ran)} did not run")
+
+
+if __name__ == "__main__":
+    main()
