@@ -20,7 +20,9 @@ import argparse
 import sys
 import tempfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -34,9 +36,29 @@ def _difference(issued: Counter, charged: Counter) -> str:
     return f"runtime only: {text(issued - charged)}; estimate only: {text(charged - issued)}"
 
 
-def agreement(cell, plan_dir: Path) -> tuple[str, bool]:
-    """(what differs, or "same"; whether the ILP's per-layer collectives are the estimate's)
-    for one trained cell."""
+@dataclass(frozen=True)
+class Comparison:
+    """One trained cell's tensor-parallel collectives: ``issued`` (rank 0's in a step, less
+    the scalar all-reduce of the reported loss) and ``charged`` (the estimate's for the plan's
+    layout) as {(kind, bytes): count}, and per block of the plan's ILP report its per-layer
+    collectives and the estimate's, as reduce-scatters and all-gathers."""
+
+    plan: Any
+    issued: Counter
+    charged: Counter
+    blocks: dict[str, tuple[list, list]]
+
+    @property
+    def same(self) -> bool:
+        return self.issued == self.charged
+
+    @property
+    def ilp_same(self) -> bool:
+        return all(ilp == est for ilp, est in self.blocks.values())
+
+
+def compare(cell, plan_dir: Path) -> Comparison:
+    """`Comparison` of a cell that trained (`runtime_matrix.run_matrix` into ``plan_dir``)."""
     import torch
 
     import autopar
@@ -62,12 +84,11 @@ def agreement(cell, plan_dir: Path) -> tuple[str, bool]:
     charged = Counter((kind, round(n)) for kind, n in tp_step_collectives(
         costs, plan.config, global_batch_size=plan.training["global_batch_size"]))
     units = {u.name: u for u in costs.units}
-    ilp = all(primitive_collectives(entry["forward_collectives"]
-                                    + entry["backward_collectives"])
-              == primitive_collectives(sum(tp_collectives(units[block], plan.config), []))
-              for block, entry in plan.intra_op.items())
-    issued, charged = +issued, +charged
-    return ("same" if issued == charged else _difference(issued, charged)), ilp
+    blocks = {block: (primitive_collectives(entry["forward_collectives"]
+                                            + entry["backward_collectives"]),
+                      primitive_collectives(sum(tp_collectives(units[block], plan.config), [])))
+              for block, entry in plan.intra_op.items()}
+    return Comparison(plan=plan, issued=+issued, charged=+charged, blocks=blocks)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,9 +105,10 @@ def main(argv: list[str] | None = None) -> None:
             if cell.loss_err is None:
                 rows.append((cell.model, cell.plan, cell.text()[:60], "", ""))
                 continue
-            what, ilp = agreement(cell, Path(tmp))
-            rows.append((cell.model, cell.plan, cell.text().split(" ")[0], what,
-                         "same" if ilp else "differs"))
+            got = compare(cell, Path(tmp))
+            rows.append((cell.model, cell.plan, cell.text().split(" ")[0],
+                         "same" if got.same else _difference(got.issued, got.charged),
+                         "same" if got.ilp_same else "differs"))
     print("| model | plan | numerics | runtime vs estimate | ILP per layer vs estimate |")
     print("|---|---|---|---|---|")
     for row in rows:

@@ -76,6 +76,10 @@ class LocalAttention(TorchFunctionMode):
             return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return _local_sdpa(func, *args, **kwargs)
+        if func in _MULS and len(args) == 2 and not kwargs:
+            scaled = _scaled_partial(*args)
+            if scaled is not None:
+                return scaled
         if func in _SPLITS and isinstance(args[0], DTensor):
             pieces = _split_chunks(func, *args, **kwargs)
             if pieces is not None:
@@ -99,6 +103,24 @@ class LocalAttention(TorchFunctionMode):
             else:
                 self._refused.add(_layout_key(func, args, kwargs))
             return _replicated_call(func, args, kwargs)
+
+
+_MULS = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
+
+
+def _scaled_partial(a: Any, b: Any) -> DTensor | None:
+    """A partial sum times a one-element tensor (an embedding scaled by a buffer inside its
+    module, as Gemma's is), kept a partial sum: scaling is linear, where DTensor would
+    all-reduce it first and the module's reduction (a reduce-scatter under sequence parallel)
+    would find nothing to reduce. None for any other product."""
+    for x, c in ((a, b), (b, a)):
+        if isinstance(x, DTensor) and all(p.is_partial("sum") for p in x.placements) and \
+                isinstance(c, torch.Tensor) and c.numel() == 1 and not c.requires_grad and \
+                (not isinstance(c, DTensor) or c.placements == (Replicate(),)):
+            scale = c.to_local() if isinstance(c, DTensor) else c
+            local = x.to_local(grad_placements=(Replicate(),)) * scale
+            return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
+    return None
 
 
 # run as they are: an error inside backward is the backward's, never a missing strategy
