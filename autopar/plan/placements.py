@@ -11,8 +11,9 @@ it is as GPT-2's Conv1D, told apart by how the GEMM reads it); embeddings and th
 head are vocab-parallel; norms stay replicated. Where tp does not divide an attention's key/value
 heads (but is a multiple of them: multi-query or grouped-query attention with fewer kv heads
 than ranks), its K and V projections (`autopar.ir.residual.kv_projections`) are replicated:
-each rank computes them whole and reads the kv heads its query heads use, and their weight
-gradients, partial sums over tp, are all-reduced once a step. In an MoE sub-layer the router is
+each rank computes them whole and reads the kv heads its query heads use (the gradient of what
+it read is gathered or reduced at the attention's input, as `tp_collectives` charges it, so
+their weight gradients are whole). In an MoE sub-layer the router is
 replicated and each expert's GEMMs are a column→row chain (the last GEMM, fed by another and
 feeding none, is row-parallel: what the estimate costs, expert weights split over tp, one tp
 reduction per sub-layer). Block representatives
