@@ -80,6 +80,8 @@ def compare(cell, plan_dir: Path) -> Comparison:
     costs = costs_of_layout(autopar.trace(model, dtype=plan.training["dtype"], **shape),
                             plan.config, plan.tp_placements)
     issued = Counter((kind, int(n)) for kind, n in cell.detail["collective_bytes"])
+    if not issued[("all_reduce", 4)]:
+        raise ValueError(f"{cell.model} {cell.plan}: no all-reduce of the reported loss")
     issued[("all_reduce", 4)] -= 1  # the reported loss, summed over the ranks
     charged = Counter((kind, round(n)) for kind, n in tp_step_collectives(
         costs, plan.config, global_batch_size=plan.training["global_batch_size"]))

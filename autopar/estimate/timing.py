@@ -456,8 +456,7 @@ def tp_collectives(unit: Unit, cfg: ParallelConfig
             other.append(("all_gather", n))
         else:
             here.append(("all_gather" if kind == "gather" else "all_reduce", n))
-    bwd += [("all_reduce" if kv_whole(kv.read_heads, cfg.tp) else "all_gather",
-             kv.read_bytes / cfg.cp)
+    bwd += [("all_reduce" if kv.read_heads % cfg.tp else "all_gather", kv.read_bytes / cfg.cp)
             for kv in unit.kv_projections if kv_whole(kv.heads, cfg.tp)]
     return fwd, bwd
 

@@ -29,20 +29,19 @@ from collections.abc import Mapping, Sequence
 from autopar.config import ParallelConfig
 from autopar.errors import InvalidConfigError
 from autopar.estimate.fp8 import fp8_weight
-from autopar.estimate.units import Unit
+from autopar.estimate.units import Unit, kv_whole
 from autopar.ir import Graph, OpKind
 from autopar.ir.residual import (MIXING_KINDS, consumers, fused_chunks, kv_projections,
                                  moe_dispatch, residual_structure, router_gemms, sublayers,
                                  token_lookup, vocab_sizes)
 
 __all__ = ["fp8_weights", "fused_projections", "megatron_tp_placements", "param_placements",
-           "replicated_sublayers"]
+           "replicated_kv", "replicated_sublayers"]
 
 
 def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
     vocab = vocab_sizes(graph)
-    out: dict[str, str] = {p.fqn: "R" for name, kv in kv_projections(graph.nodes).items()
-                           if kv.heads % tp and not kv.fused for p in graph.node(name).params}
+    out: dict[str, str] = dict.fromkeys(replicated_kv(graph, tp), "R")
     sublayer: list = []
     block_of = {name: b.representative for b in graph.blocks for name in b.node_names}
     runs: dict[str | None, list] = {}
@@ -93,6 +92,13 @@ def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
             sublayer = []
     close(sublayer)
     return out
+
+
+def replicated_kv(graph: Graph, tp: int) -> dict[str, int]:
+    """``{param FQN: kv heads}`` of the K/V projections Megatron's layout replicates at ``tp``
+    (`autopar.estimate.units.kv_whole`; not those fused with Q)."""
+    return {p.fqn: kv.heads for name, kv in kv_projections(graph.nodes).items()
+            if kv_whole(kv.heads, tp) and not kv.fused for p in graph.node(name).params}
 
 
 def replicated_sublayers(graph: Graph, units: Sequence[Unit], tp_placements: Mapping[str, str],

@@ -42,8 +42,9 @@ from autopar.estimate.timing import slowest_groups, tp_collectives
 from autopar.estimate.tp_comm import partial_gradient_bytes, primitive_collectives
 from autopar.estimate.units import units_from_graph
 from autopar.ir import SEQUENCE_DIM, Graph
-from autopar.ir.residual import kv_projections, residual_structure, sublayers
+from autopar.ir.residual import residual_structure, sublayers
 from autopar.plan import megatron_tp_placements
+from autopar.plan.placements import replicated_kv
 from autopar.search.intra_op import solve_block
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, state_bytes_per_param
 
@@ -134,8 +135,7 @@ def tp_layout(graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, *,
     megatron = megatron_tp_placements(graph, cfg.tp)
     if cfg.tp == 1:
         return TpLayout(megatron, {}, {})
-    kv = {p.fqn: made.heads for name, made in kv_projections(graph.nodes).items()
-          if made.heads % cfg.tp and not made.fused for p in graph.node(name).params}
+    kv = replicated_kv(graph, cfg.tp)
     if kv:
         log.info("tp=%d exceeds the %d key/value heads: their projections (%s, ...) are "
                  "replicated on every tp rank, each reading the kv heads its query heads use",
