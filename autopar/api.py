@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -17,14 +17,15 @@ from autopar.estimate.core import (Estimate, EstimateOptions, EvalCache, ModelCo
                                    layer_costs)
 from autopar.estimate.software import preset_of, software_options
 from autopar.errors import NoPlanFitsError, RuntimeLimitError, StageMemoryError
-from autopar.search.inter_op import partition_stages
+from autopar.search.context import SearchContext
+from autopar.search.inter_op import LayerCosts, partition_stages
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES
 from autopar.models.common import count_attention_calls
 from autopar.plan import Plan, fp8_weights, fused_projections, param_placements
 from autopar.runtime.capabilities import RuntimeLimits, runtime_limits
-from autopar.search.tp_layout import LayoutContext, choose_layout
+from autopar.search.tp_layout import choose_layout
 from autopar.search.outer import SearchResult, SearchSettings, check_constraints, search
-from autopar.targets import AUTOPAR, EngineTarget, Facts, get_target
+from autopar.targets import AUTOPAR, Facts, get_target
 
 __all__ = ["compile"]
 
@@ -77,15 +78,15 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
     costs = ModelCosts.from_graph(graph)
     input_spec = _input_spec(example_inputs)
     engine.check(constraints, Facts.of(costs, dtype, options))
-    kw = dict(global_batch_size=global_batch_size, dtype=dtype, options=options,
-              settings=settings)
+    ctx = SearchContext(costs=costs, cluster=cluster, global_batch_size=global_batch_size,
+                        dtype=dtype, options=options, settings=settings, target=engine)
     runtime = dict(model=model, graph=graph, example_inputs=example_inputs,
                    input_spec=input_spec, attention_calls=attention_calls[0])
-    found = _best(engine, constraints, cluster, costs, runtime, clock=clock, **kw)
+    found = _best(ctx, constraints, runtime, clock=clock)
     result, limits = found.result, found.limits
     unrestricted = None
     if engine.restricts:
-        unrestricted = _unrestricted(constraints, cluster, costs, runtime, **kw)
+        unrestricted = _unrestricted(ctx, constraints, runtime)
         clock.lap("unrestricted")
     graphs: dict[int, Any] = {}
 
@@ -95,10 +96,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
                 model, graph, micro_batch_size, seq_len, example_inputs, dtype)
         return graphs[micro_batch_size]
 
-    ctx = LayoutContext(costs=found.costs, cluster=found.planned,
-                        global_batch_size=global_batch_size, dtype=dtype, options=options,
-                        graph_at=graph_at)
-    laid = choose_layout(ctx, found.best, result.candidates,
+    laid = choose_layout(replace(found.ctx, graph_at=graph_at), found.best, result.candidates,
                          replicate=engine is AUTOPAR and settings.tp_layouts == "ilp")
     best, tp_map, intra_op = laid.estimate, laid.placements, laid.report
     clock.lap("intra_op")
@@ -147,10 +145,11 @@ class _Found:
 
     result: SearchResult  # the outer search's
     best: Estimate  # the search's winner, or its stages re-cut
-    planned: Cluster  # the cluster planned within (less the memory headroom if it was kept)
+    # the search's: the model's costs as the target runs it (its context and expert
+    # parallel), the cluster planned within (less the memory headroom if it was kept)
+    ctx: SearchContext
     headroom_kept: bool
     limits: RuntimeLimits
-    costs: ModelCosts  # as the target runs the model (its context and expert parallel)
 
 
 def _micro_batch_graph(model, graph, micro_batch_size: int, seq_len, example_inputs,
@@ -164,19 +163,17 @@ def _micro_batch_graph(model, graph, micro_batch_size: int, seq_len, example_inp
     return trace(model, global_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype)
 
 
-def _best(engine: EngineTarget, constraints: dict[str, Any], cluster: Cluster,
-          costs: ModelCosts, runtime: dict[str, Any], *, global_batch_size: int, dtype: str,
-          options: EstimateOptions, settings: SearchSettings,
+def _best(ctx: SearchContext, constraints: dict[str, Any], runtime: dict[str, Any],
           clock: _PhaseClock | None = None) -> _Found:
-    """The fastest plan `engine` runs under `constraints`: autopar's runtime keeps to its
+    """The fastest plan `ctx.target` runs under `constraints`: autopar's runtime keeps to its
     limits for the model (and costs context and expert parallel as it runs them); an engine
     runs its own implementation of the model, within its rules. Plans fill the device less
     the memory headroom, or, where nothing fits there, the whole device. `clock` times the
     search and the stage re-cut."""
     clock = clock or _PhaseClock()
-    graph = runtime["graph"]
+    graph, costs, settings = runtime["graph"], ctx.costs, ctx.settings
     limits = RuntimeLimits()
-    if engine.runtime_limits:
+    if ctx.target.runtime_limits:
         example_inputs = runtime["example_inputs"]
         limits = runtime_limits(runtime["model"], graph, token_model=example_inputs is None,
                                 one_input=example_inputs is None
@@ -188,15 +185,14 @@ def _best(engine: EngineTarget, constraints: dict[str, Any], cluster: Cluster,
         if limits.ep_dispatch == "all_gather":
             costs = costs.with_ep_dispatch("all_gather")
     regions = _within_limits(constraints, limits)
-    planned = cluster.with_memory_headroom(settings.memory_headroom)
-    cache = EvalCache(planned)  # the search's memo tables, reused by the stage re-cut
-    kw = dict(global_batch_size=global_batch_size, dtype=dtype, options=options,
-              settings=settings, target=engine)
-    result, error = _search_regions(costs, planned, regions, cache=cache, **kw)
+    planned = ctx.cluster.with_memory_headroom(settings.memory_headroom)
+    # the search's memo tables, reused by the stage re-cut
+    within = replace(ctx, costs=costs, cluster=planned, cache=EvalCache(planned))
+    result, error = _search_regions(within, regions)
     headroom_kept = result is not None or not settings.memory_headroom
     if not headroom_kept and isinstance(error, NoPlanFitsError):
-        planned, cache = cluster, EvalCache(cluster)
-        result, error = _search_regions(costs, planned, regions, cache=cache, **kw)
+        within = replace(within, cluster=ctx.cluster, cache=EvalCache(ctx.cluster))
+        result, error = _search_regions(within, regions)
         if result is not None:
             log.warning("no plan fits within the %g%% memory headroom (SearchSettings."
                         "memory_headroom); returning the best that fits the whole device, "
@@ -206,31 +202,33 @@ def _best(engine: EngineTarget, constraints: dict[str, Any], cluster: Cluster,
         raise error
     clock.lap("search")
     best = result.best
-    if engine.uneven_stages:
-        best = _rebalance_stages(costs, planned, best, global_batch_size, dtype, options, cache)
+    if ctx.target.uneven_stages:
+        best = _rebalance_stages(within, best)
     clock.lap("stage_dp")
-    return _Found(result=result, best=best, planned=planned, headroom_kept=headroom_kept,
-                  limits=limits, costs=costs)
+    return _Found(result=result, best=best, ctx=within, headroom_kept=headroom_kept,
+                  limits=limits)
 
 
-def _unrestricted(constraints: dict[str, Any], cluster: Cluster, costs: ModelCosts,
-                  runtime: dict[str, Any], **kw: Any) -> dict[str, Any]:
+def _unrestricted(ctx: SearchContext, constraints: dict[str, Any],
+                  runtime: dict[str, Any]) -> dict[str, Any]:
     """The best plan for autopar's runtime under the same pins and software: its step time
     and config (`plan.training["unrestricted"]`), or why there is none."""
     try:
-        found = _best(AUTOPAR, constraints, cluster, costs, runtime, **kw)
+        found = _best(replace(ctx, target=AUTOPAR), constraints, runtime)
     except ValueError as exc:  # e.g. a pin this runtime cannot run for the model
         return {"step_time_s": None, "reason": str(exc)}
     return {"step_time_s": float(found.best.step_time_s), "config": found.best.config.short()}
 
 
-def _search_regions(costs: ModelCosts, cluster: Cluster, regions: list[dict[str, Any]], *,
-                    cache: EvalCache, **kw: Any) -> tuple[Any, Exception | None]:
+def _search_regions(ctx: SearchContext, regions: list[dict[str, Any]]
+                    ) -> tuple[Any, Exception | None]:
     """(the fastest search result over the regions, or None; the first region's error)."""
     result, error = None, None
     for region in regions:
         try:
-            found = search(costs, cluster, constraints=region, cache=cache, **kw)
+            found = search(ctx.costs, ctx.cluster, global_batch_size=ctx.global_batch_size,
+                           dtype=ctx.dtype, constraints=region, options=ctx.options,
+                           settings=ctx.settings, cache=ctx.cache, target=ctx.target)
         except ValueError as exc:  # NoPlanFitsError too: the other region may hold a plan
             error = error or exc
             continue
@@ -298,8 +296,7 @@ class _PhaseClock:
         self._last = now
 
 
-def _rebalance_stages(costs: ModelCosts, cluster: Cluster, best, global_batch_size: int,
-                      dtype: str, options: EstimateOptions, cache: EvalCache):
+def _rebalance_stages(ctx: SearchContext, best: Estimate) -> Estimate:
     """Re-cut the winner's pipeline stages with the inter-op DP (non-uniform where layers
     differ), the winner's Megatron placement as its incumbent; keep the cut only if the
     simulated schedule is faster and it still fits. A cut
@@ -308,32 +305,36 @@ def _rebalance_stages(costs: ModelCosts, cluster: Cluster, best, global_batch_si
     cfg = best.config
     if cfg.pp == 1:
         return best
-    per_layer = layer_costs(costs, cluster, cfg, dtype=dtype, options=options, cache=cache)
+    costs, cluster, cache = ctx.costs, ctx.cluster, ctx.cache
+    per_layer = layer_costs(costs, cluster, cfg, dtype=ctx.dtype, options=ctx.options,
+                            cache=cache)
     fixed = COMM_BUFFER_BYTES + CUDA_CONTEXT_BYTES
     budget = cluster.hardware.device.memory_bytes / (1 + ALLOCATOR_RESERVE_FRACTION) - fixed
     ends = list(itertools.accumulate(len(layers) for layers in best.stage_layers))
     megatron = tuple(zip([0] + ends[:-1], ends))
+    layers = LayerCosts(
+        forward_s=per_layer["forward"], backward_s=per_layer["backward"],
+        activation_bytes=per_layer["act"], state_bytes=per_layer["states"],
+        weight_grad_s=per_layer["wgrad"] if cfg.pp_schedule == "zero-bubble" else None)
     try:
         cut = partition_stages(
-            forward_s=per_layer["forward"], backward_s=per_layer["backward"],
-            activation_bytes=per_layer["act"], state_bytes=per_layer["states"],
-            num_stages=cfg.pp, num_microbatches=best.num_microbatches,
+            layers, num_stages=cfg.pp, num_microbatches=best.num_microbatches,
             schedule=cfg.pp_schedule, virtual_stages=cfg.virtual_stages,
             p2p_s=best.breakdown["pp_p2p_per_transfer"], memory_budget_bytes=budget,
-            weight_grad_s=per_layer["wgrad"] if cfg.pp_schedule == "zero-bubble" else None,
             incumbent=megatron)
     except StageMemoryError:
         return best
     boundaries = tuple(cut.boundaries)
     if boundaries == megatron:
         return best
-    bound = exact_step_lower_bound(costs, cluster, cfg, global_batch_size=global_batch_size,
-                                   dtype=dtype, options=options, cache=cache,
+    bound = exact_step_lower_bound(costs, cluster, cfg, global_batch_size=ctx.global_batch_size,
+                                   dtype=ctx.dtype, options=ctx.options, cache=cache,
                                    stage_boundaries=boundaries)
     if bound * (1 - BOUND_MARGIN) >= best.step_time_s:  # cannot be faster: skip simulating
         return best
-    candidate = evaluate(costs, cluster, cfg, global_batch_size=global_batch_size, dtype=dtype,
-                         options=options, cache=cache, exact=True, stage_boundaries=boundaries)
+    candidate = evaluate(costs, cluster, cfg, global_batch_size=ctx.global_batch_size,
+                         dtype=ctx.dtype, options=ctx.options, cache=cache, exact=True,
+                         stage_boundaries=boundaries)
     if candidate.fits and candidate.step_time_s < best.step_time_s:
         log.info("inter-op DP re-cut the stages: %.3f s -> %.3f s per step",
                  best.step_time_s, candidate.step_time_s)

@@ -21,13 +21,13 @@ from typing import Callable
 
 import numpy as np
 
-from autopar.cluster import Cluster
 from autopar.config import DEFAULT_MESH_ORDER, ParallelConfig
 from autopar.estimate.bounds import BOUND_MARGIN, step_lower_bound, unit_work
-from autopar.estimate.core import EstimateOptions, EvalCache, ModelCosts, order_key, split_structure
+from autopar.estimate.core import EvalCache, ModelCosts, order_key, split_structure
 from autopar.estimate.layout import Structure, rank_work_extremes
 from autopar.estimate.memory import activation_bytes, keeps_fp8_copies, keeps_weight_copies
 from autopar.errors import InvalidConfigError
+from autopar.search.context import SearchContext
 from autopar.search.space import (TIME_KEY_COLUMNS, ConfigTable, first_rank_memory, key_groups,
                                   states_lower_bounds, step_lower_bounds)
 
@@ -51,8 +51,8 @@ class _Bounds:
     errors: tuple[str, ...]
 
 
-def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_batch_size: int,
-            dtype: str, options: EstimateOptions, cache: EvalCache) -> _Bounds:
+def _bounds(ctx: SearchContext, table: ConfigTable) -> _Bounds:
+    costs, cluster, options, dtype = ctx.costs, ctx.cluster, ctx.options, ctx.dtype
     usable = cluster.hardware.device.memory_bytes
     states = states_lower_bounds(
         table, dense_params=sum(u.dense_params * u.count for u in costs.units),
@@ -64,28 +64,24 @@ def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_b
         i = int(np.flatnonzero(over)[np.argmin(states[over])])
         smallest = (float(states[i]), table.config(i))
     rows = np.flatnonzero(~over)
-    step, failed, work = _step_bounds(costs, cluster, table, rows,
-                                      global_batch_size=global_batch_size, dtype=dtype,
-                                      options=options, cache=cache)
+    step, failed, work = _step_bounds(ctx, table, rows)
     errors = []
     for i in rows[failed]:
         cfg = table.config(int(i))
         try:
-            step_lower_bound(costs, cluster, cfg, global_batch_size=global_batch_size,
-                             dtype=dtype, options=options, cache=cache)
+            step_lower_bound(costs, cluster, cfg, global_batch_size=ctx.global_batch_size,
+                             dtype=dtype, options=options, cache=ctx.cache)
         except InvalidConfigError as exc:
             errors.append(f"{cfg.short()}: {exc}")
     rows, step, work = rows[~failed], step[~failed], work[~failed]
     first_rank = functools.partial(
-        first_rank_memory, table, units=cache.units,
-        structure_of=functools.partial(_split, costs, cache),
+        first_rank_memory, table, units=ctx.cache.units,
+        structure_of=functools.partial(_split, costs, ctx.cache),
         activations_of=lambda unit, cfg, flash: activation_bytes(
             unit, cfg, flash, options.loss_kernel,
             weight_copies=keeps_weight_copies(cfg, dtype, options.fp32_params),
             fp8=keeps_fp8_copies(dtype, options.fp32_params, options.fp8_recipe)),
-        dtype=dtype, global_batch_size=global_batch_size,
-        flash=options.attention_kernel != "math", zero3_cap=options.zero3_max_live_params,
-        memo={}, fp32_params=options.fp32_params)
+        dtype=dtype, global_batch_size=ctx.global_batch_size, options=options, memo={})
 
     def cannot_fit(at: np.ndarray) -> np.ndarray:
         # a small margin covers the bound summing in another order than the estimate
@@ -95,18 +91,17 @@ def _bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, *, global_b
                    pruned=int(over.sum()), smallest=smallest, errors=tuple(errors))
 
 
-def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.ndarray,
-                 *, global_batch_size: int, dtype: str, options: EstimateOptions,
-                 cache: EvalCache, comm: bool = True
+def _step_bounds(ctx: SearchContext, table: ConfigTable, rows: np.ndarray, *, comm: bool = True
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`step_lower_bound` of each of `rows`, a mask of the rows whose unit times or
     pipeline split could not be made (NaN bound), and each row's busiest pipeline rank's
     forward + backward seconds of one micro-batch. Per-unit work is computed once per
     (micro-batch, tp, cp, ep, SP, recompute), for the first row with that key; per-rank work
     once per (pipeline split, that key). Without `comm` the work leaves communication out
-    (`unit_work`): bounds that hold in every mesh order."""
+    (`unit_work`): bounds that hold in every mesh order. `ctx.cache` memoises the work."""
     if not len(rows):
         return np.zeros(0), np.zeros(0, dtype=bool), np.zeros(0)
+    costs, cache = ctx.costs, ctx.cache
     if table.mesh_order == DEFAULT_MESH_ORDER or not comm:
         first, inverse = key_groups(table, rows, TIME_KEY_COLUMNS)
     else:  # there the tp, cp and ep groups can differ for the same degrees
@@ -117,7 +112,7 @@ def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: 
     for k in np.argsort(first, kind="stable"):
         try:
             work[k], tail[k] = unit_work(costs, cache, table.config(int(rows[first[k]])),
-                                         dtype, options, comm)
+                                         ctx.dtype, ctx.options, comm)
         except InvalidConfigError:
             pass
     s_first, s_index = key_groups(table, rows, ("pp", "virtual_stages"))
@@ -132,7 +127,7 @@ def _step_bounds(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: 
     at = (s_index, inverse)
     row_busiest = busiest[at]
     return step_lower_bounds(table, rows, row_busiest, total[at], longest[at],
-                             global_batch_size=global_batch_size), np.isnan(row_busiest), \
+                             global_batch_size=ctx.global_batch_size), np.isnan(row_busiest), \
         row_busiest
 
 

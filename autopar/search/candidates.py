@@ -13,7 +13,7 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate.core import EstimateOptions, ModelCosts
 from autopar.search.settings import SearchSettings
-from autopar.search.space import ConfigTable, config_table, key_groups
+from autopar.search.space import ConfigTable, ModelShape, config_table, key_groups
 from autopar.targets import AUTOPAR, EngineTarget, Facts
 
 __all__ = ["enumerate_configs", "recompute_policies", "space_table", "why_empty"]
@@ -38,18 +38,16 @@ def space_table(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
            settings: SearchSettings, target: EngineTarget = AUTOPAR) -> ConfigTable:
     """The space before the target's rules (`EngineTarget.allows`), with the schedules the
     target runs with fewer micro-batches than pipeline ranks."""
-    return config_table(
-        world=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
+    model = ModelShape(
         num_layers=costs.body_layers,
         body_layers=sum(u.count for u in costs.units if u.is_block) or costs.body_layers,
         num_heads=costs.num_heads, num_kv_heads=costs.num_kv_heads, seq_len=costs.seq_len,
-        num_experts=costs.num_experts,
+        num_experts=costs.num_experts, kv_fused=costs.kv_fused)
+    return config_table(
+        model, world=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
         global_batch_size=global_batch_size, constraints=constraints,
-        recomputes=recompute_policies(costs, options),
-        max_micro_batch_size=settings.max_micro_batch_size,
-        max_virtual_stages=settings.max_virtual_stages, max_cp=settings.max_cp,
-        recompute_every=tuple(settings.recompute_every),
-        few_microbatches=target.few_microbatches, kv_fused=costs.kv_fused)
+        recomputes=recompute_policies(costs, options), settings=settings,
+        few_microbatches=target.few_microbatches)
 
 
 def enumerate_configs(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,

@@ -70,7 +70,7 @@ from autopar.search.stage_dp import (_bottleneck, _fastest, _least_memory_cut, _
                                      _solve)
 from costmodels.pipeline import OpKind, PipelineSchedule, parse_schedule, simulate_pipeline
 
-__all__ = ["StagePartition", "partition_stages"]
+__all__ = ["LayerCosts", "StagePartition", "partition_stages"]
 
 logger = logging.getLogger(__name__)
 
@@ -178,23 +178,36 @@ def _inflight(kind: PipelineSchedule, p: int, m: int, v: int) -> tuple[int, ...]
 
 # -- the search -------------------------------------------------------------------------------
 
-def partition_stages(*, forward_s: Sequence[float], backward_s: Sequence[float],
-                     activation_bytes: Sequence[float], state_bytes: Sequence[float],
-                     num_stages: int, num_microbatches: int,
+@dataclass(frozen=True, kw_only=True)
+class LayerCosts:
+    """What each layer costs one rank, one entry per layer in model order (`partition_stages`
+    cuts these into stages)."""
+
+    forward_s: Sequence[float]
+    """Forward seconds per micro-batch (TP communication and recompute included)."""
+    backward_s: Sequence[float]
+    """Backward seconds per micro-batch."""
+    activation_bytes: Sequence[float]
+    """Activation bytes kept per micro-batch in flight."""
+    state_bytes: Sequence[float]
+    """Parameter, gradient and optimizer-state bytes."""
+    weight_grad_s: Sequence[float] | None = None
+    """The weight-grad part of each backward: needed by ``zero-bubble`` only, for the
+    simulator's split backward."""
+
+
+def partition_stages(layers: LayerCosts, *, num_stages: int, num_microbatches: int,
                      schedule: PipelineSchedule | str = "1f1b", virtual_stages: int = 1,
                      p2p_s: float = 0.0, memory_budget_bytes: float = math.inf,
-                     weight_grad_s: Sequence[float] | None = None,
                      incumbent: Sequence[tuple[int, int]] | None = None) -> StagePartition:
     """Cut L layers into num_stages·virtual_stages contiguous stages with the least step time.
 
-    Per-layer sequences (`forward_s`, `backward_s`, `activation_bytes` kept per micro-batch,
-    `state_bytes`) are in model order, one entry per layer. `p2p_s` is the time of one send
-    across a stage boundary. `memory_budget_bytes` bounds each pipeline rank. `weight_grad_s`
-    (the weight-grad part of each layer's backward) is needed only by ``zero-bubble``, for the
-    simulator. `incumbent` is a cut to beat that the caller knows fits (half-open layer
-    ranges, e.g. the placement it would otherwise run): the interleaved pass 2 starts from it
-    and returns it, without searching, when no cut has a lower bottleneck. See the module
-    docstring for the objective and the algorithm (`stage_dp`'s for the DPs).
+    `layers` holds the per-layer costs (`LayerCosts`, one entry per layer in model order).
+    `p2p_s` is the time of one send across a stage boundary. `memory_budget_bytes` bounds
+    each pipeline rank. `incumbent` is a cut to beat that the caller knows fits (half-open
+    layer ranges, e.g. the placement it would otherwise run): the interleaved pass 2 starts
+    from it and returns it, without searching, when no cut has a lower bottleneck. See the
+    module docstring for the objective and the algorithm (`stage_dp`'s for the DPs).
 
     Raises ValueError for malformed inputs, num_stages·virtual_stages > L, virtual_stages > 1
     outside ``interleaved-1f1b`` and the simulator's other shape rules, and StageMemoryError
@@ -205,14 +218,14 @@ def partition_stages(*, forward_s: Sequence[float], backward_s: Sequence[float],
     p = _count("num_stages", num_stages)
     m = _count("num_microbatches", num_microbatches)
     v = _count("virtual_stages", virtual_stages)
-    fwd = _per_layer("forward_s", forward_s, None, "seconds")
+    fwd = _per_layer("forward_s", layers.forward_s, None, "seconds")
     num_layers = fwd.size
-    bwd = _per_layer("backward_s", backward_s, num_layers, "seconds")
-    act = _per_layer("activation_bytes", activation_bytes, num_layers, "bytes")
-    state = _per_layer("state_bytes", state_bytes, num_layers, "bytes")
+    bwd = _per_layer("backward_s", layers.backward_s, num_layers, "seconds")
+    act = _per_layer("activation_bytes", layers.activation_bytes, num_layers, "bytes")
+    state = _per_layer("state_bytes", layers.state_bytes, num_layers, "bytes")
     wgrad = None
-    if weight_grad_s is not None:
-        wgrad = _per_layer("weight_grad_s", weight_grad_s, num_layers, "seconds")
+    if layers.weight_grad_s is not None:
+        wgrad = _per_layer("weight_grad_s", layers.weight_grad_s, num_layers, "seconds")
     elif kind is PipelineSchedule.ZERO_BUBBLE:
         raise ValueError("schedule 'zero-bubble' needs weight_grad_s, the weight-grad part of "
                          "each layer's backward, to simulate the split backward")
@@ -248,8 +261,10 @@ def partition_stages(*, forward_s: Sequence[float], backward_s: Sequence[float],
         if incumbent is not None:
             ranges.cap = _bottleneck(ranges, incumbent)
         cut, exact, method = _search(ranges, inflight, act, state, p, v, budget, incumbent)
-    return _result(kind, p, m, v, cut, inflight, fwd, bwd, wgrad, act, state, hop, budget,
-                   exact, method)
+    arrays = LayerCosts(forward_s=fwd, backward_s=bwd, activation_bytes=act, state_bytes=state,
+                        weight_grad_s=wgrad)
+    return _result(_Checked(kind=kind, p=p, m=m, v=v, inflight=inflight, layers=arrays,
+                            hop=hop, budget=budget), cut, exact, method)
 
 
 def _uniform(*per_layer: np.ndarray) -> bool:
@@ -526,19 +541,35 @@ def _infeasible(ranges: _Ranges, inflight: tuple[int, ...], p: int, v: int, budg
         budget_bytes=budget, min_peak_bytes=peak, stage=s, layers=(i, j))
 
 
-def _result(kind: PipelineSchedule, p: int, m: int, v: int, cut: list[tuple[int, int]],
-            inflight: tuple[int, ...], fwd: np.ndarray, bwd: np.ndarray,
-            wgrad: np.ndarray | None, act: np.ndarray, state: np.ndarray, hop: float,
-            budget: float, exact: bool, method: str) -> StagePartition:
-    fwd, bwd = fwd.tolist(), bwd.tolist()  # fsum reads a list faster than an array
+@dataclass(frozen=True, kw_only=True)
+class _Checked:
+    """`partition_stages`' inputs once checked, which its result reports on the cut."""
+
+    kind: PipelineSchedule
+    p: int  # pipeline ranks
+    m: int  # micro-batches
+    v: int  # virtual stages per rank
+    inflight: tuple[int, ...]  # micro-batches of each stage in flight at its rank's peak
+    layers: LayerCosts  # as float64 arrays
+    hop: float  # one send across a stage boundary (0 on one rank)
+    budget: float  # bytes per rank
+
+
+def _result(checked: _Checked, cut: list[tuple[int, int]], exact: bool,
+            method: str) -> StagePartition:
+    kind, p, m, v, inflight = checked.kind, checked.p, checked.m, checked.v, checked.inflight
+    layers, hop, budget = checked.layers, checked.hop, checked.budget
+    act, state = layers.activation_bytes, layers.state_bytes
+    # fsum reads a list faster than an array
+    fwd, bwd = layers.forward_s.tolist(), layers.backward_s.tolist()
     stage_f = tuple(math.fsum(fwd[i:j]) for i, j in cut)
     stage_b = tuple(math.fsum(bwd[i:j]) for i, j in cut)
     times = tuple(f + b + 2.0 * hop for f, b in zip(stage_f, stage_b))
     bottleneck = max(times)
     predicted = math.fsum(times) / v + (m * v - 1) * bottleneck
     stage_w = None
-    if wgrad is not None:
-        wgrad = wgrad.tolist()
+    if layers.weight_grad_s is not None:
+        wgrad = layers.weight_grad_s.tolist()
         stage_w = tuple(min(math.fsum(wgrad[i:j]), b) for (i, j), b in zip(cut, stage_b))
     logger.debug("%s p=%d v=%d m=%d: %s layers/stage, bottleneck %.6g s, predicted %.6g s "
                  "(%s)", kind.value, p, v, m, [j - i for i, j in cut], bottleneck, predicted,

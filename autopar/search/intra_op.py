@@ -84,7 +84,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Mapping, MutableMapping, Sequence
+from typing import Any, Mapping, MutableMapping, Sequence
 
 from autopar.errors import ShardingInfeasibleError
 from autopar.ir import Graph
@@ -93,7 +93,8 @@ from autopar.sharding.placement import is_shard, reshard_collective
 from autopar.sharding.problem import (BLOCK_INPUT, BLOCK_OUTPUT, UNITS_PER_S, BlockProblem,
                                       build_problem, internal_collectives, pin_params)
 
-__all__ = ["BlockSharding", "solve_block", "solve_problem", "FAMILIES", "METHODS"]
+__all__ = ["BlockSetting", "BlockSharding", "solve_block", "solve_problem", "FAMILIES",
+           "METHODS"]
 
 logger = logging.getLogger(__name__)
 
@@ -410,27 +411,49 @@ def _signature(graph: Graph, names: Sequence[str]) -> str:
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
 
 
-def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dtype: str,
-                memory_budget_bytes: float | None = None, time_limit_s: float = 10.0,
-                num_workers: int = 1, ranks: Sequence[int] | None = None,
-                bytes_per_param: float = 16.0, step_s_per_param: float = 0.0,
-                boundary: str = "periodic",
-                sequence_shards: int = 1, microbatches: int = 1,
-                gradient_buffer_bytes: float | None = None,
-                cache: MutableMapping | None = None,
-                method: str = "auto", pinned_params: Mapping[str, str] | None = None
-                ) -> BlockSharding:
-    """Choose a tensor-parallel sharding for every node of a block (see the module docstring).
+@dataclass(frozen=True, kw_only=True)
+class BlockSetting:
+    """What a block's sharding problem is built from beside its graph (`build_problem`): the
+    tensor-parallel group it is solved on and what the plan around the block charges each
+    choice. The blocks of one plan share it but for ``gradient_buffer_bytes``."""
 
-    ``ranks`` is the tp group (default ``range(tp)``); ``bytes_per_param`` the training state
-    per parameter (16: bf16 weight and gradient, fp32 master, Adam m and v -- Rajbhandari et
-    al. 2020, ZeRO §3) and ``step_s_per_param`` its share of the step's gradient reduction and
-    optimizer step per micro-batch (:func:`~autopar.sharding.problem.build_problem`);
-    ``boundary`` "periodic" lets the hidden state between blocks be sharded, "replicated"
-    pins it to R, "S(d)" to that shard. ``sequence_shards`` is the context-parallel degree:
-    the block's activations are costed at one rank's share of the sequence
-    (:func:`~autopar.sharding.problem.build_problem`); ``microbatches`` per step share its
-    one all-reduce of partial parameter gradients, of ``gradient_buffer_bytes`` in all.
+    tp: int
+    """The tensor-parallel degree, the size of the axis the block is sharded on."""
+    cluster: Any
+    """The `Cluster` the tp group's collectives are timed on."""
+    dtype: str
+    """The training precision ("bf16", "fp16", "fp8", "fp32")."""
+    ranks: Sequence[int] | None = None
+    """The tp group's ranks (None: ``range(tp)``)."""
+    bytes_per_param: float = 16.0
+    """The training state per parameter element a rank holds (16: bf16 weight and gradient,
+    fp32 master, Adam m and v -- Rajbhandari et al. 2020, ZeRO §3)."""
+    step_s_per_param: float = 0.0
+    """Each held element's share of the step's gradient reduction and optimizer step, in
+    seconds per micro-batch."""
+    boundary: str = "periodic"
+    """The hidden state between blocks: "periodic" (placed as the ILP chooses), "replicated"
+    (pinned to R) or a shard "S(d)"."""
+    sequence_shards: int = 1
+    """The context-parallel degree: activations are costed at one rank's share of the
+    sequence."""
+    microbatches: int = 1
+    """Micro-batches per step, which share its one all-reduce of partial parameter
+    gradients."""
+    gradient_buffer_bytes: float | None = None
+    """The bytes of that all-reduce in all (None: each gradient's own)."""
+
+
+def solve_block(graph: Graph, node_names: Sequence[str], setting: BlockSetting, *,
+                memory_budget_bytes: float | None = None,
+                pinned_params: Mapping[str, str] | None = None, method: str = "auto",
+                cache: MutableMapping | None = None, time_limit_s: float = 10.0,
+                num_workers: int = 1) -> BlockSharding:
+    """Choose a tensor-parallel sharding for every node of a block (see the module docstring)
+    in ``setting`` (:class:`BlockSetting`: the tp group, the precision, and the prices of
+    parameter state, the block boundary, context parallel and the step's partial-gradient
+    all-reduce, as :func:`~autopar.sharding.problem.build_problem` takes them).
+    ``memory_budget_bytes`` bounds the block's memory by the ILP's model.
     ``cache`` is a caller-owned dict keyed by (block signature, tp, micro-batch shape, ...);
     a hit returns the stored result (whose node names are those of the block first solved),
     and a block's other solves (pinned, within a budget) reuse its problem tables.
@@ -439,6 +462,7 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
     best execution of that layout (:func:`~autopar.sharding.problem.pin_params`; ValueError if a
     node cannot place its parameters so).
     """
+    tp, boundary = setting.tp, setting.boundary
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an integer >= 1, got {tp!r}")
     if boundary not in ("periodic", "replicated") and not is_shard(boundary):
@@ -452,22 +476,27 @@ def solve_block(graph: Graph, node_names: Sequence[str], *, tp: int, cluster, dt
                          f"{unknown[:5]}")
     key = problem_key = None
     if cache is not None:
-        setting = (tp, (graph.batch_size, graph.seq_len), dtype, cluster.fingerprint(),
-                   tuple(ranks or range(tp)), bytes_per_param, step_s_per_param, boundary,
-                   sequence_shards, microbatches, gradient_buffer_bytes)
-        key = (_signature(graph, names),) + setting + (memory_budget_bytes, method, tuple(
+        key_setting = (tp, (graph.batch_size, graph.seq_len), setting.dtype,
+                       setting.cluster.fingerprint(), tuple(setting.ranks or range(tp)),
+                       setting.bytes_per_param, setting.step_s_per_param, boundary,
+                       setting.sequence_shards, setting.microbatches,
+                       setting.gradient_buffer_bytes)
+        key = (_signature(graph, names),) + key_setting + (memory_budget_bytes, method, tuple(
             sorted(pinned_params.items())) if pinned_params is not None else None)
         if key in cache:
             return cache[key]
-        problem_key = ("problem", tuple(names)) + setting  # this block's, for its other solves
+        # this block's, for its other solves
+        problem_key = ("problem", tuple(names)) + key_setting
     start = time.perf_counter()
     problem = cache.get(problem_key) if cache is not None else None
     if problem is None:
-        problem = build_problem(graph, names, axis_size=tp, cluster=cluster, dtype=dtype,
-                                ranks=ranks, bytes_per_param=bytes_per_param,
-                                step_s_per_param=step_s_per_param, boundary=boundary,
-                                sequence_shards=sequence_shards, microbatches=microbatches,
-                                gradient_buffer_bytes=gradient_buffer_bytes)
+        problem = build_problem(graph, names, axis_size=tp, cluster=setting.cluster,
+                                dtype=setting.dtype, ranks=setting.ranks,
+                                bytes_per_param=setting.bytes_per_param,
+                                step_s_per_param=setting.step_s_per_param, boundary=boundary,
+                                sequence_shards=setting.sequence_shards,
+                                microbatches=setting.microbatches,
+                                gradient_buffer_bytes=setting.gradient_buffer_bytes)
         if cache is not None:
             cache[problem_key] = problem
     if pinned_params is not None:

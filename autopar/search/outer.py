@@ -39,17 +39,17 @@ config skipped keeps its closed-form row (`exact=False`). Ties (equal step time 
 to the simpler config: the fields compared in the order (pp, tp, cp, ep, dp, zero_stage,
 recompute, recompute_every, micro_batch_size, pp_schedule, virtual_stages, sequence_parallel),
 smaller first, then the mesh order (the default, then the others as itertools.permutations
-lists them) -- so DDP beats ZeRO when they cost the same, and the same input always gives the same plan.
+lists them) -- so DDP beats ZeRO when they cost the same, and the same input always gives the
+same plan.
 """
 from __future__ import annotations
 
 import bisect
-import functools
 import heapq
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -62,8 +62,9 @@ from autopar.estimate.bounds import (BOUND_MARGIN, DataParallelFloor, data_paral
                                      exact_step_lower_bound)
 from autopar.estimate.core import (Estimate, EstimateOptions, EvalCache, ModelCosts, evaluate,
                                    placement_key)
-from autopar.search.bounds import _bounds, _step_bounds
+from autopar.search.bounds import _bounds, _Bounds, _step_bounds
 from autopar.search.candidates import enumerate_configs, space_table, why_empty
+from autopar.search.context import SearchContext
 from autopar.search.settings import (CONFIG_FIELDS, ORDER_RANK, SearchSettings,
                                      check_constraints, mesh_orders)
 from autopar.search.space import ConfigTable, key_groups
@@ -144,12 +145,13 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
     # rather than as the first of tens of thousands of rejections
     peak_flops(cluster.hardware.device, dtype)
     start = time.perf_counter()
-    cache = EvalCache(cluster) if cache is None else cache
+    ctx = SearchContext(costs=costs, cluster=cluster, global_batch_size=global_batch_size,
+                        dtype=dtype, options=options, settings=settings, target=target,
+                        cache=EvalCache(cluster) if cache is None else cache)
     orders = ([constraints["mesh_order"]] if "mesh_order" in constraints
               else mesh_orders(settings.mesh_orders))
     if cluster.num_nodes == 1:  # every group of n ranks lies alike in one node
         orders = orders[:1]
-    kw = dict(global_batch_size=global_batch_size, dtype=dtype, options=options, cache=cache)
     # the configs are the same in every order: one table, relabelled per order
     every = space_table(costs, cluster, global_batch_size=global_batch_size,
                    constraints=constraints, options=options, settings=settings, target=target)
@@ -172,8 +174,7 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
             # a config whose bound without communication exceeds the k-th best time cannot
             # enter the top k in any order
             if free is None:
-                free, _, _ = _step_bounds(costs, cluster, every, np.arange(len(every)),
-                                          comm=False, **kw)
+                free, _, _ = _step_bounds(ctx, every, np.arange(len(every)), comm=False)
             table = table.rows(~(free * (1 - BOUND_MARGIN) > best_times[-1]))
             dropped += len(every) - len(table)
         if target.restricts and order != every.mesh_order:  # rules may read the order
@@ -184,19 +185,19 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
                                  f"{','.join(order)}: {target.why_empty(table, facts)}")
             table = table.rows(keep)
         # each config once per placement of its ranks: in the first order giving it
-        table = _new_placements(table, orders[:k], cache, placed)
+        table = _new_placements(table, orders[:k], ctx.cache, placed)
         if k and not len(table):
             continue
         try:
-            found.append(_collect(costs, cluster, table, best_times, constraints=constraints,
-                                  settings=settings, progress=progress, target=target, **kw))
+            found.append(_collect(ctx, table, best_times, constraints=constraints,
+                                  progress=progress))
         except ValueError as exc:  # NoPlanFitsError too
             if not k:  # the first order's space is every config: its error is the search's
                 raise
             # a later order's configs are some of those: none of them fits or runs
             log.debug("mesh order %s: %s", ",".join(order), exc)
     progress.close()
-    result = _finish(costs, cluster, found, num_considered=len(every), settings=settings, **kw)
+    result = _finish(ctx, found, num_considered=len(every))
     result = replace(result, num_pruned_by_bound=result.num_pruned_by_bound + dropped)
     log.info("searched %d configs in %d mesh order(s) (%d pruned by memory, %d by the "
              "step-time bound) in %.2f s", len(every), len(found),
@@ -240,54 +241,45 @@ class _Found:
     skipped: int  # by the step-time bound
 
 
-def _collect(costs: ModelCosts, cluster: Cluster, table: ConfigTable, best_times: list[float],
-             *, global_batch_size: int, dtype: str, constraints: dict[str, Any],
-             options: EstimateOptions, settings: SearchSettings, cache: EvalCache,
-             progress: _Progress, target: EngineTarget = AUTOPAR) -> _Found:
+def _collect(ctx: SearchContext, table: ConfigTable, best_times: list[float], *,
+             constraints: dict[str, Any], progress: _Progress) -> _Found:
     """The closed-form estimates of the configs of `table` (all in one mesh order) that can
     enter the top `top_k_exact` by time, `best_times` (the fastest fitting times found in
     the orders before, updated) included."""
-    b = _bounds(costs, cluster, table, global_batch_size=global_batch_size, dtype=dtype,
-                options=options, cache=cache)
-    order = _VisitOrder(b.step, table.tie_order(), b.rows)
-    done: dict[int, Estimate | ValueError] = {}
-    visit = functools.partial(_visit, costs, cluster, table, b.rows, b.step, b.work, order, done,
-                              global_batch_size=global_batch_size, dtype=dtype,
-                              options=options, cache=cache, settings=settings,
-                              progress=progress)
+    b = _bounds(ctx, table)
+    visiting = _Visiting(table=table, bounds=b, order=_VisitOrder(b.step, table.tie_order(),
+                                                                    b.rows), done={})
     before = list(best_times)
-    fast, eval_errors, skipped, unfit = visit(b.cannot_fit, best_times)
-    if unfit and sum(e.fits for e in fast) < settings.list_unfit_below:
+    fast, eval_errors, skipped, unfit = _visit(ctx, visiting, best_times, progress,
+                                               check_fit=True)
+    if unfit and sum(e.fits for e in fast) < ctx.settings.list_unfit_below:
         best_times[:] = before  # list the near misses too
-        fast, eval_errors, skipped, unfit = visit(None, best_times)
+        fast, eval_errors, skipped, unfit = _visit(ctx, visiting, best_times, progress,
+                                                   check_fit=False)
     errors = list(b.errors) + eval_errors
     if not len(table) or (not fast and errors and not b.pruned):
         detail = f" (first rejection: {errors[0]})" if errors else ""
         if not len(table):
-            detail = why_empty(costs, cluster, global_batch_size=global_batch_size,
-                                constraints=constraints, options=options, settings=settings,
-                                target=target)
+            detail = why_empty(ctx.costs, ctx.cluster, global_batch_size=ctx.global_batch_size,
+                               constraints=constraints, options=ctx.options,
+                               settings=ctx.settings, target=ctx.target)
         raise ValueError(f"no configuration satisfies the constraints {constraints} on "
-                         f"{cluster.world_size} GPUs{detail}")
+                         f"{ctx.cluster.world_size} GPUs{detail}")
     return _Found(fast=fast, pruned=b.pruned + unfit, smallest=b.smallest, skipped=skipped)
 
 
-def _finish(costs: ModelCosts, cluster: Cluster, found: list[_Found], *, num_considered: int,
-            global_batch_size: int, dtype: str, options: EstimateOptions,
-            settings: SearchSettings, cache: EvalCache) -> SearchResult:
+def _finish(ctx: SearchContext, found: list[_Found], *, num_considered: int) -> SearchResult:
     """The search's result from the visits of its mesh orders: the `top_k_exact` fastest
     fitting configs simulated, the fastest of those the winner."""
-    usable = cluster.hardware.device.memory_bytes
     fast = [e for f in found for e in f.fast]
     fitting = sorted((e for e in fast if e.fits), key=_rank_key)
     if not fitting:
         smallest = min((f.smallest for f in found if f.smallest is not None),
                        key=lambda s: s[0], default=None)
-        raise _no_fit(costs, cluster, fast, smallest, usable, global_batch_size, dtype, options,
-                      cache)
-    exact = _simulate_best(costs, cluster, fitting[:settings.top_k_exact],
-                           global_batch_size=global_batch_size, dtype=dtype, options=options,
-                           cache=cache)
+        raise _no_fit(fast, smallest, ctx.cluster.hardware.device.memory_bytes)
+    exact = _simulate_best(ctx.costs, ctx.cluster, fitting[:ctx.settings.top_k_exact],
+                           global_batch_size=ctx.global_batch_size, dtype=ctx.dtype,
+                           options=ctx.options, cache=ctx.cache)
     best = min((e for e in exact if e.fits), key=_rank_key, default=None)
     if best is None:  # the simulated schedule holds more in flight than the closed form
         best = min(exact, key=lambda e: e.peak_memory_bytes)
@@ -365,24 +357,35 @@ class _VisitOrder:
         return self.sorted
 
 
-def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.ndarray,
-           bounds: np.ndarray, work: np.ndarray, visit_order: _VisitOrder, done: dict,
-           cannot_fit: Callable[[np.ndarray], np.ndarray] | None, best_times: list[float], *,
-           global_batch_size: int, dtype: str, options: EstimateOptions, cache: EvalCache,
-           settings: SearchSettings, progress: _Progress
-           ) -> tuple[list[Estimate], list[str], int, int]:
+@dataclass(frozen=True)
+class _Visiting:
+    """One mesh order's configs as `_collect` visits them, once or twice."""
+
+    table: ConfigTable
+    bounds: _Bounds  # `_bounds` of the table: the rows visited, their step bounds and work
+    order: _VisitOrder  # positions in `bounds.rows` by (step bound, tie key)
+    done: dict[int, Estimate | InvalidConfigError]  # evaluations by position, across visits
+
+
+def _visit(ctx: SearchContext, at: _Visiting, best_times: list[float], progress: _Progress, *,
+           check_fit: bool) -> tuple[list[Estimate], list[str], int, int]:
     """Evaluate configs in bound order until the bound exceeds the `top_k_exact`-th best fitting
     time (`best_times`: the fastest fitting closed-form times, ascending, of this visit and of
-    the mesh orders searched before it; updated); configs `cannot_fit` flags (asked for the next
-    configs in order, in growing batches, as the visit reaches them) are passed over without an
-    evaluation (they cannot fit, so they never change the fitting times the stop depends on: the
-    stop comes at the same config either way). A config's bound is raised, when its turn comes,
-    by what its data-parallel traffic and optimizer step cost at least (`data_parallel_floor`,
-    the traffic less `work`, the busiest rank's forward + backward of a micro-batch, where
-    compute may hide it) and the config goes back in line at the raised bound (lazy A*-style):
-    the visit stays in bound order, so the stop stays exact. Returns (estimates in visit order,
-    errors, configs left after the stop, configs passed over as unable to fit). `done` memoises
+    the mesh orders searched before it; updated); with `check_fit`, configs that
+    `at.bounds.cannot_fit` flags (asked for the next configs in order, in growing batches, as
+    the visit reaches them) are passed over without an evaluation (they cannot fit, so they
+    never change the fitting times the stop depends on: the stop comes at the same config
+    either way). A config's bound is raised, when its turn comes, by what its data-parallel
+    traffic and optimizer step cost at least (`data_parallel_floor`, the traffic less its
+    work, the busiest rank's forward + backward of a micro-batch, where compute may hide it)
+    and the config goes back in line at the raised bound (lazy A*-style): the visit stays in
+    bound order, so the stop stays exact. Returns (estimates in visit order, errors, configs
+    left after the stop, configs passed over as unable to fit). `at.done` memoises
     evaluations across calls."""
+    costs, table, settings = ctx.costs, at.table, ctx.settings
+    rows, bounds, work = at.bounds.rows, at.bounds.step, at.bounds.work
+    visit_order, done = at.order, at.done
+    cannot_fit = at.bounds.cannot_fit if check_fit else None
     fast: list[Estimate] = []
     errors: list[str] = []
     unfit = 0
@@ -426,21 +429,22 @@ def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.nda
                 key = tuple(key)
                 if key not in floors:
                     try:
-                        floors[key] = data_parallel_floor(costs, cache, table.config(row),
-                                                          dtype, options)
+                        floors[key] = data_parallel_floor(costs, ctx.cache, table.config(row),
+                                                          ctx.dtype, ctx.options)
                     except InvalidConfigError:  # the evaluation says why
                         floors[key] = None
                 floor = floors[key]
                 if floor is not None:
-                    m = global_batch_size // (key[0] * mbs)
+                    m = ctx.global_batch_size // (key[0] * mbs)
                     gap = floor.exposed_and_optimizer(float(work[j]), m) * (1 - BOUND_MARGIN)
                     if gap > 0:
                         heapq.heappush(deferred, (bound + gap, i, j))
                         continue
             cfg = table.config(row)
             try:
-                done[j] = evaluate(costs, cluster, cfg, global_batch_size=global_batch_size,
-                                   dtype=dtype, options=options, cache=cache, exact=False)
+                done[j] = evaluate(costs, ctx.cluster, cfg,
+                                   global_batch_size=ctx.global_batch_size, dtype=ctx.dtype,
+                                   options=ctx.options, cache=ctx.cache, exact=False)
             except InvalidConfigError as exc:  # a divisibility the enumeration let by
                 done[j] = InvalidConfigError(f"{cfg.short()}: {exc}")
         est = done[j]
@@ -454,7 +458,10 @@ def _visit(costs: ModelCosts, cluster: Cluster, table: ConfigTable, rows: np.nda
     return fast, errors, 0, unfit
 
 
-def _no_fit(costs, cluster, fast, smallest, usable, gbs, dtype, options, cache) -> NoPlanFitsError:
+def _no_fit(fast: list[Estimate], smallest: tuple[float, ParallelConfig] | None,
+            usable: float) -> NoPlanFitsError:
+    """The error when nothing fits `usable` bytes: the least footprint among the estimates
+    `fast`, or, with none, the least model states alone (`smallest`)."""
     best = min(fast, key=lambda e: e.peak_memory_bytes, default=None)
     if best is None and smallest is not None:
         peak, cfg = smallest

@@ -34,11 +34,13 @@ import numpy as np
 
 from autopar.config import (DEFAULT_MESH_ORDER, PP_SCHEDULES, RECOMPUTE_POLICIES, ParallelConfig,
                             divisors, tp_splits_heads)
+from autopar.estimate.core import EstimateOptions
+from autopar.search.settings import SearchSettings
 from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
                                CUDA_CONTEXT_BYTES, state_bytes_split)
 
-__all__ = ["ConfigTable", "config_table", "encode", "key_groups", "states_lower_bounds",
-           "step_lower_bounds", "first_rank_memory", "TIME_KEY_COLUMNS"]
+__all__ = ["ConfigTable", "ModelShape", "config_table", "encode", "key_groups",
+           "states_lower_bounds", "step_lower_bounds", "first_rank_memory", "TIME_KEY_COLUMNS"]
 
 COLUMNS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "micro_batch_size", "pp_schedule",
            "virtual_stages", "sequence_parallel", "recompute", "recompute_every")
@@ -111,37 +113,58 @@ def _allowed(name: str, values: list, constraints: dict[str, Any]) -> list:
     return values
 
 
-def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers: int,
-                 num_heads: int | None, num_kv_heads: int | None, seq_len: int | None,
-                 num_experts: int | None, global_batch_size: int, constraints: dict[str, Any],
-                 recomputes: tuple[str, ...], max_micro_batch_size: int,
-                 max_virtual_stages: int, max_cp: int,
-                 few_microbatches: tuple[str, ...] = ("gpipe",),
-                 recompute_every: tuple[int, ...] = (1,), kv_fused: bool = True
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """What of a model the space's rules read (`config_table`)."""
+
+    num_layers: int
+    """The block layers: pp is at most this many."""
+    body_layers: int
+    """Every block layer of every kind: interleaving and one-in-k recompute split these."""
+    num_heads: int | None
+    """Attention heads, which tp splits (None: no attention of its own to split, nor cp)."""
+    num_kv_heads: int | None
+    """Key/value heads (`tp_splits_heads`)."""
+    seq_len: int | None
+    """The sequence of the inputs (None: no token dimension, so no SP and no cp)."""
+    num_experts: int | None
+    """Experts of the MoE layers, which ep divides (None: a dense model, ep 1)."""
+    kv_fused: bool = True
+    """K and V come from one GEMM with Q (`tp_splits_heads`)."""
+
+
+def config_table(model: ModelShape, *, world: int, gpus_per_node: int, global_batch_size: int,
+                 constraints: dict[str, Any], recomputes: tuple[str, ...],
+                 settings: SearchSettings, few_microbatches: tuple[str, ...] = ("gpipe",)
                  ) -> ConfigTable:
     """Every candidate config (validity is checked by `evaluate`), in the order: tp, cp, pp,
     ep ascending; then micro-batch size, recompute, SP, schedule (gpipe, 1f1b, zero-bubble,
     interleaved by virtual stages), ZeRO stage. tp stays within a node and splits the heads
     (`tp_splits_heads`; ``kv_fused``: K and V come from one GEMM with Q);
     sequence parallelism needs a sequence (``seq_len``) whose cp shards tp divides;
-    cp needs a sequence divisible by 2·cp; pp is at most ``num_layers`` (the block layers) and the micro-batches
-    per step at least pp; interleaving needs the body layers to split evenly into pp·v chunks
-    and the micro-batches to be a multiple of pp. ``recomputes`` are the recompute policies
-    that differ on this model (`RECOMPUTE_POLICIES`); full recompute comes once per
-    ``recompute_every`` k of at most the layers per chunk of a pipeline rank, k ascending."""
-    gbs, heads = global_batch_size, num_heads
+    cp needs a sequence divisible by 2·cp and at most ``settings.max_cp``; pp is at most
+    ``num_layers`` (the block layers) and the micro-batches per step at least pp, unless the
+    schedule is one of ``few_microbatches``; interleaving needs the body layers to split evenly
+    into pp·v chunks and the micro-batches to be a multiple of pp. ``recomputes`` are the
+    recompute policies that differ on this model (`RECOMPUTE_POLICIES`); full recompute comes
+    once per ``settings.recompute_every`` k of at most the layers per chunk of a pipeline
+    rank, k ascending. ``settings`` also bounds the micro-batch size and the virtual
+    stages."""
+    gbs, heads, seq_len = global_batch_size, model.num_heads, model.seq_len
     degrees: list[tuple[int, int, int, int, int]] = []  # (dp, tp, pp, cp, ep) of each block
     sizes: list[int] = []
     inner: list[dict[str, np.ndarray]] = []
-    grids = _Grids()
+    rules = _Rules(global_batch_size=gbs, constraints=constraints,
+                   body_layers=model.body_layers, recomputes=recomputes, settings=settings,
+                   few=few_microbatches, grids=_Grids())
     blocks: dict[tuple[int, int, bool, bool], dict[str, np.ndarray] | None] = {}
     tps = [t for t in divisors(world) if t <= gpus_per_node
-           and tp_splits_heads(t, heads, num_kv_heads, kv_fused)]
+           and tp_splits_heads(t, heads, model.num_kv_heads, model.kv_fused)]
     for tp in _allowed("tp", tps, constraints):
-        cps = [c for c in divisors(world // tp) if c <= max_cp
+        cps = [c for c in divisors(world // tp) if c <= settings.max_cp
                and (c == 1 or (heads is not None and seq_len and seq_len % (2 * c) == 0))]
         for cp in _allowed("cp", cps, constraints):
-            pps = [p for p in divisors(world // (tp * cp)) if p <= num_layers]
+            pps = [p for p in divisors(world // (tp * cp)) if p <= model.num_layers]
             for pp in _allowed("pp", pps, constraints):
                 dp = world // (tp * cp * pp)
                 if "dp" in constraints and constraints["dp"] != dp:
@@ -149,18 +172,13 @@ def config_table(*, world: int, gpus_per_node: int, num_layers: int, body_layers
                 if gbs % dp:
                     continue
                 eps = [e for e in divisors(dp * cp)
-                       if num_experts and num_experts % e == 0] or [1]
+                       if model.num_experts and model.num_experts % e == 0] or [1]
                 # tp and cp shape a block only through whether SP and ZeRO apply; SP splits
                 # each cp rank's tokens over tp
                 key = (dp, pp, tp > 1 and bool(seq_len) and seq_len % (tp * cp) == 0,
                        dp * cp > 1)
                 if key not in blocks:
-                    blocks[key] = _block(gbs, constraints, grids, dp=dp, pp=pp,
-                                         with_sp=key[2], with_zero=key[3],
-                                         body_layers=body_layers, recomputes=recomputes,
-                                         everies=recompute_every,
-                                         max_mbs=max_micro_batch_size, max_v=max_virtual_stages,
-                                         few=few_microbatches)
+                    blocks[key] = _block(rules, dp=dp, pp=pp, with_sp=key[2], with_zero=key[3])
                 block = blocks[key]
                 if block is None:
                     continue
@@ -203,21 +221,35 @@ class _Grids:
         return self._arrays[values]
 
 
-def _block(gbs: int, constraints: dict[str, Any], grids: _Grids, *, dp: int, pp: int,
-           with_sp: bool, with_zero: bool, body_layers: int, recomputes: tuple[str, ...],
-           everies: tuple[int, ...],
-           max_mbs: int, max_v: int, few: tuple[str, ...]) -> dict[str, np.ndarray] | None:
+@dataclass(frozen=True)
+class _Rules:
+    """What every block of one `config_table` call is enumerated under."""
+
+    global_batch_size: int
+    constraints: dict[str, Any]  # the caller's pins
+    body_layers: int  # `ModelShape.body_layers`
+    recomputes: tuple[str, ...]  # the recompute policies that differ on the model
+    settings: SearchSettings  # the largest micro-batch, virtual stages, recompute_every
+    few: tuple[str, ...]  # schedules that run fewer micro-batches than pipeline ranks
+    grids: _Grids  # the call's memo of index grids and value arrays
+
+
+def _block(rules: _Rules, *, dp: int, pp: int, with_sp: bool, with_zero: bool
+           ) -> dict[str, np.ndarray] | None:
     """The ZeRO, micro-batch, schedule, virtual-stage, SP and recompute columns of the rows
     of one (tp, cp, pp, dp, ep): the product micro-batch x recompute x SP x schedule x ZeRO
     in that nesting (C order), less the rows with fewer micro-batches than pp unless their
-    schedule is one of `few`, and interleaved rows whose micro-batch count is not a multiple
-    of pp. SP is searched `with_sp` (tp > 1 and the model has a sequence: CNNs have no token
-    dimension to split), ZeRO `with_zero` (dp * cp > 1)."""
+    schedule is one of `rules.few`, and interleaved rows whose micro-batch count is not a
+    multiple of pp. SP is searched `with_sp` (tp > 1 and the model has a sequence: CNNs have
+    no token dimension to split), ZeRO `with_zero` (dp * cp > 1)."""
+    gbs, constraints, grids = rules.global_batch_size, rules.constraints, rules.grids
+    body_layers, few = rules.body_layers, rules.few
+    max_mbs, max_v = rules.settings.max_micro_batch_size, rules.settings.max_virtual_stages
     zeros = _allowed("zero_stage", [0, 1, 2, 3] if with_zero else [0], constraints)
     sps = _allowed("sequence_parallel", [False, True] if with_sp else [False], constraints)
-    everies = _allowed("recompute_every", [k for k in everies if k == 1 or k * pp <= body_layers],
-                       constraints)
-    recomputes = [(r, k) for r in _allowed("recompute", list(recomputes), constraints)
+    everies = _allowed("recompute_every", [k for k in rules.settings.recompute_every
+                                           if k == 1 or k * pp <= body_layers], constraints)
+    recomputes = [(r, k) for r in _allowed("recompute", list(rules.recomputes), constraints)
                   for k in (everies if r == "full" else [1] if 1 in everies else [])]
     # fewer micro-batches than pipeline ranks: the schedules `few` (`check_config`)
     mbss = _allowed("micro_batch_size", [b for b in divisors(gbs // dp) if b <= max_mbs],
@@ -372,17 +404,19 @@ def key_groups(table: ConfigTable, rows: np.ndarray, names: tuple[str, ...]
 
 def first_rank_memory(table: ConfigTable, rows: np.ndarray, *, units: dict[int, tuple],
                       structure_of, activations_of, dtype: str, global_batch_size: int,
-                      flash: bool, zero3_cap: int | None,
-                      memo: dict | None = None, fp32_params: bool = False) -> np.ndarray:
+                      options: EstimateOptions, memo: dict | None = None) -> np.ndarray:
     """Peak bytes of pipeline rank 0 by the closed form of `evaluate(exact=False)`, per row
     (NaN where the rank's layers are unknown: a split the estimate refuses).
 
     `units[mbs]` are the model's units for a micro-batch size; `structure_of(pp, v)` the
     layer counts per rank of that split (None if it cannot be made); `activations_of(unit,
-    cfg, flash)` the (kept, working) bytes per layer. `memo`, a dict the caller keeps across
-    calls on one table, holds the per-unit activation bytes of each key already seen. The sum
-    is formed in another order than the estimate's, so callers compare it with a relative
-    margin."""
+    cfg, flash)` the (kept, working) bytes per layer. `options` says whether attention is
+    flash (`attention_kernel`), the ZeRO-3 gather cap and whether weights are fp32.
+    `memo`, a dict the caller keeps across calls on one table, holds the per-unit activation
+    bytes of each key already seen. The sum is formed in another order than the estimate's,
+    so callers compare it with a relative margin."""
+    flash, zero3_cap = options.attention_kernel != "math", options.zero3_max_live_params
+    fp32_params = options.fp32_params
     if not len(rows):
         return np.zeros(0)
     c = {name: col[rows] for name, col in table.columns.items()}

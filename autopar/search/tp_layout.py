@@ -27,17 +27,18 @@ gathered), it is recorded per block as advice with both objectives.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import pandas as pd
 
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
-from autopar.estimate.core import Estimate, EstimateOptions, ModelCosts, evaluate
+from autopar.estimate.core import Estimate, evaluate
 from autopar.estimate.timing import slowest_groups, tp_collectives
 from autopar.estimate.tp_comm import partial_gradient_bytes, primitive_collectives
 from autopar.estimate.units import units_from_graph
@@ -45,11 +46,12 @@ from autopar.ir import SEQUENCE_DIM, Graph
 from autopar.ir.residual import residual_structure, sublayers
 from autopar.plan import megatron_tp_placements
 from autopar.plan.placements import replicated_kv
-from autopar.search.intra_op import solve_block
+from autopar.search.context import SearchContext
+from autopar.search.intra_op import BlockSetting, BlockSharding, solve_block
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, state_bytes_per_param
 
-__all__ = ["LaidOut", "LayoutContext", "TpLayout", "block_budget", "choose_layout",
-           "layout_price", "tp_layout"]
+__all__ = ["LaidOut", "TpLayout", "block_budget", "choose_layout", "layout_price",
+           "tp_layout"]
 
 log = logging.getLogger(__name__)
 
@@ -149,26 +151,27 @@ def tp_layout(graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, *,
     # blocks alike in structure (an encoder's and a decoder's stack) solve once, and a
     # block's solves share its problem
     cache: dict = {}
-    common = dict(tp=cfg.tp, cluster=cluster, dtype=dtype, cache=cache,
-                  ranks=slowest_groups(cfg, cluster).tp,  # the tp group the estimate costs
-                  sequence_shards=cfg.cp, microbatches=estimate.num_microbatches,
-                  bytes_per_param=bytes_per_param,
-                  # the hidden state between blocks as the runtime places it
-                  boundary=f"S({SEQUENCE_DIM})" if cfg.sequence_parallel else "replicated",
-                  step_s_per_param=step_s_per_param)
+    setting = BlockSetting(tp=cfg.tp, cluster=cluster, dtype=dtype,
+                           ranks=slowest_groups(cfg, cluster).tp,  # the tp group costed
+                           sequence_shards=cfg.cp, microbatches=estimate.num_microbatches,
+                           bytes_per_param=bytes_per_param,
+                           # the hidden state between blocks as the runtime places it
+                           boundary=f"S({SEQUENCE_DIM})" if cfg.sequence_parallel
+                           else "replicated",
+                           step_s_per_param=step_s_per_param)
     stream = {name: partial_gradient_bytes(u, True) * u.count for name, u in units.items()}
     for block in graph.blocks:
         unit = units.get(block.representative)
         layers = _layers_on_rank(estimate, block.layer_fqns)
         # the other layers' stream gradients on a rank, their average over the pipeline
         others = (sum(stream.values()) - stream.get(block.representative, 0.0)) / cfg.pp
-        block_common = dict(common, gradient_buffer_bytes=_gradient_buffer(unit, layers, others))
-        sol = solve_block(graph, block.node_names, **block_common)
+        solve = functools.partial(solve_block, graph, block.node_names, dataclasses.replace(
+            setting, gradient_buffer_bytes=_gradient_buffer(unit, layers, others)), cache=cache)
+        sol = solve()
         kept = budget = bound = None
         if not _same(sol.param_placements, megatron):
             try:  # the ILP's best execution of Megatron's layout
-                kept = solve_block(graph, block.node_names, pinned_params=megatron,
-                                   **block_common)
+                kept = solve(pinned_params=megatron)
             except ValueError:  # a node cannot place its parameters as Megatron's says
                 kept = None
             budget = block_budget(estimate, block.layer_fqns, kept.memory_bytes) \
@@ -176,14 +179,13 @@ def tp_layout(graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, *,
             if budget is not None and sol.memory_bytes > budget:
                 # the best layout Lagrangian relaxation finds within the budget, optimal
                 # where it proves it (exact solving is ~0.2 s a block: too slow for compile)
-                sol = solve_block(graph, block.node_names, memory_budget_bytes=budget,
-                                  method="lagrangian", **block_common)
+                sol = solve(memory_budget_bytes=budget, method="lagrangian")
                 bound = budget
         megatron_best = _same(sol.param_placements, megatron)
         runs, subset = (sol if megatron_best or kept is None else kept), frozenset()
         if unit is not None and kept is not None and not megatron_best:
             runs, subset = _replicating(graph, block, unit, megatron, cfg, budget,
-                                        (kept, subset), block_common)
+                                        (kept, subset), solve)
         same = megatron_best or bool(subset) and \
             dict(runs.param_placements) == dict(sol.param_placements)
         report[block.representative] = entry = {
@@ -221,12 +223,13 @@ _MAX_REPLICABLE = 4  # sub-layers per block whose replication is tried (2^4 layo
 
 
 def _replicating(graph: Graph, block, unit, megatron: dict[str, str], cfg, budget,
-                 incumbent, common: dict):
+                 incumbent, solve: Callable[..., BlockSharding]):
     """The cheapest of Megatron's layout (``incumbent``: its solve and the empty set) and
     Megatron's with each non-empty set of the block's replicable sub-layers replicated, by
-    the ILP's price of its best execution, within ``budget``; a layout counts only where the
-    ILP's collectives for it are the estimate's (`tp_collectives` of `Unit.replicated`), so
-    that the price is the one the estimate charges and the runtime pays."""
+    the ILP's price of its best execution (``solve``: `solve_block` of the block in its
+    setting), within ``budget``; a layout counts only where the ILP's collectives for it are
+    the estimate's (`tp_collectives` of `Unit.replicated`), so that the price is the one the
+    estimate charges and the runtime pays."""
     names = set(block.node_names)
     nodes = [n for n in graph.nodes if n.name in names]
     runs = sublayers(nodes, residual_structure(nodes))
@@ -237,7 +240,7 @@ def _replicating(graph: Graph, block, unit, megatron: dict[str, str], cfg, budge
             pins = dict(megatron)
             pins.update({p.fqn: "R" for i in subset for n in runs[i] for p in n.params})
             try:
-                alt = solve_block(graph, block.node_names, pinned_params=pins, **common)
+                alt = solve(pinned_params=pins)
             except ValueError:
                 continue
             if alt.objective_s >= best.objective_s or \
@@ -259,20 +262,6 @@ def _same(placements, megatron: dict[str, str]) -> bool:
     return all(megatron.get(fqn, "R") == p for fqn, p in placements.items())
 
 
-@dataclass(frozen=True, kw_only=True)
-class LayoutContext:
-    """What choosing a plan's layout needs beside the configs: the model's costs as the
-    target runs it, the cluster planned within, the step's shape and software, and the
-    model's graph at a micro-batch size (``graph_at``)."""
-
-    costs: ModelCosts
-    cluster: Cluster
-    global_batch_size: int
-    dtype: str
-    options: EstimateOptions
-    graph_at: Callable[[int], Graph]
-
-
 class LaidOut(NamedTuple):
     """A plan's estimate in the layout chosen, the layout and the ILP's report
     (`tp_layout`); ``winner`` whether the config is the search's winner (on its stages)."""
@@ -286,7 +275,7 @@ class LaidOut(NamedTuple):
 _RIVALS = 8  # simulated runners-up whose layouts are priced at most
 
 
-def choose_layout(ctx: LayoutContext, winner: Estimate, candidates: pd.DataFrame, *,
+def choose_layout(ctx: SearchContext, winner: Estimate, candidates: pd.DataFrame, *,
                   replicate: bool) -> LaidOut:
     """The plan's config and layout: the search's ``winner`` in the layout `tp_layout`
     chooses (with sub-layers replicated where the ILP prices that lower and the whole
@@ -335,7 +324,7 @@ def _rivals(candidates: pd.DataFrame, winner: ParallelConfig) -> list[_Rival]:
     return sorted(rows, key=lambda r: r.step_bound)[:_RIVALS]
 
 
-def _laid_out(ctx: LayoutContext, est: Estimate, replicate: bool, *, on_its_stages: bool
+def _laid_out(ctx: SearchContext, est: Estimate, replicate: bool, *, on_its_stages: bool
               ) -> LaidOut:
     """``est``'s config in the layout `tp_layout` chooses for it; where that replicates
     sub-layers, the whole estimate again in it (on ``est``'s stages), kept if it fits and

@@ -24,6 +24,7 @@ import inspect
 import logging
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -61,8 +62,8 @@ def trace(
     token ids; the graph covers that many sequences). Other models: pass ``example_inputs``
     (a tensor, a tuple of them, or a dict of keyword inputs; one micro-batch; meta is fine).
     ``dtype`` ("bf16", "fp16", "fp8", "fp32") costs every floating tensor in that precision
-    instead of the model's own (bf16 for "fp8", whose tensors between ops are bf16). ``moe_capacity_factor`` scales the tokens each expert gets
-    under uniform top-k routing.
+    instead of the model's own (bf16 for "fp8", whose tensors between ops are bf16).
+    ``moe_capacity_factor`` scales the tokens each expert gets under uniform top-k routing.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"trace expects an nn.Module, got {type(model).__name__}")
@@ -71,12 +72,13 @@ def trace(
     if moe_capacity_factor <= 0:
         raise ValueError(f"moe_capacity_factor must be > 0, got {moe_capacity_factor}")
     stacks = blocks.find_stacks(model)
+    tracing = _Tracing(model=model, stacks=stacks, args=args, kwargs=kwargs,
+                       token_model=seq_len is not None, dtype=ir_dtype,
+                       capacity_factor=moe_capacity_factor)
     leaves: dict[str, int | None] = {}  # MoE leaves, with the top-k their forward took
     keep_all: set[str] = set()
     for _ in range(_MAX_ATTEMPTS):
-        recorder, shapes = _run(model, stacks, frozenset(keep_all), leaves, args, kwargs,
-                                token_model=seq_len is not None, dtype=ir_dtype,
-                                capacity_factor=moe_capacity_factor)
+        recorder, shapes = _run(tracing, frozenset(keep_all), leaves)
         if isinstance(recorder, _Leaf):
             leaves[recorder.fqn] = recorder.top_k
             continue
@@ -174,8 +176,26 @@ def _layer_lookup(stacks):
     return layer_of
 
 
-def _run(model, stacks, keep_all, leaves, args, kwargs, *, token_model, dtype, capacity_factor):
-    clone = blocks.shrink(model, stacks, keep_all)
+@dataclass(frozen=True, kw_only=True)
+class _Tracing:
+    """What every attempt of one `trace` runs: the model, its repeated stacks, the inputs of
+    one forward and how tensors are costed."""
+
+    model: nn.Module
+    stacks: list  # `blocks.find_stacks` of the model
+    args: tuple  # positional inputs, on the meta device
+    kwargs: dict  # keyword inputs, on the meta device
+    token_model: bool  # the inputs are token ids [batch, seq]
+    dtype: str | None  # every floating tensor's IR dtype (None: the model's own)
+    capacity_factor: float  # scales the tokens each MoE expert gets
+
+
+def _run(tracing: _Tracing, keep_all: frozenset[str], leaves: dict[str, int | None]):
+    """One attempt, with the stacks of ``keep_all`` traced in full and the MoE ``leaves``
+    costed as leaves: (the recorder of the forward, or a `_Leaf` to retry with; the shapes
+    the modules saw, `_hooks`)."""
+    stacks, token_model = tracing.stacks, tracing.token_model
+    clone = blocks.shrink(tracing.model, stacks, keep_all)
     params = dict(clone.named_parameters())
     buffers = dict(clone.named_buffers())
     # fake tensors on the meta device: no memory, and libraries that branch on values see
@@ -187,11 +207,11 @@ def _run(model, stacks, keep_all, leaves, args, kwargs, *, token_model, dtype, c
     meta_params = {n: to_fake(torch.empty_like(p, device="meta")) for n, p in params.items()}
     meta_buffers = {n: to_fake(torch.empty_like(b, device="meta")) for n, b in buffers.items()}
     args, kwargs = pytree.tree_map(lambda x: to_fake(x) if isinstance(x, torch.Tensor) else x,
-                                   (args, kwargs))
+                                   (tracing.args, tracing.kwargs))
     recorder = Recorder(
         params={id(t): (n, params[n].requires_grad) for n, t in meta_params.items()},
         buffers={id(t): n for n, t in meta_buffers.items()},
-        layer_of=_layer_lookup(stacks), dtype=dtype)
+        layer_of=_layer_lookup(stacks), dtype=tracing.dtype)
     shapes: dict[str, tuple] = {}
     handles, patched = [], []
     modules = dict(clone.named_modules())
@@ -201,7 +221,7 @@ def _run(model, stacks, keep_all, leaves, args, kwargs, *, token_model, dtype, c
         for fqn in sorted(leaves):
             module = modules[fqn]
             patched.append((module, module.__dict__.get("forward")))
-            module.forward = moe.leaf_forward(module, fqn, recorder, capacity_factor,
+            module.forward = moe.leaf_forward(module, fqn, recorder, tracing.capacity_factor,
                                               top_k=leaves[fqn])
         for i, t in enumerate(pytree.tree_leaves((args, kwargs))):
             if isinstance(t, torch.Tensor):

@@ -34,7 +34,7 @@ from autopar.trace import ops
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Recorder", "Failure"]
+__all__ = ["Recorder", "Failure", "OpTraits"]
 
 
 @dataclass
@@ -57,6 +57,23 @@ class Failure:
     module_path: str
     op: str
     error: BaseException
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpTraits:
+    """What a recorded op is beyond its tensors and FLOPs (`Recorder.emit`); most ops have
+    none of it."""
+
+    extra_saved_bytes: int = 0
+    """Bytes kept for backward that are no tensor of the op (attention's log-sum-exp, a
+    dropout mask, log-probabilities)."""
+    score_out: bool = False
+    """The outputs are attention scores (and the extra bytes theirs): selective recompute
+    drops them."""
+    alias_out: bool = False
+    """The outputs are views of the first input, sharing its storage."""
+    attention: AttentionSpec | None = None
+    """The shape of the attention the op computes."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -195,13 +212,13 @@ class Recorder:
         flops_fwd: int = 0,
         flops_bwd: int = 0,
         save: list[torch.Tensor] = (),
-        extra_saved_bytes: int = 0,
-        score_out: bool = False,
-        alias_out: bool = False,
-        attention: AttentionSpec | None = None,
         path: str | None = None,
+        traits: OpTraits = OpTraits(),
     ) -> Node:
-        """Record one node; ``save`` lists the tensors it keeps for backward."""
+        """Record one node; ``save`` lists the tensors it keeps for backward, ``traits`` what
+        else it is (`OpTraits`)."""
+        extra_saved_bytes, score_out = traits.extra_saved_bytes, traits.score_out
+        alias_out = traits.alias_out
         path = self.module_stack[-1] if path is None else path
         layer = self._layer_of(path)
         ins = [self.value(t) for t in in_tensors]
@@ -238,8 +255,8 @@ class Recorder:
             bytes_read=sum(v.spec.num_bytes for v in ins) if moves else 0,
             bytes_written=sum(v.spec.num_bytes for v in outs) if moves else 0,
             params=params, saved_bytes=saved, saved_bytes_recompute=kept,
-            saved_from=saved_from, module_path=path, layer_index=layer, attention=attention,
-            transposed=transposed,
+            saved_from=saved_from, module_path=path, layer_index=layer,
+            attention=traits.attention, transposed=transposed,
         )
         self.nodes.append(node)
         return node
@@ -280,7 +297,7 @@ class Recorder:
         score = self._is_score(rule.kind, vals, outs)
         self.emit(kind=rule.kind, target=str(func), short=name, in_tensors=ins,
                   out_tensors=outs, flops_fwd=flops, flops_bwd=flops_bwd, save=save,
-                  score_out=score, alias_out=alias)
+                  traits=OpTraits(score_out=score, alias_out=alias))
 
     def _alias_state(self, value: _Value, outs: list[torch.Tensor]) -> None:
         for t in outs:
@@ -347,7 +364,7 @@ class Recorder:
         lse_bytes = b * hq * sq * 4  # fp32 log-sum-exp per query row
         self.emit(kind=OpKind.ATTENTION, target="F.scaled_dot_product_attention", short="sdpa",
                   in_tensors=ins, out_tensors=[out], flops_fwd=fwd, flops_bwd=bwd,
-                  save=ins + [out], extra_saved_bytes=lse_bytes, attention=spec)
+                  save=ins + [out], traits=OpTraits(extra_saved_bytes=lse_bytes, attention=spec))
         return out
 
     def _rms_norm(self, input, normalized_shape, weight=None, eps=None):
@@ -355,7 +372,7 @@ class Recorder:
         ins = [input] + ([weight] if weight is not None else [])
         rows = input.numel() // max(1, math.prod(normalized_shape))
         self.emit(kind=OpKind.NORM, target="F.rms_norm", short="rms_norm", in_tensors=ins,
-                  out_tensors=[out], save=[input], extra_saved_bytes=rows * 4)
+                  out_tensors=[out], save=[input], traits=OpTraits(extra_saved_bytes=rows * 4))
         return out
 
     def _dropout(self, input, p=0.5, training=True, inplace=False):
@@ -364,8 +381,9 @@ class Recorder:
         out = self._empty(input.shape, input)
         score = self.value(input).score
         self.emit(kind=OpKind.DROPOUT, target="F.dropout", short="dropout", in_tensors=[input],
-                  out_tensors=[out], extra_saved_bytes=input.numel(),  # 1-byte mask
-                  score_out=score)
+                  out_tensors=[out],
+                  traits=OpTraits(extra_saved_bytes=input.numel(),  # 1-byte mask
+                                  score_out=score))
         return out
 
     def _cross_entropy(self, input, target, weight=None, size_average=None, ignore_index=-100,
@@ -374,7 +392,7 @@ class Recorder:
         out = self._empty(shape, input)
         self.emit(kind=OpKind.LOSS, target="F.cross_entropy", short="cross_entropy",
                   in_tensors=[input, target], out_tensors=[out], save=[target],
-                  extra_saved_bytes=self._spec(input).num_bytes)  # log-probabilities
+                  traits=OpTraits(extra_saved_bytes=self._spec(input).num_bytes))  # log-probs
         return out
 
 

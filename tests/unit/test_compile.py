@@ -139,7 +139,7 @@ def test_load_refuses_other_versions_and_corrupted_files(tmp_path, mutate, match
 def test_the_intra_op_ilp_costs_the_tp_group_the_estimate_costs():
     # tp=4 on 6-GPU nodes: ranks 4-7 span two nodes; the block's ILP pays their collectives
     # (and so, at this width, keeps the block replicated where inside a node it would split)
-    from autopar.search.intra_op import solve_block
+    from autopar.search.intra_op import BlockSetting, solve_block
     from autopar.search.tp_layout import layout_price
 
     cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=2, gpus_per_node=6)
@@ -151,10 +151,9 @@ def test_the_intra_op_ilp_costs_the_tp_group_the_estimate_costs():
     graph = autopar.trace(model, global_batch_size=1, seq_len=1024, dtype="bf16")
     names = graph.blocks[0].node_names
     state, step = layout_price(plan.estimate, "bf16")
-    straddling, inside = (solve_block(graph, names, tp=4, cluster=cluster, dtype="bf16",
-                                      ranks=ranks, bytes_per_param=state, step_s_per_param=step,
-                                      boundary="replicated")
-                          for ranks in ((4, 5, 6, 7), (0, 1, 2, 3)))
+    straddling, inside = (solve_block(graph, names, BlockSetting(
+        tp=4, cluster=cluster, dtype="bf16", ranks=ranks, bytes_per_param=state,
+        step_s_per_param=step, boundary="replicated")) for ranks in ((4, 5, 6, 7), (0, 1, 2, 3)))
     ilp = block.get("ilp_objective_s", block["compute_s"] + block["comm_s"] + block["state_s"])
     assert ilp == straddling.objective_s
     assert straddling.objective_s != inside.objective_s

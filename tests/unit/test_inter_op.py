@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from autopar.errors import StageMemoryError
 from autopar.search import inter_op, stage_dp
-from autopar.search.inter_op import StagePartition, partition_stages
+from autopar.search.inter_op import LayerCosts, StagePartition, partition_stages
 from costmodels.pipeline import OpKind, simulate_pipeline
 
 GB = 1e9
@@ -66,8 +66,9 @@ def _brute_force(f, b, a, w, *, p, v, m, schedule, p2p, budget):
     return best, [cut for s, cut in scored if s == best]
 
 
-def _run(f, b, a, w, **kw) -> StagePartition:
-    return partition_stages(forward_s=f, backward_s=b, activation_bytes=a, state_bytes=w, **kw)
+def _run(f, b, a, w, *, weight_grad_s=None, **kw) -> StagePartition:
+    return partition_stages(LayerCosts(forward_s=f, backward_s=b, activation_bytes=a,
+                                       state_bytes=w, weight_grad_s=weight_grad_s), **kw)
 
 
 @st.composite

@@ -3,6 +3,7 @@ rediscovery of Megatron TP, errors, caching."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -14,7 +15,7 @@ from autopar.errors import ShardingInfeasibleError
 from autopar.ir import Graph, Node, OpKind, ParamSpec, TensorSpec
 from autopar.models.registry import build, preset
 from autopar.search.elimination import solve_by_elimination
-from autopar.search.intra_op import BlockSharding, solve_block, solve_problem
+from autopar.search.intra_op import BlockSetting, BlockSharding, solve_block, solve_problem
 from autopar.sharding import expand_nd, reshard_collective, strategies
 from autopar.sharding.problem import build_problem, pin_params
 from autopar.sharding.views import view_dim_map
@@ -132,8 +133,9 @@ def test_the_step_price_of_replicated_weights_turns_the_layout_to_sharded(cluste
     # element its share of the optimizer step and data-parallel reduction shards them
     g = _chain(m=65536, h=1024)
     names = [n.name for n in g.nodes]
-    free = solve_block(g, names, tp=4, cluster=cluster, dtype="bf16")
-    priced = solve_block(g, names, tp=4, cluster=cluster, dtype="bf16", step_s_per_param=1e-10)
+    free = solve_block(g, names, BlockSetting(tp=4, cluster=cluster, dtype="bf16"))
+    priced = solve_block(g, names, BlockSetting(tp=4, cluster=cluster, dtype="bf16",
+                                                step_s_per_param=1e-10))
     assert free.param_placements == {"up.weight": "R", "down.weight": "R"}
     assert priced.param_placements == {"up.weight": "S(0)", "down.weight": "S(1)"}
     # rounded to whole nanoseconds per parameter tensor
@@ -219,9 +221,9 @@ def test_elimination_matches_brute_force_with_tie_break(seed, cluster):
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_elimination_and_cp_sat_agree_on_llama_block(llama, tp, cluster):
     g, names = llama
-    by_elimination = solve_block(g, names, tp=tp, cluster=cluster, dtype="bf16",
-                                 method="elimination")
-    by_cp_sat = solve_block(g, names, tp=tp, cluster=cluster, dtype="bf16", method="cp-sat")
+    setting = BlockSetting(tp=tp, cluster=cluster, dtype="bf16")
+    by_elimination = solve_block(g, names, setting, method="elimination")
+    by_cp_sat = solve_block(g, names, setting, method="cp-sat")
     assert by_elimination == by_cp_sat
 
 
@@ -338,7 +340,7 @@ def _one_reduction_per_sublayer(collectives, nbytes):
 
 def test_llama_block_tp8_is_megatron(llama, cluster):
     g, names = llama
-    r = solve_block(g, names, tp=8, cluster=cluster, dtype="bf16")
+    r = solve_block(g, names, BlockSetting(tp=8, cluster=cluster, dtype="bf16"))
     place = {fqn.split(".", 2)[2]: p for fqn, p in r.param_placements.items()}
     for col in ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
                 "feed_forward.w1.weight", "feed_forward.w3.weight"):
@@ -359,7 +361,7 @@ def test_gpt_mlp_is_column_then_row(cluster):
     g = autopar.trace(build(preset("gpt3-1.3b", n_layers=2)), global_batch_size=1,
                       seq_len=2048, dtype="bf16")
     names = g.blocks[0].node_names
-    r = solve_block(g, names, tp=4, cluster=cluster, dtype="bf16")
+    r = solve_block(g, names, BlockSetting(tp=4, cluster=cluster, dtype="bf16"))
     place = {fqn.split(".", 2)[2]: p for fqn, p in r.param_placements.items()}
     assert place["feed_forward.w1.weight"] == "S(0)"
     assert place["feed_forward.w1.bias"] == "S(0)"
@@ -376,10 +378,11 @@ def test_context_parallel_costs_one_ranks_share_of_the_sequence(cluster):
     model = build(preset("gpt3-1.3b", n_layers=2, max_seq_len=8192))
     full, half = (autopar.trace(model, global_batch_size=1, seq_len=s, dtype="bf16")
                   for s in (8192, 4096))
-    kw = dict(tp=4, cluster=cluster, dtype="bf16")
-    shared = solve_block(full, full.blocks[0].node_names, sequence_shards=2, **kw)
-    short = solve_block(half, half.blocks[0].node_names, **kw)
-    whole = solve_block(full, full.blocks[0].node_names, **kw)
+    setting = BlockSetting(tp=4, cluster=cluster, dtype="bf16")
+    shared = solve_block(full, full.blocks[0].node_names,
+                         dataclasses.replace(setting, sequence_shards=2))
+    short = solve_block(half, half.blocks[0].node_names, setting)
+    whole = solve_block(full, full.blocks[0].node_names, setting)
     assert shared.node_strategies == short.node_strategies
     assert (shared.forward_collectives, shared.backward_collectives) == \
         (short.forward_collectives, short.backward_collectives)
@@ -390,7 +393,7 @@ def test_context_parallel_costs_one_ranks_share_of_the_sequence(cluster):
 
 def test_tp1_is_replicated_without_communication(llama, cluster):
     g, names = llama
-    r = solve_block(g, names, tp=1, cluster=cluster, dtype="bf16")
+    r = solve_block(g, names, BlockSetting(tp=1, cluster=cluster, dtype="bf16"))
     assert set(r.node_strategies.values()) == {"R"}
     assert set(r.param_placements.values()) == {"R"}
     assert r.forward_collectives == r.backward_collectives == ()
@@ -402,7 +405,7 @@ def test_vocab_parallel_head_when_it_pays(vocab, expect_parallel, cluster):
     g = autopar.trace(build(preset("llama3-8b", n_layers=2, vocab_size=vocab)),
                       global_batch_size=1, seq_len=2048, dtype="bf16")
     names = [n.name for n in g.nodes if g.block_of(n) is None]
-    r = solve_block(g, names, tp=8, cluster=cluster, dtype="bf16")
+    r = solve_block(g, names, BlockSetting(tp=8, cluster=cluster, dtype="bf16"))
     loss = next(n for n in names if n.endswith("cross_entropy"))
     if expect_parallel:
         assert r.param_placements["output.weight"] == "S(0)"  # LM head split on the vocab
@@ -418,7 +421,7 @@ def test_resnet_block_finds_a_split(cluster):
     g = autopar.trace(build("resnet50"), example_inputs=torch.empty(32, 3, 224, 224,
                                                                     device="meta"), dtype="bf16")
     block = next(b for b in g.blocks if b.representative == "layer3.1")
-    r = solve_block(g, block.node_names, tp=4, cluster=cluster, dtype="bf16")
+    r = solve_block(g, block.node_names, BlockSetting(tp=4, cluster=cluster, dtype="bf16"))
     assert set(r.node_strategies.values()) != {"R"}
     problem = build_problem(g, block.node_names, axis_size=4, cluster=cluster, dtype="bf16")
     replicated = problem.evaluate({v: 0 for v in problem.nodes})
@@ -431,7 +434,8 @@ def test_infeasible_memory_budget_names_the_family(cluster):
     g = _diamond()
     names = [n.name for n in g.nodes]
     with pytest.raises(ShardingInfeasibleError, match="memory_budget: the smallest footprint") as e:
-        solve_block(g, names, tp=4, cluster=cluster, dtype="bf16", memory_budget_bytes=1e3)
+        solve_block(g, names, BlockSetting(tp=4, cluster=cluster, dtype="bf16"),
+                    memory_budget_bytes=1e3)
     assert e.value.family == "memory_budget" and e.value.smallest_bytes > 1e3
     assert isinstance(e.value, ValueError)
 
@@ -439,27 +443,28 @@ def test_infeasible_memory_budget_names_the_family(cluster):
 def test_bad_arguments_raise_value_error(cluster):
     g = _chain()
     with pytest.raises(ValueError, match="tp must be"):
-        solve_block(g, ["up"], tp=0, cluster=cluster, dtype="bf16")
+        solve_block(g, ["up"], BlockSetting(tp=0, cluster=cluster, dtype="bf16"))
     with pytest.raises(ValueError, match="unknown"):
-        solve_block(g, ["nope"], tp=2, cluster=cluster, dtype="bf16")
+        solve_block(g, ["nope"], BlockSetting(tp=2, cluster=cluster, dtype="bf16"))
 
 
 def test_deterministic_and_cached(llama, cluster):
     g, names = llama
-    first = solve_block(g, names, tp=4, cluster=cluster, dtype="bf16")
-    second = solve_block(g, names, tp=4, cluster=cluster, dtype="bf16")
+    setting = BlockSetting(tp=4, cluster=cluster, dtype="bf16")
+    first = solve_block(g, names, setting)
+    second = solve_block(g, names, setting)
     assert first == second
     cache: dict = {}
-    a = solve_block(g, names, tp=4, cluster=cluster, dtype="bf16", cache=cache)
-    b = solve_block(g, names, tp=4, cluster=cluster, dtype="bf16", cache=cache)
+    a = solve_block(g, names, setting, cache=cache)
+    b = solve_block(g, names, setting, cache=cache)
     def solved():
         return sum(isinstance(v, BlockSharding) for v in cache.values())
 
     assert a is b and solved() == 1 and a == first
-    solve_block(g, names, tp=8, cluster=cluster, dtype="bf16", cache=cache)
+    solve_block(g, names, dataclasses.replace(setting, tp=8), cache=cache)
     assert solved() == 2
     # a pinned solve of the block reuses its problem, and finds the same optimum
-    pinned = solve_block(g, names, tp=4, cluster=cluster, dtype="bf16", cache=cache,
+    pinned = solve_block(g, names, setting, cache=cache,
                          pinned_params=dict(first.param_placements))
     assert solved() == 3 and pinned.objective_s == first.objective_s
 

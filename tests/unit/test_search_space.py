@@ -27,6 +27,7 @@ from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.mixtral import Mixtral, MixtralConfig
 from autopar.search import bounds, outer, space
 from autopar.search.candidates import space_table
+from autopar.search.context import SearchContext
 from autopar.search.outer import SearchSettings, enumerate_configs
 from autopar.search.space import first_rank_memory, states_lower_bounds
 from costmodels.memory import COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES, state_bytes_per_param
@@ -169,8 +170,9 @@ def test_column_bounds_equal_the_one_config_forms_bit_for_bit(kind, nodes, const
     assert states.tolist() == [_states_oracle(costs, c, dtype) for c in configs]
     cache = EvalCache(cluster)
     rows = np.arange(len(table))
-    step, failed, _ = bounds._step_bounds(costs, cluster, table, rows, global_batch_size=64,
-                                          dtype=dtype, options=options, cache=cache)
+    step, failed, _ = bounds._step_bounds(
+        SearchContext(costs=costs, cluster=cluster, global_batch_size=64, dtype=dtype,
+                      options=options, cache=cache), table, rows)
     one = EvalCache(cluster)
     expected = []
     for c in configs:
@@ -193,13 +195,13 @@ def test_bounds_stay_below_the_closed_form_estimate(kind, nodes, constraints, op
     table = space_table(costs, cluster, **kw)
     cache = EvalCache(cluster)
     rows = np.arange(len(table))
-    step, _, work = bounds._step_bounds(costs, cluster, table, rows, global_batch_size=64,
-                                        dtype="bf16", options=options, cache=cache)
+    step, _, work = bounds._step_bounds(
+        SearchContext(costs=costs, cluster=cluster, global_batch_size=64, dtype="bf16",
+                      options=options, cache=cache), table, rows)
     first = first_rank_memory(
         table, rows, units=cache.units,
         structure_of=functools.partial(bounds._split, costs, cache),
-        activations_of=activation_bytes, dtype="bf16", global_batch_size=64,
-        flash=options.attention_kernel != "math", zero3_cap=options.zero3_max_live_params)
+        activations_of=activation_bytes, dtype="bf16", global_batch_size=64, options=options)
     checked = lifted = exact = 0
     for i in range(0, len(table), max(1, len(table) // 300)):
         try:
@@ -250,9 +252,9 @@ def test_the_data_parallel_floor_changes_what_is_visited_not_the_plan(monkeypatc
                          options=EstimateOptions(), settings=SearchSettings())
     cache = EvalCache(cluster)
     rows = np.flatnonzero(table.columns["zero_stage"] == 3)
-    step, failed, work = bounds._step_bounds(costs, cluster, table, rows, global_batch_size=64,
-                                             dtype="bf16", options=EstimateOptions(),
-                                             cache=cache)
+    step, failed, work = bounds._step_bounds(
+        SearchContext(costs=costs, cluster=cluster, global_batch_size=64, dtype="bf16",
+                      cache=cache), table, rows)
     raised = 0
     for k in np.flatnonzero(~failed)[::7]:
         cfg = table.config(int(rows[k]))

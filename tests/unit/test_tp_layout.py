@@ -14,7 +14,7 @@ import torch
 
 import autopar
 from autopar.plan import megatron_tp_placements
-from autopar.search.intra_op import solve_block
+from autopar.search.intra_op import BlockSetting, solve_block
 from autopar.search.tp_layout import block_budget, layout_price
 from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, state_bytes_per_param
 
@@ -56,10 +56,10 @@ def test_models_written_elsewhere_come_out_megatron_shaped_from_the_ilp(make, se
     graph = autopar.trace(model, global_batch_size=plan.config.micro_batch_size,
                           seq_len=seq_len, dtype="bf16")
     state, step = layout_price(plan.estimate, "bf16")
-    exact = solve_block(graph, graph.blocks[0].node_names, tp=8, cluster=NODE, dtype="bf16",
-                        bytes_per_param=state, step_s_per_param=step, boundary="S(1)",
-                        microbatches=plan.estimate.num_microbatches,
-                        memory_budget_bytes=entry.get("memory_budget_bytes"), method="cp-sat")
+    exact = solve_block(graph, graph.blocks[0].node_names, BlockSetting(
+        tp=8, cluster=NODE, dtype="bf16", bytes_per_param=state, step_s_per_param=step,
+        boundary="S(1)", microbatches=plan.estimate.num_microbatches),
+        memory_budget_bytes=entry.get("memory_budget_bytes"), method="cp-sat")
     assert plan.config.sequence_parallel and exact.optimal
     megatron = megatron_tp_placements(graph)
     assert all(megatron.get(fqn, "R") == p for fqn, p in exact.param_placements.items())
@@ -83,8 +83,9 @@ def test_a_fused_projection_is_split_by_chunk():
     # block's forward has two tp reductions, one per sub-layer, as the estimate charges
     graph = autopar.trace(corpus.nano_gpt(), global_batch_size=8, seq_len=64)
     block = graph.blocks[0]
-    sol = solve_block(graph, block.node_names, tp=4, cluster=NODE, dtype="bf16",
-                      boundary="replicated", pinned_params=megatron_tp_placements(graph))
+    sol = solve_block(graph, block.node_names,
+                      BlockSetting(tp=4, cluster=NODE, dtype="bf16", boundary="replicated"),
+                      pinned_params=megatron_tp_placements(graph))
     assert [kind for kind, _ in sol.forward_collectives] == ["all_reduce", "all_reduce"]
     assert sol.node_strategies[next(n for n in block.node_names if "split" in n)] \
         == "S(2) by chunk"
