@@ -222,6 +222,7 @@ class Recorder:
         path = self.module_stack[-1] if path is None else path
         layer = self._layer_of(path)
         ins = [self.value(t) for t in in_tensors]
+        sources = tuple(v.source for v in ins)  # before an in-place result renames its value
         grad = any(v.needs_grad for v in ins)
         name = self._node_name(path, short)
         outs = []
@@ -229,6 +230,7 @@ class Recorder:
             if id(t) in self._values and not alias_out:  # in-place result
                 v = self._values[id(t)]
                 v.source = name
+                v.needs_grad = v.needs_grad or (grad and t.dtype.is_floating_point)
                 outs.append(v)
                 continue
             base = ins[0] if (alias_out and ins) else None
@@ -249,7 +251,7 @@ class Recorder:
         moves = kind is not OpKind.VIEW
         node = Node(
             name=name, kind=kind, target=target,
-            inputs=tuple(v.spec for v in ins), input_sources=tuple(v.source for v in ins),
+            inputs=tuple(v.spec for v in ins), input_sources=sources,
             outputs=tuple(v.spec for v in outs),
             flops_fwd=int(flops_fwd), flops_bwd=int(flops_bwd) if grad else 0,
             bytes_read=sum(v.spec.num_bytes for v in ins) if moves else 0,

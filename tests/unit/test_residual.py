@@ -39,6 +39,10 @@ class _Block(nn.Module):
 
     def forward(self, x):
         attn = self.a_out(torch.tanh(self.a_in(self.n1(x))))
+        if self.parallel == "in-place":  # Falcon's ``mlp_output += attention_output``
+            out = self.m_out(torch.relu(self.m_in(self.n2(x))))
+            out += attn
+            return x + out
         if self.parallel:
             return x + attn + self.m_out(torch.relu(self.m_in(self.n2(x))))
         x = x + attn
@@ -68,12 +72,14 @@ def _trace(model):
     return autopar.trace(model, global_batch_size=2, seq_len=8, dtype="fp32")
 
 
-@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("parallel", [False, True, "in-place"])
 @pytest.mark.parametrize("norm", [_HandNorm, nn.RMSNorm, nn.LayerNorm])
 def test_row_gemms_are_the_ones_that_feed_the_residual_adds(norm, parallel):
+    """(An op that adds in place reads the value it overwrites: the MLP's output, which
+    reaches the residual add through it.)"""
     graph = _trace(_Net(norm, parallel))
     found = residual_structure(_block_nodes(graph))
-    assert len(found.residual_adds) == 2
+    assert len(found.residual_adds) == (1 if parallel == "in-place" else 2)
     rows = {n.split("/")[0] for n in found.row_gemms}
     assert rows == {"blocks.0.a_out", "blocks.0.m_out"}
     tp = megatron_tp_placements(graph)
@@ -120,6 +126,7 @@ def test_a_hand_written_norm_costs_the_same_tensor_parallel_traffic_as_the_libra
     ("litgpt_style", {"attn.proj", "mlp.proj"}),
     ("nano_gpt", {"attn.c_proj", "mlp.c_proj"}),
     ("hf_gpt2", {"attn.c_proj", "mlp.c_proj"}),
+    ("hf_falcon", {"self_attention.dense", "mlp.dense_4h_to_h"}),  # adds one into the other
     ("moe_loop", {"self_attn.out", *(f"moe.experts.{e}.w_down" for e in range(4))}),
 ])
 def test_models_written_elsewhere_come_out_megatron_shaped(factory, rows):
