@@ -188,26 +188,23 @@ def divisors(n: int) -> list[int]:
 FEW_MICROBATCHES = ("gpipe", "1f1b")
 
 
-def tp_splits_heads(tp: int, num_heads: int | None, num_kv_heads: int | None,
-                    kv_fused: bool = True) -> bool:
+def tp_splits_heads(tp: int, num_heads: int | None, num_kv_heads: int | None) -> bool:
     """Whether tensor parallel over ``tp`` ranks splits attention of these heads: tp divides
-    the query heads, and the key/value heads -- or, where K and V come from projections that
-    make no queries (not ``kv_fused`` into one q/k/v GEMM), tp is a multiple of them: each
-    rank then computes K and V whole and reads the kv heads its query heads use
-    (`autopar.estimate.units.kv_whole`). Megatron-LM and torchtitan split K and V by head
-    and need tp to divide them."""
+    the query heads, and divides the key/value heads or is a multiple of them: each rank then
+    computes K and V whole (with Q where one GEMM makes all three) and reads the kv heads its
+    query heads use (`autopar.estimate.units.kv_whole`). Megatron-LM and torchtitan split K
+    and V by head and need tp to divide them (`autopar.targets`)."""
     if num_heads is not None and num_heads % tp:
         return False
-    return num_kv_heads is None or num_kv_heads % tp == 0 or \
-        (not kv_fused and tp % num_kv_heads == 0)
+    return num_kv_heads is None or num_kv_heads % tp == 0 or tp % num_kv_heads == 0
 
 
 def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int,
                  num_layers: int, num_heads: int | None = None,
                  num_kv_heads: int | None = None, num_experts: int | None = None,
-                 seq_len: int | None = None, kv_fused: bool = True) -> int:
+                 seq_len: int | None = None) -> int:
     """Raise InvalidConfigError when `cfg` cannot run; return the number of micro-batches per
-    step. ``kv_fused``: the model makes K and V in one GEMM with Q (`tp_splits_heads`)."""
+    step."""
     if cfg.world_size != world_size:
         rest = cfg.tp * cfg.pp * cfg.cp
         hint = (f"dp={world_size // rest} would match" if world_size % rest == 0 else
@@ -219,16 +216,14 @@ def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int
         raise InvalidConfigError(
             f"tp={cfg.tp} must divide the {num_heads} attention heads; allowed tp: "
             f"{[d for d in divisors(num_heads) if world_size % d == 0]}")
-    if not tp_splits_heads(cfg.tp, num_heads, num_kv_heads, kv_fused):
+    if not tp_splits_heads(cfg.tp, num_heads, num_kv_heads):
         # a rank cannot hold part of a head
         allowed = [d for d in divisors(num_heads or num_kv_heads) if world_size % d == 0
-                   and tp_splits_heads(d, num_heads, num_kv_heads, kv_fused)]
+                   and tp_splits_heads(d, num_heads, num_kv_heads)]
         raise InvalidConfigError(
             f"tp={cfg.tp} must divide the {num_kv_heads} key/value heads (K and V are split "
-            f"by head)" + (", and this model makes K and V in one GEMM with Q, so they "
-                           "cannot be replicated apart from Q" if kv_fused else
-                           " or be a multiple of them (K and V are then replicated)")
-            + f"; allowed tp: {allowed}")
+            f"by head) or be a multiple of them (K and V are then replicated); allowed tp: "
+            f"{allowed}")
     if (cfg.dp * cfg.cp) % cfg.ep:
         raise InvalidConfigError(f"ep={cfg.ep} must divide dp*cp = {cfg.dp * cfg.cp}; allowed ep: "
                          f"{divisors(cfg.dp * cfg.cp)}")

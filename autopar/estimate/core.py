@@ -164,8 +164,6 @@ class ModelCosts:
     num_heads: int | None
     num_kv_heads: int | None
     num_experts: int | None
-    # K and V come from a GEMM that makes Q too (`autopar.config.tp_splits_heads`)
-    kv_fused: bool = False
 
     @classmethod
     def from_graph(cls, graph: Graph) -> "ModelCosts":
@@ -176,8 +174,7 @@ class ModelCosts:
             kv_heads = min(made.heads for made in kv)
         return cls(units=units, traced_batch=graph.batch_size, seq_len=graph.seq_len,
                    flops_fwd=float(graph.flops_fwd), num_layers=sum(u.count for u in units),
-                   num_heads=heads, num_kv_heads=kv_heads, num_experts=_num_experts(graph),
-                   kv_fused=any(made.fused for made in kv))
+                   num_heads=heads, num_kv_heads=kv_heads, num_experts=_num_experts(graph))
 
     def with_cp_layout(self, layout: str) -> "ModelCosts":
         """These costs with context parallel run as ``layout``: "zigzag" (load-balanced) or
@@ -264,8 +261,7 @@ def _checked(costs: ModelCosts, cluster: Cluster, config: ParallelConfig,
     return check_config(config, world_size=cluster.world_size,
                         global_batch_size=global_batch_size, num_layers=costs.num_layers,
                         num_heads=costs.num_heads, num_kv_heads=costs.num_kv_heads,
-                        num_experts=costs.num_experts, seq_len=costs.seq_len,
-                        kv_fused=costs.kv_fused)
+                        num_experts=costs.num_experts, seq_len=costs.seq_len)
 
 
 def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,

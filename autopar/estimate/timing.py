@@ -31,7 +31,8 @@ import numpy as np
 
 from autopar.cluster import Cluster
 from autopar.config import DEFAULT_MESH_ORDER, ParallelConfig
-from autopar.estimate.units import OpCost, Unit, kv_whole
+from autopar.estimate.kv import kv_whole
+from autopar.estimate.units import OpCost, Unit
 from costmodels.collectives import GroupLayout, estimate_on_layout, group_layout
 from costmodels.compute import (EAGER_GEMM_EXTRA_OPS, SAC_DISPATCH_S,
                                 SCATTER_ADD_TRAFFIC_FACTOR, activation_memory_time_s,
@@ -360,7 +361,7 @@ def fp8_casts(op: OpCost, cluster: Cluster, cfg: ParallelConfig, fp8_recipe: str
               kernels: str) -> tuple[float, float]:
     """Seconds of an fp8 GEMM's operand casts on one rank, forward and backward."""
     inputs, weights, outputs = op.fp8_elements
-    whole = kv_whole(op.kv_heads, cfg.tp)
+    whole = kv_whole(op.kv_heads, cfg.tp, op.kv_cut)
     scale = cfg.cp * (1 if whole else cfg.tp)
     return fp8_cast_time_s(cluster.hardware.device, fp8_recipe, kernels,
                            inputs=inputs / scale,
@@ -395,7 +396,7 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
     if dtype == "fp8" and not fp8:
         dtype = "bf16"
     if op.kind == "gemm":
-        whole = kv_whole(op.kv_heads, tp)  # a K/V projection every tp rank runs whole
+        whole = kv_whole(op.kv_heads, tp, op.kv_cut)  # a K/V projection run whole
         scale = cp * (1 if whole else tp)
         nbytes = op.bytes_fwd / scale
         if op.tp_replicated or whole:  # the rows it runs times the whole weight
@@ -440,10 +441,8 @@ def tp_collectives(unit: Unit, cfg: ParallelConfig
     under cp): a partial sum is all-reduced, or under sequence parallel reduce-scattered with
     an all-gather of the same tensor the other way (the sequence shard gathered for the next
     sub-layer, or its gradient); a split output is all-gathered; a parallel loss's per-row
-    values are all-reduced. A K/V projection every rank runs whole (`kv_whole`) moves the
-    gradient of the attention input it makes backward: each rank read its query heads' kv
-    heads of it, all-gathered where tp divides that input's heads (K/V repeated to the query
-    heads), else partial sums all-reduced."""
+    values are all-reduced. A K/V projection every rank runs whole adds what its gradients
+    move backward and may spare its sub-layer's input reduction (`KvGemm.backward`)."""
     fwd: list[tuple[str, float]] = []
     bwd: list[tuple[str, float]] = []
     if cfg.tp == 1:
@@ -456,8 +455,11 @@ def tp_collectives(unit: Unit, cfg: ParallelConfig
             other.append(("all_gather", n))
         else:
             here.append(("all_gather" if kind == "gather" else "all_reduce", n))
-    bwd += [("all_reduce" if kv.read_heads % cfg.tp else "all_gather", kv.read_bytes / cfg.cp)
-            for kv in unit.kv_projections if kv_whole(kv.heads, cfg.tp)]
+    for kv in unit.kv_projections:
+        added, spared = kv.backward(cfg)
+        bwd += added
+        if spared in bwd:
+            bwd.remove(spared)
     return fwd, bwd
 
 

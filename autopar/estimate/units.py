@@ -23,10 +23,11 @@ Pure functions of the IR; no torch import.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Any
 
 from autopar.estimate.fp8 import fp8_elements
 from autopar.estimate.kept import per_op_kept, recompute_tail
+from autopar.estimate.kv import KvGemm
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
 from autopar.ir.residual import (after_row_ops, consumers, kv_projections, made_of_params,
                                  residual_structure, router_gemms, sublayers, tp_split_ops,
@@ -35,8 +36,8 @@ from autopar.ir.residual import (after_row_ops, consumers, kv_projections, made_
 LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
 LOSS_REDUCTION_BYTES = 4  # fp32 per row each
 
-__all__ = ["LOSS_REDUCTIONS", "LOSS_REDUCTION_BYTES", "KvGemm", "OpCost", "SubLayer", "Unit",
-           "kv_whole", "units_from_graph"]
+__all__ = ["LOSS_REDUCTIONS", "LOSS_REDUCTION_BYTES", "OpCost", "SubLayer", "Unit",
+           "units_from_graph"]
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV)
 _FREE_KINDS = (OpKind.VIEW,)
@@ -80,23 +81,15 @@ class OpCost:
     # a GEMM of a sub-layer the layout replicates over tp (`Unit.replicated`): each tp rank
     # reads (and under fp8 casts) its whole weight
     tp_replicated: bool = False
-    # a GEMM that makes an attention's keys or values and no queries: its kv heads. Where tp
-    # does not divide them, every tp rank runs it whole (`kv_whole`)
+    # a GEMM that makes an attention's keys or values: its kv heads, and whether tp cannot
+    # split it by head (`KvGemm.cut`); if so, or tp does not divide them, it runs whole
+    # on every tp rank (`kv_whole`)
     kv_heads: int = 0
+    kv_cut: bool = False
     # a memory-bound op on features Megatron's layout splits over tp (after a sub-layer's
     # column-parallel GEMMs, before its row-parallel one: an MLP's activation, RoPE on the
     # heads): its work is split over tp with or without sequence parallel
     tp_sharded: bool = False
-
-
-class KvGemm(NamedTuple):
-    """A GEMM that makes an attention's keys or values and no queries, in a unit
-    (`autopar.ir.residual.kv_projections`)."""
-
-    heads: int  # kv heads it makes
-    params: int  # elements of its parameters the unit owns
-    read_bytes: float  # bytes of the attention inputs it makes, at the unit's batch
-    read_heads: int  # their heads (more where the model repeats K/V to the query heads)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -190,7 +183,7 @@ class Unit:
         """Elements of `dense_params` whole on every rank at ``tp``: the replicated
         sub-layers' and the K/V projections tp does not split (`kv_whole`)."""
         return self.tp_replicated_params + sum(kv.params for kv in self.kv_projections
-                                               if kv_whole(kv.heads, tp))
+                                               if kv.whole(tp))
 
     def dense_on_tp_rank(self, tp: int) -> float:
         """Dense parameter elements one tp rank holds of one layer."""
@@ -262,17 +255,13 @@ class Unit:
                        loss_logits=self.loss_logits * factor,
                        loss_logit_bytes=self.loss_logit_bytes * factor,
                        tp_syncs=tuple((d, k, n * factor) for d, k, n in self.tp_syncs),
-                       kv_projections=tuple(kv._replace(read_bytes=kv.read_bytes * factor)
-                                            for kv in self.kv_projections),
+                       kv_projections=tuple(
+                           kv._replace(reads=tuple(n * factor for n in kv.reads),
+                                       query_bytes=kv.query_bytes * factor,
+                                       input_bytes=kv.input_bytes * factor)
+                           for kv in self.kv_projections),
                        sublayers=tuple(replace(sub, per_op_partial=sub.per_op_partial * factor)
                                        for sub in self.sublayers))
-
-
-def kv_whole(kv_heads: int, tp: int) -> bool:
-    """Whether a projection making ``kv_heads`` key/value heads (0: none) runs whole on every
-    tp rank: tp does not divide its heads (`autopar.plan.megatron_tp_placements` replicates
-    it; each rank reads the kv heads its query heads use)."""
-    return bool(kv_heads) and kv_heads % tp != 0
 
 
 def _scaled_fp8(elements: tuple[float, ...], factor: float) -> tuple[float, ...]:
@@ -347,7 +336,8 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     residual = residual_structure(nodes)
     sharded = tp_split_ops(nodes, residual)
     kept = per_op_kept(nodes)
-    kv_gemms = {name: kv for name, kv in kv_projections(nodes).items() if not kv.fused}
+    kv_gemms = kv_projections(nodes)
+    gemm_readers = consumers([n for n in nodes if n.kind in _GEMM_KINDS and n.params])
     kv_made: list[KvGemm] = []
     per_op = per_op_partial = per_op_attention = 0
     op_index: dict[str, int] = {}
@@ -388,13 +378,17 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
                               bytes_fwd=io, param_bytes=weights, expert=in_moe, vocab=vocab,
                               aligned=_aligned(node), tail=node.name in tail,
                               kv_heads=kv_gemms[node.name].heads if node.name in kv_gemms
-                              else 0,
+                              else 0, kv_cut=node.name in kv_gemms and kv_gemms[node.name].cut,
                               fp8_elements=fp8_elements(node, vocab_dims), **fixed))
             if node.name in kv_gemms:
                 made = kv_gemms[node.name]
+                source, spec = _activation_input(node)
+                alone = made.fused and len(gemm_readers.get(source, ())) == 1
                 kv_made.append(KvGemm(made.heads, sum(p.numel for p in node.params
                                                       if p.fqn in seen_params),
-                                      made.read_bytes, made.read_heads))
+                                      made.reads, made.read_heads, made.cut,
+                                      made.query_bytes,
+                                      spec.num_bytes if alone and spec is not None else 0))
             if ops[-1].fp8_elements:
                 fp8_delta += int(ops[-1].fp8_elements[0]) - node.saved_bytes
         elif node.kind is OpKind.ATTENTION and node.attention is not None:
@@ -547,9 +541,7 @@ def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]
         if node.kind is OpKind.EMBEDDING and _vocab_sized(node, vocab_dims):
             syncs.append(("forward", "reduce", node.outputs[0].num_bytes))
         elif node.kind in _GEMM_KINDS and node.params:
-            source, spec = next(((src, t) for src, t in zip(node.input_sources, node.inputs)
-                                 if not src.startswith(("param:", "buffer:", "const"))),
-                                ("input:", None))
+            source, spec = _activation_input(node)
             if not source.startswith("input:"):  # the input needs its gradient
                 syncs.append(("backward", "reduce", spec.num_bytes))
             loss = read_by_loss(node.name) if node.kind is OpKind.MATMUL else None
@@ -561,6 +553,12 @@ def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]
         else:
             stream.add(node.name)
     return tuple(syncs), stream
+
+
+def _activation_input(node: Node) -> tuple[str, Any]:
+    """A GEMM's activation input: ``(its source, its tensor)``, or ``("input:", None)``."""
+    return next(((src, t) for src, t in zip(node.input_sources, node.inputs)
+                 if not src.startswith(("param:", "buffer:", "const"))), ("input:", None))
 
 
 def units_from_graph(graph: Graph) -> tuple[Unit, ...]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from math import prod
 from typing import NamedTuple
 
 from autopar.ir.graph import Graph, Node, OpKind
@@ -226,7 +227,9 @@ def _chunks(name: str, width: int, readers: dict[str, list[Node]], heads: set[in
             if out[-1] == width:
                 return _chunks(nxt.name, width, readers, heads)
             if len(out) >= 3 and out[-3] * out[-2] * out[-1] == width and out[-2] in heads \
-                    and out[-3] > 1:
+                    and out[-3] > 1 and not _feature_axis(nxt.name, tuple(out), len(out) - 2,
+                                                          readers)[0]:
+                # (not cut along the heads: then the k are groups, as Falcon's kv groups)
                 return out[-3], nxt.name
     return 1, None
 
@@ -236,8 +239,13 @@ class KvProjection(NamedTuple):
 
     heads: int  # the kv heads it makes
     fused: bool  # it makes queries too (a fused q/k/v projection)
-    read_bytes: int  # bytes of the attention inputs (K or V) it reaches
+    reads: tuple[int, ...]  # bytes of each attention input (K, V) it reaches
     read_heads: int  # their heads: its own, or as many as the queries' where it is repeated
+    # a fused projection whose output is cut into q, k and v along the features a
+    # column-parallel split would shard (Phi-3's slices of unequal width, StarCoder's split
+    # of q from one k/v head): tp cannot split it by head
+    cut: bool = False
+    query_bytes: int = 0  # a fused projection's: bytes of the attention's queries it makes
 
 
 def kv_projections(nodes: Sequence[Node]) -> dict[str, KvProjection]:
@@ -246,12 +254,19 @@ def kv_projections(nodes: Sequence[Node]) -> dict[str, KvProjection]:
     ops that mix no features (views, a norm, RoPE, a head repeat). Its kv heads are the heads
     it makes (its output features over the attention's head dim: K and V repeated to the
     query heads before the attention, as grouped-query attention is often written, still come
-    from fewer), at most the attention's kv heads; a fused projection's are the attention's.
-    A tensor-parallel layout may replicate the K and V projections that make no queries where
-    tp does not divide their heads; each rank then reads the kv heads of its query heads from
-    the attention input they reach: its gradient is all-gathered from the ranks' heads where
-    tp divides that input's heads (K and V repeated to the query heads), else all-reduced."""
+    from fewer), at most the attention's kv heads; a fused projection's are the attention's,
+    or fewer where a view lays its features out in fewer groups (Falcon's ``(kv heads, q per
+    kv + 2, head_dim)``: what a column-parallel split of it shards).
+    A tensor-parallel layout may replicate a K/V projection where tp does not divide its
+    heads, or a fused one that tp cannot split by head (``cut``); each rank then reads the kv
+    heads of its query heads from the attention input they reach: its gradient is
+    all-gathered from the ranks' heads where tp divides that input's heads (K and V repeated
+    to the query heads), else all-reduced (and a fused projection's queries, which each rank
+    slices to its heads, have their gradient all-gathered)."""
     by_name = {n.name: n for n in nodes}
+    readers = consumers(nodes)
+    fused_params = _fused(nodes)  # equal chunks: split by head within each (`fused_chunks`)
+    chunked = {n.name for n in nodes if any(p.fqn in fused_params for p in n.params)}
     out: dict[str, KvProjection] = {}
     for node in nodes:
         if node.kind is not OpKind.ATTENTION or node.attention is None or \
@@ -261,16 +276,46 @@ def kv_projections(nodes: Sequence[Node]) -> dict[str, KvProjection]:
         head_dim = node.inputs[1].shape[-1]
         for i, made in enumerate(kv, start=1):
             for name in made:
-                seen = out.get(name, KvProjection(1 << 30, False, 0, 1 << 30))
+                seen = out.get(name, KvProjection(1 << 30, False, (), 1 << 30))
                 fused = name in q or seen.fused
                 heads = node.attention.num_kv_heads
-                width = by_name[name].outputs[0].shape[-1]
-                if not fused and head_dim and width % head_dim == 0:
-                    heads = min(heads, width // head_dim)
+                gemm_out = tuple(by_name[name].outputs[0].shape)
+                cut = False
+                if not fused and head_dim and gemm_out[-1] % head_dim == 0:
+                    heads = min(heads, gemm_out[-1] // head_dim)
+                elif fused and name not in chunked:  # split as laid out: by its groups
+                    cut, groups = _feature_axis(name, gemm_out, len(gemm_out) - 1, readers)
+                    heads = min(heads, groups)
+                query = node.inputs[0].num_bytes if name in q and i == 1 else 0
                 out[name] = KvProjection(min(heads, seen.heads), fused,
-                                         seen.read_bytes + node.inputs[i].num_bytes,
-                                         min(node.attention.num_kv_heads, seen.read_heads))
+                                         seen.reads + (node.inputs[i].num_bytes,),
+                                         min(node.attention.num_kv_heads, seen.read_heads),
+                                         cut, seen.query_bytes + query)
     return out
+
+
+def _feature_axis(name: str, shape: tuple, axis: int, readers: dict[str, list[Node]]
+                  ) -> tuple[bool, int]:
+    """``(cut, groups)`` of value ``name`` (of ``shape``, its features from dim ``axis`` on:
+    the outermost is what a column-parallel split shards): whether a reader takes a piece of
+    the features along ``axis`` (a slice, a split, an index), directly or after views that
+    keep the features together (a view into ``(groups, ..., head_dim)`` moves ``axis`` to the
+    groups), and the fewest groups such a view makes (``shape[axis]`` without one)."""
+    features, groups = prod(shape[axis:]), shape[axis]
+    for nxt in readers.get(name, ()):
+        for piece in (tuple(o.shape) for o in nxt.outputs):
+            if len(piece) == len(shape) and piece[axis] < shape[axis] and \
+                    all(a == b for d, (a, b) in enumerate(zip(piece, shape)) if d != axis):
+                return True, groups
+        if nxt.kind is OpKind.VIEW and len(nxt.outputs) == 1:
+            view = tuple(nxt.outputs[0].shape)
+            k = next((k for k in range(1, len(view) + 1) if prod(view[-k:]) == features), 0)
+            if k and prod(view[:-k]) == prod(shape[:axis]):
+                cut, inner = _feature_axis(nxt.name, view, len(view) - k, readers)
+                if cut:
+                    return True, inner
+                groups = min(groups, inner)
+    return False, groups
 
 
 def _projections(src: str, by_name: dict[str, Node]) -> set[str]:

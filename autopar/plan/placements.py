@@ -13,7 +13,9 @@ heads (but is a multiple of them: multi-query or grouped-query attention with fe
 than ranks), its K and V projections (`autopar.ir.residual.kv_projections`) are replicated:
 each rank computes them whole and reads the kv heads its query heads use (the gradient of what
 it read is gathered or reduced at the attention's input, as `tp_collectives` charges it, so
-their weight gradients are whole). In an MoE sub-layer the router is
+their weight gradients are whole). So is a fused q/k/v projection tp cannot split by head (its
+output cut into q, k and v of unequal widths, or its kv heads fewer than tp): each rank slices
+its query heads from the whole queries. In an MoE sub-layer the router is
 replicated and each expert's GEMMs are a column→row chain (the last GEMM, fed by another and
 feeding none, is row-parallel: what the estimate costs, expert weights split over tp, one tp
 reduction per sub-layer). Block representatives
@@ -29,7 +31,8 @@ from collections.abc import Mapping, Sequence
 from autopar.config import ParallelConfig
 from autopar.errors import InvalidConfigError
 from autopar.estimate.fp8 import fp8_weight
-from autopar.estimate.units import Unit, kv_whole
+from autopar.estimate.kv import kv_whole
+from autopar.estimate.units import Unit
 from autopar.ir import Graph, OpKind
 from autopar.ir.residual import (MIXING_KINDS, consumers, fused_chunks, kv_projections,
                                  moe_dispatch, residual_structure, router_gemms, sublayers,
@@ -95,10 +98,11 @@ def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
 
 
 def replicated_kv(graph: Graph, tp: int) -> dict[str, int]:
-    """``{param FQN: kv heads}`` of the K/V projections Megatron's layout replicates at ``tp``
-    (`autopar.estimate.units.kv_whole`; not those fused with Q)."""
+    """``{param FQN: kv heads}`` of the K/V projections the layout replicates at ``tp``
+    (`autopar.estimate.units.kv_whole`: tp does not divide their kv heads, or they are fused
+    q/k/v projections tp cannot split by head)."""
     return {p.fqn: kv.heads for name, kv in kv_projections(graph.nodes).items()
-            if kv_whole(kv.heads, tp) and not kv.fused for p in graph.node(name).params}
+            if kv_whole(kv.heads, tp, kv.cut) for p in graph.node(name).params}
 
 
 def replicated_sublayers(graph: Graph, units: Sequence[Unit], tp_placements: Mapping[str, str],

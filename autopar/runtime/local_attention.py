@@ -5,7 +5,8 @@ Scaled-dot-product attention has no DTensor strategy on CPU: ``LocalAttention`` 
 shards when q, k and v are sharded on the heads dim, slicing replicated k/v to the kv heads the
 local query heads read (multi-query or grouped-query attention with fewer kv heads than tp,
 whose projections the plan replicates: the gradient of those k/v, a partial sum over tp, is
-all-reduced at the attention's input), and gathers them otherwise.
+all-reduced at the attention's input) and replicated q to this rank's heads (a fused q/k/v
+projection the plan replicates), and gathers them otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -46,6 +48,21 @@ class _SumGradOverTP(torch.autograd.Function):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
+
+
+class _OwnHeads(torch.autograd.Function):
+    """This tp rank's heads (dim 1) of a replicated ``[batch, heads, seq, head_dim]`` tensor;
+    backward all-gathers the ranks' gradients into the whole tensor's."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        per_rank = x.shape[1] // mesh.size()
+        return x.narrow(1, mesh.get_local_rank() * per_rank, per_rank).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return funcol.all_gather_tensor(grad.contiguous(), gather_dim=1, group=ctx.mesh), None
 
 
 class LocalAttention(TorchFunctionMode):
@@ -200,19 +217,27 @@ def _replicated_call(func, args: tuple, kwargs: dict) -> Any:
                     if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t, out)
 
 
+def _replicated(t: Any) -> bool:
+    return isinstance(t, DTensor) and t.placements == (Replicate(),)
+
+
 def _heads_sharded(t: Any) -> bool:
     return isinstance(t, DTensor) and t.placements == (Shard(1),)
 
 
-def local_heads(query: Any, key: Any, value: Any) -> tuple:
+def local_heads(query: Any, key: Any, value: Any, *, slice_query: bool = True) -> tuple:
     """``(q, k, v, wrap)``: plain local tensors of attention inputs that may be DTensors, and the
     function that turns the local attention output back into a DTensor.  With q sharded on the
     heads (dim 1), each rank keeps its query heads and the kv heads they read (sliced from
     replicated k/v when the kv heads do not shard alike, e.g. fewer kv heads than tp ranks);
-    otherwise everything is gathered and attention runs replicated."""
+    replicated q, k and v (a fused projection the plan runs whole) are sliced likewise, if
+    ``slice_query``; otherwise everything is gathered and attention runs replicated."""
     mesh = next(t.device_mesh for t in (query, key, value) if isinstance(t, DTensor))
     tp, rank = mesh.size(), mesh.get_local_rank()
-    if _heads_sharded(query) and query.shape[1] % tp == 0:
+    # a fused q/k/v projection the plan runs whole: each rank slices its query heads
+    sliced = slice_query and _replicated(query) and query.dim() == 4 and \
+        query.shape[1] % tp == 0 and all(_replicated(t) for t in (key, value))
+    if (sliced or _heads_sharded(query)) and query.shape[1] % tp == 0:
         per_rank = query.shape[1] // tp
         kv = []
         for t in (key, value):
@@ -224,7 +249,8 @@ def local_heads(query: Any, key: Any, value: Any) -> tuple:
                     (t.shape[1] // tp) * (query.shape[1] // t.shape[1]) == per_rank:
                 # K/V repeated to heads tp divides: each rank's are a slice, whose
                 # gradients are all-gathered (as the estimate charges them)
-                kv.append(t.redistribute(mesh, (Shard(1),)).to_local())
+                kv.append(_OwnHeads.apply(t.redistribute(mesh, (Replicate(),)).to_local(),
+                                          mesh))
                 continue
             # each rank reads some kv heads: their gradients are partial sums over tp, summed
             # here, at the attention's input, as the estimate charges it
@@ -234,7 +260,7 @@ def local_heads(query: Any, key: Any, value: Any) -> tuple:
             lo, hi = rank * per_rank // group, ((rank + 1) * per_rank - 1) // group + 1
             kv.append(full[:, lo:hi])
         placement = (Shard(1),)
-        q = query.to_local()
+        q = _OwnHeads.apply(query.to_local(), mesh) if sliced else query.to_local()
     else:
         q, *kv = (t.redistribute(mesh, (Replicate(),)).to_local() if isinstance(t, DTensor)
                   else t for t in (query, key, value))
@@ -246,9 +272,9 @@ def local_heads(query: Any, key: Any, value: Any) -> tuple:
 def _local_sdpa(func, query, key, value, attn_mask=None, *args, enable_gqa=False, **kwargs):
     if isinstance(attn_mask, DTensor):
         attn_mask = attn_mask.redistribute(attn_mask.device_mesh, (Replicate(),)).to_local()
-    if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[1] > 1 and \
-            _heads_sharded(query):  # a per-head mask: run on all heads
+    per_head = attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[1] > 1
+    if per_head and _heads_sharded(query):  # a per-head mask: run on all heads
         query = query.redistribute(query.device_mesh, (Replicate(),))
-    q, k, v, wrap = local_heads(query, key, value)
+    q, k, v, wrap = local_heads(query, key, value, slice_query=not per_head)
     return wrap(func(q, k, v, attn_mask, *args, enable_gqa=enable_gqa or k.shape[1] != q.shape[1],
                      **kwargs))

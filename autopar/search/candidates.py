@@ -42,7 +42,7 @@ def space_table(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
         num_layers=costs.body_layers,
         body_layers=sum(u.count for u in costs.units if u.is_block) or costs.body_layers,
         num_heads=costs.num_heads, num_kv_heads=costs.num_kv_heads, seq_len=costs.seq_len,
-        num_experts=costs.num_experts, kv_fused=costs.kv_fused)
+        num_experts=costs.num_experts)
     return config_table(
         model, world=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
         global_batch_size=global_batch_size, constraints=constraints,
@@ -82,8 +82,7 @@ def why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
         "dp": f"dp = GPUs / (tp·pp·cp) and divides the global batch ({global_batch_size})",
         "tp": f"tp divides the GPUs and stays within a node ({cluster.gpus_per_node} GPUs)"
               + (f" and divides the attention heads ({costs.num_heads}) and key/value heads "
-                 f"({costs.num_kv_heads})" + ("" if costs.kv_fused else
-                                              " or is a multiple of the latter")
+                 f"({costs.num_kv_heads}) or is a multiple of the latter"
                  if costs.num_heads else ""),
         "pp": f"pp divides GPUs / (tp·cp) and is at most the block layers "
               f"({costs.body_layers})",

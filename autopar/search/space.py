@@ -129,8 +129,6 @@ class ModelShape:
     """The sequence of the inputs (None: no token dimension, so no SP and no cp)."""
     num_experts: int | None
     """Experts of the MoE layers, which ep divides (None: a dense model, ep 1)."""
-    kv_fused: bool = True
-    """K and V come from one GEMM with Q (`tp_splits_heads`)."""
 
 
 def config_table(model: ModelShape, *, world: int, gpus_per_node: int, global_batch_size: int,
@@ -140,7 +138,7 @@ def config_table(model: ModelShape, *, world: int, gpus_per_node: int, global_ba
     """Every candidate config (validity is checked by `evaluate`), in the order: tp, cp, pp,
     ep ascending; then micro-batch size, recompute, SP, schedule (gpipe, 1f1b, zero-bubble,
     interleaved by virtual stages), ZeRO stage. tp stays within a node and splits the heads
-    (`tp_splits_heads`; ``kv_fused``: K and V come from one GEMM with Q);
+    (`tp_splits_heads`);
     sequence parallelism needs a sequence (``seq_len``) whose cp shards tp divides;
     cp needs a sequence divisible by 2·cp and at most ``settings.max_cp``; pp is at most
     ``num_layers`` (the block layers) and the micro-batches per step at least pp, unless the
@@ -159,7 +157,7 @@ def config_table(model: ModelShape, *, world: int, gpus_per_node: int, global_ba
                    few=few_microbatches, grids=_Grids())
     blocks: dict[tuple[int, int, bool, bool], dict[str, np.ndarray] | None] = {}
     tps = [t for t in divisors(world) if t <= gpus_per_node
-           and tp_splits_heads(t, heads, model.num_kv_heads, model.kv_fused)]
+           and tp_splits_heads(t, heads, model.num_kv_heads)]
     for tp in _allowed("tp", tps, constraints):
         cps = [c for c in divisors(world // tp) if c <= settings.max_cp
                and (c == 1 or (heads is not None and seq_len and seq_len % (2 * c) == 0))]

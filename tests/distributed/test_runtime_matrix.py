@@ -25,8 +25,11 @@ PLANS = ["tp", "tp_sp", "tp_sp_mb1", "tp_sp_per_op", "pp_zero_bubble", "tp_zero3
 
 
 # Gemma 2's hand-written attention: the ILP prices its blocks with all-to-alls the layout
-# the plan runs (Megatron's, which the runtime and the estimate agree on) does not move
-ILP_EXECUTES_OTHERWISE = ("hf_gemma2",)
+# the plan runs (Megatron's, which the runtime and the estimate agree on) does not move;
+# StarCoder's and Phi-3's fused q/k/v projections run whole: on gloo's latencies the ILP
+# executes them with one all-reduce of the whole projection's output gradient, where the
+# runtime and the estimate gather the queries' and reduce K's and V's (three collectives)
+ILP_EXECUTES_OTHERWISE = ("hf_gemma2", "hf_gpt_bigcode", "hf_phi3")
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +55,15 @@ def mqa_cells(plan_dir):
     Gemma): the K and V projections run replicated."""
     return rm.run_matrix(["plain_mqa"], ["tp", "tp_sp", "tp_sp_mb1"], plan_dir) + \
         rm.run_matrix(["hf_gemma"], ["tp"], plan_dir)
+
+
+@pytest.fixture(scope="module")
+def fused_cells(plan_dir):
+    """Fused q/k/v projections tp cannot split by head, run whole with each rank slicing its
+    query heads: StarCoder's (one k/v head after the queries) and Phi-3's (q, k and v rows
+    sliced at unequal widths)."""
+    return rm.run_matrix(["hf_gpt_bigcode"], ["tp_sp"], plan_dir) + \
+        rm.run_matrix(["hf_phi3"], ["tp"], plan_dir)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +146,7 @@ def test_tensor_parallel_issues_megatrons_collectives(cells):
 
 @pytest.mark.parametrize("plan_name", ["tp", "tp_sp", "tp_sp_mb1"])
 def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
-        cells, zoo_cells, mqa_cells, norm_cells, plan_dir, plan_name):
+        cells, zoo_cells, mqa_cells, norm_cells, fused_cells, plan_dir, plan_name):
     """One layout, three readers: on the dense models (a hand-written Llama, nanoGPT with its
     fused q/k/v and tied head, Hugging Face Llama and GPT-2 with its [in, out] Conv1D weights,
     autopar's own Llama and GPT with q/k/v viewed as (3, heads, head_dim), a ViT with its
@@ -153,9 +165,10 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
     head (`mqa_cells`) K and V are replicated and the gradients of the attention's K/V inputs
     move backward: all-gathered where the model repeats them to the query heads, all-reduced
     where SDPA reads the one head. Replicated norms on split heads or after a row GEMM join
-    the once-a-step all-reduce of partial gradients (`norm_cells`)."""
+    the once-a-step all-reduce of partial gradients (`norm_cells`). A fused q/k/v projection
+    run whole (`fused_cells`) gathers its queries' gradient and reduces no input gradient."""
     checked = []
-    for cell in (c for c in cells + zoo_cells + mqa_cells + norm_cells
+    for cell in (c for c in cells + zoo_cells + mqa_cells + norm_cells + fused_cells
                  if c.plan == plan_name and c.loss_err is not None):
         assert cell.loss_err <= rm.LOSS_TOL and cell.grad_err <= rm.GRAD_TOL, cell
         got = ca.compare(cell, plan_dir)
@@ -169,8 +182,9 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
                 cell.model
     assert set(checked) == {"plain_llama", "nano_gpt", "moe_loop", "hf_llama", "hf_mixtral",
                             "hf_gpt2", "tiny_llama", "tiny_gpt", "plain_mqa"} | (
-        {"vit_encoder", "hf_gemma", "hf_qwen3", "hf_gemma2"} if plan_name == "tp" else
-        {"hf_qwen3", "hf_gemma"} if plan_name == "tp_sp" else set()), checked
+        {"vit_encoder", "hf_gemma", "hf_qwen3", "hf_gemma2", "hf_phi3"} if plan_name == "tp"
+        else {"hf_qwen3", "hf_gemma", "hf_gpt_bigcode"} if plan_name == "tp_sp" else set()), \
+        checked
     from autopar.plan import load_plan
 
     for cell in mqa_cells:  # K and V replicated: whole on each rank
@@ -179,3 +193,10 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
             "model.layers.0.self_attn.{}_proj.weight"
         assert [plan.tp_placements[name.format(w)] for w in "qkvo"] == \
             ["S(0)", "R", "R", "S(1)"], cell.model
+    for cell in fused_cells:
+        plan = load_plan(plan_dir / f"{cell.model}.{cell.plan}.json")
+        fused, out = ("transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj") if \
+            cell.model == "hf_gpt_bigcode" else ("model.layers.0.self_attn.qkv_proj",
+                                                 "model.layers.0.self_attn.o_proj")
+        assert (plan.tp_placements[f"{fused}.weight"], plan.tp_placements[f"{out}.weight"]) \
+            == ("R", "S(1)"), cell.model

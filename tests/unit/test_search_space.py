@@ -64,9 +64,9 @@ def _oracle_configs(costs, cluster, *, global_batch_size, constraints, options, 
     for tp in allowed("tp", [t for t in divisors(world)
                              if t <= g and (heads is None or heads % t == 0)
                              # K/V split by head, or replicated where tp is a multiple of
-                             # their heads and they are not fused with Q
+                             # their heads
                              and (kv_heads is None or kv_heads % t == 0
-                                  or not costs.kv_fused and t % kv_heads == 0)]):
+                                  or t % kv_heads == 0)]):
         cps = [c for c in divisors(world // tp) if c <= settings.max_cp
                and (c == 1 or (heads is not None and costs.seq_len
                                and costs.seq_len % (2 * c) == 0))]
