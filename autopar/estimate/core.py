@@ -411,11 +411,7 @@ def _unit_times(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dty
                 for u in cache.units[mbs]}
         times = cache.times[key] = {
             u.name: unit_times(u, cluster=cache, dtype=dtype, cfg=config, groups=groups,
-                               attention_kernel=options.attention_kernel,
-                               overlap_tp=options.overlap_tp_comm,
-                               kernels=options.kernels, loss_kernel=options.loss_kernel,
-                               early_stop=options.recompute_early_stop,
-                               compute=compute[u.name])
+                               options=options, compute=compute[u.name])
             for u in cache.units[mbs]}
     return times
 

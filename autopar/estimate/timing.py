@@ -15,10 +15,9 @@ over cp, and over tp only with sequence parallelism. Communication goes through
   overlapped with the attention computation; only the excess is exposed.
 - EP: all-to-all dispatch and combine of the routed tokens, forward and backward.
 Recompute: "full" re-runs the unit's forward (compute and TP communication) in backward (one
-layer in `recompute_every`: per layer, that share of it);
-"per_op" re-runs the ops whose outputs it does not keep (`OpCost.kept`) and the TP
-collectives they need; "selective" re-runs the attention core, which flash kernels already do
-by construction.
+layer in `recompute_every`: per layer, that share of it); "per_op" re-runs the ops whose
+outputs it does not keep (`OpCost.kept`) and the TP collectives they need; "selective"
+re-runs the attention core, which flash kernels already do by construction.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,6 +38,9 @@ from costmodels.compute import (EAGER_GEMM_EXTRA_OPS, SAC_DISPATCH_S,
                                 SCATTER_ADD_TRAFFIC_FACTOR, activation_memory_time_s,
                                 attention_time_s, fp8_cast_time_s, gemm_time_s, loss_time_s,
                                 memory_time_s, op_overhead_s, unaligned_gemm_slowdown)
+
+if TYPE_CHECKING:
+    from autopar.estimate.core import EstimateOptions
 
 __all__ = ["BACKWARD_MEMORY_RATIO", "RankGroups", "UnitCompute", "UnitTimes", "axis_strides",
            "cp_attention_blocks", "mesh_groups", "op_times", "rank_groups", "replica_axes",
@@ -526,23 +529,22 @@ def unit_compute(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfi
 
 
 def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
-               groups: RankGroups | None, attention_kernel: str, overlap_tp: bool = False,
-               kernels: str = "eager", loss_kernel: str = "eager",
-               early_stop: bool = False, compute: UnitCompute | None = None) -> UnitTimes:
-    """Per micro-batch seconds of one layer of `unit`. Full recompute re-runs a block's
-    forward and its TP communication (the glue -- embedding, head, loss -- is not
-    checkpointed); with `early_stop` (torch's non-reentrant checkpoint) it stops before
-    the unit's tail (`OpCost.tail`: the last GEMM and what follows it in a transformer block),
-    and that GEMM's row-parallel reduction, one of the unit's TP points. `compute`, the
-    unit's `unit_compute` for this config if the caller has it, saves computing it again.
-    Without `groups`, the times leave communication out: a bound in any mesh order."""
+               groups: RankGroups | None, options: EstimateOptions,
+               compute: UnitCompute | None = None) -> UnitTimes:
+    """Per micro-batch seconds of one layer of `unit` in the software ``options`` says. Full
+    recompute re-runs a block's forward and its TP communication (not the glue's); with
+    ``options.recompute_early_stop`` (torch's non-reentrant checkpoint) it stops before the
+    unit's tail (`OpCost.tail`: a block's last GEMM and what follows) and that GEMM's
+    row-parallel reduction. ``compute``: the unit's `unit_compute` for this config if the
+    caller has it. Without ``groups`` the times leave communication out (a bound)."""
     c = compute or unit_compute(unit, cluster=cluster, dtype=dtype, cfg=cfg,
-                                attention_kernel=attention_kernel, kernels=kernels,
-                                loss_kernel=loss_kernel)
+                                attention_kernel=options.attention_kernel,
+                                kernels=options.kernels, loss_kernel=options.loss_kernel,
+                                fp8_recipe=options.fp8_recipe)
     fwd, bwd, attn_fwd, attn_bwd = c.fwd, c.bwd, c.attn_fwd, c.attn_bwd
     gap = op_overhead_s(cluster.hardware.device)
     tp_fwd, tp_bwd = _tp_times(unit, cluster, cfg, groups) if groups is not None else (0.0, 0.0)
-    if overlap_tp:
+    if options.overlap_tp_comm:
         tp_fwd, tp_bwd = max(0.0, tp_fwd - c.gemm_fwd), max(0.0, tp_bwd - c.gemm_bwd)
 
     cp_fwd = cp_bwd = 0.0
@@ -571,7 +573,7 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
 
     if cfg.recompute in ("full", "per_op") and not unit.is_block:
         recompute = 0.0  # checkpointing wraps the blocks (Megatron's layers, the runtime's)
-    elif cfg.recompute == "full" and early_stop:
+    elif cfg.recompute == "full" and options.recompute_early_stop:
         points = unit.tp_reductions[0]
         kept = (points - min(c.tail_gemms, points)) / points if points else 1.0
         recompute = fwd - c.tail_fwd - unit.tail_kernels * gap + tp_fwd * kept
@@ -581,12 +583,13 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         points = unit.tp_reductions[0]
         if cfg.sequence_parallel:  # the reduce-scatters' outputs are kept, the gathers re-run
             tp_rerun = tp_fwd / 2
-        elif early_stop and points:  # the tail's reduction is not needed again
+        elif options.recompute_early_stop and points:  # the tail's reduction: not again
             tp_rerun = tp_fwd * (points - min(c.tail_gemms, points)) / points
         else:
             tp_rerun = tp_fwd
-        recompute = c.per_op_fwd + (0.0 if early_stop else c.per_op_tail_fwd) + tp_rerun
-    elif cfg.recompute == "selective" and attention_kernel == "math":
+        recompute = c.per_op_fwd + tp_rerun + (
+            0.0 if options.recompute_early_stop else c.per_op_tail_fwd)
+    elif cfg.recompute == "selective" and options.attention_kernel == "math":
         recompute = attn_fwd
     else:
         recompute = 0.0

@@ -84,14 +84,15 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, MutableMapping, Sequence
+from typing import Mapping, MutableMapping, Sequence
 
 from autopar.errors import ShardingInfeasibleError
 from autopar.ir import Graph
 from autopar.search.elimination import solve_by_elimination
-from autopar.sharding.placement import is_shard, reshard_collective
+from autopar.sharding.placement import PARTIAL, REPLICATE, is_shard, reshard_collective
 from autopar.sharding.problem import (BLOCK_INPUT, BLOCK_OUTPUT, UNITS_PER_S, BlockProblem,
-                                      build_problem, internal_collectives, pin_params)
+                                      BlockSetting, build_problem, pin_params)
+from autopar.sharding.strategy import Collective
 
 __all__ = ["BlockSetting", "BlockSharding", "solve_block", "solve_problem", "FAMILIES",
            "METHODS"]
@@ -411,39 +412,6 @@ def _signature(graph: Graph, names: Sequence[str]) -> str:
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
 
 
-@dataclass(frozen=True, kw_only=True)
-class BlockSetting:
-    """What a block's sharding problem is built from beside its graph (`build_problem`): the
-    tensor-parallel group it is solved on and what the plan around the block charges each
-    choice. The blocks of one plan share it but for ``gradient_buffer_bytes``."""
-
-    tp: int
-    """The tensor-parallel degree, the size of the axis the block is sharded on."""
-    cluster: Any
-    """The `Cluster` the tp group's collectives are timed on."""
-    dtype: str
-    """The training precision ("bf16", "fp16", "fp8", "fp32")."""
-    ranks: Sequence[int] | None = None
-    """The tp group's ranks (None: ``range(tp)``)."""
-    bytes_per_param: float = 16.0
-    """The training state per parameter element a rank holds (16: bf16 weight and gradient,
-    fp32 master, Adam m and v -- Rajbhandari et al. 2020, ZeRO §3)."""
-    step_s_per_param: float = 0.0
-    """Each held element's share of the step's gradient reduction and optimizer step, in
-    seconds per micro-batch."""
-    boundary: str = "periodic"
-    """The hidden state between blocks: "periodic" (placed as the ILP chooses), "replicated"
-    (pinned to R) or a shard "S(d)"."""
-    sequence_shards: int = 1
-    """The context-parallel degree: activations are costed at one rank's share of the
-    sequence."""
-    microbatches: int = 1
-    """Micro-batches per step, which share its one all-reduce of partial parameter
-    gradients."""
-    gradient_buffer_bytes: float | None = None
-    """The bytes of that all-reduce in all (None: each gradient's own)."""
-
-
 def solve_block(graph: Graph, node_names: Sequence[str], setting: BlockSetting, *,
                 memory_budget_bytes: float | None = None,
                 pinned_params: Mapping[str, str] | None = None, method: str = "auto",
@@ -490,13 +458,7 @@ def solve_block(graph: Graph, node_names: Sequence[str], setting: BlockSetting, 
     start = time.perf_counter()
     problem = cache.get(problem_key) if cache is not None else None
     if problem is None:
-        problem = build_problem(graph, names, axis_size=tp, cluster=setting.cluster,
-                                dtype=setting.dtype, ranks=setting.ranks,
-                                bytes_per_param=setting.bytes_per_param,
-                                step_s_per_param=setting.step_s_per_param, boundary=boundary,
-                                sequence_shards=setting.sequence_shards,
-                                microbatches=setting.microbatches,
-                                gradient_buffer_bytes=setting.gradient_buffer_bytes)
+        problem = build_problem(graph, names, setting)
         if cache is not None:
             cache[problem_key] = problem
     if pinned_params is not None:
@@ -512,6 +474,22 @@ def solve_block(graph: Graph, node_names: Sequence[str], setting: BlockSetting, 
     return result
 
 
+def _internal_collectives(problem: BlockProblem, graph: Graph, name: str, s: int
+                         ) -> tuple[list[Collective], list[Collective], list[Collective]]:
+    """Forward and backward collectives a node's strategy runs itself, and the all-reduces of
+    the partial gradients of replicated parameters it leaves (reduced once a step)."""
+    st = problem.strategies[name][s]
+    fwd, bwd, grads = list(st.fwd_collectives), list(st.bwd_collectives), []
+    for use in problem.params:
+        if use.node != name:
+            continue
+        spec = next(p for p in graph.node(name).params if p.fqn == use.fqn)
+        if (spec.requires_grad and st.inputs[use.input_index] == REPLICATE
+                and st.input_grads[use.input_index] == PARTIAL):
+            grads.append(("all_reduce", float(use.numel * problem.grad_bytes_per_elem)))
+    return fwd, bwd, grads
+
+
 def _result(problem: BlockProblem, graph: Graph, choice: Mapping[str, int],
             optimal: bool) -> BlockSharding:
     real = [v for v in problem.nodes if not v.startswith("<")]
@@ -519,7 +497,7 @@ def _result(problem: BlockProblem, graph: Graph, choice: Mapping[str, int],
     comm_units = 0
     grads = []
     for v in real:
-        f, b, g = internal_collectives(problem, graph, v, choice[v])
+        f, b, g = _internal_collectives(problem, graph, v, choice[v])
         fwd += f
         bwd += b
         grads += g

@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from autopar.estimate.timing import BACKWARD_MEMORY_RATIO
 from autopar.ir import Graph, Node, OpKind, TensorSpec, dtype_num_bytes
@@ -56,8 +56,8 @@ from costmodels.compute import (activation_memory_time_s, attention_time_s, gemm
                                 op_overhead_s)
 from costmodels.collectives import LayoutTimer
 
-__all__ = ["BLOCK_INPUT", "BLOCK_OUTPUT", "BlockProblem", "ParamUse", "TensorUse",
-           "build_problem", "pin_params", "to_units"]
+__all__ = ["BLOCK_INPUT", "BLOCK_OUTPUT", "BlockProblem", "BlockSetting", "ParamUse",
+           "TensorUse", "build_problem", "pin_params", "to_units"]
 
 BLOCK_INPUT = "<block-input>"
 BLOCK_OUTPUT = "<block-output>"
@@ -333,28 +333,51 @@ def _source_map(by_name: Mapping[str, Node], names: set[str]
     return out
 
 
-def build_problem(graph: Graph, node_names: Sequence[str], *, axis_size: int, cluster,
-                  dtype: str, ranks: Sequence[int] | None = None, bytes_per_param: float = 16.0,
-                  step_s_per_param: float = 0.0, boundary: str = "periodic",
-                  sequence_shards: int = 1, microbatches: int = 1,
-                  gradient_buffer_bytes: float | None = None) -> BlockProblem:
-    """Tables of the sharding problem of ``node_names`` on one axis of ``axis_size`` ranks.
+@dataclass(frozen=True, kw_only=True)
+class BlockSetting:
+    """What a block's sharding problem is built from beside its graph (`build_problem`): the
+    tensor-parallel group it is solved on and what the plan around the block charges each
+    choice. The blocks of one plan share it but for ``gradient_buffer_bytes``."""
 
-    ``bytes_per_param`` is the training state a rank keeps per parameter element it holds
-    (weights, gradients, optimizer states under the plan's ZeRO stage); ``step_s_per_param``
-    the seconds per micro-batch that each trainable element held costs the step outside the
-    block (its share of the data-parallel gradient reduction and the optimizer step): with
-    both, a replicated weight pays for the memory and the per-step work it takes.
-    ``sequence_shards`` (the context-parallel degree) splits every activation along the
-    sequence on top: what derives from the model's inputs -- node work, kept activations,
-    tensors between nodes -- is costed at 1/sequence_shards, attention included (ring
-    attention's share of a rank); parameters, their gradients' all-reduce and an op's own
-    collectives (batch-norm statistics) are not. ``microbatches`` a step runs share the
-    step's one all-reduce of partial parameter gradients, of ``gradient_buffer_bytes`` (all
-    such gradients on the rank; default: each gradient's own bytes), a gradient paying its
-    bytes' share of its time. ``boundary``: "periodic" (the
-    hidden state between blocks placed as the ILP chooses), "replicated", or one placement
-    ("S(1)": the sequence shard of sequence parallelism)."""
+    tp: int
+    """The tensor-parallel degree, the size of the axis the block is sharded on."""
+    cluster: Any
+    """The `Cluster` the tp group's collectives are timed on."""
+    dtype: str
+    """The training precision ("bf16", "fp16", "fp8", "fp32")."""
+    ranks: Sequence[int] | None = None
+    """The tp group's ranks (None: ``range(tp)``)."""
+    bytes_per_param: float = 16.0
+    """The training state per parameter element a rank holds (16: bf16 weight and gradient,
+    fp32 master, Adam m and v -- Rajbhandari et al. 2020, ZeRO §3)."""
+    step_s_per_param: float = 0.0
+    """Each held element's share of the step's gradient reduction and optimizer step, in
+    seconds per micro-batch."""
+    boundary: str = "periodic"
+    """The hidden state between blocks: "periodic" (placed as the ILP chooses), "replicated"
+    (pinned to R) or a shard "S(d)"."""
+    sequence_shards: int = 1
+    """The context-parallel degree: what derives from the model's inputs (node work, kept
+    activations, tensors between nodes, attention as ring attention's share of a rank) is
+    costed at 1/sequence_shards; parameters, their gradients' all-reduce and an op's own
+    collectives (batch-norm statistics) are not."""
+    microbatches: int = 1
+    """Micro-batches per step, which share its one all-reduce of partial parameter
+    gradients."""
+    gradient_buffer_bytes: float | None = None
+    """The bytes of that all-reduce in all (None: each gradient's own)."""
+
+
+
+def build_problem(graph: Graph, node_names: Sequence[str], setting: BlockSetting
+                  ) -> BlockProblem:
+    """Tables of the sharding problem of ``node_names`` on one axis of ``setting.tp`` ranks,
+    each choice priced as `BlockSetting` says: a replicated weight pays for the memory and the
+    per-step work it takes, activations are costed at one rank's share of the sequence."""
+    axis_size, cluster, dtype, ranks = setting.tp, setting.cluster, setting.dtype, setting.ranks
+    bytes_per_param, step_s_per_param = setting.bytes_per_param, setting.step_s_per_param
+    boundary, sequence_shards = setting.boundary, setting.sequence_shards
+    microbatches, gradient_buffer_bytes = setting.microbatches, setting.gradient_buffer_bytes
     if not isinstance(sequence_shards, int) or sequence_shards < 1:
         raise ValueError(f"sequence_shards must be an integer >= 1, got {sequence_shards!r}")
     names = [n for n in node_names]
@@ -565,19 +588,3 @@ def pin_params(problem: BlockProblem, placements: Mapping[str, str]) -> BlockPro
                                comm_units=cut(problem.comm_units),
                                state_units=cut(problem.state_units),
                                memory_bytes=cut(problem.memory_bytes))
-
-
-def internal_collectives(problem: BlockProblem, graph: Graph, name: str, s: int
-                         ) -> tuple[list[Collective], list[Collective], list[Collective]]:
-    """Forward and backward collectives a node's strategy runs itself, and the all-reduces of
-    the partial gradients of replicated parameters it leaves (reduced once a step)."""
-    st = problem.strategies[name][s]
-    fwd, bwd, grads = list(st.fwd_collectives), list(st.bwd_collectives), []
-    for use in problem.params:
-        if use.node != name:
-            continue
-        spec = next(p for p in graph.node(name).params if p.fqn == use.fqn)
-        if (spec.requires_grad and st.inputs[use.input_index] == REPLICATE
-                and st.input_grads[use.input_index] == PARTIAL):
-            grads.append(("all_reduce", float(use.numel * problem.grad_bytes_per_elem)))
-    return fwd, bwd, grads

@@ -14,7 +14,7 @@ from torch import nn
 
 import autopar
 from autopar import ParallelConfig
-from autopar.estimate import ModelCosts, evaluate
+from autopar.estimate import EstimateOptions, ModelCosts, evaluate
 from autopar.runtime.expert_gather import check_sum_of_experts, gathered_moe_modules
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -135,7 +135,7 @@ def test_the_estimate_costs_the_all_gather_dispatch():
         cfg = ParallelConfig(dp=8, tp=2, ep=4, sequence_parallel=sp)
         groups = slowest_groups(cfg, cluster)
         times = unit_times(unit, cluster=cluster, dtype="bf16", cfg=cfg, groups=groups,
-                           attention_kernel="flash")
+                           options=EstimateOptions(attention_kernel="flash"))
         assert times.ep_fwd == pytest.approx(
             cluster.collective_time("all_gather", unit.act_bytes * 4, groups.ep)
             + cluster.collective_time("reduce_scatter", unit.act_bytes * 4, groups.ep))

@@ -101,8 +101,9 @@ def _brute_force(problem, budget=None, pins=None):
 @pytest.mark.parametrize("step_s_per_param", [0.0, 2e-11])
 def test_ilp_matches_brute_force(make, tp, method, step_s_per_param, cluster):
     g = make()
-    problem = build_problem(g, [n.name for n in g.nodes], axis_size=tp, cluster=cluster,
-                            dtype="bf16", step_s_per_param=step_s_per_param)
+    problem = build_problem(
+        g, [n.name for n in g.nodes],
+        BlockSetting(tp=tp, cluster=cluster, dtype="bf16", step_s_per_param=step_s_per_param))
     choice, optimal = solve_problem(problem, method=method)
     assert optimal
     assert problem.evaluate(choice) == _brute_force(problem)
@@ -114,9 +115,9 @@ def test_parameter_state_work_is_charged_per_element_held(seed, cluster):
     one rank holds (all of it replicated, 1/tp sharded) times the per-element step work."""
     rng, g, rate, tp = random.Random(seed), _diamond(), 3e-11, 4
     names = [n.name for n in g.nodes]
-    plain = build_problem(g, names, axis_size=tp, cluster=cluster, dtype="bf16")
-    priced = build_problem(g, names, axis_size=tp, cluster=cluster, dtype="bf16",
-                           step_s_per_param=rate)
+    plain = build_problem(g, names, BlockSetting(tp=tp, cluster=cluster, dtype="bf16"))
+    priced = build_problem(g, names, BlockSetting(tp=tp, cluster=cluster, dtype="bf16",
+                                                  step_s_per_param=rate))
     for _ in range(20):
         choice = {v: rng.randrange(len(plain.strategies[v])) for v in plain.nodes}
         if plain.evaluate(choice) is None:
@@ -149,8 +150,9 @@ def test_pinned_parameters_match_brute_force(make, seed, cluster):
     brute-force optimum over the assignments that place the parameters so."""
     rng = random.Random(seed)
     g = make()
-    problem = build_problem(g, [n.name for n in g.nodes], axis_size=2, cluster=cluster,
-                            dtype="bf16")
+    problem = build_problem(
+        g, [n.name for n in g.nodes],
+        BlockSetting(tp=2, cluster=cluster, dtype="bf16"))
     pins = {u.fqn: rng.choice(["R", "S(0)", "S(1)"]) for u in problem.params}
     pinned = pin_params(problem, pins)
     for method in ("elimination", "cp-sat"):
@@ -164,8 +166,9 @@ def test_pinned_parameters_match_brute_force(make, seed, cluster):
 
 def test_a_parameter_placement_no_strategy_gives_is_refused(cluster):
     g = _chain()
-    problem = build_problem(g, [n.name for n in g.nodes], axis_size=2, cluster=cluster,
-                            dtype="bf16")
+    problem = build_problem(
+        g, [n.name for n in g.nodes],
+        BlockSetting(tp=2, cluster=cluster, dtype="bf16"))
     with pytest.raises(ValueError, match=r"no strategy of up places its parameters as "
                                          r"\{'up.weight': 'S\(2\)'\}"):
         pin_params(problem, {"up.weight": "S(2)"})
@@ -204,8 +207,9 @@ def test_elimination_matches_brute_force_with_tie_break(seed, cluster):
     rng = random.Random(seed)
     g = _random_graph(rng)
     tp = rng.choice([2, 4])
-    problem = build_problem(g, [n.name for n in g.nodes], axis_size=tp, cluster=cluster,
-                            dtype="bf16")
+    problem = build_problem(
+        g, [n.name for n in g.nodes],
+        BlockSetting(tp=tp, cluster=cluster, dtype="bf16"))
     best = None
     for combo in itertools.product(*(range(len(problem.strategies[v])) for v in problem.nodes)):
         choice = dict(zip(problem.nodes, combo))
@@ -237,7 +241,7 @@ def test_elimination_tables_add_up_to_the_objective(llama, tp, cluster):
     from autopar.sharding.problem import BLOCK_INPUT, BLOCK_OUTPUT
 
     g, names = llama
-    problem = build_problem(g, names, axis_size=tp, cluster=cluster, dtype="bf16")
+    problem = build_problem(g, names, BlockSetting(tp=tp, cluster=cluster, dtype="bf16"))
     sizes = [len(problem.strategies[v]) for v in problem.nodes]
     weight = 1 + sum(n - 1 for n in sizes)
     index = {v: i for i, v in enumerate(problem.nodes)}
@@ -286,8 +290,9 @@ def test_elimination_chain_link_matches_the_general_step(seed):
 
 def test_elimination_hands_wide_or_budgeted_problems_to_cp_sat(cluster):
     g = _diamond()
-    problem = build_problem(g, [n.name for n in g.nodes], axis_size=4, cluster=cluster,
-                            dtype="bf16")
+    problem = build_problem(
+        g, [n.name for n in g.nodes],
+        BlockSetting(tp=4, cluster=cluster, dtype="bf16"))
     assert solve_by_elimination(problem, max_table_entries=1) is None
     with pytest.raises(ValueError, match="memory budget"):
         solve_problem(problem, memory_budget_bytes=1e12, method="elimination")
@@ -302,8 +307,9 @@ def test_ilp_matches_brute_force_under_memory_budget(make, fraction, method, clu
     # "auto" certifies a Lagrangian optimum found by variable elimination (or hands the
     # problem to CP-SAT when it cannot); either way the budgeted optimum, as brute force finds
     g = make()
-    problem = build_problem(g, [n.name for n in g.nodes], axis_size=4, cluster=cluster,
-                            dtype="bf16", step_s_per_param=1e-12)
+    problem = build_problem(
+        g, [n.name for n in g.nodes],
+        BlockSetting(tp=4, cluster=cluster, dtype="bf16", step_s_per_param=1e-12))
     free, _ = solve_problem(problem)
     replicated = problem.memory({v: 0 for v in problem.nodes})
     budget = fraction * replicated
@@ -423,7 +429,7 @@ def test_resnet_block_finds_a_split(cluster):
     block = next(b for b in g.blocks if b.representative == "layer3.1")
     r = solve_block(g, block.node_names, BlockSetting(tp=4, cluster=cluster, dtype="bf16"))
     assert set(r.node_strategies.values()) != {"R"}
-    problem = build_problem(g, block.node_names, axis_size=4, cluster=cluster, dtype="bf16")
+    problem = build_problem(g, block.node_names, BlockSetting(tp=4, cluster=cluster, dtype="bf16"))
     replicated = problem.evaluate({v: 0 for v in problem.nodes})
     assert round(r.objective_s * 1e9) <= replicated
 
