@@ -452,12 +452,12 @@ def tp_collectives(unit: Unit, cfg: ParallelConfig
         return fwd, bwd
     for direction, kind, nbytes in unit.tp_syncs:
         here, other = (fwd, bwd) if direction == "forward" else (bwd, fwd)
-        n = nbytes / cfg.cp
+        n = nbytes if kind == "weight" else nbytes / cfg.cp
         if kind == "reduce" and cfg.sequence_parallel:
             here.append(("reduce_scatter", n))
             other.append(("all_gather", n))
         else:
-            here.append(("all_gather" if kind == "gather" else "all_reduce", n))
+            here.append(("all_gather" if kind in ("gather", "weight") else "all_reduce", n))
     for kv in unit.kv_projections:
         added, spared = kv.backward(cfg)
         bwd += added

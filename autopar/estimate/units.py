@@ -30,8 +30,8 @@ from autopar.estimate.kept import per_op_kept, recompute_tail
 from autopar.estimate.kv import KvGemm
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
 from autopar.ir.residual import (after_row_ops, consumers, kv_projections, made_of_params,
-                                 residual_structure, router_gemms, sublayers, tp_split_ops,
-                                 vocab_sizes)
+                                 residual_structure, router_gemms, split_statistics, sublayers,
+                                 tp_split_ops, vocab_sizes)
 
 LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
 LOSS_REDUCTION_BYTES = 4  # fp32 per row each
@@ -133,8 +133,10 @@ class Unit:
     # tensor-parallel synchronisations per layer under Megatron's layout: (direction
     # "forward"/"backward", kind, nbytes at the traced batch); kind "reduce" (a partial sum:
     # an all-reduce, or with sequence parallel a reduce-scatter and an all-gather the other
-    # way), "gather" (a split output gathered) or "loss" (a parallel cross-entropy's per-row
-    # all-reduce)
+    # way), "gather" (a split output gathered), "loss" (a parallel cross-entropy's per-row
+    # all-reduce), "stat" (a norm's per-row statistic over split features, all-reduced) or
+    # "weight" (the gradient of a replicated weight scaling split features, all-gathered
+    # from the ranks' shares: its bytes do not grow with the batch)
     tp_syncs: tuple[tuple[str, str, float], ...]
     moe_dispatch_bytes: int  # tokens x top-k x hidden, per MoE layer of the unit
     attention_kv_bytes: int  # K and V of all attention ops (what a CP ring passes on)
@@ -254,7 +256,8 @@ class Unit:
                        attention_score_bytes=self.attention_score_bytes * factor,
                        loss_logits=self.loss_logits * factor,
                        loss_logit_bytes=self.loss_logit_bytes * factor,
-                       tp_syncs=tuple((d, k, n * factor) for d, k, n in self.tp_syncs),
+                       tp_syncs=tuple((d, k, n if k == "weight" else n * factor)
+                                      for d, k, n in self.tp_syncs),
                        kv_projections=tuple(
                            kv._replace(reads=tuple(n * factor for n in kv.reads),
                                        query_bytes=kv.query_bytes * factor,
@@ -510,19 +513,25 @@ def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]
 
     A block (a run with residual adds) reduces the hidden state once each way per sub-layer --
     the row-parallel GEMM's output forward, the column-parallel GEMMs' input gradient backward
-    -- and per MoE sub-layer and output-channel parallel convolution; its stream is the
-    residual structure's. In the glue each op says what it moves: a vocabulary-parallel lookup
-    reduces its output forward (its table's gradient needs none); a GEMM's weight is split on
-    its outputs, so its input gradient is reduced backward (when the input needs one), and its
-    output is gathered forward unless a cross-entropy reads it (its logits stay sharded for
-    the parallel loss, which reduces three fp32 values per row forward); a convolution's
-    output channels are gathered likewise. The glue's stream is every other op."""
+    -- and per MoE sub-layer and output-channel parallel convolution, and all-reduces each
+    norm statistic over split features each way, all-gathering the gradients of the weights
+    scaling them (`split_statistics`); its stream is the residual structure's. In the glue
+    each op says what it moves: a vocabulary-parallel lookup reduces its output forward (its
+    table's gradient needs none); a GEMM's weight is split on its outputs, so its input
+    gradient is reduced backward (when the input needs one), and its output is gathered
+    forward unless a cross-entropy reads it (its logits stay sharded for the parallel loss,
+    which reduces three fp32 values per row forward); a convolution's output channels are
+    gathered likewise. The glue's stream is every other op."""
     if residual.residual_adds:
         points = len(residual.row_gemms) + sum(
             n.kind is OpKind.MOE_DISPATCH or (n.kind is OpKind.CONV and bool(n.params))
             for n in nodes)
-        return ((("forward", "reduce", act),) * points + (("backward", "reduce", act),) * points,
-                set(residual.stream))
+        syncs = [("forward", "reduce", act)] * points + [("backward", "reduce", act)] * points
+        for stat, scales in split_statistics(nodes, residual):
+            n = stat.outputs[0].num_bytes
+            syncs += [("forward", "stat", n), ("backward", "stat", n)]
+            syncs += [("backward", "weight", p.num_bytes) for p in scales]
+        return tuple(syncs), set(residual.stream)
     readers = consumers(nodes)
 
     def read_by_loss(name: str) -> Node | None:

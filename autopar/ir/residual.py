@@ -30,8 +30,8 @@ from autopar.ir.graph import Graph, Node, OpKind
 
 __all__ = ["KvProjection", "MIXING_KINDS", "Residual", "after_row_ops", "consumers",
            "fused_chunks", "fused_splits", "kv_projections", "made_of_params", "moe_dispatch",
-           "residual_structure", "router_gemms", "routing_nodes", "sublayers", "token_lookup",
-           "tp_split_ops", "vocab_sizes"]
+           "residual_structure", "router_gemms", "routing_nodes", "split_statistics",
+           "sublayers", "token_lookup", "tp_split_ops", "vocab_sizes"]
 
 MIXING_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
                      OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE})
@@ -384,6 +384,42 @@ def after_row_ops(nodes: Sequence[Node], residual: Residual) -> set[str]:
                 after.add(nxt.name)
                 frontier.append(nxt.name)
     return after
+
+
+def split_statistics(nodes: Sequence[Node], residual: Residual) -> list[tuple[Node, list]]:
+    """The reductions over the features a column-parallel GEMM of a block splits over tp,
+    each with the parameters that scale those features: a norm over a whole projection
+    (OLMo 2's q and k norms), whose per-row statistic each rank sums over its share of the
+    features and all-reduces (and its gradient backward), and whose weight's gradient each
+    rank holds for its share. Found from the dataflow: from a weight GEMM that is not a row
+    GEMM, through element-wise ops and views that keep its output features as the last dim,
+    a reduction of that dim to one."""
+    if not residual.residual_adds:
+        return []
+    readers = consumers(nodes)
+    found: list[tuple[Node, list]] = []
+    for gemm in nodes:
+        if gemm.kind is not OpKind.MATMUL or not gemm.params or not gemm.outputs or \
+                gemm.name in residual.row_gemms:
+            continue
+        width, stack, seen = gemm.outputs[0].shape[-1], [gemm.name], {gemm.name}
+        scales: list = []
+        stats: list[Node] = []
+        while stack:
+            for nxt in readers.get(stack.pop(), ()):
+                if nxt.name in seen or not nxt.outputs or nxt.name in residual.stream:
+                    continue
+                seen.add(nxt.name)
+                last = nxt.outputs[0].shape[-1]
+                if nxt.kind is OpKind.REDUCE and last == 1 and \
+                        nxt.inputs[0].shape[-1] == width:
+                    stats.append(nxt)
+                    stack.append(nxt.name)
+                elif nxt.kind in (OpKind.ELEMENTWISE, OpKind.VIEW) and last in (1, width):
+                    scales += [p for p in nxt.params if p.shape == (width,)]
+                    stack.append(nxt.name)
+        found += [(stat, scales) for stat in stats[:1]] + [(stat, []) for stat in stats[1:]]
+    return found
 
 
 def tp_split_ops(nodes: Sequence[Node], residual: Residual) -> set[str]:

@@ -93,6 +93,10 @@ class LocalAttention(TorchFunctionMode):
             return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return _local_sdpa(func, *args, **kwargs)
+        if func in _MEANS:
+            mean = _split_mean(*args, **kwargs)
+            if mean is not None:
+                return mean
         if func in _MULS and len(args) == 2 and not kwargs:
             scaled = _scaled_partial(*args)
             if scaled is not None:
@@ -123,6 +127,40 @@ class LocalAttention(TorchFunctionMode):
 
 
 _MULS = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
+_MEANS = (torch.mean, torch.Tensor.mean)
+
+
+def _split_mean(x: Any, dim: Any = None, keepdim: bool = False, *, dtype=None) -> Any:
+    """The mean over the last dim of a tensor tp shards on it (a norm's statistic over the
+    features a column-parallel GEMM split: OLMo 2's q/k norms over the whole projections):
+    each rank's share summed locally and the ``[..., 1]`` result all-reduced, replicated.
+    Its gradient, a partial sum over the ranks' features, is all-reduced by DTensor where
+    the statistic meets the sharded features. DTensor would instead reduce-scatter the whole
+    input's gradient. None for any other mean."""
+    if not isinstance(x, DTensor) or len(x.placements) != 1 or dtype is not None or \
+            not keepdim or x.dim() < 2:
+        return None
+    last, placement = x.dim() - 1, x.placements[0]
+    dims = tuple(dim) if isinstance(dim, (tuple, list)) else (dim,)
+    if type(placement) is not Shard or placement.dim % x.dim() != last or \
+            [d % x.dim() for d in dims if d is not None] != [last]:
+        return None
+    local = x.to_local().sum(-1, keepdim=True) / x.shape[-1]
+    whole = _SumForward.apply(local, x.device_mesh)
+    return DTensor.from_local(whole, x.device_mesh, (Replicate(),), run_check=False)
+
+
+class _SumForward(torch.autograd.Function):
+    """The sum over the tp ranks forward; the gradient passes as it is (DTensor reduces it
+    where the result is used)."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        return funcol.all_reduce(x.contiguous(), "sum", group=mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def _scaled_partial(a: Any, b: Any) -> DTensor | None:

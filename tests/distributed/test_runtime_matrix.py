@@ -29,7 +29,9 @@ PLANS = ["tp", "tp_sp", "tp_sp_mb1", "tp_sp_per_op", "pp_zero_bubble", "tp_zero3
 # StarCoder's and Phi-3's fused q/k/v projections run whole: on gloo's latencies the ILP
 # executes them with one all-reduce of the whole projection's output gradient, where the
 # runtime and the estimate gather the queries' and reduce K's and V's (three collectives)
-ILP_EXECUTES_OTHERWISE = ("hf_gemma2", "hf_gpt_bigcode", "hf_phi3")
+# OLMo 2's norms over the whole q and k projections: the ILP has no strategy that uses a
+# replicated norm weight's local share, so it gathers the projections
+ILP_EXECUTES_OTHERWISE = ("hf_gemma2", "hf_gpt_bigcode", "hf_phi3", "hf_olmo2")
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +75,10 @@ def norm_cells(plan_dir):
     Gemma 2's post-norms with their ``1 + w`` scales and final logit soft-capping (the loss
     reads the logits through element-wise ops, still split over the vocabulary); and Gemma's
     embedding, scaled by a buffer inside its module, reduce-scattered under sequence
-    parallel as any other."""
+    parallel as any other; OLMo 2's norms over the whole q and k projections, whose per-row
+    statistics each rank sums over its share of the features."""
     return rm.run_matrix(["hf_qwen3"], ["tp", "tp_sp"], plan_dir) + \
-        rm.run_matrix(["hf_gemma2"], ["tp"], plan_dir) + \
+        rm.run_matrix(["hf_gemma2", "hf_olmo2"], ["tp"], plan_dir) + \
         rm.run_matrix(["hf_gemma"], ["tp_sp"], plan_dir)
 
 
@@ -165,7 +168,8 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
     head (`mqa_cells`) K and V are replicated and the gradients of the attention's K/V inputs
     move backward: all-gathered where the model repeats them to the query heads, all-reduced
     where SDPA reads the one head. Replicated norms on split heads or after a row GEMM join
-    the once-a-step all-reduce of partial gradients (`norm_cells`). A fused q/k/v projection
+    the once-a-step all-reduce of partial gradients (`norm_cells`); a norm over a split
+    projection all-reduces its per-row statistics. A fused q/k/v projection
     run whole (`fused_cells`) gathers its queries' gradient and reduces no input gradient."""
     checked = []
     for cell in (c for c in cells + zoo_cells + mqa_cells + norm_cells + fused_cells
@@ -182,7 +186,8 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
                 cell.model
     assert set(checked) == {"plain_llama", "nano_gpt", "moe_loop", "hf_llama", "hf_mixtral",
                             "hf_gpt2", "tiny_llama", "tiny_gpt", "plain_mqa"} | (
-        {"vit_encoder", "hf_gemma", "hf_qwen3", "hf_gemma2", "hf_phi3"} if plan_name == "tp"
+        {"vit_encoder", "hf_gemma", "hf_qwen3", "hf_gemma2", "hf_phi3", "hf_olmo2"}
+        if plan_name == "tp"
         else {"hf_qwen3", "hf_gemma", "hf_gpt_bigcode"} if plan_name == "tp_sp" else set()), \
         checked
     from autopar.plan import load_plan

@@ -57,3 +57,28 @@ def test_the_loss_reads_soft_capped_logits_split_over_the_vocabulary():
     rows = 2 * 32
     assert sorted(fwd) == [("all_reduce", rows * 4)] * 3  # max, sum, target logit (fp32)
     assert bwd == [("all_reduce", 2 * 32 * HIDDEN * 4)]  # the head's input gradient
+
+
+def test_norms_over_a_whole_split_projection_reduce_their_statistics():
+    """OLMo 2 normalises the whole q and k projections (64 and 32 features, which tp splits):
+    each rank sums its share of a row's squares and the per-row statistic is all-reduced,
+    forward and (its gradient) backward; the norms' weights, which scale split features,
+    have their gradients gathered from the ranks' shares. Qwen3's per-head norms reduce
+    the head dim, which tp does not split: nothing of the kind."""
+    (block,), _ = _units(corpus.hf_olmo2)
+    rows, fp32 = 2 * 32, 4
+    stats = [("stat", rows * fp32)] * 2
+    assert sorted((k, n) for d, k, n in block.tp_syncs if d == "forward" and k != "reduce") \
+        == stats
+    assert sorted((k, n) for d, k, n in block.tp_syncs if d == "backward" and k != "reduce") \
+        == stats + [("weight", 32 * fp32), ("weight", 64 * fp32)]
+    for sp in (False, True):
+        fwd, bwd = tp_collectives(block, ParallelConfig(tp=2, sequence_parallel=sp))
+        assert fwd.count(("all_reduce", rows * fp32)) == 2
+        assert bwd.count(("all_reduce", rows * fp32)) == 2
+        assert {("all_gather", 32 * fp32), ("all_gather", 64 * fp32)} <= set(bwd)
+    twice = block.scaled(2)  # the statistics grow with the rows, the weights do not
+    assert ("backward", "weight", 64 * fp32) in twice.tp_syncs
+    assert ("forward", "stat", 2 * rows * fp32) in twice.tp_syncs
+    (qwen3,), _ = _units(corpus.hf_qwen3)
+    assert all(k in ("reduce", "loss", "gather") for _, k, _ in qwen3.tp_syncs)
