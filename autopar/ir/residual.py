@@ -392,15 +392,16 @@ def split_statistics(nodes: Sequence[Node], residual: Residual) -> list[tuple[No
     (OLMo 2's q and k norms), whose per-row statistic each rank sums over its share of the
     features and all-reduces (and its gradient backward), and whose weight's gradient each
     rank holds for its share. Found from the dataflow: from a weight GEMM that is not a row
-    GEMM, through element-wise ops and views that keep its output features as the last dim,
-    a reduction of that dim to one."""
+    GEMM nor a router, through element-wise ops and views that keep its output features as
+    the last dim, a reduction of that dim to one."""
     if not residual.residual_adds:
         return []
     readers = consumers(nodes)
+    whole = routing_nodes(nodes, residual)  # a router every rank runs whole
     found: list[tuple[Node, list]] = []
     for gemm in nodes:
         if gemm.kind is not OpKind.MATMUL or not gemm.params or not gemm.outputs or \
-                gemm.name in residual.row_gemms:
+                gemm.name in residual.row_gemms or gemm.name in whole:
             continue
         width, stack, seen = gemm.outputs[0].shape[-1], [gemm.name], {gemm.name}
         scales: list = []
