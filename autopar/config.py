@@ -192,7 +192,7 @@ def tp_splits_heads(tp: int, num_heads: int | None, num_kv_heads: int | None) ->
     """Whether tensor parallel over ``tp`` ranks splits attention of these heads: tp divides
     the query heads, and divides the key/value heads or is a multiple of them: each rank then
     computes K and V whole (with Q where one GEMM makes all three) and reads the kv heads its
-    query heads use (`autopar.estimate.units.kv_whole`). Megatron-LM and torchtitan split K
+    query heads use (`autopar.estimate.kv.kv_whole`). Megatron-LM and torchtitan split K
     and V by head and need tp to divide them (`autopar.targets`)."""
     if num_heads is not None and num_heads % tp:
         return False

@@ -99,7 +99,7 @@ def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
 
 def replicated_kv(graph: Graph, tp: int) -> dict[str, int]:
     """``{param FQN: kv heads}`` of the K/V projections the layout replicates at ``tp``
-    (`autopar.estimate.units.kv_whole`: tp does not divide their kv heads, or they are fused
+    (`autopar.estimate.kv.kv_whole`: tp does not divide their kv heads, or they are fused
     q/k/v projections tp cannot split by head)."""
     return {p.fqn: kv.heads for name, kv in kv_projections(graph.nodes).items()
             if kv_whole(kv.heads, tp, kv.cut) for p in graph.node(name).params}
