@@ -108,7 +108,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
         config=cfg, estimate=best, stages=[list(s) for s in best.stage_layers],
         placements=placements, intra_op=intra_op,
         mesh={"axes": list(cfg.mesh_order), "sizes": [sizes[a] for a in cfg.mesh_order],
-              "ep_within": "dp*cp", "ep": cfg.ep},
+              "ep_within": "tp*cp*dp" if cfg.folded else "dp*cp", "ep": cfg.ep},
         model={"class": graph.model_class, "fingerprint": fingerprint,
                "num_params": graph.num_params, "num_layers": costs.num_layers,
                "cp_layout": limits.cp_layout, "ep_dispatch": limits.ep_dispatch,
@@ -252,17 +252,23 @@ def _input_spec(example_inputs: Any) -> dict[str, Any] | None:
 def _within_limits(constraints: dict[str, Any], limits: RuntimeLimits) -> list[dict[str, Any]]:
     """The search's constraints, one dict per region of the space the runtime can run: the
     user's pins, degree 1 on every axis the runtime cannot run for this model (a pin above 1
-    there is refused with the runtime's reason), and, for each pair of axis groups the runtime
-    cannot combine, one region per group held at 1 (unless a pin decides which)."""
+    there is refused with the runtime's reason), each field it runs at one value only at that
+    value (likewise), and, for each pair of axis groups the runtime cannot combine, one
+    region per group held at 1 (unless a pin decides which)."""
     for axis, reason in sorted(limits.axes.items()):
         if constraints.get(axis, 1) != 1:
             raise RuntimeLimitError(f"{axis}={constraints[axis]} cannot run on this model: "
                                     f"{reason}; plan with {axis}=1 (or leave {axis} unpinned)")
+    for name, (value, reason) in sorted(limits.fields.items()):
+        if constraints.get(name, value) != value:
+            raise RuntimeLimitError(f"{name}={constraints[name]!r} cannot run: {reason}; plan "
+                                    f"with {name}={value!r} (or leave {name} unpinned)")
     if limits.axes:
         log.info("this runtime cannot run %s for this model (%s): searching them at 1",
                  ", ".join(sorted(limits.axes)), "; ".join(f"{a}: {r}" for a, r in
                                                           sorted(limits.axes.items())))
-    regions = [{**constraints, **{axis: 1 for axis in limits.axes}}]
+    regions = [{**constraints, **{axis: 1 for axis in limits.axes},
+                **{name: value for name, (value, _) in limits.fields.items()}}]
     for first, second, reason in limits.exclusive:
         pinned = [group for group in (first, second)
                   if any(constraints.get(axis, 1) != 1 for axis in group)]

@@ -1,13 +1,13 @@
 """`ParallelConfig`: one point of the 5-D search space, and the checks that make it runnable.
 
-A config fixes the degrees (dp·tp·pp·cp = world size; ep divides dp·cp and takes no extra
-ranks), the ZeRO stage, the micro-batch size, the pipeline schedule and its virtual stages,
-Megatron sequence parallelism on the tp axis, the activation-recompute policy, and the mesh
-order: how the (pp, dp, cp, tp) mesh lies on the global ranks. Outer axis first, as PyTorch's
-DeviceMesh takes its dimensions; the last axis is innermost (its
-groups are consecutive ranks, on one node as far as they fit), and global rank r lives on
-node r // gpus_per_node. The default, pp, dp, cp, tp, is Megatron-LM's and torchtitan's
-layout.
+A config fixes the degrees (dp·tp·pp·cp = world size; ep divides dp·cp, or tp·cp·dp when
+folded over tp (`etp` = 1), and takes no extra ranks), the ZeRO stage, the micro-batch size,
+the pipeline schedule and its virtual stages, Megatron sequence parallelism on the tp axis,
+the activation-recompute policy, and the mesh order: how the (pp, dp, cp, tp) mesh lies on
+the global ranks. Outer axis first, as PyTorch's DeviceMesh takes its dimensions; the last
+axis is innermost (its groups are consecutive ranks, on one node as far as they fit), and
+global rank r lives on node r // gpus_per_node. The default, pp, dp, cp, tp, is Megatron-LM's
+and torchtitan's layout.
 `check_config` says what is wrong and which values would work.
 """
 
@@ -63,7 +63,15 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel ranks: each holds a share of every sequence; attention runs as a ring."""
     ep: int = 1
-    """Expert-parallel ranks, within dp x cp: each holds 1/ep of every MoE layer's experts."""
+    """Expert-parallel ranks: each holds 1/ep of every MoE layer's experts. Drawn from dp x cp,
+    or with `etp` = 1 from tp x cp x dp."""
+    etp: int = 0
+    """Tensor-parallel ranks that split each expert: 0 (the default; tp reads the same) means
+    tp; 1 folds expert parallel over the tensor-parallel ranks (MoE parallel folding:
+    Megatron-Core's --expert-tensor-parallel-size 1, torchtitan's
+    expert_tensor_parallel_degree 1). Each expert is then whole on its rank, each tp rank
+    dispatches its own sequence shard, and an ep group is ep consecutive ranks of the
+    stage's (dp, cp, tp) ranks in mesh order."""
     zero_stage: int = 0
     """0: replicated states (DDP); 1: optimizer states sharded over dp x cp; 2: gradients too;
     3: parameters too, gathered per block (FSDP)."""
@@ -99,6 +107,11 @@ class ParallelConfig:
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"ParallelConfig.zero_stage must be 0 (DDP), 1, 2 or 3 (FSDP), "
                              f"got {self.zero_stage!r}")
+        if self.etp == self.tp and not isinstance(self.etp, bool):  # one layout, one spelling
+            object.__setattr__(self, "etp", 0)
+        if self.etp not in (0, 1) or isinstance(self.etp, bool):
+            raise ValueError(f"ParallelConfig.etp must be 0 or tp (experts split over tp) or 1 "
+                             f"(experts whole, ep folded over tp), got {self.etp!r}")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"ParallelConfig.pp_schedule {self.pp_schedule!r} is unknown; "
                              f"allowed: {', '.join(PP_SCHEDULES)}")
@@ -133,6 +146,22 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
+    @property
+    def folded(self) -> bool:
+        """Expert parallel folded over the tensor-parallel ranks (`etp` = 1 under tp > 1)."""
+        return self.etp == 1 and self.tp > 1
+
+    @property
+    def expert_tp(self) -> int:
+        """The ranks that split each expert's weights: tp, or 1 when `folded`."""
+        return 1 if self.folded else self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks of a pipeline stage holding the same expert weights (they reduce those
+        gradients and shard their ZeRO states): dp x cp x tp over ep x `expert_tp`."""
+        return self.dp * self.cp * self.tp // (self.ep * self.expert_tp)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -156,6 +185,7 @@ class ParallelConfig:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"]
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += ["etp1"] if self.folded else []
         parts += [f"z{self.zero_stage}", f"mb{self.micro_batch_size}"]
         if self.pp > 1:
             parts.append(self.pp_schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1
@@ -199,6 +229,20 @@ def tp_splits_heads(tp: int, num_heads: int | None, num_kv_heads: int | None) ->
     return num_kv_heads is None or num_kv_heads % tp == 0 or tp % num_kv_heads == 0
 
 
+def _check_folded(cfg: ParallelConfig) -> None:
+    """What MoE parallel folding (`ParallelConfig.etp` = 1) needs besides the rest."""
+    pool = cfg.tp * cfg.cp * cfg.dp
+    if pool % cfg.ep:
+        raise InvalidConfigError(f"ep={cfg.ep} folded over tp x cp x dp must divide "
+                                 f"{cfg.tp}*{cfg.cp}*{cfg.dp} = {pool}; allowed ep: "
+                                 f"{divisors(pool)}")
+    if not cfg.sequence_parallel:
+        raise InvalidConfigError(
+            f"etp=1 with tp={cfg.tp} needs sequence_parallel=True: each tp rank dispatches its "
+            f"own sequence shard to the experts (Megatron-Core requires sequence parallel for "
+            f"MoE under tp); set sequence_parallel=True or use etp=0")
+
+
 def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int,
                  num_layers: int, num_heads: int | None = None,
                  num_kv_heads: int | None = None, num_experts: int | None = None,
@@ -224,10 +268,14 @@ def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int
             f"tp={cfg.tp} must divide the {num_kv_heads} key/value heads (K and V are split "
             f"by head) or be a multiple of them (K and V are then replicated); allowed tp: "
             f"{allowed}")
-    if (cfg.dp * cfg.cp) % cfg.ep:
+    if cfg.folded:
+        _check_folded(cfg)
+    elif (cfg.dp * cfg.cp) % cfg.ep:
+        fold = (f", or etp=1 to fold ep over tp x cp x dp = {cfg.tp * cfg.cp * cfg.dp}"
+                if cfg.tp > 1 and (cfg.tp * cfg.cp * cfg.dp) % cfg.ep == 0 else "")
         raise InvalidConfigError(f"ep={cfg.ep} must divide dp*cp = {cfg.dp * cfg.cp}; allowed ep: "
-                         f"{divisors(cfg.dp * cfg.cp)}")
-    if cfg.ep > 1 and cfg.dp > 1 and cfg.cp > 1:
+                                 f"{divisors(cfg.dp * cfg.cp)}{fold}")
+    if cfg.ep > 1 and cfg.dp > 1 and cfg.cp > 1 and not cfg.folded:
         # ep groups are runs of ep replicas, the (dp, cp) ranks flattened outer first; with an
         # axis between dp and cp, a run that crosses the inner axis is no strided slice
         i, j = sorted((cfg.mesh_order.index("dp"), cfg.mesh_order.index("cp")))
@@ -239,11 +287,15 @@ def check_config(cfg: ParallelConfig, *, world_size: int, global_batch_size: int
                              f"between dp and cp (no DeviceMesh slice holds them): use an ep "
                              f"that divides {n} or is a multiple of it, or put dp next to cp")
     if num_experts is not None and cfg.ep > 1 and num_experts % cfg.ep:
+        pool = cfg.dp * cfg.cp * (cfg.tp if cfg.folded else 1)
         raise InvalidConfigError(f"ep={cfg.ep} must divide the {num_experts} experts; allowed ep: "
-                         f"{[d for d in divisors(num_experts) if (cfg.dp * cfg.cp) % d == 0]}")
+                                 f"{[d for d in divisors(num_experts) if pool % d == 0]}")
     if cfg.ep > 1 and not num_experts:
         raise InvalidConfigError(
             f"ep={cfg.ep} needs a model with experts (MoE); this model has none")
+    if cfg.folded and not num_experts:
+        raise InvalidConfigError("etp=1 (experts whole, ep folded over tp) needs a model with "
+                                 "experts (MoE); this model has none: use etp=0")
     if cfg.sequence_parallel and cfg.tp > 1 and seq_len is not None \
             and seq_len % (cfg.tp * cfg.cp):
         raise InvalidConfigError(

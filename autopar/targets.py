@@ -276,8 +276,11 @@ def _ddp_alone(table: ConfigTable, facts: Facts) -> np.ndarray:
 
 def _titan_experts(table: ConfigTable, facts: Facts) -> np.ndarray:
     c = table.columns
-    shard = np.where(c["zero_stage"] == 3, c["dp"], 1) * c["cp"]
-    return (c["ep"] == 1) | ((c["ep"] % c["cp"] == 0) & (shard % c["ep"] == 0))
+    borrowed = np.where(c["zero_stage"] == 3, c["dp"], 1) * c["cp"]
+    borrowed *= np.where(c["etp"] == 1, c["tp"], 1)  # folded: tp's ranks too
+    within = np.where(c["etp"] == 1, c["tp"], 1) * c["cp"]
+    return ((c["ep"] == 1) & (c["etp"] == 0)) | \
+        ((c["ep"] % within == 0) & (borrowed % c["ep"] == 0))
 
 
 def _kv_split_by_head(table: ConfigTable, facts: Facts) -> np.ndarray:
@@ -428,12 +431,14 @@ TORCHTITAN = EngineTarget(
                         "(\"DDP has not supported > 1D parallelism\"); with tp, pp or cp use "
                         "ZeRO-3 (FSDP2)",
                  source="torchtitan/models/llama3/infra/parallelize.py (parallelize_llama)"),
-        Requires(name="ep within the FSDP-shard x context-parallel ranks",
+        Requires(name="ep within the FSDP-shard x context-parallel (x tp) ranks",
                  holds=_titan_experts,
                  reason="expert parallel borrows its ranks from data_parallel_shard_degree "
                         "x context_parallel_degree: ep % cp == 0 and (dp_shard * cp) % ep == 0, "
-                        "with dp_shard = dp under ZeRO-3 and 1 otherwise",
-                 source="torchtitan/distributed/parallel_dims.py (ParallelDims)"),
+                        "with dp_shard = dp under ZeRO-3 and 1 otherwise; with "
+                        "expert_tensor_parallel_degree 1 (etp=1) from tp's ranks too: "
+                        "ep % (cp * tp) == 0 and (dp_shard * cp * tp) % ep == 0",
+                 source="torchtitan/distributed/parallel_dims.py (ParallelDims._validate)"),
         Requires(name="mesh order pp, dp, cp, tp", holds=_default_layout,
                  reason="its mesh is pp, dp_replicate, dp_shard, cp, tp, outer first; other "
                         "mesh orders put the groups on other GPUs than planned",

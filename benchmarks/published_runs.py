@@ -264,12 +264,9 @@ _MCORE_MOE = (
     "table lists; 'TP + EP + DP' -> zero_stage=1 (paper §4.2: 'use ZeRO-1 instead of ZeRO-3'); "
     "'MCore' and 'MCore w/ Folding' -> zero_stage=1 (Megatron-Core's distributed optimizer, "
     "likely; not stated)",
-    "ep: a sub-group of DP x CP with expert weights split over TP as well (ETP = TP), autopar's "
-    "expert layout and Megatron-Core's before folding. The 'MCore w/ Folding' rows (ETP1, EP "
-    "folded over the attention TP x CP x DP ranks) have no ParallelConfig: they run as the same "
-    "degrees in that pre-folding layout -- an approximation whose EP groups stride over the TP "
-    "ranks (their all-to-alls may leave the node where the paper's stay in it) and whose experts "
-    "are TP-split; where EP > DP x CP the estimate refuses the configuration (InvalidConfigError)",
+    "ep: a sub-group of DP x CP with expert weights split over TP as well (ETP = TP), "
+    "Megatron-Core's layout before folding; the 'MCore w/ Folding' rows run with etp=1 (ETP1, "
+    "EP folded over the attention TP x CP x DP ranks: ParallelConfig.etp)",
     "cluster dgx-h100 as shipped: Eos DGX H100, NVLink4 + NVSwitch 450 GB/s and InfiniBand 400 "
     "Gb/s (paper §4.1), 8 NICs per node presumed",
     "metric: MFU x 989.5 TFLOP/s (the peak the paper states, §4.1), or TFLOP/s, over Megatron-"
@@ -1090,7 +1087,7 @@ def _validation_config(group: str, row: dict[str, str], notes: str
     ep = _opt_int(row, "ep", 1)
     zero_text, rc_text = row["zero_stage_or_fsdp"].strip(), row["recompute"].strip()
     extra: list[str] = []
-    schedule, virtual, sp = "1f1b", 1, tp > 1
+    schedule, virtual, sp, etp = "1f1b", 1, tp > 1, 0
     if group == "nanotron-h100":
         zero = 1 if zero_text.startswith("ZeRO-1") else 0
         if not zero and "ZeRO-0" not in zero_text:
@@ -1105,9 +1102,9 @@ def _validation_config(group: str, row: dict[str, str], notes: str
         zero = 3 if zero_text.startswith("FSDP") else 1
         mbs, recompute = 1, "none"
         if "MoE Parallel Folding" in notes:
-            extra.append(f"MoE Parallel Folding (ETP1, EP{ep} folded over the attention TP{tp} "
-                         f"x CP{cp} x DP{dp} ranks) run as ep={ep} within dp x cp with experts "
-                         f"TP-split (approximation; see the group's assumptions)")
+            etp = 1
+            extra.append(f"MoE Parallel Folding: ETP1, EP{ep} folded over the attention TP{tp} "
+                         f"x CP{cp} x DP{dp} ranks (etp=1)")
         suffix = f"{_slug(row['model_name'])}-{_slug(method.replace('w/', ''))}"
         if group == "mcore-moe-t5-cp":
             suffix += f"-s{_int(row, 'seq_len') // 1024}k"
@@ -1140,7 +1137,7 @@ def _validation_config(group: str, row: dict[str, str], notes: str
             suffix = f"{_slug(row['model_name'])}-{suffix}"
     if virtual > 1:
         schedule = "interleaved-1f1b"
-    cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
+    cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, zero_stage=zero,
                          micro_batch_size=mbs, pp_schedule=schedule, virtual_stages=virtual,
                          sequence_parallel=sp, recompute=recompute)
     return cfg, extra, suffix

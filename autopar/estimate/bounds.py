@@ -129,10 +129,11 @@ def data_parallel_floor(costs: ModelCosts, cache: EvalCache, config: ParallelCon
     - ZeRO-3 with prefetched gathers: 2·G + S a micro-batch, and max(0, G - f) + max(0, G + S
       - b) >= 2·G + S - (f + b) likewise, m times. Synchronous gathers: T = 0 (not bounded).
 
-    The optimizer step runs over M / (dp·cp) parameters under ZeRO >= 1, M otherwise: the
-    estimate's own with experts. A model without experts takes the average rank's parameters
-    for M and d_h instead (no larger: the heaviest rank holds at least the average), which
-    needs no split, so the floor is the same for every virtual-stage count of a pp."""
+    The optimizer step runs over d_h / (dp·cp) + e_h / expert_dp parameters under ZeRO >= 1,
+    d_h + e_h otherwise (`core._optimizer_s`; d_h, e_h no more than the heaviest rank's).
+    A model without experts takes the average rank's parameters for M and d_h instead (no
+    larger: the heaviest rank holds at least the average), which needs no split, so the
+    floor is the same for every virtual-stage count of a pp."""
     if any(u.expert_params for u in costs.units):
         split = split_structure(costs, cache, config.pp, config.virtual_stages)
         if isinstance(split, str):
@@ -140,14 +141,14 @@ def data_parallel_floor(costs: ModelCosts, cache: EvalCache, config: ParallelCon
         dense = split.rank_counts @ np.array([u.dense_on_tp_rank(config.tp)
                                               for u in costs.units], float)
         expert = split.rank_counts @ np.array([u.expert_params for u in costs.units], float) \
-            / (config.tp * config.ep)
+            / (config.expert_tp * config.ep)
         most = float((dense + expert).max())
         d = max(float(dense.min()), most - float(expert.max()), 0.0)
         e = max(float(expert.min()), most - float(dense.max()), 0.0)
     else:  # the heaviest rank holds at least the average: one floor for every virtual split
         e = 0.0
         d = most = sum(u.dense_on_tp_rank(config.tp) * u.count for u in costs.units) / config.pp
-    optimizer = _optimizer_s(cache.hardware.device, most, config, dtype)
+    optimizer = _optimizer_s(cache.hardware.device, d, e, config, dtype)
     zero3 = config.zero_stage == 3
     traffic = 0.0
     if not zero3 or options.zero3_gather == "prefetch":

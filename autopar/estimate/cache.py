@@ -10,7 +10,8 @@ import numpy as np
 from autopar.cluster import Cluster
 from autopar.config import DEFAULT_MESH_ORDER, ParallelConfig
 from autopar.estimate.layout import Structure, UnitVectors
-from autopar.estimate.timing import RankGroups, UnitCompute, UnitTimes, slowest_groups
+from autopar.estimate.groups import RankGroups, slowest_groups
+from autopar.estimate.timing import UnitCompute, UnitTimes
 from autopar.estimate.units import Unit
 from costmodels.collectives import GroupLayout, LayoutTimer
 
@@ -64,7 +65,7 @@ class EvalCache:
 
 
 def _rank_groups(cache: EvalCache, config: ParallelConfig) -> RankGroups:
-    key = (config.tp, config.cp, config.dp, config.ep, config.pp > 1)
+    key = (config.tp, config.cp, config.dp, config.ep, config.folded, config.pp > 1)
     if config.mesh_order != DEFAULT_MESH_ORDER:  # strides there can hold dp and pp too
         key += (config.mesh_order, config.pp)
     if key not in cache.groups:
@@ -102,5 +103,5 @@ def placement_key(cache: EvalCache, config: ParallelConfig) -> tuple:
     groups = _rank_groups(cache, config)
     layout = cache.group_layout
     return _unit_layouts(cache, groups) + (
-        layout(groups.dp), layout(groups.dp[::config.ep]) if config.ep > 1 else (),
+        layout(groups.dp), layout(groups.edp) if config.ep > 1 else (),
         layout(groups.pp_hop) if groups.pp_hop is not None else ())

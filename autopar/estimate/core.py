@@ -43,7 +43,8 @@ from autopar.estimate.layout import (Layout, Structure, analytic_inflight, fast_
 from autopar.estimate.memory import (activation_bytes, keeps_fp8_copies,
                                      keeps_weight_copies, stage_memory)
 from autopar.estimate.stages import body_span, layer_sequence
-from autopar.estimate.timing import RankGroups, UnitTimes, unit_compute, unit_times
+from autopar.estimate.groups import RankGroups
+from autopar.estimate.timing import UnitTimes, unit_compute, unit_times
 from autopar.estimate.tp_comm import partial_gradient_sync
 from autopar.estimate.units import Unit, units_from_graph
 from autopar.errors import InvalidConfigError
@@ -339,15 +340,18 @@ def _data_parallel(cluster: Cluster, cache: EvalCache, prep: "_Prepared",
         dp_exposed, dp_total = dp_comm(cache, config, prep.groups, prep.dense, prep.expert,
                                         prep.heavy_sums, m, dtype, options, prep.units_here)
         prep.data_parallel[dkey] = (dp_exposed, dp_total, _optimizer_s(
-            cluster.hardware.device, prep.dense + prep.expert, config, dtype))
+            cluster.hardware.device, prep.dense, prep.expert, config, dtype))
     return prep.data_parallel[dkey]
 
 
-def _optimizer_s(device, params: float, config: ParallelConfig, dtype: str) -> float:
-    """The optimizer step of a rank holding `params` parameters: over its dp*cp shard of
-    them under ZeRO >= 1, over all of them otherwise."""
-    shards = config.dp * config.cp if config.zero_stage >= 1 else 1
-    return optimizer_time_s(device, params / shards, dtype)
+def _optimizer_s(device, dense: float, expert: float, config: ParallelConfig,
+                 dtype: str) -> float:
+    """The optimizer step of a rank holding `dense` and `expert` parameters: over its shard
+    of each under ZeRO >= 1 (dp*cp ranks hold the same dense ones, `expert_dp` the same
+    experts), over all of them otherwise."""
+    if config.zero_stage >= 1:
+        dense, expert = dense / (config.dp * config.cp), expert / config.expert_dp
+    return optimizer_time_s(device, dense + expert, dtype)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -374,7 +378,8 @@ class _Prepared:
 
 
 def _degrees_key(config: ParallelConfig, dtype: str, options: EstimateOptions) -> tuple:
-    return (config.micro_batch_size, config.tp, config.cp, config.ep, config.sequence_parallel,
+    return (config.micro_batch_size, config.tp, config.cp, config.ep, config.folded,
+            config.sequence_parallel,
             config.recompute, config.recompute_every, options.attention_kernel,
             options.overlap_tp_comm, options.kernels, options.loss_kernel,
             options.recompute_early_stop, dtype, options.fp8_recipe)
@@ -443,7 +448,7 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
            if groups.pp_hop is not None else 0.0)
     heavy = int(np.argmax(lay.rank_dense + lay.rank_expert))  # the first, as max() took
     units_here = [GatherUnit(unit=u, layers=float(n), dense=u.dense_on_tp_rank(config.tp),
-                              expert=u.expert_params / (config.tp * config.ep))
+                              expert=u.expert_params / (config.expert_tp * config.ep))
                   for u, n in zip(units, lay.rank_counts[heavy]) if n > 0]
     prep = cache.layouts[lkey] = _Prepared(
         lay=lay, groups=groups, p2p=p2p, dense=lay.rank_dense[heavy],
@@ -479,7 +484,7 @@ def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, 
     flash = options.attention_kernel != "math"
     shards = config.dp * config.cp
     dense_b = state_bytes_per_param(dtype, config.zero_stage, shards, options.fp32_params)
-    expert_b = state_bytes_per_param(dtype, config.zero_stage, max(1, shards // config.ep),
+    expert_b = state_bytes_per_param(dtype, config.zero_stage, config.expert_dp,
                                      options.fp32_params)
     out: dict[str, list[float]] = {k: [] for k in ("forward", "backward", "wgrad", "act",
                                                    "states")}
@@ -492,7 +497,7 @@ def layer_costs(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *, 
                                 weight_copies=copies,
                                 fp8=fp8_copies)[0]
         states = unit.dense_on_tp_rank(config.tp) * dense_b \
-            + unit.expert_params / (config.tp * config.ep) * expert_b
+            + unit.expert_params / (config.expert_tp * config.ep) * expert_b
         per_unit[unit.name] = (("forward", t.forward), ("backward", t.backward),
                                ("wgrad", t.compute_wgrad), ("act", kept), ("states", states))
     for unit, _ in layer_sequence(units):  # in model order

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 from autopar.config import ParallelConfig
-from autopar.estimate.timing import RankGroups
+from autopar.estimate.groups import RankGroups
 from autopar.estimate.units import Unit
 from costmodels.collectives import ZERO3_PERSISTENCE_THRESHOLD, ZERO3_SYNC_GATHER_BYTES_PER_S
 from costmodels.memory import DTYPE_BYTES
@@ -38,7 +38,8 @@ def _param_tensors(unit: Unit, config: ParallelConfig) -> tuple[tuple[float, boo
     per_elem = unit.param_bytes / max(1, unit.dense_params + unit.expert_params)
     if per_elem <= 0:
         return ()
-    return tuple((op.param_bytes / per_elem / (config.tp * (config.ep if op.expert else 1)),
+    return tuple((op.param_bytes / per_elem / (config.expert_tp * config.ep if op.expert
+                                               else config.tp),
                   op.expert) for op in unit.ops if op.param_bytes > 0)
 
 
@@ -101,7 +102,7 @@ def dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: 
     if len(groups.dp) == 1:
         return 0.0, 0.0
     param_b, grad_b = dp_bytes(dtype, options)
-    expert_group = groups.dp[::cfg.ep] if cfg.ep > 1 else groups.dp
+    expert_group = groups.edp
 
     def both(kind: str, nbytes_per_param: float, dense: float = dense,
              expert: float = expert) -> float:

@@ -215,7 +215,7 @@ def layout(vec: UnitVectors, cfg: ParallelConfig, st: Structure) -> Layout:
         rank_working=np.where(st.in_rank, vec.working, 0.0).max(axis=1),
         rank_dense=st.rank_counts @ vec.dense / cfg.tp if not vec.tp_replicated.any() else
         st.rank_counts @ ((vec.dense - vec.tp_replicated) / cfg.tp + vec.tp_replicated),
-        rank_expert=st.rank_counts @ vec.expert / (cfg.tp * cfg.ep),
+        rank_expert=st.rank_counts @ vec.expert / (cfg.expert_tp * cfg.ep),
         rank_max_param_bytes=np.where(st.in_rank, vec.param_bytes, 0).max(axis=1) / cfg.tp,
         rank_bytes_per_param=np.where(st.in_rank, vec.bytes_per_param, 0).max(axis=1),
         stage_sum=float(stage.sum()), stage_max=float(stage.max()),
@@ -326,7 +326,7 @@ def fast_peak_memory(cfg: ParallelConfig, dtype: str, lay: Layout, inflight: np.
     shards = cfg.dp * cfg.cp
     states = lay.rank_dense * state_bytes_per_param(dtype, cfg.zero_stage, shards,
                                                     fp32_params) + \
-        lay.rank_expert * state_bytes_per_param(dtype, cfg.zero_stage, max(1, shards // cfg.ep),
+        lay.rank_expert * state_bytes_per_param(dtype, cfg.zero_stage, cfg.expert_dp,
                                                 fp32_params)
     gathered = 0.0
     if cfg.zero_stage == 3:

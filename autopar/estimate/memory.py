@@ -93,8 +93,8 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
     if weight_copies or fp8:
         full += sum((op.fp8_elements[1] if fp8 and op.fp8_elements else
                      op.param_bytes if weight_copies else 0.0)
-                    / ((1 if op.tp_replicated or kv_whole(op.kv_heads, tp, op.kv_cut) else tp)
-                       * (cfg.ep if op.expert else 1))
+                    / (cfg.expert_tp * cfg.ep if op.expert else
+                       1 if op.tp_replicated or kv_whole(op.kv_heads, tp, op.kv_cut) else tp)
                     for op in unit.ops if op.kind == "gemm")
     if fp8:
         full += unit.fp8_saved_bytes_delta / (tp * cp)
@@ -149,8 +149,7 @@ def stage_memory(cfg: ParallelConfig, dtype: str, dense: list[float], expert: li
     micro-batches (`inflight`) and one layer's working set (`working`)."""
     shards = cfg.dp * cfg.cp
     dense_split = state_bytes_split(dtype, cfg.zero_stage, shards, fp32_params)
-    expert_split = state_bytes_split(dtype, cfg.zero_stage, max(1, shards // cfg.ep),
-                                     fp32_params)
+    expert_split = state_bytes_split(dtype, cfg.zero_stage, cfg.expert_dp, fp32_params)
     out = []
     for rank in range(cfg.pp):
         split = [dense[rank] * d + expert[rank] * e for d, e in zip(dense_split, expert_split)]

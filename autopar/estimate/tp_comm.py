@@ -12,7 +12,8 @@ import numpy as np
 
 from autopar.config import ParallelConfig
 from autopar.estimate.layout import Layout
-from autopar.estimate.timing import RankGroups, tp_collectives
+from autopar.estimate.groups import RankGroups
+from autopar.estimate.timing import tp_collectives
 from autopar.estimate.units import Unit
 
 if TYPE_CHECKING:

@@ -139,6 +139,9 @@ class Unit:
     # from the ranks' shares: its bytes do not grow with the batch)
     tp_syncs: tuple[tuple[str, str, float], ...]
     moe_dispatch_bytes: int  # tokens x top-k x hidden, per MoE layer of the unit
+    # of `tp_syncs`' reductions per direction, those of its MoE sub-layers (one per dispatch:
+    # the experts' partial sums over tp); none when expert parallel is folded over tp
+    moe_reductions: int = 0
     attention_kv_bytes: int  # K and V of all attention ops (what a CP ring passes on)
     attention_score_bytes: int  # what an unfused kernel would keep of the score matrices
     param_bytes: int  # parameters of one copy of the unit, in their traced dtype
@@ -447,6 +450,8 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         saved_bytes_per_op_partial=per_op_partial,
         saved_bytes_per_op_attention=per_op_attention, fp8_saved_bytes_delta=fp8_delta,
         act_bytes=act, tp_syncs=syncs,
+        moe_reductions=sum(n.kind is OpKind.MOE_DISPATCH for n in nodes)
+        if residual.residual_adds else 0,
         moe_dispatch_bytes=dispatch, attention_kv_bytes=kv, attention_score_bytes=scores,
         param_bytes=sum(seen_params.values()),
         loss_logits=sum(n.inputs[0].numel for n in losses),

@@ -7,7 +7,7 @@ whose `setup` lists what the engine needs besides the text (how to launch it, wh
 the model) for choices it does take. A plan compiled for the engine (`compile(...,
 target=fmt)`, `autopar.targets`) exports with no notes.
 Every value comes from the plan: degrees, batch shape, precision, schedule, recompute policy,
-stage boundaries and the software options the estimate assumed (`plan.training["options"]`).
+stage boundaries, the software options the estimate assumed (`plan.training["options"]`).
 
 Stage boundaries. `plan.stages` lists module paths per (virtual) stage in model order; a
 repeated block appears under its own path (``layers.3``), the glue around the blocks under its
@@ -18,40 +18,39 @@ balances stages itself.
 Option names, with the files they were read from (names and semantics only):
 
 - Megatron-LM, NVIDIA/Megatron-LM ``megatron/training/arguments.py``: --tensor-model-parallel-size,
-  --pipeline-model-parallel-size, --context-parallel-size, --expert-model-parallel-size
-  (``_add_moe_args``), --num-layers, --num-layers-per-virtual-pipeline-stage,
-  --decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers,
-  --pipeline-model-parallel-layout, --sequence-parallel, --use-distributed-optimizer,
-  --use-megatron-fsdp, --data-parallel-sharding-strategy (no_shard, optim, optim_grads,
-  optim_grads_params), --use-torch-fsdp2, --micro-batch-size, --global-batch-size,
-  --seq-length, --bf16, --fp16, --fp8-format, --grad-reduce-in-bf16, --recompute-granularity,
-  --recompute-method, --recompute-num-layers, --overlap-grad-reduce, --overlap-param-gather,
-  --tp-comm-overlap, --use-tp-pp-dp-mapping (``megatron/training/initialize.py``: ranks in the
-  order tp-cp-ep-dp-pp, inner first, or tp-pp-dp with the flag, which the export writes only
-  without cp and ep), --fp8-recipe, --attention-backend (values from ``megatron/core/transformer/enums.py``
-  AttnBackend). The layout grammar (E embedding, t decoder layer, L loss, ``|`` between
-  stages, ``x*n`` repeats) is from ``megatron/core/transformer/pipeline_parallel_layer_layout.py``.
-  Megatron-LM itself has no zero-bubble schedule (sail-sg/zero-bubble-pipeline-parallelism is a
-  fork of it).
-- torchtitan, pytorch/torchtitan ``torchtitan/config/job_config.py``: [training]
-  local_batch_size, global_batch_size, seq_len, mixed_precision_param, mixed_precision_reduce,
-  compile; [parallelism] data_parallel_replicate_degree, data_parallel_shard_degree,
-  fsdp_reshard_after_forward ("default" | "always" | "never"), tensor_parallel_degree,
-  enable_async_tensor_parallel, pipeline_parallel_degree, module_fqns_per_model_part (older
-  releases: pipeline_parallel_split_points), pipeline_parallel_schedule,
-  pipeline_parallel_microbatch_size, context_parallel_degree, context_parallel_rotate_method,
-  expert_parallel_degree; [activation_checkpoint] mode, selective_ac_option; [model]
-  converters ("quantize.linear.float8"), [quantize.linear.float8] recipe_name (the release of
-  2025-09-30, commit 37e536d, that `autopar.targets` states). Schedule names are PyTorch's ``torch.distributed.pipelining.schedules``
-  ``get_schedule_class`` keys (GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble,
-  ZBVZeroBubble). ``torchtitan/config/configs/parallelism.py`` (newer) has
-  enable_sequence_parallel.
+  --pipeline-model-parallel-size, --context-parallel-size, --expert-model-parallel-size and
+  --expert-tensor-parallel-size (``_add_moe_args``; MoE parallel folding), --num-layers,
+  --num-layers-per-virtual-pipeline-stage, --decoder-first-pipeline-num-layers,
+  --decoder-last-pipeline-num-layers, --pipeline-model-parallel-layout, --sequence-parallel,
+  --use-distributed-optimizer, --use-megatron-fsdp, --data-parallel-sharding-strategy (no_shard,
+  optim, optim_grads, optim_grads_params), --use-torch-fsdp2, --micro-batch-size,
+  --global-batch-size, --seq-length, --bf16, --fp16, --fp8-format, --grad-reduce-in-bf16,
+  --recompute-granularity, --recompute-method, --recompute-num-layers, --overlap-grad-reduce,
+  --overlap-param-gather, --tp-comm-overlap, --use-tp-pp-dp-mapping
+  (``megatron/training/initialize.py``: ranks in the order tp-cp-ep-dp-pp, inner first, or tp-pp-dp
+  with the flag, which the export writes only without cp and ep), --fp8-recipe, --attention-backend
+  (values from ``megatron/core/transformer/enums.py`` AttnBackend). The layout grammar (E embedding,
+  t decoder layer, L loss, ``|`` between stages, ``x*n`` repeats) is from
+  ``megatron/core/transformer/pipeline_parallel_layer_layout.py``. Megatron-LM itself has no
+  zero-bubble schedule (sail-sg/zero-bubble-pipeline-parallelism is a fork of it).
+- torchtitan, pytorch/torchtitan ``torchtitan/config/job_config.py``: [training] local_batch_size,
+  global_batch_size, seq_len, mixed_precision_param, mixed_precision_reduce, compile; [parallelism]
+  data_parallel_replicate_degree, data_parallel_shard_degree, fsdp_reshard_after_forward ("default"
+  | "always" | "never"), tensor_parallel_degree, enable_async_tensor_parallel,
+  pipeline_parallel_degree, module_fqns_per_model_part (older releases:
+  pipeline_parallel_split_points), pipeline_parallel_schedule, pipeline_parallel_microbatch_size,
+  context_parallel_degree, context_parallel_rotate_method, expert_parallel_degree,
+  expert_tensor_parallel_degree (1 or tp); [activation_checkpoint] mode, selective_ac_option;
+  [model] converters ("quantize.linear.float8"), [quantize.linear.float8] recipe_name (the release
+  of 2025-09-30, commit 37e536d, that `autopar.targets` states). Schedule names are PyTorch's
+  ``torch.distributed.pipelining.schedules`` ``get_schedule_class`` keys (GPipe, 1F1B,
+  Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble).
+  ``torchtitan/config/configs/parallelism.py`` (newer) has enable_sequence_parallel.
 - DeepSpeed, deepspeedai/DeepSpeed ``deepspeed/runtime/constants.py``: train_batch_size,
   train_micro_batch_size_per_gpu, gradient_accumulation_steps, bf16.enabled, fp16.enabled,
   communication_data_type; ``deepspeed/runtime/zero/config.py``: zero_optimization.stage,
   overlap_comm, stage3_max_live_parameters, stage3_max_reuse_distance;
-  activation_checkpointing.partition_activations and
-  number_checkpoints (DeepSpeed's activation checkpointing config);
+  activation_checkpointing.partition_activations and number_checkpoints;
   ``deepspeed/runtime/tensor_parallel/config.py``: tensor_parallel.autotp_size, tp_overlap_comm
   (AutoTP training covers ZeRO stages 0-2, deepspeed.ai/tutorials/autotp-training);
   ``deepspeed/runtime/pipe/engine.py`` refuses ZeRO-2/3 with pipeline parallelism.
@@ -215,6 +214,8 @@ def _megatron(plan: Any) -> tuple[str, list[str], list[str]]:
         ["--context-parallel-size", str(cfg.cp)],
         ["--expert-model-parallel-size", str(cfg.ep)],
     ]
+    if cfg.ep > 1 or cfg.folded:  # experts split over tp (its default) or whole (folded)
+        flags.append(["--expert-tensor-parallel-size", str(cfg.expert_tp)])
     if shape.num_layers:
         flags.append(["--num-layers", str(shape.num_layers)])
     flags += _megatron_stages(cfg, shape, notes)
@@ -340,12 +341,10 @@ def _megatron_zero_notes(cfg: Any) -> list[str]:
 
 
 def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, int):
-        return str(value)
+    if isinstance(value, (bool, int)):  # TOML's true and false are JSON's
+        return json.dumps(value)
     return json.dumps(str(value))
 
 
@@ -386,6 +385,8 @@ def _torchtitan(plan: Any) -> tuple[str, list[str], list[str]]:
         "pipeline_parallel_degree": cfg.pp,
         "context_parallel_degree": cfg.cp, "expert_parallel_degree": cfg.ep,
     }
+    if cfg.ep > 1 or cfg.folded:  # 1 (folded) or tp
+        parallelism["expert_tensor_parallel_degree"] = cfg.expert_tp
     comments: dict[str, list[str]] = {}
     if cfg.pp > 1:
         schedule = cfg.pp_schedule if cfg.virtual_stages > 1 or \

@@ -89,9 +89,11 @@ def _overview(plan: Plan, device_model: str | None) -> Section:
 
 def _configuration(plan: Plan) -> Section:
     cfg, est = plan.config, plan.estimate
-    # the mesh row below lists the axes in that order; one block in k is said when k > 1
+    # the mesh row below lists the axes in that order; one block in k is said when k > 1,
+    # experts folded over tp when they are
     rows = [(name, fmt_value(value)) for name, value in cfg.to_dict().items()
-            if name != "mesh_order" and (name != "recompute_every" or value > 1)]
+            if name != "mesh_order" and (name != "recompute_every" or value > 1)
+            and (name != "etp" or cfg.folded)]
     rows.append(("micro-batches per step", str(est.num_microbatches)))
     mesh = plan.mesh
     rows.append(("mesh", " x ".join(f"{a}={s}" for a, s in zip(mesh["axes"], mesh["sizes"]))

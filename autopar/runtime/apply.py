@@ -469,6 +469,11 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
         hf_config.use_cache = False  # would see changed; training keeps none (as the trace)
         log.info("model.config.use_cache set to False: training keeps no KV cache")
     layout = plan.model.get("cp_layout", "zigzag")
+    if cfg.folded:
+        raise ValueError(f"this plan folds expert parallel over tp (etp=1: experts whole, ep "
+                         f"{cfg.ep} over tp x cp x dp), which Megatron-Core and torchtitan run "
+                         f"and this runtime does not (it splits experts over tp): run it with "
+                         f"one of them (autopar export), or compile for target='autopar'")
     if cfg.cp > 1:
         check_context_parallel(plan)
     if cfg.ep > 1:

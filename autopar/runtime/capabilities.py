@@ -18,12 +18,15 @@ the model's structure or its traced forward, never module names:
 * expert parallel: the model's MoE layers hold a list of alike experts with a router or a
   top-k, or parameters with a leading expert dim (``autopar.trace.moe.moe_experts``).
   autopar's own router/experts/top-k layers run with all-to-all dispatch; others on their own
-  forward with all-gathered tokens (``expert_gather``).
+  forward with all-gathered tokens (``expert_gather``). Experts are split over tp as the dense
+  layers are: expert parallel folded over tp (``ParallelConfig.etp`` = 1) is Megatron-Core's
+  and torchtitan's, not this runtime's (``RuntimeLimits.fields``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -57,9 +60,11 @@ class RuntimeLimits:
     above 1, with the reason; ``cp_layout``, how it runs context parallel ("zigzag" through
     autopar's attention hook, "contiguous" through the model's own forward); ``ep_dispatch``,
     how it runs expert parallel ("all_to_all" for autopar's MoE layers, "all_gather" on the
-    layer's own forward)."""
+    layer's own forward); ``fields``, ``{field: (value, reason)}`` for each other config field
+    it runs at one value only."""
 
     axes: dict[str, str] = field(default_factory=dict)
+    fields: dict[str, tuple[Any, str]] = field(default_factory=dict)
     exclusive: tuple[tuple[frozenset[str], frozenset[str], str], ...] = ()
     cp_layout: str = "zigzag"
     ep_dispatch: str = "all_to_all"  # or "all_gather": MoE layers on their own forward
@@ -110,5 +115,10 @@ def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool, one_inp
             limits["ep"] = ("expert parallel in this runtime splits MoE layers that hold a list "
                             "of alike experts with a router or a top-k, or parameters with a "
                             "leading expert dim; this model's MoE layers are written otherwise")
-    return RuntimeLimits(axes=limits, exclusive=tuple(exclusive),
+    fields = {}
+    if num_experts or OpKind.MOE_DISPATCH in kinds:
+        fields["etp"] = (0, "this runtime splits experts over tp as the dense layers (etp=0); "
+                            "expert parallel folded over tp (etp=1) runs on Megatron-Core and "
+                            "torchtitan: compile with target='megatron' or 'torchtitan'")
+    return RuntimeLimits(axes=limits, fields=fields, exclusive=tuple(exclusive),
                          cp_layout=cp_layout, ep_dispatch=ep_dispatch)

@@ -135,7 +135,7 @@ def _with_layouts(table: ConfigTable, rows: np.ndarray, cache: EvalCache) -> Con
     """`table` with a column "layouts" that tells apart, at `rows` (not empty), the configs
     whose tp, cp and ep groups lie differently on the nodes (`order_key`): what per-unit
     times depend on besides `TIME_KEY_COLUMNS` outside the default mesh order."""
-    first, index = key_groups(table, rows, ("dp", "tp", "pp", "cp", "ep"))
+    first, index = key_groups(table, rows, ("dp", "tp", "pp", "cp", "ep", "etp"))
     classes: dict[tuple, int] = {}
     ids = np.array([classes.setdefault(order_key(cache, table.config(int(rows[i]))),
                                        len(classes)) for i in first])

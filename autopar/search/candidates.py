@@ -93,7 +93,10 @@ def why_empty(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int,
                                          "; it splits attention computed by "
                                          "F.scaled_dot_product_attention, and this model "
                                          "computes attention with ops of its own (or none)")),
-        "ep": f"ep divides dp·cp and the experts ({costs.num_experts or 'none'})",
+        "ep": f"ep divides dp·cp (tp·cp·dp with etp=1) and the experts "
+              f"({costs.num_experts or 'none'})",
+        "etp": "etp=1 (experts whole, ep folded over tp) needs experts, tp > 1 and sequence "
+               "parallel",
         "zero_stage": "ZeRO needs dp·cp > 1",
         "micro_batch_size": f"the micro-batch size divides the global batch / dp, leaves a "
                             f"micro-batch per pipeline rank and is at most "

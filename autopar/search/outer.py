@@ -5,7 +5,7 @@ expert count), ZeRO 0-3, sequence parallelism on/off, recompute none/selective/p
 (full on every block or on one in k), micro-batch sizes, pipeline schedules and virtual
 stages. Tensor parallelism is at most a node; a tp that does not divide the node leaves some
 groups straddling two, and the estimate
-costs every axis on its slowest group (`autopar.estimate.timing.slowest_groups`). The mesh
+costs every axis on its slowest group (`autopar.estimate.groups.slowest_groups`). The mesh
 order (`ParallelConfig.mesh_order`: how the pp, dp, cp, tp mesh lies on the ranks, rank r on
 node r // g) is pp, dp, cp, tp (tp innermost) unless pinned or `SearchSettings.mesh_orders`
 asks for more. Then the space is each config once per placement of its ranks -- the layouts
@@ -75,7 +75,7 @@ log = logging.getLogger(__name__)
 __all__ = ["SearchSettings", "SearchResult", "search", "enumerate_configs", "CONFIG_FIELDS"]
 
 _TIE_ORDER = ("pp", "tp", "cp", "ep", "dp", "zero_stage", "recompute", "recompute_every",
-              "micro_batch_size", "pp_schedule", "virtual_stages", "sequence_parallel")
+              "micro_batch_size", "pp_schedule", "virtual_stages", "sequence_parallel", "etp")
 @dataclass(frozen=True, kw_only=True)
 class SearchResult:
     best: Estimate
@@ -213,11 +213,12 @@ def _new_placements(table: ConfigTable, earlier: list[tuple[str, ...]], cache: E
     keys per (degrees, order)."""
     if not len(table) or not earlier:
         return table
-    first, index = key_groups(table, np.arange(len(table)), ("dp", "tp", "pp", "cp", "ep"))
+    first, index = key_groups(table, np.arange(len(table)),
+                              ("dp", "tp", "pp", "cp", "ep", "etp"))
     new = np.zeros(len(first), dtype=bool)
     for k, i in enumerate(first):
         cfg = table.config(int(i))
-        degrees = (cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.ep)
+        degrees = (cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.etp)
 
         def key(order: tuple[str, ...]) -> tuple:
             found = placed.get((degrees, order))
@@ -390,7 +391,7 @@ def _visit(ctx: SearchContext, at: _Visiting, best_times: list[float], progress:
     errors: list[str] = []
     unfit = 0
     # what a floor depends on besides the micro-batch size (the split only with experts)
-    by = ("dp", "tp", "cp", "pp", "ep", "zero_stage") + \
+    by = ("dp", "tp", "cp", "pp", "ep", "etp", "zero_stage") + \
         (("virtual_stages",) if any(u.expert_params for u in costs.units) else ())
     floor_columns = [table.columns[name] for name in ("micro_batch_size",) + by]
     floors: dict[tuple, DataParallelFloor | None] = {}

@@ -42,11 +42,11 @@ from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
 __all__ = ["ConfigTable", "ModelShape", "config_table", "encode", "key_groups",
            "states_lower_bounds", "step_lower_bounds", "first_rank_memory", "TIME_KEY_COLUMNS"]
 
-COLUMNS = ("dp", "tp", "pp", "cp", "ep", "zero_stage", "micro_batch_size", "pp_schedule",
-           "virtual_stages", "sequence_parallel", "recompute", "recompute_every")
+COLUMNS = ("dp", "tp", "pp", "cp", "ep", "etp", "zero_stage", "micro_batch_size",
+           "pp_schedule", "virtual_stages", "sequence_parallel", "recompute", "recompute_every")
 # the columns per-unit times depend on (the key of `EvalCache.times`, less the options)
-TIME_KEY_COLUMNS = ("micro_batch_size", "tp", "cp", "ep", "sequence_parallel", "recompute",
-                    "recompute_every")
+TIME_KEY_COLUMNS = ("micro_batch_size", "tp", "cp", "ep", "etp", "sequence_parallel",
+                    "recompute", "recompute_every")
 _INTERLEAVED = PP_SCHEDULES.index("interleaved-1f1b")
 _ZERO_BUBBLE = PP_SCHEDULES.index("zero-bubble")
 
@@ -90,12 +90,12 @@ class ConfigTable:
     def tie_order(self) -> tuple[np.ndarray, ...]:
         """The columns of the search's tie-break, most significant first: (pp, tp, cp, ep, dp,
         zero_stage, recompute, recompute_every, micro_batch_size, pp_schedule, virtual_stages,
-        sequence_parallel); recompute and pp_schedule compare by their index in
+        sequence_parallel, etp); recompute and pp_schedule compare by their index in
         RECOMPUTE_POLICIES / PP_SCHEDULES, as `_tie_key` does."""
         c = self.columns
         return tuple(c[name] for name in ("pp", "tp", "cp", "ep", "dp", "zero_stage", "recompute",
                                           "recompute_every", "micro_batch_size", "pp_schedule",
-                                          "virtual_stages", "sequence_parallel"))
+                                          "virtual_stages", "sequence_parallel", "etp"))
 
 
 def encode(name: str, value: Any) -> int:
@@ -136,9 +136,10 @@ def config_table(model: ModelShape, *, world: int, gpus_per_node: int, global_ba
                  settings: SearchSettings, few_microbatches: tuple[str, ...] = ("gpipe",)
                  ) -> ConfigTable:
     """Every candidate config (validity is checked by `evaluate`), in the order: tp, cp, pp,
-    ep ascending; then micro-batch size, recompute, SP, schedule (gpipe, 1f1b, zero-bubble,
-    interleaved by virtual stages), ZeRO stage. tp stays within a node and splits the heads
-    (`tp_splits_heads`);
+    ep ascending (ep within dp x cp, then, for a model with experts under tp, ep folded over
+    tp x cp x dp: etp = 1, with SP only); then micro-batch size, recompute, SP, schedule
+    (gpipe, 1f1b, zero-bubble, interleaved by virtual stages), ZeRO stage. tp stays within a
+    node and splits the heads (`tp_splits_heads`);
     sequence parallelism needs a sequence (``seq_len``) whose cp shards tp divides;
     cp needs a sequence divisible by 2·cp and at most ``settings.max_cp``; pp is at most
     ``num_layers`` (the block layers) and the micro-batches per step at least pp, unless the
@@ -149,7 +150,7 @@ def config_table(model: ModelShape, *, world: int, gpus_per_node: int, global_ba
     rank, k ascending. ``settings`` also bounds the micro-batch size and the virtual
     stages."""
     gbs, heads, seq_len = global_batch_size, model.num_heads, model.seq_len
-    degrees: list[tuple[int, int, int, int, int]] = []  # (dp, tp, pp, cp, ep) of each block
+    degrees: list[tuple[int, ...]] = []  # (dp, tp, pp, cp, ep, etp) of each block
     sizes: list[int] = []
     inner: list[dict[str, np.ndarray]] = []
     rules = _Rules(global_batch_size=gbs, constraints=constraints,
@@ -169,8 +170,8 @@ def config_table(model: ModelShape, *, world: int, gpus_per_node: int, global_ba
                     continue
                 if gbs % dp:
                     continue
-                eps = [e for e in divisors(dp * cp)
-                       if model.num_experts and model.num_experts % e == 0] or [1]
+                eps = [(e, 0) for e in divisors(dp * cp)
+                       if model.num_experts and model.num_experts % e == 0] or [(1, 0)]
                 # tp and cp shape a block only through whether SP and ZeRO apply; SP splits
                 # each cp rank's tokens over tp
                 key = (dp, pp, tp > 1 and bool(seq_len) and seq_len % (tp * cp) == 0,
@@ -180,8 +181,13 @@ def config_table(model: ModelShape, *, world: int, gpus_per_node: int, global_ba
                 block = blocks[key]
                 if block is None:
                     continue
-                for ep in _allowed("ep", eps, constraints):
-                    degrees.append((dp, tp, pp, cp, ep))
+                if model.num_experts and key[2]:  # folded over tp: SP rows only
+                    eps += [(e, 1) for e in divisors(dp * cp * tp)
+                            if model.num_experts % e == 0]
+                for ep, etp in eps:
+                    if constraints.get("ep", ep) != ep or constraints.get("etp", etp) != etp:
+                        continue
+                    degrees.append((dp, tp, pp, cp, ep, etp))
                     sizes.append(len(block["zero_stage"]))
                     inner.append(block)
     order = (ParallelConfig(mesh_order=constraints["mesh_order"]).mesh_order
@@ -190,10 +196,12 @@ def config_table(model: ModelShape, *, world: int, gpus_per_node: int, global_ba
         return ConfigTable({name: np.zeros(0, dtype=np.int64) for name in COLUMNS}, order)
     per_block = np.array(degrees, dtype=np.int64)
     columns = {name: np.repeat(per_block[:, k], sizes)
-               for k, name in enumerate(("dp", "tp", "pp", "cp", "ep"))}
+               for k, name in enumerate(("dp", "tp", "pp", "cp", "ep", "etp"))}
     for name in _INNER_COLUMNS:
         columns[name] = np.concatenate([b[name] for b in inner])
-    return ConfigTable({name: columns[name] for name in COLUMNS}, order)
+    table = ConfigTable({name: columns[name] for name in COLUMNS}, order)
+    folded_without_sp = (columns["etp"] == 1) & (columns["sequence_parallel"] == 0)
+    return table.rows(~folded_without_sp) if folded_without_sp.any() else table
 
 
 _INNER_COLUMNS = ("zero_stage", "micro_batch_size", "pp_schedule", "virtual_stages",
@@ -326,6 +334,11 @@ def _state_bytes(dtype: str, zero: np.ndarray, shards: np.ndarray,
     return out
 
 
+def _expert_dp(c: dict[str, np.ndarray], expert_tp: np.ndarray) -> np.ndarray:
+    """`ParallelConfig.expert_dp` per row: the ranks sharing each expert shard."""
+    return c["dp"] * c["cp"] * c["tp"] // (c["ep"] * expert_tp)
+
+
 def states_lower_bounds(table: ConfigTable, *, dense_params: int, expert_params: int,
                         dtype: str, fp32_params: bool = False) -> np.ndarray:
     """Per row: the bytes no placement can avoid, model states of an even share of the
@@ -339,9 +352,9 @@ def states_lower_bounds(table: ConfigTable, *, dense_params: int, expert_params:
     out = _int_over(dense_params, model)
     out *= _state_bytes(dtype, c["zero_stage"], shards, fp32_params)
     if expert_params:
-        expert = _int_over(expert_params, model * c["ep"])
-        expert *= _state_bytes(dtype, c["zero_stage"], np.maximum(1, shards // c["ep"]),
-                               fp32_params)
+        expert_tp = np.where(c["etp"] == 1, 1, c["tp"])
+        expert = _int_over(expert_params, expert_tp * c["pp"] * c["ep"])
+        expert *= _state_bytes(dtype, c["zero_stage"], _expert_dp(c, expert_tp), fp32_params)
         out += expert
     out += COMM_BUFFER_BYTES
     out += CUDA_CONTEXT_BYTES
@@ -449,12 +462,13 @@ def first_rank_memory(table: ConfigTable, rows: np.ndarray, *, units: dict[int, 
     tps, at = np.unique(tp, return_inverse=True)
     dense = (counts * np.array([[u.dense_on_tp_rank(int(t)) for u in base]
                                 for t in tps])[at]).sum(axis=1)
+    expert_tp = np.where(c["etp"] == 1, 1, tp)
     expert = (counts * np.array([u.expert_params for u in base], float)).sum(axis=1) \
-        / (tp * c["ep"])
+        / (expert_tp * c["ep"])
     shards = c["dp"] * cp
     zero = c["zero_stage"]
     states = dense * _state_bytes(dtype, zero, shards, fp32_params) \
-        + expert * _state_bytes(dtype, zero, np.maximum(1, shards // c["ep"]), fp32_params)
+        + expert * _state_bytes(dtype, zero, _expert_dp(c, expert_tp), fp32_params)
     pbytes = np.array([u.param_bytes for u in base], float)
     bpp = pbytes / np.maximum(1, [u.dense_params + u.expert_params for u in base])
     gathered = 2 * np.where(present, pbytes, 0.0).max(axis=1) / tp

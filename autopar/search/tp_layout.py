@@ -39,7 +39,8 @@ import pandas as pd
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate.core import Estimate, evaluate
-from autopar.estimate.timing import slowest_groups, tp_collectives
+from autopar.estimate.groups import slowest_groups
+from autopar.estimate.timing import tp_collectives
 from autopar.estimate.tp_comm import partial_gradient_bytes, primitive_collectives
 from autopar.estimate.units import units_from_graph
 from autopar.ir import SEQUENCE_DIM, Graph

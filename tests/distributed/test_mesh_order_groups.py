@@ -1,7 +1,7 @@
 """The runtime's process groups are the ones the estimate costs, in any mesh order: on a fake
 process group of 48 ranks, the DeviceMesh `apply_plan` builds from a plan's mesh gives rank 0
 the tp, cp, data-parallel (`data_parallel_mesh`) and expert-parallel (`expert_groups`) groups
-that `autopar.estimate.timing.rank_groups` lists, and every rank its groups as
+that `autopar.estimate.groups.rank_groups` lists, and every rank its groups as
 `mesh_groups` lists them."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopar.config import ParallelConfig, check_config
-from autopar.estimate.timing import mesh_groups, rank_groups, replica_axes
+from autopar.estimate.groups import mesh_groups, rank_groups, replica_axes
 from autopar.runtime.context_parallel import data_parallel_mesh
 from autopar.runtime.expert_parallel import expert_groups
 

@@ -234,7 +234,7 @@ def test_cp_ring_is_timed_by_its_slowest_link(monkeypatch):
     # 16 ranks of context parallelism on 2 nodes: the ring's cross-node hop sets its pace
     # (exposed where the ring outlasts the attention it overlaps: this small model's calls
     # are taken at their work alone, without the per-call floor that would hide it)
-    from autopar.estimate.timing import rank_groups
+    from autopar.estimate.groups import rank_groups
 
     monkeypatch.setattr(costmodels.compute, "ATTENTION_CALL_FLOOR_S", {"fwd": 0.0, "bwd": 0.0})
 
@@ -280,7 +280,7 @@ def _every_ranks_groups(cfg: ParallelConfig, world: int) -> dict[str, set[tuple[
 def test_estimate_costs_each_axis_on_its_slowest_group(gpus, nodes, degrees):
     # a step runs at its slowest rank's pace: where some groups of an axis straddle nodes
     # (tp = 3 on 8-GPU nodes), the estimate's group is as slow as the slowest of any rank's
-    from autopar.estimate.timing import _PROBES, rank_groups, slowest_groups
+    from autopar.estimate.groups import _PROBES, rank_groups, slowest_groups
 
     cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=nodes, gpus_per_node=gpus)
     cfg = ParallelConfig(**degrees)

@@ -129,7 +129,8 @@ def test_the_estimate_costs_the_all_gather_dispatch():
         costs.with_ep_dispatch("ring")
     # under tensor parallel each tp rank gathers the whole tokens of its ep group (the MoE
     # sub-layer runs on local shards with its input whole), sequence parallel or not
-    from autopar.estimate.timing import slowest_groups, unit_times
+    from autopar.estimate.groups import slowest_groups
+    from autopar.estimate.timing import unit_times
     (unit,) = [u for u in gathered.units_for(1) if u.is_block]
     for sp in (False, True):
         cfg = ParallelConfig(dp=8, tp=2, ep=4, sequence_parallel=sp)

@@ -97,7 +97,8 @@ def _topics(notes) -> list[str]:
 def _megatron_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(allow_abbrev=False, exit_on_error=False)
     for name in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-                 "--context-parallel-size", "--expert-model-parallel-size", "--num-layers",
+                 "--context-parallel-size", "--expert-model-parallel-size",
+                 "--expert-tensor-parallel-size", "--num-layers",
                  "--num-layers-per-virtual-pipeline-stage", "--decoder-first-pipeline-num-layers",
                  "--decoder-last-pipeline-num-layers", "--micro-batch-size",
                  "--global-batch-size", "--seq-length", "--recompute-num-layers"):
@@ -147,6 +148,9 @@ def _check_megatron(plan, args: argparse.Namespace) -> None:
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
             args.context_parallel_size, args.expert_model_parallel_size) == \
         (cfg.tp, cfg.pp, cfg.cp, cfg.ep)
+    # unset: Megatron splits experts over tp (its default); given, as the plan does
+    assert args.expert_tensor_parallel_size in ((None,) if cfg.ep == 1 and not cfg.folded
+                                                else (cfg.expert_tp,))
     assert args.num_layers == sum(_layers_per_stage(plan))
     assert (args.micro_batch_size, args.global_batch_size, args.seq_length) == \
         (cfg.micro_batch_size, training["global_batch_size"], training["seq_len"])
@@ -260,6 +264,8 @@ def test_torchtitan_toml_parses_back_to_the_plan(plans, name):
     assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"],
             par["context_parallel_degree"], par["expert_parallel_degree"]) == \
         (cfg.tp, cfg.pp, cfg.cp, cfg.ep)
+    assert par.get("expert_tensor_parallel_degree") == (
+        None if cfg.ep == 1 and not cfg.folded else cfg.expert_tp)
     sharded = (par["data_parallel_shard_degree"], par["data_parallel_replicate_degree"])
     assert sharded == ((cfg.dp, 1) if cfg.zero_stage == 3 else (1, cfg.dp))
     assert (train["global_batch_size"], train["seq_len"]) == \

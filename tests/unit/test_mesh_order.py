@@ -15,7 +15,7 @@ import torch
 
 import autopar
 from autopar.config import DEFAULT_MESH_ORDER, ParallelConfig, divisors
-from autopar.estimate.timing import (_PROBES, _slowest_groups_any_order, mesh_groups,
+from autopar.estimate.groups import (_PROBES, _slowest_groups_any_order, mesh_groups,
                                      rank_groups, replica_axes, slowest_groups)
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.models.llama import Llama
@@ -97,6 +97,10 @@ def _all_configs(world: int, gpus_per_node: int, order=DEFAULT_MESH_ORDER):
                 dp = world // (tp * cp * pp)
                 for ep in divisors(dp * cp)[:3]:
                     yield ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, mesh_order=order)
+                if tp > 1:  # ep folded over tp: runs of a stage's ranks
+                    for ep in divisors(dp * cp * tp)[1:4]:
+                        yield ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=1,
+                                             sequence_parallel=True, mesh_order=order)
 
 
 @pytest.mark.parametrize("profile,nodes", [("dgx-h100", 4), ("dgx-h100", 64),
@@ -112,6 +116,8 @@ def test_any_order_path_costs_the_default_order_as_the_fast_path(profile, nodes)
         for axis in ("tp", "dp", "ep"):
             assert _probe(cluster, axis, getattr(fast, axis)) == pytest.approx(
                 _probe(cluster, axis, getattr(general, axis)), rel=1e-12), (cfg, axis)
+        assert _probe(cluster, "dp", fast.edp) == pytest.approx(
+            _probe(cluster, "dp", general.edp), rel=1e-12), cfg
         if cfg.cp > 1:
             assert _hop(cluster, fast.cp) == pytest.approx(_hop(cluster, general.cp), rel=1e-12)
         if cfg.pp > 1:
@@ -140,8 +146,10 @@ def test_slowest_groups_in_any_order_are_the_slowest_of_all_groups(order, profil
             assert _probe(cl, axis, getattr(got, axis)) == worst, (cfg, axis)
             assert getattr(got, axis) == next(g for g in groups
                                               if _probe(cl, axis, g) == worst)
-        if cfg.ep > 1:
-            groups = [g[k:k + cfg.ep] for g in _groups(cfg, replica_axes(cfg))
+        if cfg.ep > 1:  # runs of the replicas, or folded of a stage's ranks in mesh order
+            pool = (tuple(a for a in cfg.mesh_order if a != "pp") if cfg.folded
+                    else replica_axes(cfg))
+            groups = [g[k:k + cfg.ep] for g in _groups(cfg, pool)
                       for k in range(0, len(g), cfg.ep)]
             assert _probe(cl, "ep", got.ep) == max(_probe(cl, "ep", g) for g in groups)
         if cfg.cp > 1:

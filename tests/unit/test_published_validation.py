@@ -83,8 +83,8 @@ def test_group_rules():
             assert run.dtype == ("fp8" if group == "mcore-moe-t2-fp8" else "bf16")
             if run.dtype == "fp8":
                 assert run.options().fp8_recipe == "delayed"
-            if "MoE Parallel Folding" in run.notes:
-                assert any("Folding" in a for a in run.assumptions[-4:]), run.run_id
+            # the 'MCore w/ Folding' rows run as folded (ETP1); the others split experts on tp
+            assert cfg.folded == ("MoE Parallel Folding" in run.notes and cfg.tp > 1), run.run_id
         elif group == "zb-a100":
             assert run.arch == "gpt" and run.tie_embeddings and run.dropout == 0.1
             assert run.dtype == "fp16" and (cfg.dp, cfg.tp, cfg.zero_stage) == (1, 1, 0)
@@ -169,8 +169,8 @@ def test_flop_counts_by_hand():
 # one row per group, and the three ways a row is refused
 SAMPLES = [next(run.run_id for run in RUNS if run.group == g) for g in pr.VALIDATION_GROUPS]
 SAMPLES.append("zb-a100-1.5b-1f1b-i-b144")  # 24 chunks: the embedding and the head alone
+SAMPLES.append("mcore-moe-t3-llama3-8x70b-mcore-folding")  # ep 8 > dp*cp 2: folded over tp8
 REFUSED = {
-    "mcore-moe-t3-llama3-8x70b-mcore-folding": "ep=8 must divide dp*cp",  # EP > DP x CP
     "torchao-moe-b200-mxfp8-linears": "only part of the Linear layers",  # partial fp8
 }
 

@@ -76,9 +76,15 @@ def _oracle_configs(costs, cluster, *, global_batch_size, constraints, options, 
                 dp = world // (tp * cp * pp)
                 if ("dp" in constraints and constraints["dp"] != dp) or gbs % dp:
                     continue
-                eps = [e for e in divisors(dp * cp)
-                       if costs.num_experts and costs.num_experts % e == 0] or [1]
-                for ep in allowed("ep", eps):
+                eps = [(e, 0) for e in divisors(dp * cp)
+                       if costs.num_experts and costs.num_experts % e == 0] or [(1, 0)]
+                if costs.num_experts and tp > 1 and costs.seq_len % (tp * cp) == 0:
+                    # ep folded over tp x cp x dp, experts whole: with SP only
+                    eps += [(e, 1) for e in divisors(dp * cp * tp)
+                            if costs.num_experts % e == 0]
+                for ep, etp in eps:
+                    if constraints.get("ep", ep) != ep or constraints.get("etp", etp) != etp:
+                        continue
                     zeros = [0, 1, 2, 3] if dp * cp > 1 else [0]
                     sps = [False, True] if tp > 1 else [False]
                     rcs = ["none"] + ["selective"] * (options.attention_kernel == "math") \
@@ -101,7 +107,9 @@ def _oracle_configs(costs, cluster, *, global_batch_size, constraints, options, 
                         for rc, every in choices:
                             if constraints.get("recompute_every", every) != every:
                                 continue
-                            for sp in allowed("sequence_parallel", sps):
+                            for sp in allowed("sequence_parallel",
+                                              [True] if etp and True in sps else
+                                              [] if etp else sps):
                                 for sched, v in scheds:
                                     if constraints.get("pp_schedule", sched) != sched or \
                                             constraints.get("virtual_stages", v) != v:
@@ -114,7 +122,8 @@ def _oracle_configs(costs, cluster, *, global_batch_size, constraints, options, 
                                         continue
                                     for zero in allowed("zero_stage", zeros):
                                         yield ParallelConfig(
-                                            dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
+                                            dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp,
+                                            zero_stage=zero,
                                             micro_batch_size=mbs, pp_schedule=sched,
                                             virtual_stages=v, sequence_parallel=sp,
                                             recompute=rc, recompute_every=every)
@@ -122,10 +131,12 @@ def _oracle_configs(costs, cluster, *, global_batch_size, constraints, options, 
 
 def _states_oracle(costs, cfg, dtype):
     dense = sum(u.dense_params * u.count for u in costs.units) / (cfg.tp * cfg.pp)
-    expert = sum(u.expert_params * u.count for u in costs.units) / (cfg.tp * cfg.pp * cfg.ep)
+    expert = sum(u.expert_params * u.count for u in costs.units) / (
+        (1 if cfg.etp else cfg.tp) * cfg.pp * cfg.ep)
     shards = cfg.dp * cfg.cp
+    expert_shards = shards * (cfg.tp if cfg.etp else 1) // cfg.ep  # the ranks with its experts
     return (dense * state_bytes_per_param(dtype, cfg.zero_stage, shards)
-            + expert * state_bytes_per_param(dtype, cfg.zero_stage, max(1, shards // cfg.ep))
+            + expert * state_bytes_per_param(dtype, cfg.zero_stage, expert_shards)
             + COMM_BUFFER_BYTES + CUDA_CONTEXT_BYTES)
 
 

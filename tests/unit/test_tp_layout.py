@@ -227,7 +227,8 @@ def test_the_ilp_prices_a_blocks_collectives_as_the_estimate_does(make):
     own bytes being the estimate's (`partial_gradient_bytes`); the estimate's step holds the
     same terms, per layer and micro-batch and once a step (`breakdown["tp_comm"]`)."""
     from autopar.estimate.core import costs_of_layout
-    from autopar.estimate.timing import slowest_groups, tp_collectives
+    from autopar.estimate.groups import slowest_groups
+    from autopar.estimate.timing import tp_collectives
     from autopar.estimate.tp_comm import partial_gradient_bytes
 
     with torch.device("meta"):
