@@ -237,13 +237,16 @@ def _expert_params(graph: Graph) -> set[str]:
 
 def param_placements(graph: Graph, cfg: ParallelConfig, tp_map: dict[str, str]
                      ) -> dict[str, dict[str, str]]:
-    """{param FQN: {axis: placement}} for every parameter of the model, sorted by FQN."""
+    """{param FQN: {axis: placement}} for every parameter of the model, sorted by FQN. With
+    expert parallel folded over tp (`ParallelConfig.folded`) experts are whole on their
+    ranks: "R" on tp, "S(0)" on an ep group that spans tp (``Plan.mesh["ep_within"]``)."""
     result: dict[str, dict[str, str]] = {}
     experts = _expert_params(graph)
     for _, p, names in _layer_names(graph):
         expert = p.fqn in experts
+        split = cfg.tp > 1 and not (expert and cfg.folded)
         axes = {"dp": "S(0)" if cfg.zero_stage == 3 else "R",
-                "tp": tp_map.get(p.fqn, "R") if cfg.tp > 1 else "R"}
+                "tp": tp_map.get(p.fqn, "R") if split else "R"}
         if cfg.cp > 1:
             axes["cp"] = "R"
         if cfg.ep > 1:
