@@ -80,7 +80,7 @@ def rank_groups(cfg: ParallelConfig) -> RankGroups:
                       pp_hop=(0, s["pp"]) if cfg.pp > 1 else None)
 
 
-def _stage_ranks(cfg: ParallelConfig) -> np.ndarray:
+def _stage_ranks(cfg: ParallelConfig) -> list[list[int]]:
     """Each pipeline stage's ranks, the (dp, cp, tp) axes flattened in mesh order (outer
     first): the order folded expert-parallel groups are cut from."""
     return mesh_groups(cfg, tuple(a for a in cfg.mesh_order if a != "pp")).tolist()
