@@ -334,9 +334,11 @@ def _state_bytes(dtype: str, zero: np.ndarray, shards: np.ndarray,
     return out
 
 
-def _expert_dp(c: dict[str, np.ndarray], expert_tp: np.ndarray) -> np.ndarray:
-    """`ParallelConfig.expert_dp` per row: the ranks sharing each expert shard."""
-    return c["dp"] * c["cp"] * c["tp"] // (c["ep"] * expert_tp)
+def _expert_split(c: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """`ParallelConfig.expert_tp` and `expert_dp` per row: the ranks splitting each expert,
+    and those sharing each expert shard."""
+    expert_tp = np.where(c["etp"] == 1, 1, c["tp"])
+    return expert_tp, c["dp"] * c["cp"] * c["tp"] // (c["ep"] * expert_tp)
 
 
 def states_lower_bounds(table: ConfigTable, *, dense_params: int, expert_params: int,
@@ -352,9 +354,9 @@ def states_lower_bounds(table: ConfigTable, *, dense_params: int, expert_params:
     out = _int_over(dense_params, model)
     out *= _state_bytes(dtype, c["zero_stage"], shards, fp32_params)
     if expert_params:
-        expert_tp = np.where(c["etp"] == 1, 1, c["tp"])
+        expert_tp, expert_dp = _expert_split(c)
         expert = _int_over(expert_params, expert_tp * c["pp"] * c["ep"])
-        expert *= _state_bytes(dtype, c["zero_stage"], _expert_dp(c, expert_tp), fp32_params)
+        expert *= _state_bytes(dtype, c["zero_stage"], expert_dp, fp32_params)
         out += expert
     out += COMM_BUFFER_BYTES
     out += CUDA_CONTEXT_BYTES
@@ -462,13 +464,13 @@ def first_rank_memory(table: ConfigTable, rows: np.ndarray, *, units: dict[int, 
     tps, at = np.unique(tp, return_inverse=True)
     dense = (counts * np.array([[u.dense_on_tp_rank(int(t)) for u in base]
                                 for t in tps])[at]).sum(axis=1)
-    expert_tp = np.where(c["etp"] == 1, 1, tp)
+    expert_tp, expert_dp = _expert_split(c)
     expert = (counts * np.array([u.expert_params for u in base], float)).sum(axis=1) \
         / (expert_tp * c["ep"])
     shards = c["dp"] * cp
     zero = c["zero_stage"]
     states = dense * _state_bytes(dtype, zero, shards, fp32_params) \
-        + expert * _state_bytes(dtype, zero, _expert_dp(c, expert_tp), fp32_params)
+        + expert * _state_bytes(dtype, zero, expert_dp, fp32_params)
     pbytes = np.array([u.param_bytes for u in base], float)
     bpp = pbytes / np.maximum(1, [u.dense_params + u.expert_params for u in base])
     gathered = 2 * np.where(present, pbytes, 0.0).max(axis=1) / tp
