@@ -7,7 +7,7 @@ from autopar import models
 from autopar.api import compile
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
-from autopar.errors import InvalidConfigError, NoPlanFitsError
+from autopar.errors import InvalidConfigError, NoPlanFitsError, PlanningError
 from autopar.estimate import Estimate, EstimateOptions, estimate
 from autopar.estimate.software import SOFTWARE
 from autopar.plan import Plan, load_plan
@@ -16,6 +16,6 @@ from autopar.search.outer import SearchSettings
 from autopar.trace import trace
 
 __all__ = ["Cluster", "Estimate", "EstimateOptions", "InvalidConfigError", "NoPlanFitsError",
-           "ParallelConfig", "Plan", "SOFTWARE", "SearchSettings", "compile", "diff", "estimate",
-           "load_plan", "models", "trace"]
+           "ParallelConfig", "Plan", "PlanningError", "SOFTWARE", "SearchSettings", "compile",
+           "diff", "estimate", "load_plan", "models", "trace"]
 __version__ = "0.1.0"

@@ -16,10 +16,10 @@ from autopar.estimate.bounds import BOUND_MARGIN, exact_step_lower_bound
 from autopar.estimate.core import (Estimate, EstimateOptions, EvalCache, ModelCosts, evaluate,
                                    layer_costs)
 from autopar.estimate.software import preset_of, software_options
-from autopar.errors import NoPlanFitsError, RuntimeLimitError, StageMemoryError
+from autopar.errors import NoPlanFitsError, PlanningError, RuntimeLimitError, StageMemoryError
 from autopar.search.context import SearchContext
 from autopar.search.inter_op import LayerCosts, partition_stages
-from costmodels.memory import ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES, CUDA_CONTEXT_BYTES
+from costmodels.memory import live_bytes_budget
 from autopar.models.common import count_attention_calls
 from autopar.plan import Plan, fp8_weights, fused_projections, param_placements
 from autopar.runtime.capabilities import RuntimeLimits, runtime_limits
@@ -215,7 +215,7 @@ def _unrestricted(ctx: SearchContext, constraints: dict[str, Any],
     and config (`plan.training["unrestricted"]`), or why there is none."""
     try:
         found = _best(replace(ctx, target=AUTOPAR), constraints, runtime)
-    except ValueError as exc:  # e.g. a pin this runtime cannot run for the model
+    except PlanningError as exc:  # e.g. a pin this runtime cannot run for the model
         return {"step_time_s": None, "reason": str(exc)}
     return {"step_time_s": float(found.best.step_time_s), "config": found.best.config.short()}
 
@@ -229,7 +229,7 @@ def _search_regions(ctx: SearchContext, regions: list[dict[str, Any]]
             found = search(ctx.costs, ctx.cluster, global_batch_size=ctx.global_batch_size,
                            dtype=ctx.dtype, constraints=region, options=ctx.options,
                            settings=ctx.settings, cache=ctx.cache, target=ctx.target)
-        except ValueError as exc:  # NoPlanFitsError too: the other region may hold a plan
+        except PlanningError as exc:  # the other region may hold a plan
             error = error or exc
             continue
         if result is None or found.best.step_time_s < result.best.step_time_s:
@@ -314,8 +314,7 @@ def _rebalance_stages(ctx: SearchContext, best: Estimate) -> Estimate:
     costs, cluster, cache = ctx.costs, ctx.cluster, ctx.cache
     per_layer = layer_costs(costs, cluster, cfg, dtype=ctx.dtype, options=ctx.options,
                             cache=cache)
-    fixed = COMM_BUFFER_BYTES + CUDA_CONTEXT_BYTES
-    budget = cluster.hardware.device.memory_bytes / (1 + ALLOCATOR_RESERVE_FRACTION) - fixed
+    budget = live_bytes_budget(cluster.hardware.device.memory_bytes)
     ends = list(itertools.accumulate(len(layers) for layers in best.stage_layers))
     megatron = tuple(zip([0] + ends[:-1], ends))
     layers = LayerCosts(

@@ -1,8 +1,18 @@
-"""Error classes shared across autopar. All user-facing errors are ``ValueError`` subclasses."""
+"""Error classes shared across autopar. All user-facing errors are ``ValueError`` subclasses.
+
+The search catches `PlanningError` alone, the inputs having no plan; any other error (a bad
+argument, a bug) propagates, so it never reads as "nothing fits" or "infeasible"."""
 
 from __future__ import annotations
 
-__all__ = ["InvalidConfigError", "NoPlanFitsError", "TraceError"]
+__all__ = ["InvalidConfigError", "NoPlanFitsError", "PlanningError", "TraceError"]
+
+
+class PlanningError(ValueError):
+    """These inputs have no plan here: no configuration satisfies the pins on this cluster
+    (`InvalidConfigError`), nothing fits in memory (`NoPlanFitsError`), the target engine or
+    autopar's runtime cannot run what is pinned (`TargetRuleError`, `RuntimeLimitError`). The
+    search moves on to another region, mesh order or alternative on these alone."""
 
 
 class TraceError(ValueError):
@@ -24,7 +34,7 @@ class TraceError(ValueError):
         self.hint = hint
 
 
-class InvalidConfigError(ValueError):
+class InvalidConfigError(PlanningError):
     """A parallel configuration that cannot run this model on this cluster: a degree that
     does not divide what it splits (heads, experts, the world, the batch, the sequence), more
     pipeline stages than layers, a schedule's micro-batch count. The message says what is
@@ -32,7 +42,7 @@ class InvalidConfigError(ValueError):
     ValueError is never mistaken for one."""
 
 
-class NoPlanFitsError(ValueError):
+class NoPlanFitsError(PlanningError):
     """No configuration fits in device memory; the message gives the smallest footprint found,
     the configuration that reaches it, the device's memory, and what to try."""
 
@@ -59,8 +69,9 @@ __all__ += ["StageMemoryError"]
 
 class ShardingInfeasibleError(ValueError):
     """The intra-op sharding ILP has no solution; ``family`` names the constraint family that
-    binds (e.g. ``"memory_budget"``), ``smallest_bytes`` the least memory any plan needs when
-    it is the memory budget."""
+    binds (e.g. ``"memory_budget"``, or ``"pinned_params"`` where no strategy of a node places
+    its parameters as pinned), ``smallest_bytes`` the least memory any plan needs when it is
+    the memory budget."""
 
     def __init__(self, message: str, *, family: str, smallest_bytes: float | None = None):
         super().__init__(message)
@@ -71,7 +82,7 @@ class ShardingInfeasibleError(ValueError):
 __all__ += ["ShardingInfeasibleError"]
 
 
-class TargetRuleError(ValueError):
+class TargetRuleError(PlanningError):
     """A pin, precision or software option the compile target (an engine at a stated version,
     `autopar.targets`) cannot run; the message names the rule, its source and what is
     allowed."""
@@ -80,7 +91,7 @@ class TargetRuleError(ValueError):
 __all__ += ["TargetRuleError"]
 
 
-class RuntimeLimitError(ValueError):
+class RuntimeLimitError(PlanningError):
     """A pin autopar's runtime cannot run for this model: an axis it cannot shard the model
     on, or two axes it cannot combine on it (`autopar.runtime.capabilities`); the message
     names the reason and what to pin instead."""

@@ -12,9 +12,9 @@ No torch import.
 
 from __future__ import annotations
 
-__all__ = ["DTYPE_BYTES", "state_bytes_per_param", "state_bytes_split", "CUDA_CONTEXT_BYTES", "COMM_BUFFER_BYTES",
-           "ALLOCATOR_RESERVE_FRACTION", "LOSS_KEPT_BYTES_PER_LOGIT",
-           "LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT"]
+__all__ = ["DTYPE_BYTES", "state_bytes_per_param", "state_bytes_split", "CUDA_CONTEXT_BYTES",
+           "COMM_BUFFER_BYTES", "ALLOCATOR_RESERVE_FRACTION", "RANK_FIXED_BYTES", "reserved_bytes",
+           "live_bytes_budget", "weight_bytes", "LOSS_KEPT_BYTES_PER_LOGIT", "LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -32,6 +32,31 @@ COMM_BUFFER_BYTES = 2 * 25 * 2**20 + 4 * 64 * 2**20
 # the live tensors. Assumption: 5% of live bytes, the low end of the reserved/allocated ratio
 # seen in large-model training logs; a measured value will replace it (issue calibration).
 ALLOCATOR_RESERVE_FRACTION = 0.05
+
+
+
+def weight_bytes(dtype: str) -> int:
+    """Bytes of one weight or gradient element in a run at precision `dtype`: FP8 runs keep
+    bf16 weights and gradients (the GEMMs cast their inputs to FP8)."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPE_BYTES)}")
+    return 2 if dtype == "fp8" else DTYPE_BYTES[dtype]
+
+
+# What a rank holds whatever its plan: the CUDA context and the communication buffers.
+RANK_FIXED_BYTES = CUDA_CONTEXT_BYTES + COMM_BUFFER_BYTES
+
+
+def reserved_bytes(live):
+    """Device memory a rank takes to hold `live` bytes of tensors (a float or a numpy array):
+    the caching allocator's reserve over them, the communication buffers and the CUDA
+    context. The one formula of a rank's peak; `live_bytes_budget` is its inverse."""
+    return live * (1 + ALLOCATOR_RESERVE_FRACTION) + COMM_BUFFER_BYTES + CUDA_CONTEXT_BYTES
+
+
+def live_bytes_budget(device_bytes: float) -> float:
+    """The most live tensor bytes a rank of `device_bytes` holds: `reserved_bytes`' inverse."""
+    return (device_bytes - RANK_FIXED_BYTES) / (1 + ALLOCATOR_RESERVE_FRACTION)
 
 # Cross-entropy over the logits as autopar's runtime computes it (log-probabilities in fp32:
 # runtime.lm_loss upcasts the logits; Hugging Face causal LMs do the same): the forward keeps 4

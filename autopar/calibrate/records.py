@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["CollectivePoint", "GemmPoint", "CopyPoint", "AttentionPoint", "Measurements",
-           "size_grid", "held_out_sizes", "median_rse", "DTYPE_BYTES"]
+from costmodels.memory import DTYPE_BYTES
 
-DTYPE_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+__all__ = ["CollectivePoint", "GemmPoint", "CopyPoint", "AttentionPoint", "Measurements",
+           "size_grid", "held_out_sizes", "median_rse"]
+
+# a GEMM's operands by the precision it runs at: TF32 math reads and writes fp32 tensors
+_OPERAND_BYTES = {**DTYPE_BYTES, "tf32": DTYPE_BYTES["fp32"]}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,8 +48,8 @@ class GemmPoint:
     @property
     def nbytes(self) -> float:
         """Bytes a GEMM moves at least: both operands read, the output written."""
-        return float(DTYPE_BYTES[self.dtype] * (self.m * self.k + self.k * self.n
-                                                + self.m * self.n))
+        return float(_OPERAND_BYTES[self.dtype] * (self.m * self.k + self.k * self.n
+                                                  + self.m * self.n))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,7 +12,7 @@ from autopar.config import ParallelConfig
 from autopar.estimate.groups import RankGroups
 from autopar.estimate.units import Unit
 from costmodels.collectives import ZERO3_PERSISTENCE_THRESHOLD, ZERO3_SYNC_GATHER_BYTES_PER_S
-from costmodels.memory import DTYPE_BYTES
+from costmodels.memory import DTYPE_BYTES, weight_bytes
 
 if TYPE_CHECKING:
     from autopar.estimate.core import EstimateOptions, EvalCache
@@ -150,6 +150,6 @@ def dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: 
 
 def dp_bytes(dtype: str, options: EstimateOptions) -> tuple[int, int]:
     """Bytes per parameter that data parallelism gathers and per gradient it reduces."""
-    param_b = DTYPE_BYTES[dtype] if dtype != "fp8" else 2
+    param_b = weight_bytes(dtype)
     grad_b = DTYPE_BYTES[options.grad_reduce_dtype] if dtype != "fp32" else 4
     return param_b, grad_b

@@ -26,8 +26,7 @@ from autopar.estimate.stages import (Boundaries, check_boundaries, layer_sequenc
 from autopar.estimate.timing import UnitTimes
 from autopar.estimate.units import Unit
 from autopar.errors import InvalidConfigError
-from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
-                               CUDA_CONTEXT_BYTES, state_bytes_per_param)
+from costmodels.memory import reserved_bytes, state_bytes_per_param
 
 __all__ = ["TIME_ATTRS", "Layout", "Structure", "UnitVectors", "structure", "unit_vectors",
            "layout", "pipeline_bound", "simulated_lower_bound", "analytic_inflight",
@@ -334,6 +333,5 @@ def fast_peak_memory(cfg: ParallelConfig, dtype: str, lay: Layout, inflight: np.
         if zero3_cap is not None:
             gathered = np.minimum(gathered, zero3_cap * lay.rank_bytes_per_param)
     live = states + inflight + lay.rank_working + gathered
-    return float((live * (1 + ALLOCATOR_RESERVE_FRACTION)).max()) + COMM_BUFFER_BYTES + \
-        CUDA_CONTEXT_BYTES
+    return reserved_bytes(float(live.max()))
 

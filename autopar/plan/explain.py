@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from autopar.errors import PlanningError
 from autopar.plan.render import (Format, Section, Table, fmt_bytes_gb, fmt_seconds,
                                  fmt_signed_seconds, render_sections)
 from autopar.plan.report import BREAKDOWN_TERMS, slower_because
@@ -228,7 +229,7 @@ def explain(plan: Plan, model: Any, cluster: Cluster, *, example_inputs: Any = N
             example_inputs=example_inputs, dtype=training["dtype"], constraints=constraints,
             settings=settings or SearchSettings(progress=False),
             target=training.get("target", "autopar"), **costs)
-    except ValueError as exc:
+    except PlanningError as exc:
         check_plan(plan, model=model)  # another model would be the real reason
         return Explanation(plan=plan, pins=dict(pins), constraints=constraints,
                            alternative=None, reason=str(exc))

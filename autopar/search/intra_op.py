@@ -427,8 +427,8 @@ def solve_block(graph: Graph, node_names: Sequence[str], setting: BlockSetting, 
     and a block's other solves (pinned, within a budget) reuse its problem tables.
     ``method`` picks the solver (:func:`solve_problem`). ``pinned_params`` ({param FQN: placement};
     an unlisted parameter replicated) fixes the parameter layout, and the ILP chooses the rest: the
-    best execution of that layout (:func:`~autopar.sharding.problem.pin_params`; ValueError if a
-    node cannot place its parameters so).
+    best execution of that layout (:func:`~autopar.sharding.problem.pin_params`;
+    ShardingInfeasibleError if a node cannot place its parameters so).
     """
     tp, boundary = setting.tp, setting.boundary
     if not isinstance(tp, int) or tp < 1:

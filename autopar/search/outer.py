@@ -57,7 +57,7 @@ import pandas as pd
 from costmodels.compute import peak_flops
 from autopar.cluster import Cluster
 from autopar.config import PP_SCHEDULES, RECOMPUTE_POLICIES, ParallelConfig
-from autopar.errors import InvalidConfigError, NoPlanFitsError
+from autopar.errors import InvalidConfigError, NoPlanFitsError, PlanningError
 from autopar.estimate.bounds import (BOUND_MARGIN, DataParallelFloor, data_parallel_floor,
                                      exact_step_lower_bound)
 from autopar.estimate.core import (Estimate, EstimateOptions, EvalCache, ModelCosts, evaluate,
@@ -160,7 +160,7 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
         target.check(constraints, facts)
         keep = target.allows(every, facts)
         if not keep.any():
-            raise ValueError(f"no configuration satisfies the constraints {constraints} on "
+            raise InvalidConfigError(f"no configuration satisfies the constraints {constraints} on "
                              f"{cluster.world_size} GPUs: {target.why_empty(every, facts)}")
         every = every.rows(keep)
     progress = _Progress(settings.progress)
@@ -180,7 +180,7 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
         if target.restricts and order != every.mesh_order:  # rules may read the order
             keep = target.allows(table, facts)
             if not k and not keep.any():
-                raise ValueError(f"no configuration satisfies the constraints {constraints} "
+                raise InvalidConfigError(f"no configuration satisfies the constraints {constraints} "
                                  f"on {cluster.world_size} GPUs in mesh order "
                                  f"{','.join(order)}: {target.why_empty(table, facts)}")
             table = table.rows(keep)
@@ -191,7 +191,7 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
         try:
             found.append(_collect(ctx, table, best_times, constraints=constraints,
                                   progress=progress))
-        except ValueError as exc:  # NoPlanFitsError too
+        except PlanningError as exc:
             if not k:  # the first order's space is every config: its error is the search's
                 raise
             # a later order's configs are some of those: none of them fits or runs
@@ -264,7 +264,7 @@ def _collect(ctx: SearchContext, table: ConfigTable, best_times: list[float], *,
             detail = why_empty(ctx.costs, ctx.cluster, global_batch_size=ctx.global_batch_size,
                                constraints=constraints, options=ctx.options,
                                settings=ctx.settings, target=ctx.target)
-        raise ValueError(f"no configuration satisfies the constraints {constraints} on "
+        raise InvalidConfigError(f"no configuration satisfies the constraints {constraints} on "
                          f"{ctx.cluster.world_size} GPUs{detail}")
     return _Found(fast=fast, pruned=b.pruned + unfit, smallest=b.smallest, skipped=skipped)
 

@@ -36,8 +36,7 @@ from autopar.config import (DEFAULT_MESH_ORDER, PP_SCHEDULES, RECOMPUTE_POLICIES
                             divisors, tp_splits_heads)
 from autopar.estimate.core import EstimateOptions
 from autopar.search.settings import SearchSettings
-from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
-                               CUDA_CONTEXT_BYTES, state_bytes_split)
+from costmodels.memory import RANK_FIXED_BYTES, reserved_bytes, state_bytes_split
 
 __all__ = ["ConfigTable", "ModelShape", "config_table", "encode", "key_groups",
            "states_lower_bounds", "step_lower_bounds", "first_rank_memory", "TIME_KEY_COLUMNS"]
@@ -358,8 +357,7 @@ def states_lower_bounds(table: ConfigTable, *, dense_params: int, expert_params:
         expert = _int_over(expert_params, expert_tp * c["pp"] * c["ep"])
         expert *= _state_bytes(dtype, c["zero_stage"], expert_dp, fp32_params)
         out += expert
-    out += COMM_BUFFER_BYTES
-    out += CUDA_CONTEXT_BYTES
+    out += RANK_FIXED_BYTES
     return out
 
 
@@ -484,4 +482,4 @@ def first_rank_memory(table: ConfigTable, rows: np.ndarray, *, units: dict[int, 
                         np.where((sched == _INTERLEAVED) & (v > 1), held * kept / v,
                                  np.minimum(pp, m) * kept))
     live = states + inflight + working + gathered
-    return live * (1 + ALLOCATOR_RESERVE_FRACTION) + COMM_BUFFER_BYTES + CUDA_CONTEXT_BYTES
+    return reserved_bytes(live)

@@ -38,6 +38,7 @@ import pandas as pd
 
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
+from autopar.errors import ShardingInfeasibleError
 from autopar.estimate.core import Estimate, evaluate
 from autopar.estimate.groups import slowest_groups
 from autopar.estimate.timing import tp_collectives
@@ -173,7 +174,7 @@ def tp_layout(graph: Graph, cluster: Cluster, estimate: Estimate, dtype: str, *,
         if not _same(sol.param_placements, megatron):
             try:  # the ILP's best execution of Megatron's layout
                 kept = solve(pinned_params=megatron)
-            except ValueError:  # a node cannot place its parameters as Megatron's says
+            except ShardingInfeasibleError:  # a node cannot place its parameters so
                 kept = None
             budget = block_budget(estimate, block.layer_fqns, kept.memory_bytes) \
                 if kept is not None else None
@@ -242,7 +243,7 @@ def _replicating(graph: Graph, block, unit, megatron: dict[str, str], cfg, budge
             pins.update({p.fqn: "R" for i in subset for n in runs[i] for p in n.params})
             try:
                 alt = solve(pinned_params=pins)
-            except ValueError:
+            except ShardingInfeasibleError:
                 continue
             if alt.objective_s >= best.objective_s or \
                     (budget is not None and alt.memory_bytes > budget):

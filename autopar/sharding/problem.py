@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from autopar.errors import ShardingInfeasibleError
 from autopar.estimate.timing import BACKWARD_MEMORY_RATIO
 from autopar.ir import Graph, Node, OpKind, TensorSpec, dtype_num_bytes
 from autopar.ir.residual import fused_splits, residual_structure, routing_nodes
@@ -55,6 +56,7 @@ from autopar.sharding.strategy import Collective, Strategy, default_input_grads
 from costmodels.compute import (activation_memory_time_s, attention_time_s, gemm_time_s,
                                 op_overhead_s)
 from costmodels.collectives import LayoutTimer
+from costmodels.memory import weight_bytes
 
 __all__ = ["BLOCK_INPUT", "BLOCK_OUTPUT", "BlockProblem", "BlockSetting", "ParamUse",
            "TensorUse", "build_problem", "pin_params", "to_units"]
@@ -385,8 +387,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], setting: BlockSetting
     device = cluster.hardware.device
     group = tuple(ranks) if ranks is not None else tuple(range(axis_size))
     timer = LayoutTimer(cluster.hardware, cluster.group_layout(group))  # checked once
-    grad_bytes = dtype_num_bytes({"bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16",
-                                  "fp32": "float32"}.get(dtype, "float32"))
+    grad_bytes = weight_bytes(dtype)
     times: dict[Collective, int] = {}
 
     def collective_units(c: Collective) -> int:
@@ -566,8 +567,8 @@ def build_problem(graph: Graph, node_names: Sequence[str], setting: BlockSetting
 def pin_params(problem: BlockProblem, placements: Mapping[str, str]) -> BlockProblem:
     """The problem with each node's strategies cut to those that place its parameters as
     ``placements`` says (a parameter it does not list stays replicated): the best execution
-    of a given parameter layout, e.g. Megatron's. Raises ValueError naming a node that has no
-    such strategy."""
+    of a given parameter layout, e.g. Megatron's. Raises ShardingInfeasibleError naming a node
+    that has no such strategy."""
     uses: dict[str, list[ParamUse]] = {}
     for use in problem.params:
         uses.setdefault(use.node, []).append(use)
@@ -578,7 +579,8 @@ def pin_params(problem: BlockProblem, placements: Mapping[str, str]) -> BlockPro
                           for u in uses.get(v, ()))]
         if not keep[v]:
             wanted = {u.fqn: placements.get(u.fqn, REPLICATE) for u in uses[v]}
-            raise ValueError(f"no strategy of {v} places its parameters as {wanted}")
+            raise ShardingInfeasibleError(
+                f"no strategy of {v} places its parameters as {wanted}", family="pinned_params")
 
     def cut(table: Mapping[str, tuple]) -> dict[str, tuple]:
         return {v: tuple(table[v][s] for s in keep[v]) for v in problem.nodes}

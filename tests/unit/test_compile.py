@@ -368,3 +368,28 @@ def test_an_ilp_layout_other_than_megatrons_is_advice_with_its_price(caplog):
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
     assert any("the plan takes the best it runs" in r.getMessage() for r in caplog.records)
     assert "the ILP's own optimum is another layout" in " ".join(plan.report().split())
+
+
+def test_pins_no_config_satisfies_are_a_planning_error_a_bug_is_not(monkeypatch):
+    """The search steps over a region or mesh order on PlanningError alone; any other error
+    propagates out of compile unchanged."""
+    with pytest.raises(autopar.InvalidConfigError, match="no configuration satisfies"):
+        autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024,
+                        constraints={"tp": 3})
+    import autopar.search.outer as outer
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug inside the search")
+
+    monkeypatch.setattr(outer, "_collect", broken)
+    with pytest.raises(ValueError, match="a bug inside the search") as err:
+        autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024)
+    assert not isinstance(err.value, autopar.PlanningError)
+
+
+def test_reserved_memory_and_the_live_budget_are_inverse():
+    from costmodels.memory import RANK_FIXED_BYTES, live_bytes_budget, reserved_bytes
+
+    for device in (16e9, 80e9, 141e9):
+        assert reserved_bytes(live_bytes_budget(device)) == pytest.approx(device, rel=1e-12)
+    assert reserved_bytes(0.0) == RANK_FIXED_BYTES

@@ -185,6 +185,26 @@ def test_explain_an_infeasible_pin_says_why(golden_plan, model, cluster):
         explain(golden_plan, model, other, tp=4)
 
 
+def test_explain_passes_on_an_error_that_is_not_about_planning(golden_plan, model, cluster,
+                                                               monkeypatch):
+    """Only a PlanningError means "no plan with these pins": a bug inside the search must
+    surface, not read as a reason."""
+    import autopar.api
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug inside the search")
+
+    monkeypatch.setattr(autopar.api, "compile", broken)
+    with pytest.raises(ValueError, match="a bug inside the search"):
+        explain(golden_plan, model, cluster, tp=4)
+
+    def refused(*args, **kwargs):
+        raise autopar.errors.TargetRuleError("the engine cannot run tp=4")
+
+    monkeypatch.setattr(autopar.api, "compile", refused)
+    assert explain(golden_plan, model, cluster, tp=4).reason == "the engine cannot run tp=4"
+
+
 def test_diff_of_a_plan_with_itself_is_zero(golden_plan, open_plan):
     same = compare(golden_plan, golden_plan)
     assert same.identical and not same.config_changes
