@@ -22,6 +22,7 @@ from autopar.search.inter_op import LayerCosts, partition_stages
 from costmodels.memory import live_bytes_budget
 from autopar.models.common import count_attention_calls
 from autopar.plan import Plan, fp8_weights, fused_projections, param_placements
+from autopar.plan.sections import PlanCluster, PlanMesh, PlanModel, PlanTraining
 from autopar.runtime.capabilities import RuntimeLimits, runtime_limits
 from autopar.search.tp_layout import choose_layout
 from autopar.search.outer import SearchResult, SearchSettings, check_constraints, search
@@ -49,7 +50,7 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
     option outside it is refused with the engine's rule. `software` names the preset the
     plans are costed with (`autopar.SOFTWARE`), or `options` sets each field; with neither,
     the target's own preset. A target other than autopar also costs the best plan for
-    autopar's runtime with the same software (`plan.training["unrestricted"]`: what the
+    autopar's runtime with the same software (`plan.training.unrestricted`: what the
     engine's rules cost). Raises NoPlanFitsError when nothing fits, saying by how much.
     """
     from autopar.trace import trace
@@ -107,25 +108,24 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
     plan = Plan(
         config=cfg, estimate=best, stages=[list(s) for s in best.stage_layers],
         placements=placements, intra_op=intra_op,
-        mesh={"axes": list(cfg.mesh_order), "sizes": [sizes[a] for a in cfg.mesh_order],
-              "ep_within": "tp*cp*dp" if cfg.folded else "dp*cp", "ep": cfg.ep},
-        model={"class": graph.model_class, "fingerprint": fingerprint,
-               "num_params": graph.num_params, "num_layers": costs.num_layers,
-               "cp_layout": limits.cp_layout, "ep_dispatch": limits.ep_dispatch,
-               **({"fused_projections": fused} if (fused := fused_projections(graph)) else {})},
-        cluster={"profile": cluster.name, "num_nodes": cluster.num_nodes,
-                 "world_size": cluster.world_size, "fingerprint": cluster.fingerprint()},
-        training={"global_batch_size": global_batch_size, "seq_len": graph.seq_len,
-                  **({"input": input_spec} if input_spec else {}),
-                  "dtype": dtype, "constraints": dict(sorted(constraints.items())),
-                  **({"fp8_weights": fp8_weights(graph)} if dtype == "fp8" else {}),
-                  "memory_headroom": settings.memory_headroom,
-                  "memory_headroom_kept": found.headroom_kept,
-                  "device_memory_bytes": cluster.hardware.device.memory_bytes,
-                  "software": software or preset_of(options),
-                  "options": {k: getattr(options, k) for k in options.__dataclass_fields__},
-                  "target": engine.name,
-                  **({"unrestricted": unrestricted} if unrestricted is not None else {})},
+        mesh=PlanMesh(axes=cfg.mesh_order, sizes=tuple(sizes[a] for a in cfg.mesh_order),
+                      ep_within="tp*cp*dp" if cfg.folded else "dp*cp", ep=cfg.ep),
+        model=PlanModel(model_class=graph.model_class, fingerprint=fingerprint,
+                        num_params=graph.num_params, num_layers=costs.num_layers,
+                        cp_layout=limits.cp_layout, ep_dispatch=limits.ep_dispatch,
+                        fused_projections=fused_projections(graph) or None),
+        cluster=PlanCluster(profile=cluster.name, num_nodes=cluster.num_nodes,
+                            world_size=cluster.world_size, fingerprint=cluster.fingerprint()),
+        training=PlanTraining(
+            global_batch_size=global_batch_size, seq_len=graph.seq_len,
+            input=input_spec or None, dtype=dtype,
+            constraints=dict(sorted(constraints.items())),
+            fp8_weights=fp8_weights(graph) if dtype == "fp8" else None,
+            memory_headroom=settings.memory_headroom, memory_headroom_kept=found.headroom_kept,
+            device_memory_bytes=cluster.hardware.device.memory_bytes,
+            software=software or preset_of(options),
+            options={k: getattr(options, k) for k in options.__dataclass_fields__},
+            target=engine.name, unrestricted=unrestricted),
         candidates=result.candidates,
         search={"num_considered": result.num_considered,
                 "num_pruned_by_memory": result.num_pruned_by_memory,
@@ -212,7 +212,7 @@ def _best(ctx: SearchContext, constraints: dict[str, Any], runtime: dict[str, An
 def _unrestricted(ctx: SearchContext, constraints: dict[str, Any],
                   runtime: dict[str, Any]) -> dict[str, Any]:
     """The best plan for autopar's runtime under the same pins and software: its step time
-    and config (`plan.training["unrestricted"]`), or why there is none."""
+    and config (`plan.training.unrestricted`), or why there is none."""
     try:
         found = _best(replace(ctx, target=AUTOPAR), constraints, runtime)
     except PlanningError as exc:  # e.g. a pin this runtime cannot run for the model

@@ -160,7 +160,7 @@ def _explain(args: argparse.Namespace) -> None:
     from autopar.plan import load_plan
 
     plan = load_plan(args.plan)
-    cluster = Cluster.from_profile(plan.cluster["profile"], num_nodes=plan.cluster["num_nodes"])
+    cluster = Cluster.from_profile(plan.cluster.profile, num_nodes=plan.cluster.num_nodes)
     result = plan.explain(_load_model(args.model), cluster, **_parse_pins(args.pin))
     sys.stdout.write(result.render(args.format) + "\n")
 
@@ -174,7 +174,7 @@ def _export(args: argparse.Namespace) -> None:
     sys.stdout.write(result.text if result.text.endswith("\n") else result.text + "\n")
     for step in result.setup:
         print(f"setup: {step}", file=sys.stderr)
-    target = plan.training.get("target", "autopar")
+    target = plan.training.target
     if result.notes and target != args.format:
         print(f"note: this plan was made for target {target}, not {args.format}: the notes "
               f"below name the choices {args.format} cannot take as planned; re-plan with "
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             from autopar.plan import load_plan
 
             out = run_codegen(args)
-            n = load_plan(args.plan).cluster["world_size"]
+            n = load_plan(args.plan).cluster.world_size
             print(f"wrote {out}; run it with: torchrun --nproc_per_node={n} {out} --steps 10 "
                   f"(and python {out} --reference for the single-process reference)")
         elif args.command == "collective":

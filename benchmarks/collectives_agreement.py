@@ -76,15 +76,15 @@ def compare(cell, plan_dir: Path) -> Comparison:
                                                 *corpus.IMAGE_SHAPE, device="meta"),)}
     else:
         shape = {"global_batch_size": plan.config.micro_batch_size,
-                 "seq_len": plan.training["seq_len"]}
-    costs = costs_of_layout(autopar.trace(model, dtype=plan.training["dtype"], **shape),
+                 "seq_len": plan.training.seq_len}
+    costs = costs_of_layout(autopar.trace(model, dtype=plan.training.dtype, **shape),
                             plan.config, plan.tp_placements)
     issued = Counter((kind, int(n)) for kind, n in cell.detail["collective_bytes"])
     if not issued[("all_reduce", 4)]:
         raise ValueError(f"{cell.model} {cell.plan}: no all-reduce of the reported loss")
     issued[("all_reduce", 4)] -= 1  # the reported loss, summed over the ranks
     charged = Counter((kind, round(n)) for kind, n in tp_step_collectives(
-        costs, plan.config, global_batch_size=plan.training["global_batch_size"]))
+        costs, plan.config, global_batch_size=plan.training.global_batch_size))
     units = {u.name: u for u in costs.units}
     blocks = {block: (primitive_collectives(entry["forward_collectives"]
                                             + entry["backward_collectives"]),

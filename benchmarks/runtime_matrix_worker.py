@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import sys
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import corpus
 import torch
@@ -42,10 +44,10 @@ def _clean(fqn: str) -> str:
 
 
 def _batch(model_name: str, model, plan, step: int):
-    size = plan.training["global_batch_size"]
+    size = plan.training.global_batch_size
     if model_name in corpus.IMAGE_MODELS:
         return synthetic_images(step, 0, size, corpus.IMAGE_SHAPE, corpus.NUM_CLASSES)
-    return synthetic_batch(step, 0, size, plan.training["seq_len"], vocab_size(model))
+    return synthetic_batch(step, 0, size, plan.training.seq_len, vocab_size(model))
 
 
 # collective ops (functional, as DTensor issues them, and c10d's) -> (kind, the tensor that
@@ -109,7 +111,7 @@ class _Bf16:
     def __init__(self, model, plan):
         self.model = copy.deepcopy(model)
         self.opt = make_optimizer(self.model.parameters())
-        self.plan = type("Bf16Plan", (), {"training": dict(plan.training, dtype="bf16")})()
+        self.plan = SimpleNamespace(training=dataclasses.replace(plan.training, dtype="bf16"))
         self.loss_gap = self.grad_gap = 0.0
 
     def step(self, x, y, want: float, ref_grads: dict | None, scale: float) -> None:
@@ -132,7 +134,7 @@ def _run(plan_path: str, model_name: str, steps: int) -> dict:
     plan = load_plan(plan_path, model=model)
     ref = copy.deepcopy(model)
     ref_opt = make_optimizer(ref.parameters())
-    bf16 = _Bf16(model, plan) if plan.training["dtype"] == "fp8" else None
+    bf16 = _Bf16(model, plan) if plan.training.dtype == "fp8" else None
     sharded = runtime.apply_plan(model, plan)
     opt = make_optimizer(sharded.parameters())
     loss_err = grad_err = 0.0

@@ -15,7 +15,7 @@ for step in exported.setup:
     print("setup:", step)
 for note in exported.notes:  # none for a plan made for Megatron-LM
     print("note:", note)
-free = plan.training["unrestricted"]
+free = plan.training.unrestricted
 if free["step_time_s"] is not None:
     print(f"best for autopar's runtime {free['step_time_s']:.3f} s ({free['config']}) vs best "
           f"for Megatron-LM {plan.estimate.step_time_s:.3f} s ({plan.config.short()})")

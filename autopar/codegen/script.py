@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from autopar.plan.plan import Plan
 
 __all__ = ["generate_script"]
 
@@ -60,7 +63,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = model_factory()
     plan = load_plan(args.plan, model=model)  # refuses a plan made for another model
-    batch, seq_len = plan.training["global_batch_size"], plan.training["seq_len"]
+    batch, seq_len = plan.training.global_batch_size, plan.training.seq_len
     vocab = vocab_size(model)
 
     if args.reference:
@@ -111,7 +114,7 @@ def main(argv=None):
     if rank == 0:
         est = plan.estimate
         print(f"summary: median step {{statistics.median(times) * 1e3:.1f}} ms "
-              f"(plan predicts {{est.step_time_s * 1e3:.1f}} ms on {{plan.cluster['profile']}}), "
+              f"(plan predicts {{est.step_time_s * 1e3:.1f}} ms on {{plan.cluster.profile}}), "
               f"peak memory {{runtime.peak_memory_mb():.0f}} MiB ({{runtime.PEAK_MEMORY_MEANS}}; "
               f"plan predicts {{est.tensor_memory_bytes / 2**20:.0f}} MiB of tensors, "
               f"{{est.peak_memory_bytes / 2**20:.0f}} MiB with context, communication buffers "
@@ -144,7 +147,7 @@ def _import_line(spec: str, alias: str) -> str:
     return f"from {module} import {fn} as {alias}"
 
 
-def generate_script(plan: Any, model_factory: str, loss: str | None = None, *,
+def generate_script(plan: Plan | str | Path, model_factory: str, loss: str | None = None, *,
                     plan_path: str | Path | None = None, script_name: str = "train.py") -> str:
     """The script text.  ``plan`` is a Plan or the path of a saved plan; ``plan_path`` (the file
     the script loads; default: ``plan`` when it is a path) is written in as given.
@@ -165,6 +168,6 @@ def generate_script(plan: Any, model_factory: str, loss: str | None = None, *,
     imports.append(_import_line(loss, "loss_fn") if loss else "from autopar.runtime import lm_loss as loss_fn")
     est = plan.estimate
     return _TEMPLATE.format(plan_path=str(plan_path), config=plan.config.short(),
-                            world=plan.cluster["world_size"], step_ms=est.step_time_s * 1e3,
+                            world=plan.cluster.world_size, step_ms=est.step_time_s * 1e3,
                             peak_mib=est.peak_memory_bytes / 2**20, script=script_name,
                             imports="\n".join(imports))

@@ -5,7 +5,7 @@
 recorded pins merged with the new ones, and compares the best plan found with the original
 term by term. A plan file holds no model and no cluster object, only their fingerprints, so
 both must be passed again; they are checked against the plan's fingerprints. The pins a plan
-was compiled with are read from `plan.training["constraints"]` when the plan records them; a
+was compiled with are read from `plan.training.constraints` when the plan records them; a
 plan without that entry is treated as unpinned. When no plan exists under the pins (a degree that does not
 divide the world, nothing fits in memory) the explanation carries the search's own message.
 
@@ -31,12 +31,12 @@ if TYPE_CHECKING:
 
 __all__ = ["Comparison", "Explanation", "compare", "diff", "explain"]
 
-_SETTINGS = (("profile", lambda p: p.cluster.get("profile")),
-             ("num_nodes", lambda p: p.cluster.get("num_nodes")),
-             ("global_batch_size", lambda p: p.training.get("global_batch_size")),
-             ("seq_len", lambda p: p.training.get("seq_len")),
-             ("dtype", lambda p: p.training.get("dtype")),
-             ("model", lambda p: p.model.get("class")))
+_SETTINGS = (("profile", lambda p: p.cluster.profile),
+             ("num_nodes", lambda p: p.cluster.num_nodes),
+             ("global_batch_size", lambda p: p.training.global_batch_size),
+             ("seq_len", lambda p: p.training.seq_len),
+             ("dtype", lambda p: p.training.dtype),
+             ("model", lambda p: p.model.model_class))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,7 +183,7 @@ _DEGREES = ("tp", "pp", "cp")
 def _recorded_pins(plan: Plan, new: dict[str, Any]) -> dict[str, Any]:
     """The plan's own pins that still apply next to `new`: a new pin replaces an old one, and
     a new tp, pp or cp releases an old dp pin (dp is what the world size leaves over)."""
-    pins = dict(plan.training.get("constraints") or plan.search.get("constraints") or {})
+    pins = dict(plan.training.constraints or plan.search.get("constraints") or {})
     if any(k in new for k in _DEGREES) and "dp" not in new:
         pins.pop("dp", None)
     return pins
@@ -215,27 +215,26 @@ def explain(plan: Plan, model: Any, cluster: Cluster, *, example_inputs: Any = N
     check_plan(plan, cluster=cluster)
     constraints = {**_recorded_pins(plan, pins), **pins}
     known = EstimateOptions.__dataclass_fields__
-    options = EstimateOptions(**{k: v for k, v in plan.training.get("options", {}).items()
-                                 if k in known})
     training = plan.training
+    options = EstimateOptions(**{k: v for k, v in training.options.items() if k in known})
     # the plan's preset by name, so that a target's own preset does not replace it
-    software = training.get("software")
+    software = training.software
     costs = ({"software": software} if software in SOFTWARE
              and SOFTWARE[software].options == options else {"options": options})
     try:
         alternative = compile_plan(
-            model, cluster, global_batch_size=training["global_batch_size"],
-            seq_len=None if example_inputs is not None else training.get("seq_len"),
-            example_inputs=example_inputs, dtype=training["dtype"], constraints=constraints,
-            settings=settings or SearchSettings(progress=False),
-            target=training.get("target", "autopar"), **costs)
+            model, cluster, global_batch_size=training.global_batch_size,
+            seq_len=None if example_inputs is not None else training.seq_len,
+            example_inputs=example_inputs, dtype=training.dtype, constraints=constraints,
+            settings=settings or SearchSettings(progress=False), target=training.target,
+            **costs)
     except PlanningError as exc:
         check_plan(plan, model=model)  # another model would be the real reason
         return Explanation(plan=plan, pins=dict(pins), constraints=constraints,
                            alternative=None, reason=str(exc))
-    if alternative.model.get("fingerprint") != plan.model.get("fingerprint"):
-        raise ValueError(f"this plan was made for another model ({plan.model.get('class')}, "
-                         f"{plan.model.get('num_params', 0) / 1e9:.2f} B parameters); pass the "
+    if alternative.model.fingerprint != plan.model.fingerprint:
+        raise ValueError(f"this plan was made for another model ({plan.model.model_class}, "
+                         f"{plan.model.num_params / 1e9:.2f} B parameters); pass the "
                          f"model the plan was compiled for")
     return Explanation(plan=plan, pins=dict(pins), constraints=constraints,
                        alternative=alternative, comparison=compare(plan, alternative))

@@ -7,7 +7,7 @@ whose `setup` lists what the engine needs besides the text (how to launch it, wh
 the model) for choices it does take. A plan compiled for the engine (`compile(...,
 target=fmt)`, `autopar.targets`) exports with no notes.
 Every value comes from the plan: degrees, batch shape, precision, schedule, recompute policy,
-stage boundaries, the software options the estimate assumed (`plan.training["options"]`).
+stage boundaries, the software options the estimate assumed (`plan.training.options`).
 
 Stage boundaries. `plan.stages` lists module paths per (virtual) stage in model order; a
 repeated block appears under its own path (``layers.3``), the glue around the blocks under its
@@ -65,9 +65,12 @@ import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autopar.config import DEFAULT_MESH_ORDER, placed_order
+
+if TYPE_CHECKING:
+    from autopar.plan.plan import Plan
 
 __all__ = ["EXPORT_FORMATS", "ExportResult", "export_plan"]
 
@@ -90,7 +93,7 @@ class ExportResult:
     setup: tuple[str, ...] = ()  # what the engine needs besides `text` for choices it takes
 
 
-def export_plan(plan: Any, fmt: str) -> ExportResult:
+def export_plan(plan: Plan, fmt: str) -> ExportResult:
     """The plan as `fmt` ("megatron", "torchtitan" or "deepspeed") settings, with notes and
     set-up steps."""
     exporters: dict[str, Callable[[Any], tuple[str, list[str], list[str]]]] = {
@@ -170,22 +173,21 @@ def glue_layout(layers: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return middle, tuple(sorted(parents))
 
 
-def _shape(plan: Any) -> _Shape:
+def _shape(plan: Plan) -> _Shape:
     cfg, training = plan.config, plan.training
     flat = [name for stage in plan.stages for name in stage]
     middle, parents = glue_layout(flat)
     modules = [tuple(m for entry in stage
                      for m in ([entry] if _is_block(entry) else _glue_modules(entry)))
                for stage in plan.stages]
-    seq = training.get("seq_len")
+    seq, batch = training.seq_len, int(training.global_batch_size)
     return _Shape(
-        world_size=int(plan.cluster["world_size"]),
-        global_batch_size=int(training["global_batch_size"]),
-        seq_len=None if seq is None else int(seq), dtype=str(training["dtype"]),
-        num_microbatches=int(training["global_batch_size"]) // (cfg.dp * cfg.micro_batch_size),
+        world_size=int(plan.cluster.world_size), global_batch_size=batch,
+        seq_len=None if seq is None else int(seq), dtype=str(training.dtype),
+        num_microbatches=batch // (cfg.dp * cfg.micro_batch_size),
         layers_per_stage=tuple(sum(_is_block(n) for n in stage) for stage in plan.stages),
         modules_per_stage=tuple(modules), middle_glue=middle, glue_parents=parents,
-        options=dict(training.get("options") or {}))
+        options=dict(training.options))
 
 
 # ---------------------------------------------------------------------------------- Megatron
@@ -205,7 +207,7 @@ def _order_note(cfg: Any, theirs: str) -> str:
             f"mesh_order={','.join(DEFAULT_MESH_ORDER)})")
 
 
-def _megatron(plan: Any) -> tuple[str, list[str], list[str]]:
+def _megatron(plan: Plan) -> tuple[str, list[str], list[str]]:
     cfg, shape = plan.config, _shape(plan)
     opts, notes = shape.options, []
     flags: list[list[str]] = [
@@ -358,7 +360,7 @@ def _toml(sections: dict[str, dict[str, Any]], comments: dict[str, list[str]]) -
     return "\n".join(lines)
 
 
-def _torchtitan(plan: Any) -> tuple[str, list[str], list[str]]:
+def _torchtitan(plan: Plan) -> tuple[str, list[str], list[str]]:
     cfg, shape = plan.config, _shape(plan)
     opts, notes = shape.options, []
     sharded = cfg.zero_stage == 3
@@ -492,7 +494,7 @@ def _torchtitan_notes(cfg: Any, shape: _Shape, opts: dict[str, Any]) -> list[str
 # ---------------------------------------------------------------------------------- DeepSpeed
 
 
-def _deepspeed(plan: Any) -> tuple[str, list[str], list[str]]:
+def _deepspeed(plan: Plan) -> tuple[str, list[str], list[str]]:
     cfg, shape = plan.config, _shape(plan)
     opts, notes, setup = shape.options, [], []
     zero: dict[str, Any] = {"stage": cfg.zero_stage,

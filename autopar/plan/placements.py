@@ -239,7 +239,7 @@ def param_placements(graph: Graph, cfg: ParallelConfig, tp_map: dict[str, str]
                      ) -> dict[str, dict[str, str]]:
     """{param FQN: {axis: placement}} for every parameter of the model, sorted by FQN. With
     expert parallel folded over tp (`ParallelConfig.folded`) experts are whole on their
-    ranks: "R" on tp, "S(0)" on an ep group that spans tp (``Plan.mesh["ep_within"]``)."""
+    ranks: "R" on tp, "S(0)" on an ep group that spans tp (``Plan.mesh.ep_within``)."""
     result: dict[str, dict[str, str]] = {}
     experts = _expert_params(graph)
     for _, p, names in _layer_names(graph):

@@ -22,8 +22,10 @@ import pandas as pd
 
 from autopar.config import ParallelConfig
 from autopar.estimate.core import Estimate
+from autopar.plan.sections import PlanCluster, PlanMesh, PlanModel, PlanTraining
 
-__all__ = ["PLAN_VERSION", "Plan", "check_plan", "load_plan"]
+__all__ = ["PLAN_VERSION", "Plan", "PlanCluster", "PlanMesh", "PlanModel", "PlanTraining",
+           "check_plan", "load_plan"]
 
 PLAN_VERSION = 1
 _SAVED_CANDIDATES = 50  # the best fitting rows of the candidate table kept in the file
@@ -60,10 +62,10 @@ class Plan:
     estimate: Estimate
     stages: list[list[str]]
     placements: dict[str, dict[str, str]]
-    mesh: dict[str, Any]
-    model: dict[str, Any]  # class, fingerprint, num_params, num_layers
-    cluster: dict[str, Any]  # profile, num_nodes, world_size, fingerprint
-    training: dict[str, Any]  # global_batch_size, seq_len, dtype, options
+    mesh: PlanMesh
+    model: PlanModel
+    cluster: PlanCluster
+    training: PlanTraining
     candidates: pd.DataFrame = field(repr=False)
     intra_op: dict[str, Any] = field(default_factory=dict)  # per block: the ILP's solution
     search: dict[str, Any] = field(default_factory=dict, repr=False)  # not saved (timings)
@@ -92,8 +94,9 @@ class Plan:
         return _clean({
             "plan_version": self.version, "autopar_version": __version__,
             "config": self.config.to_dict(), "estimate": _estimate_dict(self.estimate),
-            "mesh": self.mesh, "stages": self.stages, "placements": self.placements,
-            "model": self.model, "cluster": self.cluster, "training": self.training,
+            "mesh": self.mesh.to_dict(), "stages": self.stages, "placements": self.placements,
+            "model": self.model.to_dict(), "cluster": self.cluster.to_dict(),
+            "training": self.training.to_dict(),
             "intra_op": self.intra_op, "candidates": top,
         })
 
@@ -144,21 +147,21 @@ class Plan:
 def check_plan(plan: Plan, *, model: Any = None, cluster: Any = None) -> None:
     """Raise ValueError when `plan` was made for another model (graph fingerprint) or another
     cluster (hardware fingerprint and node count), saying which and how to re-plan."""
-    if cluster is not None and cluster.fingerprint() != plan.cluster["fingerprint"]:
+    if cluster is not None and cluster.fingerprint() != plan.cluster.fingerprint:
         raise ValueError(
-            f"this plan was made for {plan.cluster['profile']} x {plan.cluster['num_nodes']} "
+            f"this plan was made for {plan.cluster.profile} x {plan.cluster.num_nodes} "
             f"nodes, not for {cluster.name} x {cluster.num_nodes}: re-plan with "
             f"autopar.compile(model, cluster, ...) for this cluster")
     if model is not None:
         from autopar.trace import trace
 
-        seq = plan.training.get("seq_len")
-        graph = trace(model, global_batch_size=1, seq_len=seq, dtype=plan.training["dtype"]) \
+        seq = plan.training.seq_len
+        graph = trace(model, global_batch_size=1, seq_len=seq, dtype=plan.training.dtype) \
             if seq else None
-        if graph is not None and graph.fingerprint() != plan.model["fingerprint"]:
+        if graph is not None and graph.fingerprint() != plan.model.fingerprint:
             raise ValueError(
-                f"this plan was made for another model ({plan.model['class']}, "
-                f"{plan.model['num_params'] / 1e9:.2f} B parameters; this one is "
+                f"this plan was made for another model ({plan.model.model_class}, "
+                f"{plan.model.num_params / 1e9:.2f} B parameters; this one is "
                 f"{graph.model_class}, {graph.num_params / 1e9:.2f} B): re-plan with "
                 f"autopar.compile for this model")
 
@@ -189,15 +192,17 @@ def load_plan(path: str | Path, *, model: Any = None, cluster: Any = None) -> Pl
                        stage_wgrad_s=tuple(e.get("stage_wgrad_s", ())),
                        p2p_s=e.get("p2p_s", 0.0))
         plan = Plan(config=cfg, estimate=est, stages=data["stages"],
-                    placements=data["placements"], mesh=data["mesh"], model=data["model"],
-                    cluster=data["cluster"], training=data["training"],
+                    placements=data["placements"], mesh=PlanMesh.from_dict(data["mesh"]),
+                    model=PlanModel.from_dict(data["model"]),
+                    cluster=PlanCluster.from_dict(data["cluster"]),
+                    training=PlanTraining.from_dict(data["training"]),
                     intra_op=data.get("intra_op", {}),
                     candidates=pd.DataFrame(data["candidates"]))
     except (KeyError, TypeError) as exc:
         raise ValueError(f"plan {path} is corrupted (missing or bad field {exc}); re-plan with "
                          f"autopar.compile") from None
-    if list(plan.mesh.get("axes", ())) != list(cfg.mesh_order):
-        raise ValueError(f"plan {path} is corrupted: its mesh axes {plan.mesh.get('axes')} are "
+    if plan.mesh.axes != cfg.mesh_order:
+        raise ValueError(f"plan {path} is corrupted: its mesh axes {list(plan.mesh.axes)} are "
                          f"not its config's mesh_order {list(cfg.mesh_order)}; re-plan with "
                          f"autopar.compile")
     check_plan(plan, model=model, cluster=cluster)

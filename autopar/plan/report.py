@@ -73,17 +73,16 @@ def slower_because(deltas: dict[str, float], *, top: int = 3) -> str:
 
 def _overview(plan: Plan, device_model: str | None) -> Section:
     model, cluster, training = plan.model, plan.cluster, plan.training
-    seq = training.get("seq_len")
-    tokens = f"{training['global_batch_size']} sequences x {seq} tokens = " \
-        f"{training['global_batch_size'] * seq:,} tokens per step" if seq else \
-        f"{training['global_batch_size']} samples per step"
-    gpus = f"{cluster['world_size']} x {device_model}" if device_model else \
-        f"{cluster['world_size']} GPUs"
+    seq, batch = training.seq_len, training.global_batch_size
+    tokens = f"{batch} sequences x {seq} tokens = {batch * seq:,} tokens per step" if seq else \
+        f"{batch} samples per step"
+    gpus = f"{cluster.world_size} x {device_model}" if device_model else \
+        f"{cluster.world_size} GPUs"
     return Section(title="Model, cluster, batch", lines=(
-        (f"model    {model['class']}: {fmt_count(model['num_params'])} parameters, "
-         f"{model['num_layers']} layers (blocks plus embedding/head glue)"),
-        f"cluster  {cluster['num_nodes']} x {cluster['profile']} ({gpus})",
-        f"batch    {tokens}, {training['dtype']}",
+        (f"model    {model.model_class}: {fmt_count(model.num_params)} parameters, "
+         f"{model.num_layers} layers (blocks plus embedding/head glue)"),
+        f"cluster  {cluster.num_nodes} x {cluster.profile} ({gpus})",
+        f"batch    {tokens}, {training.dtype}",
     ))
 
 
@@ -96,9 +95,8 @@ def _configuration(plan: Plan) -> Section:
             and (name != "etp" or cfg.folded)]
     rows.append(("micro-batches per step", str(est.num_microbatches)))
     mesh = plan.mesh
-    rows.append(("mesh", " x ".join(f"{a}={s}" for a, s in zip(mesh["axes"], mesh["sizes"]))
-                 + (f" (ep={mesh['ep']} within {mesh.get('ep_within', 'dp*cp')})"
-                    if mesh.get("ep", 1) > 1 else "")))
+    rows.append(("mesh", " x ".join(f"{a}={s}" for a, s in zip(mesh.axes, mesh.sizes))
+                 + (f" (ep={mesh.ep} within {mesh.ep_within})" if mesh.ep > 1 else "")))
     return Section(title="Chosen configuration", lines=(cfg.short(), *_target_lines(plan)),
                    tables=(Table(columns=("field", "value"), rows=tuple(rows)),))
 
@@ -109,15 +107,15 @@ def _target_lines(plan: Plan) -> tuple[str, ...]:
     against the plan. Plans saved before targets existed record none."""
     from autopar.targets import TARGETS
 
-    name = plan.training.get("target")
+    name = plan.training.target
     if name is None:
         return ()
     if name == "autopar":
         return ("target   autopar: autopar's runtime, every configuration it runs for this "
                 "model",)
     engine = TARGETS[name].engine if name in TARGETS else name
-    free = plan.training.get("unrestricted") or {}
-    software = plan.training.get("software")
+    free = plan.training.unrestricted or {}
+    software = plan.training.software
     lines = [f"target   {name}: only what {engine} runs (autopar.targets), costed with "
              + (f"the {software} software preset" if software else "the options below")]
     mine, theirs = free.get("step_time_s"), plan.estimate.step_time_s
@@ -150,12 +148,12 @@ def _memory_lines(plan: Plan) -> tuple[str, ...]:
     """The peak against the device and the headroom the plan keeps (plans saved before the
     headroom existed record none: their usable memory is the device's)."""
     est, training = plan.estimate, plan.training
-    device = training.get("device_memory_bytes", est.usable_memory_bytes)
+    device = training.device_memory_bytes or est.usable_memory_bytes
     share = est.peak_memory_bytes / device if device else 0.0
-    headroom = training.get("memory_headroom", 0.0)
+    headroom = training.memory_headroom
     if not est.fits:
         verdict = "DOES NOT FIT"
-    elif training.get("memory_headroom_kept", True):
+    elif training.memory_headroom_kept:
         verdict = f"fits with {100 * headroom:g}% of device memory kept free" if headroom \
             else "fits"
     else:
@@ -194,7 +192,7 @@ def _memory_section(plan: Plan) -> Section:
     if not est.memory_by_stage:
         return Section(title="Memory per pipeline stage", lines=(
             "no per-stage memory in this estimate (closed-form estimates keep only the peak)",))
-    rows, device = [], plan.training.get("device_memory_bytes", est.usable_memory_bytes)
+    rows, device = [], plan.training.device_memory_bytes or est.usable_memory_bytes
     for rank, mem in enumerate(est.memory_by_stage):
         total = sum(float(v) for k, v in mem.items() if not k.startswith("_"))
         rows.append((str(rank), *(fmt_bytes_gb(mem.get(key, 0.0)) for key, _ in _MEMORY_CATEGORIES),
@@ -422,7 +420,7 @@ def _load_profile(plan: Plan):
     from autopar.cluster import Cluster
 
     try:
-        return Cluster.from_profile(plan.cluster["profile"], num_nodes=plan.cluster["num_nodes"])
+        return Cluster.from_profile(plan.cluster.profile, num_nodes=plan.cluster.num_nodes)
     except (ValueError, OSError, KeyError):
         return None
 
@@ -497,12 +495,12 @@ def _profile_rows(cluster, dtype: str) -> list[tuple[str, str, str]]:
 
 
 def _assumptions(plan: Plan, cluster) -> Section:
-    options = dict(plan.training.get("options", {}))
-    dtype = plan.training.get("dtype", "bf16")
+    options = dict(plan.training.options)
+    dtype = plan.training.dtype
     hardware = cluster.hardware if cluster is not None else None
-    lines = [(f"profile  {plan.cluster['profile']} x {plan.cluster['num_nodes']} node(s), "
-             f"fingerprint {plan.cluster.get('fingerprint', '?')}")]
-    software = plan.training.get("software")
+    lines = [(f"profile  {plan.cluster.profile} x {plan.cluster.num_nodes} node(s), "
+             f"fingerprint {plan.cluster.fingerprint}")]
+    software = plan.training.software
     if software is not None:
         from autopar.estimate.software import SOFTWARE
 
@@ -512,7 +510,7 @@ def _assumptions(plan: Plan, cluster) -> Section:
         lines.append("software: the options below, set one by one (no preset)")
     if cluster is None:
         lines.append("the profile is not a shipped one: its values are not shown")
-    elif cluster.fingerprint() != plan.cluster.get("fingerprint"):
+    elif cluster.fingerprint() != plan.cluster.fingerprint:
         lines.append(f"the plan was made with overridden profile fields (shipped fingerprint "
                      f"{cluster.fingerprint()}); the values below are the shipped profile's")
     tables = [Table(title="software options", columns=("option", "value"),
@@ -521,7 +519,7 @@ def _assumptions(plan: Plan, cluster) -> Section:
                           "nccl_constants.py)", columns=("constant", "value", "basis"),
                     rows=tuple(_constants(hardware, dtype, options)))]
     if cluster is not None:
-        tables.append(Table(title=f"efficiencies of profile {plan.cluster['profile']}",
+        tables.append(Table(title=f"efficiencies of profile {plan.cluster.profile}",
                             columns=("field", "value", "source"),
                             rows=tuple(_profile_rows(cluster, dtype))))
     return Section(title="Assumptions", lines=tuple(lines), tables=tuple(tables),

@@ -8,7 +8,7 @@ over ``tp`` (DTensor), wrap blocks for recompute, shard or replicate them over `
 Data parallel and the ZeRO stages: ``autopar.runtime.data_parallel``.  Context parallel
 (``autopar.runtime.context_parallel``): each rank trains on its share of every sequence, with
 ring attention over ``cp``: its zigzag chunks for models whose attention and positions go
-through autopar's hook (``plan.model["cp_layout"] == "zigzag"``), one contiguous chunk held as
+through autopar's hook (``plan.model.cp_layout == "zigzag"``), one contiguous chunk held as
 sequence-sharded DTensors through the model's own forward otherwise (``"contiguous"``);
 gradients are averaged over dp × cp.  Expert parallel
 (``autopar.runtime.expert_parallel``, ep > 1): right after the stage modules are built, each
@@ -37,7 +37,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,9 @@ from autopar.runtime.tensor_parallel import (
     stage_boundaries,
 )
 
+if TYPE_CHECKING:
+    from autopar.plan.plan import Plan
+
 __all__ = ["RuntimeModel", "apply_plan", "check_world_size", "init_distributed", "lm_loss",
            "model_logits", "precision", "shutdown"]
 
@@ -96,16 +99,16 @@ log = logging.getLogger(__name__)
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
-def precision(plan: Any, device: torch.device | str = "cpu", model: nn.Module | None = None):
+def precision(plan: Plan, device: torch.device | str = "cpu", model: nn.Module | None = None):
     """The context to run a forward pass of `plan` in: bf16 autocast for a bf16 or fp8 plan
     (an fp8 plan also runs its fp8 weights' GEMMs in fp8, through hooks on `model`'s modules,
     which it needs), nothing otherwise. The backward pass runs in the dtypes its forward
     chose."""
-    dtype = AUTOCAST_DTYPES.get(plan.training["dtype"])
+    dtype = AUTOCAST_DTYPES.get(plan.training.dtype)
     if dtype is None:
         return contextlib.nullcontext()
     autocast = torch.autocast(torch.device(device).type, dtype=dtype)
-    if plan.training["dtype"] != "fp8":
+    if plan.training.dtype != "fp8":
         return autocast
     if model is None:
         raise ValueError("an fp8 plan runs the GEMMs of its fp8 weights in fp8 through hooks "
@@ -141,12 +144,12 @@ def lm_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
 
 
-def check_world_size(plan: Any, world_size: int) -> None:
+def check_world_size(plan: Plan, world_size: int) -> None:
     """ValueError unless the launch has exactly the plan's number of ranks (no collectives)."""
-    want = int(plan.cluster["world_size"])
+    want = int(plan.cluster.world_size)
     if world_size != want:
-        raise ValueError(f"this plan needs {want} processes (mesh {dict(zip(plan.mesh['axes'], plan.mesh['sizes']))}, "
-                         f"cluster {plan.cluster['profile']}), but {world_size} were launched: run "
+        raise ValueError(f"this plan needs {want} processes (mesh {dict(zip(plan.mesh.axes, plan.mesh.sizes))}, "
+                         f"cluster {plan.cluster.profile}), but {world_size} were launched: run "
                          f"torchrun --nproc_per_node={want} ..., or re-plan for {world_size} ranks")
 
 
@@ -434,11 +437,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _example_microbatch(plan: Any, cp: int) -> torch.Tensor:
+def _example_microbatch(plan: Plan, cp: int) -> torch.Tensor:
     """One micro-batch of zeros of the plan's input: token ids of its sequence (this rank's
     share under context parallel), or the one input tensor it was planned with, for the probe
     forwards of pipeline stages and MoE layers."""
-    seq, spec = plan.training.get("seq_len"), plan.training.get("input")
+    seq, spec = plan.training.seq_len, plan.training.input
     mb = plan.config.micro_batch_size
     if seq:
         return torch.zeros(mb, int(seq) // cp, dtype=torch.long)
@@ -450,7 +453,7 @@ def _example_microbatch(plan: Any, cp: int) -> torch.Tensor:
                      "or with pp=1 and ep=1")
 
 
-def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu",
+def apply_plan(model: nn.Module, plan: Plan, *, device: torch.device | str = "cpu",
                loss_fn: Callable | None = None) -> RuntimeModel:
     """Shard ``model`` (the full model with its weights, identical on every rank) as ``plan``
     says.  Needs an initialised default process group of the plan's world size."""
@@ -468,7 +471,7 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     if getattr(hf_config, "use_cache", False) is True:  # a KV cache is state the recompute
         hf_config.use_cache = False  # would see changed; training keeps none (as the trace)
         log.info("model.config.use_cache set to False: training keeps no KV cache")
-    layout = plan.model.get("cp_layout", "zigzag")
+    layout = plan.model.cp_layout
     if cfg.folded:
         raise ValueError(f"this plan folds expert parallel over tp (etp=1: experts whole, ep "
                          f"{cfg.ep} over tp x cp x dp), which Megatron-Core and torchtitan run "
@@ -479,21 +482,21 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
     if cfg.ep > 1:
         check_expert_parallel(model, plan)
     check_world_size(plan, dist.get_world_size())
-    axes, sizes = list(plan.mesh["axes"]), [int(s) for s in plan.mesh["sizes"]]
+    axes, sizes = list(plan.mesh.axes), [int(s) for s in plan.mesh.sizes]
     mesh = init_device_mesh(device.type, tuple(sizes), mesh_dim_names=tuple(axes))
     deg = dict(zip(axes, sizes))
     pp, tp, dp = deg.get("pp", 1), deg.get("tp", 1), deg.get("dp", 1)
     cp = deg.get("cp", 1)
     default_loss = loss_fn is None or loss_fn is lm_loss  # generated scripts pass lm_loss
     loss_fn = loss_fn or lm_loss
-    gbs = int(plan.training["global_batch_size"])
+    gbs = int(plan.training.global_batch_size)
     n_micro = gbs // (dp * cfg.micro_batch_size)
     # MoE sub-layers that run exactly on local tp shards, checked on the whole model
     exact_moe = exact_moe_classes(model, plan, lambda: _example_microbatch(
         plan, cp if layout == "zigzag" else 1)) if tp > 1 else set()
     own_moe = bool(find_moe_modules(model))  # autopar's MoE layers, before ep replaces them
     # before any module is copied or sharded: stage copies keep the hooks
-    fp8 = float8_gemms(model, plan) if plan.training["dtype"] == "fp8" else None
+    fp8 = float8_gemms(model, plan) if plan.training.dtype == "fp8" else None
     if pp > 1:
         ids = stage_ids_for_rank(mesh["pp"].get_local_rank(), pp, len(plan.stages))
         # the probe sees the sequence as the model will: a zigzag share, or the whole sequence
@@ -543,7 +546,7 @@ def apply_plan(model: nn.Module, plan: Any, *, device: torch.device | str = "cpu
                       selective_recompute=cfg.recompute == "selective",
                       zero_stage=cfg.zero_stage if dp * cp > 1 else 0,
                       forward_context=lambda: precision(plan, device, model), fp8=fp8)
-    if plan.training["dtype"] == "fp16":
+    if plan.training.dtype == "fp16":
         log.warning("fp16 plan: trains in fp32 (fp16 needs loss scaling, which this runtime "
                     "does not do); plan with dtype='bf16' to train in 16-bit")
     if sequence is not None:

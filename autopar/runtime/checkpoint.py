@@ -37,7 +37,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.runtime.apply import RuntimeModel
+
+if TYPE_CHECKING:
+    from autopar.plan.plan import Plan
 
 __all__ = ["INFO_FILE", "checkpoint_info", "load_checkpoint", "save_checkpoint"]
 
@@ -181,7 +184,7 @@ def _from_dcp(loaded: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _layout(model: RuntimeModel | nn.Module, plan: Any) -> str:
+def _layout(model: RuntimeModel | nn.Module, plan: Plan) -> str:
     if not isinstance(model, RuntimeModel):
         return REFERENCE_LAYOUT
     world = dist.get_world_size() if _distributed() else 1
@@ -202,7 +205,7 @@ def _write_info(path: Path, info: dict[str, Any]) -> None:
 
 
 def save_checkpoint(path: str | Path, runtime_model: RuntimeModel | nn.Module,
-                    optimizer: torch.optim.Optimizer, step: int, *, plan: Any = None) -> Path:
+                    optimizer: torch.optim.Optimizer, step: int, *, plan: Plan | None = None) -> Path:
     """Write model and optimizer state after ``step`` into the directory ``path`` (collective:
     every rank calls it).  ``runtime_model`` is what ``apply_plan`` returned, or the plain model
     of a single-process reference run; ``plan`` (optional) is recorded for ``load_checkpoint``'s
@@ -220,9 +223,10 @@ def save_checkpoint(path: str | Path, runtime_model: RuntimeModel | nn.Module,
                 "layout": _layout(runtime_model, plan), "torch": torch.__version__,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         if plan is not None:
-            info["model"] = {k: plan.model.get(k) for k in ("class", "num_params")}
+            info["model"] = {"class": plan.model.model_class,
+                             "num_params": plan.model.num_params}
             if isinstance(runtime_model, RuntimeModel):
-                info["plan"] = {"config": plan.config.to_dict(), "mesh": plan.mesh}
+                info["plan"] = {"config": plan.config.to_dict(), "mesh": plan.mesh.to_dict()}
         _write_info(path, info)
     if distributed:
         dist.barrier()  # the info file exists before any rank goes on

@@ -31,7 +31,7 @@ import contextlib
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,9 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autopar.ir import SEQUENCE_DIM
 from autopar.runtime.local_attention import LocalAttention, _replicated_call, local_heads
+
+if TYPE_CHECKING:
+    from autopar.plan.plan import Plan
 
 __all__ = ["BlockKind", "ContextParallel", "block_kind", "block_mask", "check_context_parallel",
            "data_parallel_mesh", "replica_dims", "ring_attention", "zigzag_chunks", "zigzag_merge",
@@ -365,12 +368,12 @@ class ContextParallel:
         return zigzag_split(x, self.rank, self.size, dim)
 
 
-def check_context_parallel(plan: Any) -> None:
+def check_context_parallel(plan: Plan) -> None:
     """ValueError, before any collective, for a cp > 1 plan this runtime cannot run: its
     sequence must cut into ``2·cp`` equal zigzag chunks, or ``cp`` contiguous ones with tp = 1
     and ep = 1 (``autopar.compile`` keeps to the same; this guards hand-edited plans)."""
-    cfg, seq = plan.config, int(plan.training["seq_len"])
-    if plan.model.get("cp_layout", "zigzag") == "zigzag":
+    cfg, seq = plan.config, int(plan.training.seq_len)
+    if plan.model.cp_layout == "zigzag":
         _chunk_len(seq, cfg.cp)
         return
     if seq % cfg.cp:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.runtime.structure import blocks
+
+if TYPE_CHECKING:
+    from autopar.plan.plan import Plan
 
 __all__ = ["apply_data_parallel", "fsdp_precision", "sync_gradients"]
 
@@ -88,7 +91,7 @@ def _has_dtensor(params: list[nn.Parameter]) -> bool:
     return any(hasattr(p, "_local_tensor") for p in params)
 
 
-def apply_data_parallel(module: nn.Module, plan: Any, dp_mesh: Any, *, pure_dp: bool,
+def apply_data_parallel(module: nn.Module, plan: Plan, dp_mesh: Any, *, pure_dp: bool,
                         ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """Replicate or shard ``module`` over ``dp_mesh`` (each of its ranks trains on its own slice
     of the batch; gradients are averaged over it) as the plan's ZeRO stage says.  Returns the
@@ -128,12 +131,12 @@ def apply_data_parallel(module: nn.Module, plan: Any, dp_mesh: Any, *, pure_dp: 
     return module
 
 
-def fsdp_precision(plan: Any) -> Any:
+def fsdp_precision(plan: Plan) -> Any:
     """FSDP2's mixed precision for `plan`: parameters gathered in bf16 and gradients reduced
     in fp32 for a bf16 or fp8 plan (torchtitan's policy), none otherwise."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if plan.training["dtype"] in ("bf16", "fp8"):
+    if plan.training.dtype in ("bf16", "fp8"):
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 

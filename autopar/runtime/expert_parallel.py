@@ -62,7 +62,7 @@ import logging
 import re
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from autopar.runtime.context_parallel import replica_dims
 from autopar.runtime.data_parallel import fsdp_precision
 from autopar.runtime.local_attention import sum_grad_over_tp
+
+if TYPE_CHECKING:
+    from autopar.plan.plan import Plan
 
 __all__ = ["ExpertGroups", "ExpertParallelMoE", "apply_expert_parallel", "check_expert_parallel",
            "expert_groups", "find_moe_modules", "shard_expert_params", "sync_expert_gradients"]
@@ -206,11 +209,11 @@ class ExpertGroups:
     ep_mesh: Any = None  # 1-D DeviceMesh of the ep group (fused expert rows are Shard(0) on it)
 
 
-def expert_groups(mesh: Any, plan: Any) -> ExpertGroups:
+def expert_groups(mesh: Any, plan: Plan) -> ExpertGroups:
     """Build the ep and replica groups from the plan's mesh, in its mesh order (collective:
     every rank must call it)."""
     cfg = plan.config
-    deg = dict(zip(plan.mesh["axes"], (int(s) for s in plan.mesh["sizes"])))
+    deg = dict(zip(plan.mesh.axes, (int(s) for s in plan.mesh.sizes)))
     dp, cp, tp, ep = deg.get("dp", 1), deg.get("cp", 1), deg.get("tp", 1), cfg.ep
     d = dp * cp
     if ep < 1 or d % ep:
@@ -402,7 +405,7 @@ class ExpertParallelMoE(nn.Module):
 # applying it to a model and reducing the expert gradients
 
 
-def apply_expert_parallel(modules: list[nn.Module], plan: Any, groups: ExpertGroups
+def apply_expert_parallel(modules: list[nn.Module], plan: Plan, groups: ExpertGroups
                           ) -> list[nn.Parameter]:
     """Replace every MoE layer of ``modules`` (the rank's model or pipeline stage modules, FQNs
     as in the plan) by an ``ExpertParallelMoE`` holding this rank's experts, sharded on tp as
@@ -443,11 +446,11 @@ def apply_expert_parallel(modules: list[nn.Module], plan: Any, groups: ExpertGro
     return expert_params
 
 
-def check_expert_parallel(model: nn.Module, plan: Any) -> None:
+def check_expert_parallel(model: nn.Module, plan: Plan) -> None:
     """ValueError unless ``plan``'s ep can run on ``model`` (no process group needed): it has
     MoE layers this runtime recognises, ep divides their expert count and dp·cp."""
     ep = plan.config.ep
-    deg = dict(zip(plan.mesh["axes"], (int(s) for s in plan.mesh["sizes"])))
+    deg = dict(zip(plan.mesh.axes, (int(s) for s in plan.mesh.sizes)))
     d = deg.get("dp", 1) * deg.get("cp", 1)
     if d % ep:
         raise ValueError(f"ep={ep} must divide dp*cp = {d}; re-plan with an ep in "
@@ -509,7 +512,7 @@ class _ExpertGradientSync:
                 offset += g.numel()
 
 
-def shard_expert_params(module: nn.Module, plan: Any, groups: ExpertGroups) -> None:
+def shard_expert_params(module: nn.Module, plan: Plan, groups: ExpertGroups) -> None:
     """Set up the expert gradient reduction of ``module`` (a top-level module the runtime
     steps): FSDP2 over the replica group under ZeRO ≥ 1 with replicas, else the manual
     all-reduce run by ``sync_expert_gradients``.  Call before the dense data-parallel wrapper."""

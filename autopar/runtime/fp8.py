@@ -1,6 +1,6 @@
 """Float8 training of a plan's fp8 GEMMs (dtype "fp8"), on the user's unchanged modules.
 
-The plan names the weights whose GEMMs run in fp8 (``plan.training["fp8_weights"]``, the
+The plan names the weights whose GEMMs run in fp8 (``plan.training.fp8_weights``, the
 ones the estimate costs so: `autopar.estimate.fp8`). Each GEMM of such a weight -- whatever
 calls it: ``F.linear`` (``nn.Linear``), ``addmm`` (a Conv1D), ``x @ w`` -- runs as torchao's
 default recipe runs a ``Float8Linear``: dynamic tensorwise scaling, the activation and the
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +30,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from autopar.plan.plan import Plan
 
 __all__ = ["Float8Gemms", "float8_linear", "float8_gemms", "quantize", "RECIPES"]
 
@@ -308,18 +311,18 @@ class Float8Gemms(TorchFunctionMode):
 _INSTALLED: weakref.WeakKeyDictionary[nn.Module, Float8Gemms] = weakref.WeakKeyDictionary()
 
 
-def float8_gemms(model: nn.Module, plan: Any) -> Float8Gemms:
+def float8_gemms(model: nn.Module, plan: Plan) -> Float8Gemms:
     """The fp8 mode of `model` under `plan` (an fp8 plan), its module hooks installed on the
     first call: before the runtime copies or shards any module, so pipeline stages (deep
     copies) keep them."""
     if model in _INSTALLED:
         return _INSTALLED[model]
-    names = plan.training.get("fp8_weights")
+    names = plan.training.fp8_weights
     if names is None:
         raise ValueError("this fp8 plan does not name the weights whose GEMMs run in fp8 "
-                         "(training['fp8_weights']): it was written by an older autopar; "
+                         "(plan.training.fp8_weights): it was written by an older autopar; "
                          "re-plan it with autopar.compile")
-    recipe = plan.training.get("options", {}).get("fp8_recipe", "tensorwise")
+    recipe = plan.training.options.get("fp8_recipe", "tensorwise")
     if recipe not in RECIPES:
         log.warning("fp8 plan costed with fp8_recipe=%r: this runtime scales %s; it runs "
                     "tensorwise", recipe, " or ".join(RECIPES))

@@ -18,9 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from autopar.plan.plan import Plan
 
 __all__ = ["StateBytes", "StateCounter", "WeightWatcher", "grad_bytes", "optimizer_bytes", "param_bytes"]
 
@@ -110,7 +114,7 @@ class StateCounter:
         w = self._watcher
         return StateBytes(w.rest if zero_stage == 3 else w.peak, self.grads, self.optimizer)
 
-    def line(self, plan=None) -> str:
+    def line(self, plan: Plan | None = None) -> str:
         if plan is None:
             held = self.held(0)
             return (f"model states held: weights {_mib(held.weights)}, grads "

@@ -42,7 +42,7 @@ import copy
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -50,6 +50,9 @@ from torch.utils._pytree import tree_map
 
 from autopar.config import FEW_MICROBATCHES
 from autopar.runtime.structure import block_slots
+
+if TYPE_CHECKING:
+    from autopar.plan.plan import Plan
 
 __all__ = ["SCHEDULES", "ModelLayout", "build_stage_modules", "install_stage_io",
            "make_pipeline_stages", "make_schedule", "probe_layout", "set_stage_tokens",
@@ -501,7 +504,7 @@ class _ScheduleWithTiedSum:
         return getattr(self._schedule, name)
 
 
-def make_schedule(plan: Any, stages: list[Any], n_microbatches: int, loss_fn: Any):
+def make_schedule(plan: Plan, stages: list[Any], n_microbatches: int, loss_fn: Any):
     """The ``torch.distributed.pipelining`` schedule for ``plan.config.pp_schedule`` (with the
     tied-gradient sum after each step when this rank holds a tied parameter's copy)."""
     from torch.distributed.pipelining import schedules

@@ -49,7 +49,7 @@ import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,9 @@ from autopar.runtime.expert_gather import split_rows_over_tp
 from autopar.runtime.pipeline import tied_parameters
 from autopar.runtime.structure import block_slots
 from autopar.runtime.tp_moe import install_local_moe, local_moe_sublayers
+
+if TYPE_CHECKING:
+    from autopar.plan.plan import Plan
 
 __all__ = ["TensorParallel", "apply_tensor_parallel", "settle_gradients", "stage_boundaries",
            "tp_dims"]
@@ -269,7 +272,7 @@ def _placement(fqn: str, p: torch.Tensor, dims: dict[str, int], chunks: dict[str
     return (Replicate(),) if dim is None else (Shard(dim),)
 
 
-def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any, *,
+def apply_tensor_parallel(module: nn.Module, plan: Plan, tp_mesh: Any, *,
                           exact_moe: set[type] = frozenset()) -> TensorParallel:
     """Shard ``module`` (the whole model or one pipeline stage; FQNs as in the plan) over
     ``tp_mesh`` as the plan's placements say; see the module docstring.  Sub-layers holding
@@ -289,7 +292,7 @@ def apply_tensor_parallel(module: nn.Module, plan: Any, tp_mesh: Any, *,
     cfg = plan.config
     sp = bool(cfg.sequence_parallel)
     fsdp_follows = cfg.zero_stage >= 1 and cfg.dp * cfg.cp > 1
-    chunks = plan.model.get("fused_projections", {})
+    chunks = plan.model.fused_projections or {}
     holders = {fqn.rpartition(".")[0] for fqn in dims} - set(convs)
     entries = _sublayer_entries(module, holders)
     local_moe = local_moe_sublayers(module, entries, own, exact_moe)

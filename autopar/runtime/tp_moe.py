@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from autopar.trace.moe import moe_experts
+
+if TYPE_CHECKING:
+    from autopar.plan.plan import Plan
 
 __all__ = ["exact_moe_classes", "install_local_moe", "local_moe_sublayers", "local_shard",
            "moe_sublayers", "partial_sum_error"]
@@ -52,7 +55,7 @@ def moe_sublayers(module: nn.Module, entries: set[str]) -> list[str]:
                          for m in module.get_submodule(name).modules()))
 
 
-def exact_moe_classes(model: nn.Module, plan: Any, example: Callable[[], torch.Tensor]
+def exact_moe_classes(model: nn.Module, plan: Plan, example: Callable[[], torch.Tensor]
                       ) -> set[type]:
     """The classes of the whole ``model``'s MoE sub-layers (its weights unsharded, before
     expert parallel changes them) that run exactly on local shards: on the inputs the first
@@ -67,7 +70,7 @@ def exact_moe_classes(model: nn.Module, plan: Any, example: Callable[[], torch.T
     names = moe_sublayers(model, _sublayer_entries(model, {f.rpartition(".")[0] for f in dims}))
     if not names:
         return set()
-    chunks = plan.model.get("fused_projections", {})
+    chunks = plan.model.fused_projections or {}
     fsdp_follows = plan.config.zero_stage >= 1 and plan.config.dp * plan.config.cp > 1
     inputs = _capture_inputs(model, names, example())
     verdict: dict[type, bool] = {}

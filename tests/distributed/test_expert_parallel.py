@@ -31,6 +31,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from autopar.plan.sections import PlanMesh
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from test_parity import (
@@ -105,8 +107,8 @@ def _module_layout(name: str, dp: int, tp: int, ep: int, zero: int) -> dict[str,
                                                            "ep": "S(0)"}
     plan = SimpleNamespace(
         config=SimpleNamespace(ep=ep, zero_stage=zero, pp=1, pp_schedule="1f1b"),
-        mesh={"axes": ["pp", "dp", "cp", "tp"], "sizes": [1, dp, 1, tp], "ep": ep},
-        placements=placements, training={"dtype": "fp32"})
+        mesh=PlanMesh(axes=("pp", "dp", "cp", "tp"), sizes=(1, dp, 1, tp), ep=ep),
+        placements=placements, training=SimpleNamespace(dtype="fp32"))
     holder = torch.nn.Module()
     holder.moe = copy.deepcopy(moe)
     groups = expert_groups(mesh, plan)
@@ -166,8 +168,8 @@ def _grads_worker(out_dir: str, plan_paths: list[str]) -> None:
         model = tiny_models.tiny_mixtral()
         plan = load_plan(path, model=model)
         rt = runtime.apply_plan(model, plan, device=device)
-        x, y = runtime.synthetic_batch(1, 0, plan.training["global_batch_size"],
-                                       plan.training["seq_len"], vocab_size(model))
+        x, y = runtime.synthetic_batch(1, 0, plan.training.global_batch_size,
+                                       plan.training.seq_len, vocab_size(model))
         rt.train_step(x, y)
         named = [(n, p) for m in rt.modules for n, p in m.named_parameters()]
         named.sort(key=lambda item: ".experts." in item[0])
@@ -259,7 +261,7 @@ def test_routing_other_than_softmax_top_k_is_refused():
     with pytest.raises(ValueError, match="not softmax"):
         _routing_kind(SigmoidMoE(DIM, HIDDEN, EXPERTS, TOP_K), "moe")
     plan = SimpleNamespace(config=SimpleNamespace(ep=2),
-                           mesh={"axes": ["pp", "dp", "cp", "tp"], "sizes": [1, 2, 1, 1]})
+                           mesh=PlanMesh(axes=("pp", "dp", "cp", "tp"), sizes=(1, 2, 1, 1)))
     with pytest.raises(ValueError, match="no MoE layer"):
         check_expert_parallel(torch.nn.Linear(4, 4), plan)
     holder = torch.nn.Module()

@@ -67,7 +67,7 @@ def test_state_bytes_per_rank_match_the_estimate(tmp_path, world):
         for rank in range(world):
             got = json.loads((tmp_path / f"{name}.{rank}.json").read_text())
             want = plan.estimate.memory_by_stage[got["pp_rank"]]
-            if plan.training["dtype"] == "bf16" and plan.config.zero_stage in (1, 2):
+            if plan.training.dtype == "bf16" and plan.config.zero_stage in (1, 2):
                 # FSDP2 keeps the fp32 shard (at rest, the registered parameter) as the master
                 # copy, which the estimate counts with the AdamW moments
                 got["optimizer"] += got["weights_at_rest"]

@@ -16,6 +16,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autopar.config import ParallelConfig, check_config
 from autopar.estimate.groups import mesh_groups, rank_groups, replica_axes
+from autopar.plan.sections import PlanMesh
 from autopar.runtime.context_parallel import data_parallel_mesh
 from autopar.runtime.expert_parallel import expert_groups
 
@@ -43,9 +44,9 @@ def _row_of(groups, rank: int) -> list[int]:
 def test_runtime_mesh_groups_are_the_estimates(order, ep, fake_rank):
     cfg = ParallelConfig(**SIZES, ep=ep, mesh_order=order)
     check_config(cfg, world_size=48, global_batch_size=48, num_layers=8, num_experts=6)
-    plan = SimpleNamespace(config=cfg, mesh={"axes": list(order),
-                                             "sizes": [SIZES[a] for a in order]})
-    mesh = init_device_mesh("cpu", tuple(plan.mesh["sizes"]), mesh_dim_names=tuple(order))
+    plan = SimpleNamespace(config=cfg, mesh=PlanMesh(axes=order,
+                                                     sizes=tuple(SIZES[a] for a in order)))
+    mesh = init_device_mesh("cpu", tuple(plan.mesh.sizes), mesh_dim_names=tuple(order))
     for axis in ("tp", "cp", "pp"):
         assert mesh[axis].mesh.tolist() == _row_of(mesh_groups(cfg, (axis,)), fake_rank)
     replicas = _row_of(mesh_groups(cfg, replica_axes(cfg)), fake_rank)

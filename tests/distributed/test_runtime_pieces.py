@@ -204,12 +204,13 @@ def test_context_parallel_plan_is_checked_before_any_collective():
     plan = _plan(tiny_models.tiny_llama, 2, cp=2)
     check_context_parallel(plan)
     bad = SimpleNamespace(config=plan.config, mesh=plan.mesh, cluster=plan.cluster,
-                          model=plan.model, training={**plan.training, "seq_len": 62})
+                          model=plan.model,
+                          training=dataclasses.replace(plan.training, seq_len=62))
     with pytest.raises(ValueError, match="seq_len=62 is not divisible by 4"):
         apply_plan(tiny_models.tiny_llama(), bad)
-    contiguous = {**plan.model, "cp_layout": "contiguous"}
+    contiguous = dataclasses.replace(plan.model, cp_layout="contiguous")
     odd = SimpleNamespace(config=plan.config, model=contiguous,
-                          training={**plan.training, "seq_len": 63})
+                          training=dataclasses.replace(plan.training, seq_len=63))
     with pytest.raises(ValueError, match="seq_len=63 is not divisible by 2"):
         check_context_parallel(odd)
     with_tp = SimpleNamespace(config=dataclasses.replace(plan.config, tp=2), model=contiguous,

@@ -102,8 +102,8 @@ def batch(factory: str, model, plan, step: int = 1, seed: int = 0):
     image model, causal-LM tokens otherwise."""
     from autopar.runtime.train import synthetic_batch, synthetic_images, vocab_size
 
-    size = plan.training["global_batch_size"]
+    size = plan.training.global_batch_size
     if factory in IMAGE_SHAPES:
         return synthetic_images(step, seed, size, IMAGE_SHAPES[factory],
                                 model.config.num_classes)
-    return synthetic_batch(step, seed, size, plan.training["seq_len"], vocab_size(model))
+    return synthetic_batch(step, seed, size, plan.training.seq_len, vocab_size(model))

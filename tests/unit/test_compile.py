@@ -105,8 +105,8 @@ def test_plan_holds_stages_placements_and_mesh():
     plan = autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024,
                            constraints={"tp": 2, "pp": 2, "zero_stage": 0})
     assert [len(s) for s in plan.stages] and sum(map(len, plan.stages)) == 8 + 2
-    assert plan.mesh["axes"] == ["pp", "dp", "cp", "tp"]
-    assert plan.mesh["sizes"] == [2, plan.config.dp, 1, 2]
+    assert plan.mesh.axes == ("pp", "dp", "cp", "tp")
+    assert plan.mesh.sizes == (2, plan.config.dp, 1, 2)
     pl = plan.placements
     assert pl["tok_embeddings.weight"]["tp"] == "S(0)"  # vocab-parallel
     assert {p["tp"] for p in pl.values()} <= {"R", "S(0)", "S(1)"}
@@ -298,7 +298,7 @@ def test_the_plan_predicts_what_estimate_predicts_for_its_config():
                            constraints={"micro_batch_size": 4, "tp": 2})
     assert plan.search["stage_cut"] == "even (Megatron)"
     est = autopar.estimate(model, H100, plan.config, global_batch_size=64, seq_len=1024,
-                           software=plan.training["software"], tp_placements=plan.tp_placements)
+                           software=plan.training.software, tp_placements=plan.tp_placements)
     assert est.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-12)
     assert est.peak_memory_bytes == pytest.approx(plan.estimate.peak_memory_bytes, rel=1e-12)
 

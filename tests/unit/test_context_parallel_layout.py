@@ -45,7 +45,7 @@ def test_compile_runs_cp_of_a_model_without_the_hook_apart_from_tp():
     cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=4)
     kw = dict(global_batch_size=8, seq_len=64, dtype="fp32")
     plan = autopar.compile(corpus.plain_llama(), cluster, constraints={"cp": 2}, **kw)
-    assert plan.model["cp_layout"] == "contiguous"
+    assert plan.model.cp_layout == "contiguous"
     assert (plan.config.cp, plan.config.tp, plan.config.ep) == (2, 1, 1)
     with pytest.raises(ValueError, match="cannot run together on this model"):
         autopar.compile(corpus.plain_llama(), cluster, constraints={"cp": 2, "tp": 2}, **kw)

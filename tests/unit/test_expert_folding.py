@@ -220,7 +220,7 @@ def test_autopar_runtime_refuses_folding_at_compile_and_at_apply():
     plan = autopar.compile(_model(), _cluster(2), global_batch_size=32, seq_len=SEQ,
                            constraints={"tp": 2, "ep": 8, "etp": 1, "pp": 1},
                            target="megatron")
-    assert plan.config.folded and plan.mesh["ep_within"] == "tp*cp*dp"
+    assert plan.config.folded and plan.mesh.ep_within == "tp*cp*dp"
     experts = {n: a for n, a in plan.placements.items() if ".experts." in n}
     assert experts and all(a["tp"] == "R" and a["ep"] == "S(0)" for a in experts.values())
     assert any(a["tp"] != "R" for n, a in plan.placements.items() if n not in experts)

@@ -91,7 +91,7 @@ def test_compile_runs_ep_of_other_moe_layers_with_tp():
     kw = dict(global_batch_size=8, seq_len=64, dtype="fp32")
     for model in (corpus.hf_mixtral(), corpus.moe_loop()):
         plan = autopar.compile(model, cluster, constraints={"ep": 2, "tp": 2}, **kw)
-        assert plan.model["ep_dispatch"] == "all_gather"
+        assert plan.model.ep_dispatch == "all_gather"
         assert (plan.config.ep, plan.config.tp) == (2, 2)
 
 

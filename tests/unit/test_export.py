@@ -153,9 +153,9 @@ def _check_megatron(plan, args: argparse.Namespace) -> None:
                                                 else (cfg.expert_tp,))
     assert args.num_layers == sum(_layers_per_stage(plan))
     assert (args.micro_batch_size, args.global_batch_size, args.seq_length) == \
-        (cfg.micro_batch_size, training["global_batch_size"], training["seq_len"])
-    assert args.bf16 == (training["dtype"] in ("bf16", "fp8"))
-    assert args.fp16 == (training["dtype"] == "fp16")
+        (cfg.micro_batch_size, training.global_batch_size, training.seq_len)
+    assert args.bf16 == (training.dtype in ("bf16", "fp8"))
+    assert args.fp16 == (training.dtype == "fp16")
     assert args.sequence_parallel == cfg.sequence_parallel
     assert args.use_distributed_optimizer == (cfg.zero_stage >= 1)
     expected_recompute = {"none": (None, None, None), "selective": ("selective", None, None),
@@ -172,7 +172,7 @@ def _check_megatron(plan, args: argparse.Namespace) -> None:
     if cfg.virtual_stages > 1 and len(set(_layers_per_stage(plan))) == 1:
         assert args.num_layers_per_virtual_pipeline_stage == \
             args.num_layers // (cfg.pp * cfg.virtual_stages)
-    options = plan.training["options"]
+    options = plan.training.options
     assert args.overlap_grad_reduce == options["overlap_dp_comm"]
     assert args.overlap_param_gather == (options["overlap_dp_comm"] and cfg.zero_stage >= 1)
     assert args.tp_comm_overlap == (options["overlap_tp_comm"] and cfg.tp > 1
@@ -260,7 +260,7 @@ def test_torchtitan_toml_parses_back_to_the_plan(plans, name):
     degrees = (par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"]
                * par["context_parallel_degree"] * par["tensor_parallel_degree"]
                * par["pipeline_parallel_degree"])
-    assert degrees == plan.cluster["world_size"] == CLUSTER.world_size
+    assert degrees == plan.cluster.world_size == CLUSTER.world_size
     assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"],
             par["context_parallel_degree"], par["expert_parallel_degree"]) == \
         (cfg.tp, cfg.pp, cfg.cp, cfg.ep)
@@ -269,11 +269,11 @@ def test_torchtitan_toml_parses_back_to_the_plan(plans, name):
     sharded = (par["data_parallel_shard_degree"], par["data_parallel_replicate_degree"])
     assert sharded == ((cfg.dp, 1) if cfg.zero_stage == 3 else (1, cfg.dp))
     assert (train["global_batch_size"], train["seq_len"]) == \
-        (training["global_batch_size"], training["seq_len"])
+        (training.global_batch_size, training.seq_len)
     dp = par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"]
-    microbatches = training["global_batch_size"] // (cfg.dp * cfg.micro_batch_size)
+    microbatches = training.global_batch_size // (cfg.dp * cfg.micro_batch_size)
     if cfg.pp > 1:
-        assert train["local_batch_size"] * dp == training["global_batch_size"]
+        assert train["local_batch_size"] * dp == training.global_batch_size
         assert train["local_batch_size"] // par["pipeline_parallel_microbatch_size"] == \
             microbatches
         schedule = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
@@ -284,7 +284,7 @@ def test_torchtitan_toml_parses_back_to_the_plan(plans, name):
         assert parts == [_expected_modules(s) for s in plan.stages]
     else:
         assert train["local_batch_size"] == cfg.micro_batch_size
-        assert training["global_batch_size"] // (train["local_batch_size"] * dp) == microbatches
+        assert training.global_batch_size // (train["local_batch_size"] * dp) == microbatches
         assert "pipeline_parallel_schedule" not in par
     checkpoint = toml["activation_checkpoint"]
     if cfg.recompute in ("selective", "per_op"):  # its per-op policy
@@ -301,7 +301,7 @@ def test_torchtitan_toml_parses_back_to_the_plan(plans, name):
         assert reshard == "default"
     assert train["mixed_precision_param"] == "bfloat16"
     assert par["enable_async_tensor_parallel"] == \
-        (plan.training["options"]["overlap_tp_comm"] and cfg.tp > 1)
+        (plan.training.options["overlap_tp_comm"] and cfg.tp > 1)
 
 
 TORCHTITAN_NOTES = {
@@ -331,14 +331,14 @@ def test_deepspeed_json_parses_back_to_the_plan(plans, name):
     plan = plans[name]
     cfg = plan.config
     ds = json.loads(export_plan(plan, "deepspeed").text)
-    assert ds["train_batch_size"] == plan.training["global_batch_size"]
+    assert ds["train_batch_size"] == plan.training.global_batch_size
     assert ds["train_batch_size"] == \
         ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * cfg.dp
     assert ds["train_micro_batch_size_per_gpu"] == cfg.micro_batch_size
     assert ds["zero_optimization"]["stage"] == cfg.zero_stage
-    assert ds["bf16"]["enabled"] == (plan.training["dtype"] == "bf16")
-    assert ds["fp16"]["enabled"] == (plan.training["dtype"] == "fp16")
-    assert ds["communication_data_type"] == plan.training["options"]["grad_reduce_dtype"]
+    assert ds["bf16"]["enabled"] == (plan.training.dtype == "bf16")
+    assert ds["fp16"]["enabled"] == (plan.training.dtype == "fp16")
+    assert ds["communication_data_type"] == plan.training.options["grad_reduce_dtype"]
     assert ("tensor_parallel" in ds) == (cfg.tp > 1)
     if cfg.tp > 1:
         assert ds["tensor_parallel"]["autotp_size"] == cfg.tp
@@ -389,7 +389,7 @@ def test_deepspeed_notes_name_exactly_what_it_cannot_express(plans, name):
 ])
 def test_precision_maps_to_each_target(plans, dtype, megatron, titan, ds):
     base = plans["pp2_gpipe_zero3"]
-    plan = dataclasses.replace(base, training={**base.training, "dtype": dtype})
+    plan = dataclasses.replace(base, training=dataclasses.replace(base.training, dtype=dtype))
     flags = export_plan(plan, "megatron").text
     assert all(f in flags for f in megatron) and ("--bf16" in flags) == bool(megatron)
     assert "--fp16" not in flags
@@ -404,9 +404,10 @@ def test_deepspeed_zero3_gather_settings_reach_the_json(plans):
     base = plans["pp2_gpipe_zero3"]
     zero = json.loads(export_plan(base, "deepspeed").text)["zero_optimization"]
     assert "stage3_max_reuse_distance" not in zero  # FSDP-style prefetch: not a DeepSpeed rule
-    options = {**base.training["options"], "zero3_gather": "sync",
+    options = {**base.training.options, "zero3_gather": "sync",
                "zero3_max_reuse_distance": 5 * 10**8, "zero3_max_live_params": 10**9}
-    plan = dataclasses.replace(base, training={**base.training, "options": options})
+    plan = dataclasses.replace(base, training=dataclasses.replace(base.training,
+                                                                  options=options))
     zero = json.loads(export_plan(plan, "deepspeed").text)["zero_optimization"]
     assert zero["stage3_max_reuse_distance"] == 5 * 10**8
     assert zero["stage3_max_live_parameters"] == 10**9
@@ -442,9 +443,8 @@ def test_torchtitan_runs_ddp_only_as_the_sole_parallelism(plans):
     ("delayed", None, "delayed")])
 def test_fp8_recipes_reach_the_engines_that_have_them(plans, recipe, titan, megatron):
     base = plans["pp2_gpipe_zero3"]
-    plan = dataclasses.replace(base, training={
-        **base.training, "dtype": "fp8", "options": {**base.training["options"],
-                                                      "fp8_recipe": recipe}})
+    plan = dataclasses.replace(base, training=dataclasses.replace(
+        base.training, dtype="fp8", options={**base.training.options, "fp8_recipe": recipe}))
     titan_export = export_plan(plan, "torchtitan")
     toml = tomllib.loads(titan_export.text)
     assert toml["model"]["converters"] == ["quantize.linear.float8"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,13 @@ from autopar.runtime.fp8 import float8_gemms
 from autopar.trace import trace
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _plan(names: list[str], dtype: str = "fp8", **options) -> SimpleNamespace:
+    """What `float8_gemms` reads of a plan: its training section's fp8 weights, precision and
+    options."""
+    return SimpleNamespace(training=SimpleNamespace(fp8_weights=names, dtype=dtype,
+                                                    options=options))
 
 
 def dequantised(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -80,7 +88,7 @@ def test_the_mode_runs_a_plans_fp8_weights_whatever_op_calls_them(caplog):
     torch.manual_seed(0)
     model = Styles()
     names = ["linear.weight", "conv1d.weight", "proj.weight", "left.weight"]
-    plan = type("P", (), {"training": {"fp8_weights": names, "dtype": "fp8"}})()
+    plan = _plan(names)
     mode = float8_gemms(model, plan)
     x = torch.randn(16, 32)
     with mode:
@@ -185,7 +193,7 @@ def test_the_ops_a_block_dispatches_are_the_ones_per_op_recompute_is_charged_for
                               ffn_dim=704, max_seq=128)
     graph = trace(model, global_batch_size=2, seq_len=128)
     block = next(u for u in units_from_graph(graph) if u.is_block)
-    plan = type("P", (), {"training": {"fp8_weights": fp8_weights(graph), "dtype": dtype}})()
+    plan = _plan(fp8_weights(graph), dtype)
     h = model.embed(torch.randint(0, 512, (2, 128)))
     with torch.autocast("cpu", dtype=torch.bfloat16), \
             (float8_gemms(model, plan) if dtype == "fp8" else torch.autocast("cpu")), Count():
@@ -229,10 +237,8 @@ def test_a_rowwise_fp8_linear_is_the_product_of_its_axiswise_fp8_operands(rows):
 
 def test_a_plan_costed_rowwise_runs_rowwise():
     model = Styles()
-    plan = type("P", (), {"training": {"fp8_weights": ["linear.weight"], "dtype": "fp8",
-                                       "options": {"fp8_recipe": "rowwise"}}})()
+    plan = _plan(["linear.weight"], fp8_recipe="rowwise")
     assert float8_gemms(model, plan).recipe == "rowwise"
     other = Styles()
-    delayed = type("P", (), {"training": {"fp8_weights": ["linear.weight"], "dtype": "fp8",
-                                          "options": {"fp8_recipe": "delayed"}}})()
+    delayed = _plan(["linear.weight"], fp8_recipe="delayed")
     assert float8_gemms(other, delayed).recipe == "tensorwise"

@@ -203,8 +203,8 @@ def test_compile_honours_a_pinned_mesh_order_through_the_saved_plan(tmp_path):
                            constraints={"mesh_order": ",".join(order), "tp": 2, "pp": 1},
                            settings=autopar.SearchSettings(progress=False))
     assert plan.config.mesh_order == order
-    assert plan.mesh["axes"] == list(order)
-    assert plan.mesh["sizes"] == [getattr(plan.config, a) for a in order]
+    assert plan.mesh.axes == tuple(order)
+    assert plan.mesh.sizes == tuple(getattr(plan.config, a) for a in order)
     again = autopar.estimate(model, cluster, plan.config, global_batch_size=64, seq_len=4096)
     assert again.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-9)
     path = plan.save(tmp_path / "plan.json")
@@ -287,7 +287,7 @@ def test_searching_every_mesh_order_finds_the_best_pinned_order():
     assert best.config.mesh_order == next(o for o, t in pinned.items() if t == fastest)
     assert best.config.mesh_order.index("pp") > best.config.mesh_order.index("tp")
     assert fastest < pinned[DEFAULT_MESH_ORDER] * 0.99
-    assert best.mesh["axes"] == list(best.config.mesh_order)
+    assert best.mesh.axes == best.config.mesh_order
     assert set(map(tuple, best.candidates["mesh_order"])) > {best.config.mesh_order}
     # a pinned order wins over the setting
     assert plan("all", mesh_order=DEFAULT_MESH_ORDER).config.mesh_order == DEFAULT_MESH_ORDER

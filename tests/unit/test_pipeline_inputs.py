@@ -33,13 +33,14 @@ def test_an_image_model_plans_pipeline_stages_from_its_example_input():
     plan = autopar.compile(corpus.vit_encoder(), cluster, global_batch_size=8,
                            example_inputs=images, dtype="fp32", constraints={"pp": 2})
     assert plan.config.pp == 2
-    assert plan.training["input"] == {"shape": list(corpus.IMAGE_SHAPE), "dtype": "float32"}
+    assert plan.training.input == {"shape": list(corpus.IMAGE_SHAPE), "dtype": "float32"}
     probe = _example_microbatch(plan, 1)
     assert probe.shape == (plan.config.micro_batch_size, *corpus.IMAGE_SHAPE)
     assert probe.dtype == torch.float32 and not probe.any()
 
 
 def test_a_plan_without_an_input_shape_cannot_be_probed():
-    plan = SimpleNamespace(training={"seq_len": None}, config=SimpleNamespace(micro_batch_size=1))
+    plan = SimpleNamespace(training=SimpleNamespace(seq_len=None, input=None),
+                           config=SimpleNamespace(micro_batch_size=1))
     with pytest.raises(ValueError, match="records no input shape"):
         _example_microbatch(plan, 1)

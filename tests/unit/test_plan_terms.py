@@ -55,8 +55,8 @@ def test_a_preset_and_options_together_are_refused_with_the_way_to_change_one_fi
 def test_a_plan_names_its_software_and_costs_with_it():
     plan = autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024,
                            software="megatron", settings=autopar.SearchSettings(progress=False))
-    assert plan.training["software"] == "megatron"
-    assert plan.training["options"] == dataclasses.asdict(autopar.SOFTWARE["megatron"].options)
+    assert plan.training.software == "megatron"
+    assert plan.training.options == dataclasses.asdict(autopar.SOFTWARE["megatron"].options)
     again = autopar.estimate(small_gpt(), H100, plan.config, global_batch_size=64,
                              seq_len=1024, software="megatron")
     assert again.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-9)
@@ -68,7 +68,7 @@ def test_plans_keep_the_memory_headroom_and_say_so():
     plan = autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024,
                            settings=autopar.SearchSettings(progress=False))
     device = H100.hardware.device.memory_bytes
-    assert plan.training["memory_headroom"] == 0.02 and plan.training["memory_headroom_kept"]
+    assert plan.training.memory_headroom == 0.02 and plan.training.memory_headroom_kept
     assert plan.estimate.usable_memory_bytes == pytest.approx(0.98 * device)
     assert "fits with 2% of device memory kept free" in plan.report()
 
@@ -88,7 +88,7 @@ def test_where_nothing_fits_within_the_headroom_the_plan_says_it_does_not_keep_i
         plan = autopar.compile(big, H100, global_batch_size=64, seq_len=1024,
                                settings=settings)
     assert "no plan fits within the 40% memory headroom" in caplog.text
-    assert plan.training["memory_headroom_kept"] is False
+    assert plan.training.memory_headroom_kept is False
     assert plan.config == unbounded.config and plan.estimate.fits
     assert "fits the device but not the 40% headroom" in plan.report()
 

@@ -83,8 +83,8 @@ def test_every_plan_made_for_an_engine_exports_to_it_without_notes(engine):
         plans += 1
         label = f"{name} on {cluster.name} x{cluster.num_nodes} {dtype} {shape} pins {pins}"
         assert export_plan(plan, engine).notes == (), label
-        assert plan.training["target"] == engine
-        assert plan.training["software"] == TARGETS[engine].software
+        assert plan.training.target == engine
+        assert plan.training.software == TARGETS[engine].software
         assert all(getattr(plan.config, f) == v for f, v in pins.items()), label
         assert plan.estimate.fits
         facts = _facts(_model(name), dtype, shape, autopar.SOFTWARE[engine].options)
@@ -133,7 +133,7 @@ def test_a_config_breaks_an_engines_rules_exactly_when_its_export_has_notes(engi
         rules_hold = settings_hold and megatron_layout \
             and not target.violations(plan.config, facts)
         notes = export_plan(plan, engine).notes
-        label = f"{plan.config.short()} {plan.training['dtype']}: {notes}"
+        label = f"{plan.config.short()} {plan.training.dtype}: {notes}"
         if plan.search["stage_cut"] == "even (Megatron)":
             assert rules_hold == (notes == ()), label
         else:  # stages re-cut unevenly: the rules speak of the even cut
@@ -177,9 +177,9 @@ def test_the_restriction_cost_is_the_best_plan_for_autopars_runtime_with_the_sam
     kw = dict(global_batch_size=64, seq_len=2048, settings=SETTINGS)
     plan = autopar.compile(model, cluster, target="deepspeed", **kw)
     free = autopar.compile(model, cluster, software="deepspeed", **kw)
-    assert plan.training["unrestricted"] == {"step_time_s": free.estimate.step_time_s,
+    assert plan.training.unrestricted == {"step_time_s": free.estimate.step_time_s,
                                              "config": free.config.short()}
-    assert free.training["target"] == "autopar" and "unrestricted" not in free.training
+    assert free.training.target == "autopar" and "unrestricted" not in free.training
     report = plan.report()
     assert "target   deepspeed: only what DeepSpeed 0.16.4 runs" in report
     cost = 100 * (plan.estimate.step_time_s / free.estimate.step_time_s - 1)
@@ -189,7 +189,7 @@ def test_the_restriction_cost_is_the_best_plan_for_autopars_runtime_with_the_sam
     assert f"(autopar's runtime: {free.config.short()}, same pins and software)" in report
     # software chosen by the caller costs the plan; the target still restricts it
     mine = autopar.compile(model, cluster, target="deepspeed", software="autopar", **kw)
-    assert mine.training["software"] == "autopar" and mine.config.tp == mine.config.cp == 1
+    assert mine.training.software == "autopar" and mine.config.tp == mine.config.cp == 1
 
 
 def test_deepspeed_keeps_the_even_stage_cut_and_megatron_runs_1f1b_with_few_microbatches():
@@ -246,8 +246,8 @@ def test_explain_re_plans_for_the_plans_own_engine():
                            target="torchtitan", software="torchtitan-compile",
                            settings=SETTINGS)
     why = plan.explain(model, cluster, tp=2)
-    assert why.alternative.training["target"] == "torchtitan"
-    assert why.alternative.training["software"] == "torchtitan-compile"
+    assert why.alternative.training.target == "torchtitan"
+    assert why.alternative.training.software == "torchtitan-compile"
     assert export_plan(why.alternative, "torchtitan").notes == ()
     refused = plan.explain(model, cluster, zero_stage=1)
     assert refused.alternative is None and "zero_stage=1 cannot run on torchtitan" in \
