@@ -60,7 +60,11 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
     if software is None and options == EstimateOptions():
         software = engine.software  # the target's preset unless the caller chose the costs
     options = software_options(software, options)
-
+    if options.pipeline_balance != "layers":
+        raise ValueError(f"EstimateOptions.pipeline_balance={options.pipeline_balance!r} says "
+                         f"how an engine cuts the stages of a configuration it runs "
+                         f"(autopar.estimate); a plan chooses its own cut (plan.stages): "
+                         f"compile with pipeline_balance='layers'")
     if not isinstance(cluster, Cluster):
         raise ValueError(f"cluster must be an autopar.Cluster, got {type(cluster).__name__}")
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) \

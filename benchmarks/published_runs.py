@@ -591,14 +591,16 @@ _TORCHTITAN_TEXT = (
 SOFTWARE.update({
     "nanotron-h100": ({"attention_kernel": "flash", "kernels": "eager", "loss_kernel": "megatron",
                        "overlap_dp_comm": True, "overlap_tp_comm": True,
-                       "grad_reduce_dtype": "fp32"},
+                       "grad_reduce_dtype": "fp32", "pipeline_balance": "gemm_weights"},
                       "nanotron v0.5 (the CSV's notes): flash-attn 2 attention; eager PyTorch "
                       "kernels (no torch.compile; its Triton RMSNorm and fused rotary are the "
                       "only fused ops); the async TP linear communication the bench config "
                       "turns on (tp_linear_async_communication) overlaps the TP collectives with "
                       "their GEMMs; its Megatron-style sharded cross-entropy on fp32 logits; "
                       "DDP with fp32 gradient accumulation whose buckets are reduced in fp32 "
-                      "during the backward (nanotron's FP32GradBucketManager hook)"),
+                      "during the backward (nanotron's FP32GradBucketManager hook); pipeline "
+                      "stages balanced by the blocks' GEMM weights, the LM head counted "
+                      "(build_model in src/nanotron/models/base.py at e24d248)"),
     "mcore-moe-t3": (dict(_MCORE_MOE_SOFTWARE), _MCORE_MOE_TEXT),
     "mcore-moe-t2-fp8": ({**_MCORE_MOE_SOFTWARE, "fp8_recipe": "delayed"},
                          _MCORE_MOE_TEXT + "; FP8 by Transformer Engine's delayed scaling "

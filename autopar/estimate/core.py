@@ -3,7 +3,8 @@
 The flow: trace the model for one micro-batch (or take a traced `Graph`), cut it into units,
 time every unit on one rank (compute roofline + TP/CP/EP communication on the real rank
 groups), place the layers on pipeline stages as Megatron does (blocks split evenly over
-pp x virtual stages, the embedding on the first stage, the head on the last), simulate the
+pp x virtual stages, the embedding on the first stage, the head on the last) or as
+`EstimateOptions.pipeline_balance` names, simulate the
 pipeline schedule, then add the data-parallel gradient/parameter communication that the
 overlap model leaves exposed and the optimizer step. Memory per stage counts model states by
 ZeRO stage, activations times the micro-batches each rank holds in flight (read off the
@@ -29,7 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch.nn as nn
@@ -42,7 +43,8 @@ from autopar.estimate.layout import (Layout, Structure, analytic_inflight, fast_
                                      layout, pipeline_bound, structure, unit_vectors)
 from autopar.estimate.memory import (activation_bytes, keeps_fp8_copies,
                                      keeps_weight_copies, stage_memory)
-from autopar.estimate.stages import body_span, layer_sequence
+from autopar.estimate.options import EstimateOptions
+from autopar.estimate.stages import body_span, layer_sequence, weight_balanced_boundaries
 from autopar.estimate.groups import RankGroups
 from autopar.estimate.timing import UnitTimes, unit_compute, unit_times
 from autopar.estimate.tp_comm import partial_gradient_sync
@@ -59,65 +61,6 @@ log = logging.getLogger(__name__)
 __all__ = ["Estimate", "EstimateOptions", "EvalCache", "ModelCosts", "estimate",
            "estimate_graph", "evaluate", "layer_costs", "order_key", "placement_key",
            "split_structure"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EstimateOptions:
-    """Properties of the training software, not of the model or the hardware."""
-
-    attention_kernel: Literal["flash", "cudnn", "flash3", "triton", "math"] = "flash"
-    """The attention kernel; "math" keeps the score matrix (unfused SDPA)."""
-    overlap_dp_comm: bool = True
-    """The data-parallel gradient reduction hides behind backward compute and the parameter
-    all-gathers (ZeRO >= 1) behind forward compute, up to their length; False: all exposed."""
-    overlap_tp_comm: bool = False
-    """tp collectives overlap their GEMMs (Megatron --tp-comm-overlap, TE userbuffers)."""
-    kernels: Literal["eager", "fused"] = "eager"
-    """"eager": one kernel per op and GEMMs over the model's own sizes, as PyTorch eager and
-    autopar's generated code run; "fused": fused-kernel software (Megatron-LM, Transformer
-    Engine, torch.compile) fuses norms, activations, bias, dropout and residual adds with their
-    neighbours and pads GEMM widths to aligned sizes (Megatron's vocabulary padding, inductor's
-    pad_mm)."""
-    loss_kernel: Literal["eager", "megatron", "fused"] = "eager"
-    """Cross-entropy: "eager" upcasts the logits to fp32 (autopar's runtime, Hugging Face);
-    "megatron" is Megatron-LM's unfused vocab-parallel loss on fp32 logits (memory as "eager",
-    more passes); "fused" is a fused kernel (flash-attn's CrossEntropyLoss, llm-foundry's
-    default; torch.compile). Time: costmodels.compute.loss_traffic_bytes."""
-    grad_reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """The dtype gradients are reduced in over the data-parallel ranks (fp32 runs: fp32)."""
-    zero3_max_live_params: int | None = None
-    """ZeRO-3 gathered-parameter buffers: None = FSDP2 per-block units (the running block and
-    the prefetched next one); a number caps them at that many parameters (DeepSpeed's
-    stage3_max_live_parameters, default 1e9)."""
-    zero3_gather: Literal["prefetch", "sync"] = "prefetch"
-    """ZeRO-3 parameter gathers: "prefetch" = one all-gather per block, the next block's
-    prefetched under the running one's compute (FSDP2, DeepSpeed >= 0.5); "sync" = one
-    all-gather per parameter tensor, waited for and copied out, in every forward, recompute and
-    backward pass (DeepSpeed before 0.5, 2021: see
-    costmodels.collectives.ZERO3_SYNC_GATHER_BYTES_PER_S)."""
-    zero3_max_reuse_distance: int = 10**9
-    """With zero3_gather="sync": a gathered tensor whose next use in the micro-batch's forward
-    and backward comes after fewer than this many parameter elements of other uses is kept, not
-    released and gathered again (DeepSpeed's stage3_max_reuse_distance, default 1e9; with full
-    recompute it keeps a block's last tensors from its recompute to its backward)."""
-    fp8_recipe: Literal["delayed", "tensorwise", "rowwise"] = "tensorwise"
-    """How fp8 training scales the operands of its fp8 GEMMs (dtype "fp8" only): "delayed"
-    (Transformer Engine's amax history), "tensorwise" (dynamic per-tensor scales: torchao's
-    default, TE's current scaling) or "rowwise" (torchao's per-row scales). Costed by
-    costmodels.compute.fp8_cast_time_s."""
-    fp32_params: bool = False
-    """The 16-bit forward runs on fp32 parameters (autopar's runtime, torchtitan): without
-    ZeRO under autocast, which casts each GEMM's weight per micro-batch and keeps the copy for
-    that GEMM's backward (2 bytes per GEMM weight element of each layer not checkpointed, per
-    micro-batch in flight); under FSDP2, whose param_dtype gathers them in 16 bits. Their
-    gradients and AdamW moments are fp32 too: 4 + 4 + 8 bytes a parameter
-    (`costmodels.memory.state_bytes_split`). False: 16-bit weights and gradients with the fp32
-    master copy in the optimizer (Megatron-LM, DeepSpeed)."""
-    recompute_early_stop: bool = True
-    """Full recompute re-runs a block only until every tensor its backward saved is back, not
-    its last GEMM and residual add: torch.utils.checkpoint non-reentrant (torch >= 2.1, as
-    autopar's runtime runs it; measured in tests/unit/test_trace.py). False: the whole block
-    (Megatron's and DeepSpeed's checkpointing, reentrant torch checkpoint)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,11 +215,14 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
              stage_boundaries: tuple[tuple[int, int], ...] | None = None) -> Estimate:
     """Estimate `config` from model costs; `exact` simulates the schedule, else closed form.
     `stage_boundaries` (layer ranges over the whole model, glue included) replaces the
-    Megatron placement of layers on stages."""
+    placement of layers on stages `options.pipeline_balance` names."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is unknown; allowed: {', '.join(DTYPE_BYTES)}")
     m = _checked(costs, cluster, config, global_batch_size)
     cache = cache or EvalCache(cluster)
+    if stage_boundaries is None and config.pp > 1 and options.pipeline_balance == "gemm_weights":
+        stage_boundaries = weight_balanced_boundaries(costs.units,
+                                                      config.pp * config.virtual_stages)
     prep = _prepared(costs, cache, config, dtype, options, stage_boundaries)
     lay, p2p = prep.lay, prep.p2p
     timeline = None

@@ -9,7 +9,7 @@ a chunk of their own, one block per other chunk -- as Megatron-LM runs such spli
 counts the loss and the embedding as pipeline layers (`--account-for-loss-in-pipeline-split`,
 `--account-for-embedding-in-pipeline-split`; the Zero Bubble fork's padded layers). Chunk c
 runs on pipeline rank c mod pp (interleaved placement). The search may balance stages
-differently.
+differently; `weight_balanced_boundaries` is nanotron's placement.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from autopar.estimate.units import Unit
 from autopar.errors import InvalidConfigError
 
 __all__ = ["Boundaries", "body_span", "megatron_boundaries", "check_boundaries",
-           "layer_sequence", "unit_order"]
+           "layer_sequence", "unit_order", "weight_balanced_boundaries"]
 
 Boundaries = tuple[tuple[int, int], ...]  # half-open layer ranges over layer_sequence(units)
 
@@ -58,6 +58,29 @@ def megatron_boundaries(units: tuple[Unit, ...], num_chunks: int) -> np.ndarray:
     cuts[0, 0] = 0
     cuts[1:, 0] = cuts[:-1, 1]
     return cuts
+
+
+def weight_balanced_boundaries(units: tuple[Unit, ...], num_chunks: int) -> Boundaries:
+    """nanotron's placement of layers on pipeline stages (`build_model`, models/base.py, at
+    e24d248 and since): each layer costs the elements of its GEMM weights (for a Llama block
+    with full multi-head attention 4·h² + 3·ffn·h, nanotron's `get_block_compute_costs`; the
+    head vocab·h; an embedding lookup and norms nothing), and the layers go in model order to
+    the current chunk until the running total passes that chunk's share of the whole
+    (total·(c+1)/num_chunks), the layer that passes it staying on it. Megatron's placement
+    where this would leave a chunk empty or the model has no GEMM weights."""
+    layers = layer_sequence(units)
+    cost = {id(u): sum(op.param_bytes for op in u.ops if op.kind == "gemm") for u in units}
+    running = np.cumsum([cost[id(u)] for u, _ in layers])
+    total = float(running[-1]) if len(running) else 0.0
+    owner, chunk = [], 0
+    for value in running:
+        owner.append(chunk)
+        if chunk < num_chunks - 1 and value > total * (chunk + 1) / num_chunks:
+            chunk += 1
+    if total <= 0 or chunk < num_chunks - 1 or owner[-1] != num_chunks - 1:
+        return tuple(map(tuple, megatron_boundaries(units, num_chunks).tolist()))
+    starts = [0] + [i for i in range(1, len(owner)) if owner[i] != owner[i - 1]]
+    return tuple(zip(starts, starts[1:] + [len(owner)]))
 
 
 def unit_order(units: tuple[Unit, ...]) -> list[int]:

@@ -603,3 +603,56 @@ def test_units_scaled_to_a_micro_batch_equal_the_units_traced_at_it(family):
                          for c in (one, four))
             assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-12)
             assert got.peak_memory_bytes == pytest.approx(want.peak_memory_bytes, rel=1e-12)
+
+
+def _nanotron_cut(costs: list[float], pp: int) -> list[int]:
+    """nanotron's build_model loop (src/nanotron/models/base.py): the stage of each pipeline
+    block, from the blocks' compute costs in model order."""
+    total, running, rank, owner = sum(costs), 0.0, 0, []
+    for cost in costs:
+        running += cost
+        owner.append(rank)
+        if running > total * (rank + 1) / pp:
+            rank += 1
+    return owner
+
+
+@pytest.mark.parametrize("vocab,layers,pp", [(2048, 8, 2), (8192, 16, 2), (8192, 16, 4),
+                                             (4096, 6, 3), (65536, 6, 3)])
+def test_nanotron_pipeline_balance_cuts_where_nanotron_does(vocab, layers, pp):
+    """pipeline_balance="gemm_weights" against nanotron's own loop over its block costs
+    (get_block_compute_costs: 4·heads·head_dim·h + 3·ffn·h per decoder layer, vocab·h for the
+    LM head, nothing for the embedding), for a Llama with full multi-head attention; where
+    nanotron's loop would leave a stage empty (a head heavier than a stage's share), the
+    estimate keeps Megatron's even cut."""
+    from autopar.models.llama import Llama, LlamaConfig
+
+    h, ffn = 256, 704
+    cfg = LlamaConfig(vocab_size=vocab, dim=h, n_layers=layers, n_heads=4, n_kv_heads=4,
+                      ffn_dim=ffn, max_seq_len=128)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    costs = [0.0] + [4 * h * h + 3 * ffn * h] * layers + [vocab * h]
+    owner = _nanotron_cut(costs, pp)
+    cluster = autopar.Cluster.from_profile("dgx-h100", gpus_per_node=pp)
+    config = ParallelConfig(pp=pp)
+    balanced = estimate(model, cluster, config, global_batch_size=8, seq_len=128,
+                        options=EstimateOptions(pipeline_balance="gemm_weights"))
+    got = [len(stage) for stage in balanced.stage_layers]
+    even = estimate(model, cluster, config, global_batch_size=8, seq_len=128)
+    if owner[-1] == pp - 1:
+        assert got == [owner.count(r) for r in range(pp)]
+        assert balanced.step_time_s != even.step_time_s
+    else:
+        assert got == [len(stage) for stage in even.stage_layers]
+
+
+def test_estimate_options_refuse_a_value_outside_their_choices():
+    with pytest.raises(ValueError, match=r"pipeline_balance='params' is not one of 'layers', "
+                                         r"'gemm_weights'"):
+        EstimateOptions(pipeline_balance="params")
+    with pytest.raises(ValueError, match="a plan chooses its own cut"):
+        autopar.compile(GPT(GPTConfig(vocab_size=VOCAB, dim=DIM, n_layers=LAYERS,
+                                      n_heads=HEADS)).to("meta"),
+                        autopar.Cluster.from_profile("dgx-h100"), global_batch_size=16,
+                        seq_len=SEQ, options=EstimateOptions(pipeline_balance="gemm_weights"))
