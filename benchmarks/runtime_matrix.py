@@ -57,6 +57,10 @@ PLANS: dict[str, tuple[int, dict]] = {
     "zero1": (2, {"dp": 2, "zero_stage": 1}),
     "zero2": (2, {"dp": 2, "zero_stage": 2}),
     "zero3": (2, {"dp": 2, "zero_stage": 3}),
+    # two micro-batches a rank: FSDP2 gathers again for each (EstimateOptions.
+    # regather_per_microbatch)
+    "zero1_mb2": (2, {"dp": 2, "zero_stage": 1, **MB2}),
+    "zero2_mb2": (2, {"dp": 2, "zero_stage": 2, **MB2}),
     "tp": (2, {"tp": 2, "sequence_parallel": False}),
     "tp_sp": (2, {"tp": 2, "sequence_parallel": True}),
     # one sequence per micro-batch: the intra-op ILP runs MLPs replicated on the sequence shard

@@ -98,7 +98,12 @@ def dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: 
     longer, the first one exposed. With ``zero3_gather="sync"`` every parameter tensor is
     gathered on its own, for the forward, the recompute (full) and the backward unless it was
     kept since its last use (`_sync_gather_uses`), with the stream waiting: nothing hides
-    them."""
+    them.
+
+    ZeRO-1 and -2 gather the parameters and reduce-scatter the gradients once a step, the
+    gradients under the last micro-batch's backward; with ``regather_per_microbatch`` (FSDP2,
+    which reshards after every backward) each micro-batch's forward gathers them again, per
+    unit, the first exposed, and ZeRO-2 reduce-scatters every micro-batch's gradients."""
     if len(groups.dp) == 1:
         return 0.0, 0.0
     param_b, grad_b = dp_bytes(dtype, options)
@@ -139,6 +144,17 @@ def dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: 
             return m * (gather + max(0.0, scatter - bwd)), m * (gather + scatter)
         exposed_mb = max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd) + first
         return m * exposed_mb, m * (2 * gather + scatter)
+    if cfg.zero_stage in (1, 2) and options.regather_per_microbatch:
+        gather = first = scatter = 0.0
+        for here in gather_units:
+            g = both("all_gather", param_b, here.dense, here.expert)
+            gather, first = gather + here.layers * g, max(first, g)
+            scatter += here.layers * both("reduce_scatter", grad_b, here.dense, here.expert)
+        scatters = m if cfg.zero_stage == 2 else 1
+        total = m * gather + scatters * scatter
+        if not options.overlap_dp_comm:
+            return total, total
+        return m * (max(0.0, gather - fwd) + first) + scatters * max(0.0, scatter - bwd), total
     if cfg.zero_stage == 0:
         reduce, gather = both("all_reduce", grad_b), 0.0
     else:

@@ -70,12 +70,18 @@ class EstimateOptions:
     its last GEMM and residual add: torch.utils.checkpoint non-reentrant (torch >= 2.1, as
     autopar's runtime runs it; measured in tests/unit/test_trace.py). False: the whole block
     (Megatron's and DeepSpeed's checkpointing, reentrant torch checkpoint)."""
+    regather_per_microbatch: bool = False
+    """ZeRO-1 and -2 as FSDP2 runs them without reshard-after-forward (autopar's runtime,
+    torchtitan): FSDP2 reshards the parameters after every backward, so each micro-batch's
+    forward all-gathers them again, and ZeRO-2 reduce-scatters each micro-batch's gradients
+    (ZeRO-1 only the last's). False: one all-gather and one reduce-scatter a step (Megatron's
+    distributed optimizer). `autopar.estimate.data_parallel.dp_comm`."""
     pipeline_balance: Literal["layers", "gemm_weights"] = "layers"
     """How the engine cuts the layers into pipeline stages when no cut is given: "layers",
     equal numbers of blocks, the embedding with the first and the head with the last
-    (Megatron-LM, torchtitan, DeepSpeed's partition_method "type:transformer"; `stages`);
-    "gemm_weights", contiguous layers balanced by their GEMM weights, the head included
-    (nanotron, `stages.weight_balanced_boundaries`). A plan carries its own cut."""
+    (Megatron-LM; `autopar.estimate.stages`); "gemm_weights", contiguous layers balanced by
+    their GEMM weights, the head included (nanotron, `stages.weight_balanced_boundaries`).
+    A plan carries its own cut."""
 
     def __post_init__(self) -> None:
         for name, allowed in _choices().items():

@@ -25,10 +25,11 @@ class SoftwarePreset:
 
 SOFTWARE: dict[str, SoftwarePreset] = {
     "autopar": SoftwarePreset(
-        EstimateOptions(fp32_params=True),
+        EstimateOptions(fp32_params=True, regather_per_microbatch=True),
         "autopar's generated code on PyTorch's engine: eager kernels, SDPA's flash attention, "
         "the cross-entropy on fp32-upcast logits, DDP/FSDP2 gradient reduction overlapped with "
-        "backward, fp32 gradient reduction, non-reentrant checkpointing that stops recomputing "
+        "backward, fp32 gradient reduction, ZeRO-1/2 as FSDP2 (parameters gathered again "
+        "every micro-batch, ZeRO-2's gradients reduced every micro-batch), non-reentrant checkpointing that stops recomputing "
         "early; fp32 parameters under bf16 autocast, whose cast weights each forward keeps "
         "without ZeRO (FSDP2 gathers bf16 parameters); an fp8 plan's Linear GEMMs in fp8 "
         "with torchao's dynamic tensorwise scaling, eager casts (autopar.runtime.fp8)"),
@@ -45,16 +46,17 @@ SOFTWARE: dict[str, SoftwarePreset] = {
     "torchtitan": SoftwarePreset(
         EstimateOptions(attention_kernel="flash", overlap_dp_comm=True, kernels="eager",
                         loss_kernel="eager", recompute_early_stop=True,
-                        fp8_recipe="tensorwise", fp32_params=True),
+                        fp8_recipe="tensorwise", fp32_params=True,
+                        regather_per_microbatch=True),
         "torchtitan without torch.compile: FSDP2 (prefetched all-gathers, reduce-scatters "
-        "under backward), SDPA flash attention, eager kernels, the cross-entropy on fp32-"
+        "under backward, parameters gathered again every micro-batch), SDPA flash attention, eager kernels, the cross-entropy on fp32-"
         "upcast logits, non-reentrant checkpointing, bf16 autocast over fp32 parameters "
         "where FSDP does not cast them (DDP alone), and fp8 by torchao's Float8Linear with "
         "dynamic tensorwise scaling (its default recipe)"),
     "torchtitan-compile": SoftwarePreset(
         EstimateOptions(attention_kernel="flash", overlap_dp_comm=True, kernels="fused",
                         loss_kernel="fused", recompute_early_stop=True,
-                        fp8_recipe="tensorwise"),
+                        fp8_recipe="tensorwise", regather_per_microbatch=True),
         "torchtitan with --compile.enable: as 'torchtitan', with inductor fusing the memory-"
         "bound ops (norms, activations, residual adds, fp8 casts) and the loss"),
     "deepspeed": SoftwarePreset(

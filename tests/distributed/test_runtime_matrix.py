@@ -205,3 +205,24 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
                                                  "model.layers.0.self_attn.o_proj")
         assert (plan.tp_placements[f"{fused}.weight"], plan.tp_placements[f"{out}.weight"]) \
             == ("R", "S(1)"), cell.model
+
+
+def test_zero_1_and_2_collectives_are_the_ones_the_estimate_charges(plan_dir):
+    """ZeRO-1 and -2 as FSDP2 runs them (`EstimateOptions.regather_per_microbatch`, set by
+    the "autopar" preset): with two micro-batches a rank, each forward all-gathers every FSDP
+    unit (the blocks and the root) again; ZeRO-1 reduce-scatters each unit's gradients once,
+    after the last micro-batch, ZeRO-2 after each."""
+    import torch
+
+    from autopar.runtime.structure import blocks
+
+    cells = rm.run_matrix(["plain_llama"], ["zero1_mb2", "zero2_mb2"], plan_dir)
+    with torch.device("meta"):
+        units = len(blocks(rm.factory("plain_llama")())) + 1
+    for cell in cells:
+        assert cell.loss_err is not None and cell.loss_err < 1e-4, cell.text()
+        ops = cell.detail["collectives"]
+        m = rm.GLOBAL_BATCH // (2 * 2)  # dp=2 ranks, micro-batches of 2
+        assert m == 2 and ops["_allgather_base_"] == m * units, ops
+        scatters = units if cell.plan == "zero1_mb2" else m * units
+        assert ops["_reduce_scatter_base_"] == scatters, ops

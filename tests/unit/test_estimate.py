@@ -656,3 +656,23 @@ def test_estimate_options_refuse_a_value_outside_their_choices():
                                       n_heads=HEADS)).to("meta"),
                         autopar.Cluster.from_profile("dgx-h100"), global_batch_size=16,
                         seq_len=SEQ, options=EstimateOptions(pipeline_balance="gemm_weights"))
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_fsdp2_gathers_zero_1_and_2_parameters_every_micro_batch(zero):
+    """`regather_per_microbatch` (FSDP2: tests/distributed/test_runtime_matrix.py counts the
+    runtime's collectives): with m micro-batches the data-parallel traffic holds m gathers,
+    and ZeRO-2 m reduce-scatters; without it one of each a step, whatever m. The gathers and
+    reduce-scatters are per unit: one unit's traffic is the difference between m = 2 and 1."""
+    fsdp2 = EstimateOptions(regather_per_microbatch=True)
+    totals = {(opts, gbs): run(dp=8, zero_stage=zero, gbs=gbs, options=opts)[1]
+              .breakdown["dp_comm_total"]
+              for opts in (EstimateOptions(), fsdp2) for gbs in (8, 16, 32)}
+    for gbs in (16, 32):
+        assert totals[EstimateOptions(), gbs] == pytest.approx(totals[EstimateOptions(), 8])
+    one, two, four = (totals[fsdp2, gbs] for gbs in (8, 16, 32))
+    assert four - two == pytest.approx(2 * (two - one))  # each micro-batch adds the same
+    if zero == 2:  # every micro-batch gathers and reduce-scatters: m times one's traffic
+        assert two == pytest.approx(2 * one) and four == pytest.approx(4 * one)
+    else:  # the reduce-scatter once: less than m times
+        assert one < two < 2 * one

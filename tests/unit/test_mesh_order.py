@@ -205,7 +205,9 @@ def test_compile_honours_a_pinned_mesh_order_through_the_saved_plan(tmp_path):
     assert plan.config.mesh_order == order
     assert plan.mesh.axes == tuple(order)
     assert plan.mesh.sizes == tuple(getattr(plan.config, a) for a in order)
-    again = autopar.estimate(model, cluster, plan.config, global_batch_size=64, seq_len=4096)
+    again = autopar.estimate(model, cluster, plan.config, global_batch_size=64, seq_len=4096,
+                             software=plan.training.software,
+                             tp_placements=plan.tp_placements)
     assert again.step_time_s == pytest.approx(plan.estimate.step_time_s, rel=1e-9)
     path = plan.save(tmp_path / "plan.json")
     loaded = load_plan(path)
