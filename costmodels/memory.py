@@ -14,7 +14,8 @@ from __future__ import annotations
 
 __all__ = ["DTYPE_BYTES", "state_bytes_per_param", "state_bytes_split", "CUDA_CONTEXT_BYTES",
            "COMM_BUFFER_BYTES", "ALLOCATOR_RESERVE_FRACTION", "RANK_FIXED_BYTES", "reserved_bytes",
-           "live_bytes_budget", "weight_bytes", "LOSS_KEPT_BYTES_PER_LOGIT", "LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT"]
+           "live_bytes_budget", "weight_bytes", "LOSS_KEPT_BYTES_PER_LOGIT",
+           "LOSS_BACKWARD_PEAK_BYTES_PER_LOGIT"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 

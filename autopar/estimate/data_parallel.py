@@ -102,8 +102,12 @@ def dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: 
 
     ZeRO-1 and -2 gather the parameters and reduce-scatter the gradients once a step, the
     gradients under the last micro-batch's backward; with ``regather_per_microbatch`` (FSDP2,
-    which reshards after every backward) each micro-batch's forward gathers them again, per
-    unit, the first exposed, and ZeRO-2 reduce-scatters every micro-batch's gradients."""
+    which reshards after every backward) and no pipeline, each micro-batch's forward gathers
+    them again, per unit, the first exposed, and ZeRO-2 reduce-scatters every micro-batch's
+    gradients. A pipeline schedule (torch.distributed.pipelining) keeps FSDP2's parameters
+    gathered and its gradients unreduced from one micro-batch's backward to the next
+    (`PipelineStage` sets reshard_after_backward and requires_gradient_sync False until its
+    reduce_grad): once a step."""
     if len(groups.dp) == 1:
         return 0.0, 0.0
     param_b, grad_b = dp_bytes(dtype, options)
@@ -144,7 +148,7 @@ def dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: 
             return m * (gather + max(0.0, scatter - bwd)), m * (gather + scatter)
         exposed_mb = max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd) + first
         return m * exposed_mb, m * (2 * gather + scatter)
-    if cfg.zero_stage in (1, 2) and options.regather_per_microbatch:
+    if cfg.zero_stage in (1, 2) and options.regather_per_microbatch and cfg.pp == 1:
         gather = first = scatter = 0.0
         for here in gather_units:
             g = both("all_gather", param_b, here.dense, here.expert)

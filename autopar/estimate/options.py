@@ -72,9 +72,10 @@ class EstimateOptions:
     (Megatron's and DeepSpeed's checkpointing, reentrant torch checkpoint)."""
     regather_per_microbatch: bool = False
     """ZeRO-1 and -2 as FSDP2 runs them without reshard-after-forward (autopar's runtime,
-    torchtitan): FSDP2 reshards the parameters after every backward, so each micro-batch's
-    forward all-gathers them again, and ZeRO-2 reduce-scatters each micro-batch's gradients
-    (ZeRO-1 only the last's). False: one all-gather and one reduce-scatter a step (Megatron's
+    torchtitan): FSDP2 reshards the parameters after every backward, so without a pipeline
+    each micro-batch's forward all-gathers them again, and ZeRO-2 reduce-scatters each
+    micro-batch's gradients (ZeRO-1 only the last's); a pipeline schedule holds them from one
+    micro-batch to the next. False: one all-gather and one reduce-scatter a step (Megatron's
     distributed optimizer). `autopar.estimate.data_parallel.dp_comm`."""
     pipeline_balance: Literal["layers", "gemm_weights"] = "layers"
     """How the engine cuts the layers into pipeline stages when no cut is given: "layers",

@@ -28,8 +28,10 @@ SOFTWARE: dict[str, SoftwarePreset] = {
         EstimateOptions(fp32_params=True, regather_per_microbatch=True),
         "autopar's generated code on PyTorch's engine: eager kernels, SDPA's flash attention, "
         "the cross-entropy on fp32-upcast logits, DDP/FSDP2 gradient reduction overlapped with "
-        "backward, fp32 gradient reduction, ZeRO-1/2 as FSDP2 (parameters gathered again "
-        "every micro-batch, ZeRO-2's gradients reduced every micro-batch), non-reentrant checkpointing that stops recomputing "
+        "backward, fp32 gradient reduction, ZeRO-1/2 as FSDP2 (without a pipeline, parameters "
+        "gathered again every micro-batch, ZeRO-2's gradients reduced every micro-batch), "
+        "non-reentrant "
+        "checkpointing that stops recomputing "
         "early; fp32 parameters under bf16 autocast, whose cast weights each forward keeps "
         "without ZeRO (FSDP2 gathers bf16 parameters); an fp8 plan's Linear GEMMs in fp8 "
         "with torchao's dynamic tensorwise scaling, eager casts (autopar.runtime.fp8)"),
@@ -49,7 +51,9 @@ SOFTWARE: dict[str, SoftwarePreset] = {
                         fp8_recipe="tensorwise", fp32_params=True,
                         regather_per_microbatch=True),
         "torchtitan without torch.compile: FSDP2 (prefetched all-gathers, reduce-scatters "
-        "under backward, parameters gathered again every micro-batch), SDPA flash attention, eager kernels, the cross-entropy on fp32-"
+        "under backward, without a pipeline parameters gathered again every micro-batch), "
+        "SDPA flash attention, "
+        "eager kernels, the cross-entropy on fp32-"
         "upcast logits, non-reentrant checkpointing, bf16 autocast over fp32 parameters "
         "where FSDP does not cast them (DDP alone), and fp8 by torchao's Float8Linear with "
         "dynamic tensorwise scaling (its default recipe)"),

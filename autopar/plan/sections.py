@@ -58,8 +58,9 @@ class _Section:
         return name
 
     def __getitem__(self, key: str) -> Any:
-        value = getattr(self, self._attribute(key))
-        if value is None and self._attribute(key) in self._OMIT_NONE:
+        name = self._attribute(key)
+        value = getattr(self, name)
+        if value is None and name in self._OMIT_NONE:
             raise KeyError(key)
         return value
 

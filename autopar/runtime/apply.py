@@ -148,7 +148,8 @@ def check_world_size(plan: Plan, world_size: int) -> None:
     """ValueError unless the launch has exactly the plan's number of ranks (no collectives)."""
     want = int(plan.cluster.world_size)
     if world_size != want:
-        raise ValueError(f"this plan needs {want} processes (mesh {dict(zip(plan.mesh.axes, plan.mesh.sizes))}, "
+        mesh = dict(zip(plan.mesh.axes, plan.mesh.sizes))
+        raise ValueError(f"this plan needs {want} processes (mesh {mesh}, "
                          f"cluster {plan.cluster.profile}), but {world_size} were launched: run "
                          f"torchrun --nproc_per_node={want} ..., or re-plan for {world_size} ranks")
 

@@ -205,7 +205,8 @@ def _write_info(path: Path, info: dict[str, Any]) -> None:
 
 
 def save_checkpoint(path: str | Path, runtime_model: RuntimeModel | nn.Module,
-                    optimizer: torch.optim.Optimizer, step: int, *, plan: Plan | None = None) -> Path:
+                    optimizer: torch.optim.Optimizer, step: int, *,
+                    plan: Plan | None = None) -> Path:
     """Write model and optimizer state after ``step`` into the directory ``path`` (collective:
     every rank calls it).  ``runtime_model`` is what ``apply_plan`` returned, or the plain model
     of a single-process reference run; ``plan`` (optional) is recorded for ``load_checkpoint``'s

@@ -160,8 +160,9 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
         target.check(constraints, facts)
         keep = target.allows(every, facts)
         if not keep.any():
-            raise InvalidConfigError(f"no configuration satisfies the constraints {constraints} on "
-                             f"{cluster.world_size} GPUs: {target.why_empty(every, facts)}")
+            raise InvalidConfigError(
+                f"no configuration satisfies the constraints {constraints} on "
+                f"{cluster.world_size} GPUs: {target.why_empty(every, facts)}")
         every = every.rows(keep)
     progress = _Progress(settings.progress)
     best_times: list[float] = []  # the top_k_exact fastest fitting closed-form times so far
@@ -180,9 +181,10 @@ def search(costs: ModelCosts, cluster: Cluster, *, global_batch_size: int, dtype
         if target.restricts and order != every.mesh_order:  # rules may read the order
             keep = target.allows(table, facts)
             if not k and not keep.any():
-                raise InvalidConfigError(f"no configuration satisfies the constraints {constraints} "
-                                 f"on {cluster.world_size} GPUs in mesh order "
-                                 f"{','.join(order)}: {target.why_empty(table, facts)}")
+                raise InvalidConfigError(
+                    f"no configuration satisfies the constraints {constraints} on "
+                    f"{cluster.world_size} GPUs in mesh order {','.join(order)}: "
+                    f"{target.why_empty(table, facts)}")
             table = table.rows(keep)
         # each config once per placement of its ranks: in the first order giving it
         table = _new_placements(table, orders[:k], ctx.cache, placed)
@@ -264,8 +266,8 @@ def _collect(ctx: SearchContext, table: ConfigTable, best_times: list[float], *,
             detail = why_empty(ctx.costs, ctx.cluster, global_batch_size=ctx.global_batch_size,
                                constraints=constraints, options=ctx.options,
                                settings=ctx.settings, target=ctx.target)
-        raise InvalidConfigError(f"no configuration satisfies the constraints {constraints} on "
-                         f"{ctx.cluster.world_size} GPUs{detail}")
+        raise InvalidConfigError(f"no configuration satisfies the constraints {constraints} "
+                                 f"on {ctx.cluster.world_size} GPUs{detail}")
     return _Found(fast=fast, pruned=b.pruned + unfit, smallest=b.smallest, skipped=skipped)
 
 

@@ -676,3 +676,7 @@ def test_fsdp2_gathers_zero_1_and_2_parameters_every_micro_batch(zero):
         assert two == pytest.approx(2 * one) and four == pytest.approx(4 * one)
     else:  # the reduce-scatter once: less than m times
         assert one < two < 2 * one
+    # under a pipeline schedule FSDP2 holds parameters and gradients between micro-batches
+    piped = {opts: run(dp=4, pp=2, zero_stage=zero, gbs=16, options=opts)[1]
+             .breakdown["dp_comm_total"] for opts in (EstimateOptions(), fsdp2)}
+    assert piped[fsdp2] == pytest.approx(piped[EstimateOptions()])
