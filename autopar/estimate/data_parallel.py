@@ -121,17 +121,22 @@ def dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: 
             t += cluster.collective_time(kind, expert * nbytes_per_param, expert_group)
         return t
 
+    def per_unit(gathers: bool) -> tuple[float, float, float]:
+        """(gathers, the largest one, reduce-scatters) of one pass over the rank's units,
+        one collective per unit layer."""
+        gather = scatter = first = 0.0
+        for here in gather_units:
+            scatter += here.layers * both("reduce_scatter", grad_b, here.dense, here.expert)
+            if gathers:
+                g = both("all_gather", param_b, here.dense, here.expert)
+                gather, first = gather + here.layers * g, max(first, g)
+        return gather, first, scatter
+
     fwd = sums["compute_fwd"]
     bwd = sums["compute_bwd"] + sums["recompute"]
     if cfg.zero_stage == 3:
         sync = options.zero3_gather == "sync"
-        gather = scatter = first = 0.0
-        for here in gather_units:
-            scatter += here.layers * both("reduce_scatter", grad_b, here.dense, here.expert)
-            if sync:
-                continue
-            g = both("all_gather", param_b, here.dense, here.expert)
-            gather, first = gather + here.layers * g, max(first, g)
+        gather, first, scatter = per_unit(gathers=not sync)
         if sync:  # one gather per parameter tensor and use, the stream waiting for it
             times: dict[tuple[float, bool], float] = {}  # tensors of a size recur per layer
 
@@ -149,11 +154,7 @@ def dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: 
         exposed_mb = max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd) + first
         return m * exposed_mb, m * (2 * gather + scatter)
     if cfg.zero_stage in (1, 2) and options.regather_per_microbatch and cfg.pp == 1:
-        gather = first = scatter = 0.0
-        for here in gather_units:
-            g = both("all_gather", param_b, here.dense, here.expert)
-            gather, first = gather + here.layers * g, max(first, g)
-            scatter += here.layers * both("reduce_scatter", grad_b, here.dense, here.expert)
+        gather, first, scatter = per_unit(gathers=True)
         scatters = m if cfg.zero_stage == 2 else 1
         total = m * gather + scatters * scatter
         if not options.overlap_dp_comm:
