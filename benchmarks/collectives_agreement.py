@@ -1,17 +1,21 @@
-"""Does the estimate charge the tensor-parallel collectives the runtime issues?  For each corpus
-model (``tests/corpus.py``) under tensor-parallel plans of ``benchmarks/runtime_matrix.py`` (tp
-and tp + sequence parallel on 2 gloo ranks by default), the plan is compiled, trained for 3
-steps next to the one-process reference, and the collectives rank 0 issued in one training
-step (each kind with its bytes, less the scalar all-reduce of the reported loss) are compared
-with the estimate's for the plan's layout (`autopar.estimate.tp_comm.tp_step_collectives`), and
-each block's in the plan (`plan.intra_op`, the ILP's execution of the layout) with the
-estimate's per layer, as reduce-scatters and all-gathers (`primitive_collectives`).
+"""Does the estimate charge the tensor- and data-parallel collectives the runtime issues?  For
+each corpus model (``tests/corpus.py``) under plans of ``benchmarks/runtime_matrix.py`` (tp and
+tp + sequence parallel on 2 gloo ranks by default; ZeRO plans, pipelines and their
+combinations too, not context or expert parallel), the plan is compiled, trained for 3 steps
+next to the one-process reference, and the collectives rank 0 issued in one training step
+(each kind with its bytes, less the scalar all-reduce of the reported loss and DDP's one-off
+broadcasts when it rebuilds its buckets in its second step) are compared with the estimate's
+for rank 0's pipeline stage in the plan's layout
+(`autopar.estimate.tp_comm.tp_step_collectives`,
+`autopar.estimate.data_parallel.dp_step_collectives`), and each block's in the plan
+(`plan.intra_op`, the ILP's execution of the layout) with the estimate's per layer, as
+reduce-scatters and all-gathers (`primitive_collectives`).
 
 A row says whether the numbers matched the reference ("ok"), whether the runtime's collectives
 are the estimate's ("same") or which (kind, bytes) x count only one side has, and whether the
 ILP's per-layer collectives are the estimate's.
 
-    python benchmarks/collectives_agreement.py [--models hf_llama,hf_qwen3] [--plans tp,tp_sp]
+    python benchmarks/collectives_agreement.py [--models hf_llama,hf_qwen3] [--plans tp,zero3_pp]
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ def compare(cell, plan_dir: Path) -> Comparison:
 
     import autopar
     from autopar.estimate.core import costs_of_layout
+    from autopar.estimate.data_parallel import dp_step_collectives
+    from autopar.estimate.stages import layer_sequence
     from autopar.estimate.timing import tp_collectives
     from autopar.estimate.tp_comm import primitive_collectives, tp_step_collectives
     from autopar.plan import load_plan
@@ -79,12 +85,22 @@ def compare(cell, plan_dir: Path) -> Comparison:
                  "seq_len": plan.training.seq_len}
     costs = costs_of_layout(autopar.trace(model, dtype=plan.training.dtype, **shape),
                             plan.config, plan.tp_placements)
-    issued = Counter((kind, int(n)) for kind, n in cell.detail["collective_bytes"])
+    cfg = plan.config
+    if cfg.cp > 1 or cfg.ep > 1:
+        raise ValueError(f"{cell.model} {cell.plan}: the estimate lists no context- or "
+                         f"expert-parallel collectives to compare")
+    issued = Counter((kind, int(n)) for kind, n in cell.detail["collective_bytes"]
+                     if kind != "broadcast" or cfg.zero_stage)  # DDP's bucket rebuild
     if not issued[("all_reduce", 4)]:
         raise ValueError(f"{cell.model} {cell.plan}: no all-reduce of the reported loss")
     issued[("all_reduce", 4)] -= 1  # the reported loss, summed over the ranks
-    charged = Counter((kind, round(n)) for kind, n in tp_step_collectives(
-        costs, plan.config, global_batch_size=plan.training.global_batch_size))
+    fqns = [f for _, f in layer_sequence(costs.units)]
+    start = [fqns.index(stage[0]) for stage in plan.stages]
+    cut = tuple((a, a + len(stage)) for a, stage in zip(start, plan.stages))
+    where = {"global_batch_size": plan.training.global_batch_size, "boundaries": cut}
+    charged = Counter((kind, round(n)) for kind, n in tp_step_collectives(costs, cfg, **where)
+                      + dp_step_collectives(costs, cfg, plan.training.estimate_options,
+                                            dtype=plan.training.dtype, **where))
     units = {u.name: u for u in costs.units}
     blocks = {block: (primitive_collectives(entry["forward_collectives"]
                                             + entry["backward_collectives"]),

@@ -57,10 +57,14 @@ PLANS: dict[str, tuple[int, dict]] = {
     "zero1": (2, {"dp": 2, "zero_stage": 1}),
     "zero2": (2, {"dp": 2, "zero_stage": 2}),
     "zero3": (2, {"dp": 2, "zero_stage": 3}),
-    # two micro-batches a rank: FSDP2 gathers again for each (EstimateOptions.
-    # regather_per_microbatch)
+    # two micro-batches a rank: FSDP2 gathers again for each; in a pipeline, once a step
+    # (EstimateOptions.fsdp2)
     "zero1_mb2": (2, {"dp": 2, "zero_stage": 1, **MB2}),
     "zero2_mb2": (2, {"dp": 2, "zero_stage": 2, **MB2}),
+    "zero3_mb2": (2, {"dp": 2, "zero_stage": 3, **MB2}),
+    "zero1_pp": (4, {"dp": 2, "pp": 2, "zero_stage": 1, "pp_schedule": "1f1b", **MB2}),
+    "zero3_pp": (4, {"dp": 2, "pp": 2, "zero_stage": 3, "pp_schedule": "1f1b", **MB2}),
+    "zero3_gpipe": (4, {"dp": 2, "pp": 2, "zero_stage": 3, "pp_schedule": "gpipe", **MB2}),
     "tp": (2, {"tp": 2, "sequence_parallel": False}),
     "tp_sp": (2, {"tp": 2, "sequence_parallel": True}),
     # one sequence per micro-batch: the intra-op ILP runs MLPs replicated on the sequence shard

@@ -38,10 +38,10 @@ import torch.nn as nn
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig, check_config
 from autopar.estimate.cache import EvalCache, _rank_groups, order_key, placement_key
-from autopar.estimate.data_parallel import GatherUnit, dp_comm
+from autopar.estimate.data_parallel import GatherUnit, dp_comm, gather_units
 from autopar.estimate.layout import (Layout, Structure, analytic_inflight, fast_peak_memory,
                                      layout, pipeline_bound, structure, unit_vectors)
-from autopar.estimate.memory import (activation_bytes, keeps_fp8_copies,
+from autopar.estimate.memory import (activation_bytes, held_zero_stage, keeps_fp8_copies,
                                      keeps_weight_copies, stage_memory)
 from autopar.estimate.options import EstimateOptions
 from autopar.estimate.stages import body_span, layer_sequence, weight_balanced_boundaries
@@ -256,14 +256,16 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
     peak_dense = cluster.hardware.device.peak_flops.get(dtype, 0.0)
     model_flops = 3.0 * costs.flops_fwd * (global_batch_size / costs.traced_batch)
     tokens = global_batch_size * (costs.seq_len or 1)
+    zero = held_zero_stage(config, options.fsdp2)  # what the rank holds at its peak
+    held = config if zero == config.zero_stage else replace(config, zero_stage=zero)
     if exact:
-        memory = stage_memory(config, dtype, lay.dense, lay.expert, lay.max_param_bytes,
+        memory = stage_memory(held, dtype, lay.dense, lay.expert, lay.max_param_bytes,
                               lay.bytes_per_param, inflight, list(lay.rank_working),
                               options.zero3_max_live_params, options.fp32_params)
         peak = max(sum(v for k, v in mem.items() if not k.startswith("_")) for mem in memory)
     else:  # the search only needs the peak; per-stage categories come with the exact pass
         memory = []
-        peak = fast_peak_memory(config, dtype, lay, inflight, options.zero3_max_live_params,
+        peak = fast_peak_memory(held, dtype, lay, inflight, options.zero3_max_live_params,
                                 options.fp32_params)
     return Estimate(
         config=config, step_time_s=step, tokens_per_s=tokens / step,
@@ -393,9 +395,7 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
     p2p = (cache.collective_time("send_recv", act, groups.pp_hop)
            if groups.pp_hop is not None else 0.0)
     heavy = int(np.argmax(lay.rank_dense + lay.rank_expert))  # the first, as max() took
-    units_here = [GatherUnit(unit=u, layers=float(n), dense=u.dense_on_tp_rank(config.tp),
-                              expert=u.expert_params / (config.expert_tp * config.ep))
-                  for u, n in zip(units, lay.rank_counts[heavy]) if n > 0]
+    units_here = gather_units(units, lay.rank_counts[heavy], config)
     prep = cache.layouts[lkey] = _Prepared(
         lay=lay, groups=groups, p2p=p2p, dense=lay.rank_dense[heavy],
         expert=lay.rank_expert[heavy],

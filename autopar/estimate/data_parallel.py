@@ -10,14 +10,15 @@ from typing import TYPE_CHECKING, Sequence
 
 from autopar.config import ParallelConfig
 from autopar.estimate.groups import RankGroups
+from autopar.estimate.stages import Boundaries
 from autopar.estimate.units import Unit
 from costmodels.collectives import ZERO3_PERSISTENCE_THRESHOLD, ZERO3_SYNC_GATHER_BYTES_PER_S
 from costmodels.memory import DTYPE_BYTES, weight_bytes
 
 if TYPE_CHECKING:
-    from autopar.estimate.core import EstimateOptions, EvalCache
+    from autopar.estimate.core import EstimateOptions, EvalCache, ModelCosts
 
-__all__ = ["GatherUnit", "dp_bytes", "dp_comm"]
+__all__ = ["GatherUnit", "dp_bytes", "dp_comm", "dp_step_collectives", "gather_units"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,6 +30,14 @@ class GatherUnit:
     layers: float
     dense: float
     expert: float
+
+
+def gather_units(units: Sequence[Unit], layers: Sequence[float], config: ParallelConfig
+                 ) -> list[GatherUnit]:
+    """The `GatherUnit` of each unit a pipeline rank holds `layers` of."""
+    return [GatherUnit(unit=u, layers=float(n), dense=u.dense_on_tp_rank(config.tp),
+                       expert=u.expert_params / (config.expert_tp * config.ep))
+            for u, n in zip(units, layers) if n > 0]
 
 
 def _param_tensors(unit: Unit, config: ParallelConfig) -> tuple[tuple[float, bool], ...]:
@@ -85,88 +94,176 @@ def _sync_gather_uses(gather_units: Sequence["GatherUnit"], config: ParallelConf
     return uses
 
 
+Collective = tuple[str, float, bool]  # (kind, bytes, over the expert replicas)
+
+
+@dataclass(frozen=True, slots=True)
+class _Passes:
+    """How often one step moves a rank's data-parallel states with ZeRO: all-gathers of its
+    parameters in forward and in backward passes, and reduce-scatters of its gradients, each
+    pass per FSDP unit (`per_unit`) or as one collective of the rank's whole."""
+
+    per_unit: bool
+    forward_gathers: int
+    backward_gathers: int
+    scatters: int
+
+
+def _passes(config: ParallelConfig, options: EstimateOptions, m: int) -> _Passes:
+    """The passes of ZeRO >= 1 with prefetched gathers (see `dp_comm`) over `m`
+    micro-batches."""
+    if options.fsdp2 and config.pp > 1:
+        return _Passes(per_unit=True, forward_gathers=1, backward_gathers=0, scatters=1)
+    if config.zero_stage == 3:
+        return _Passes(per_unit=True, forward_gathers=m, backward_gathers=m, scatters=m)
+    if options.fsdp2:
+        return _Passes(per_unit=True, forward_gathers=m, backward_gathers=0,
+                      scatters=m if config.zero_stage == 2 else 1)
+    return _Passes(per_unit=False, forward_gathers=1, backward_gathers=0, scatters=1)
+
+
+def _unit_collectives(gather_units: Sequence[GatherUnit], config: ParallelConfig,
+                     options: EstimateOptions, dtype: str
+                     ) -> list[tuple[float, tuple[Collective, ...], tuple[Collective, ...]]]:
+    """Per FSDP unit on the rank, (its layers there, the all-gathers of one layer's parameters,
+    the reduce-scatters of one layer's gradients): the dense ones over dp, the experts' over
+    their replicas (`ParallelConfig.expert_dp`). Under FSDP2 what is not in a block (the glue
+    before and after the blocks) is one unit, the root's."""
+    param_b, grad_b = dp_bytes(dtype, options)
+    shapes = [(u.layers, u.dense, u.expert) for u in gather_units
+              if u.unit.is_block or not options.fsdp2]
+    glue = [u for u in gather_units if not u.unit.is_block] if options.fsdp2 else []
+    if glue:
+        shapes.append((1.0, sum(u.layers * u.dense for u in glue),
+                       sum(u.layers * u.expert for u in glue)))
+    return [(layers, _states("all_gather", param_b, dense, expert, config),
+             _states("reduce_scatter", grad_b, dense, expert, config))
+            for layers, dense, expert in shapes]
+
+
+def _states(kind: str, per_param: float, dense: float, expert: float,
+            config: ParallelConfig) -> tuple[Collective, ...]:
+    """`kind` over `dense` parameters' states in the dp group and `expert` ones' in theirs,
+    each that has some and replicas: one collective of both where the experts are not
+    split over ep (their replicas are the dense weights' and FSDP2 shards them in the same
+    unit)."""
+    if config.ep == 1 and not config.folded:
+        dense, expert = dense + expert, 0.0
+    return tuple((kind, n * per_param, is_expert) for n, is_expert in
+                 ((dense, False), (expert, True))
+                 if n > 0 and (config.expert_dp > 1 or not is_expert))
+
+
 def dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: float,
              expert: float, sums: dict[str, float], m: int, dtype: str,
              options: EstimateOptions, gather_units: list[GatherUnit]
              ) -> tuple[float, float]:
     """(exposed, total) seconds of data-parallel communication per step on one rank.
 
-    ZeRO-3 reduce-scatters once per FSDP unit (a block layer, or the glue before and after)
-    on the rank, so each collective pays its own latency, which grows with the group size.
-    Its gathers are per unit too, prefetched: one per unit for the forward and one for the
-    backward (the recompute runs on the backward's), hidden under compute where it lasts
-    longer, the first one exposed. With ``zero3_gather="sync"`` every parameter tensor is
-    gathered on its own, for the forward, the recompute (full) and the backward unless it was
-    kept since its last use (`_sync_gather_uses`), with the stream waiting: nothing hides
-    them.
+    ZeRO-0 all-reduces the gradients once a step, under the last micro-batch's backward.
+    ZeRO >= 1 moves the rank's states in the passes `_passes` counts:
 
-    ZeRO-1 and -2 gather the parameters and reduce-scatter the gradients once a step, the
-    gradients under the last micro-batch's backward; with ``regather_per_microbatch`` (FSDP2,
-    which reshards after every backward) and no pipeline, each micro-batch's forward gathers
-    them again, per unit, the first exposed, and ZeRO-2 reduce-scatters every micro-batch's
-    gradients. A pipeline schedule (torch.distributed.pipelining) keeps FSDP2's parameters
-    gathered and its gradients unreduced from one micro-batch's backward to the next
-    (`PipelineStage` sets reshard_after_backward and requires_gradient_sync False until its
-    reduce_grad): once a step."""
+    * ZeRO-3 all-gathers per FSDP unit (`_unit_collectives`: a block layer, or the glue), so
+      each collective pays its own latency, which grows with the group size: in every
+      micro-batch one pass for the forward and one for the backward (the recompute runs on the
+      backward's), and one reduce-scatter pass under the backward;
+    * ZeRO-1 and -2 gather the rank's parameters and reduce-scatter its gradients once a step
+      (Megatron's distributed optimizer), the gradients under the last micro-batch's backward;
+    * under FSDP2 (`EstimateOptions.fsdp2`) ZeRO-1 and -2 go per unit, and without a pipeline
+      each micro-batch's forward gathers every unit again and ZeRO-2 reduce-scatters every
+      micro-batch's gradients; under a pipeline every ZeRO stage gathers and reduce-scatters
+      each unit once a step (torch.distributed.pipelining's stage keeps the parameters
+      gathered and the gradients unreduced through its micro-batches).
+
+    Gathers hide under the forward compute and the backward's gathers and reduce-scatters under
+    the backward compute, up to their length (`overlap_dp_comm`; ZeRO-3 prefetches always), the
+    first unit's gather of each forward pass exposed. With ``zero3_gather="sync"`` every
+    parameter tensor is gathered on its own, for the forward, the recompute (full) and the
+    backward unless it was kept since its last use (`_sync_gather_uses`), with the stream
+    waiting: nothing hides them."""
     if len(groups.dp) == 1:
         return 0.0, 0.0
-    param_b, grad_b = dp_bytes(dtype, options)
     expert_group = groups.edp
-
-    def both(kind: str, nbytes_per_param: float, dense: float = dense,
-             expert: float = expert) -> float:
-        """`kind` over `dense` parameters in the dp group and `expert` ones in theirs."""
-        t = cluster.collective_time(kind, dense * nbytes_per_param, groups.dp)
-        if expert and len(expert_group) > 1:
-            t += cluster.collective_time(kind, expert * nbytes_per_param, expert_group)
-        return t
-
-    def per_unit(gathers: bool) -> tuple[float, float, float]:
-        """(gathers, the largest one, reduce-scatters) of one pass over the rank's units,
-        one collective per unit layer."""
-        gather = scatter = first = 0.0
-        for here in gather_units:
-            scatter += here.layers * both("reduce_scatter", grad_b, here.dense, here.expert)
-            if gathers:
-                g = both("all_gather", param_b, here.dense, here.expert)
-                gather, first = gather + here.layers * g, max(first, g)
-        return gather, first, scatter
-
     fwd = sums["compute_fwd"]
     bwd = sums["compute_bwd"] + sums["recompute"]
-    if cfg.zero_stage == 3:
-        sync = options.zero3_gather == "sync"
-        gather, first, scatter = per_unit(gathers=not sync)
-        if sync:  # one gather per parameter tensor and use, the stream waiting for it
-            times: dict[tuple[float, bool], float] = {}  # tensors of a size recur per layer
 
-            def one(n: float, is_expert: bool) -> float:
-                t = times.get((n, is_expert))
-                if t is None:
-                    t = times[n, is_expert] = cluster.collective_time(
-                        "all_gather", n * param_b, expert_group if is_expert else groups.dp) \
-                        + n * param_b / ZERO3_SYNC_GATHER_BYTES_PER_S
-                return t
+    def time(collectives: Sequence[Collective]) -> float:
+        return sum(cluster.collective_time(kind, n, expert_group if is_expert else groups.dp)
+                   for kind, n, is_expert in collectives)
 
-            gather = sum(one(n, is_expert) for n, is_expert in _sync_gather_uses(
-                gather_units, cfg, options.zero3_max_reuse_distance))
-            return m * (gather + max(0.0, scatter - bwd)), m * (gather + scatter)
-        exposed_mb = max(0.0, gather - fwd) + max(0.0, gather + scatter - bwd) + first
-        return m * exposed_mb, m * (2 * gather + scatter)
-    if cfg.zero_stage in (1, 2) and options.regather_per_microbatch and cfg.pp == 1:
-        gather, first, scatter = per_unit(gathers=True)
-        scatters = m if cfg.zero_stage == 2 else 1
-        total = m * gather + scatters * scatter
-        if not options.overlap_dp_comm:
-            return total, total
-        return m * (max(0.0, gather - fwd) + first) + scatters * max(0.0, scatter - bwd), total
+    param_b, grad_b = dp_bytes(dtype, options)
     if cfg.zero_stage == 0:
-        reduce, gather = both("all_reduce", grad_b), 0.0
-    else:
-        reduce, gather = both("reduce_scatter", grad_b), both("all_gather", param_b)
-    if not options.overlap_dp_comm:
-        return reduce + gather, reduce + gather
-    return max(0.0, reduce - bwd) + max(0.0, gather - fwd), reduce + gather
+        reduce = time(_states("all_reduce", grad_b, dense, expert, cfg))
+        return (max(0.0, reduce - bwd) if options.overlap_dp_comm else reduce), reduce
+    units = _unit_collectives(gather_units, cfg, options, dtype)
+    scatter = sum(layers * time(rs) for layers, _, rs in units)
+    if cfg.zero_stage == 3 and options.zero3_gather == "sync":
+        times: dict[tuple[float, bool], float] = {}  # tensors of a size recur per layer
+
+        def one(n: float, is_expert: bool) -> float:
+            t = times.get((n, is_expert))
+            if t is None:
+                t = times[n, is_expert] = cluster.collective_time(
+                    "all_gather", n * param_b, expert_group if is_expert else groups.dp) \
+                    + n * param_b / ZERO3_SYNC_GATHER_BYTES_PER_S
+            return t
+
+        gather = sum(one(n, is_expert) for n, is_expert in _sync_gather_uses(
+            gather_units, cfg, options.zero3_max_reuse_distance))
+        return m * (gather + max(0.0, scatter - bwd)), m * (gather + scatter)
+    p = _passes(cfg, options, m)
+    if p.per_unit:
+        gathers = [time(g) for _, g, _ in units]
+        gather = sum(layers * t for (layers, _, _), t in zip(units, gathers))
+        first = max(gathers, default=0.0)
+    else:  # the rank's whole states in one collective each
+        gather = time(_states("all_gather", param_b, dense, expert, cfg))
+        scatter = time(_states("reduce_scatter", grad_b, dense, expert, cfg))
+        first = 0.0
+    total = (p.forward_gathers + p.backward_gathers) * gather + p.scatters * scatter
+    if not options.overlap_dp_comm and cfg.zero_stage != 3:
+        return total, total
+    backward = (gather if p.backward_gathers else 0.0) + scatter
+    return (p.forward_gathers * (max(0.0, gather - fwd) + first)
+            + max(p.backward_gathers, p.scatters) * max(0.0, backward - bwd)), total
+
+
+def dp_step_collectives(costs: "ModelCosts", config: ParallelConfig, options: EstimateOptions,
+                        *, global_batch_size: int, dtype: str, pipeline_rank: int = 0,
+                        boundaries: Boundaries | None = None) -> list[tuple[str, float]]:
+    """Every data-parallel collective `dp_comm` charges one rank of pipeline rank
+    `pipeline_rank` in one step, as ``(kind, nbytes)``, the experts' with the dense ones
+    (the stages cut at `boundaries`, or evenly by layers): what a runtime's recorded
+    collectives are checked against."""
+    from autopar.estimate.layout import structure
+
+    if config.dp * config.cp == 1:
+        return []
+    m, rest = divmod(global_batch_size, config.dp * config.micro_batch_size)
+    if rest or not m:
+        raise ValueError(f"global batch {global_batch_size} is not a multiple of dp x "
+                         f"micro-batch = {config.dp * config.micro_batch_size}")
+    units = costs.units_for(config.micro_batch_size)
+    counts = structure(units, config.pp, config.virtual_stages, boundaries).rank_counts
+    here = gather_units(units, counts[pipeline_rank], config)
+    param_b, grad_b = dp_bytes(dtype, options)
+    dense, expert = (sum(u.layers * getattr(u, k) for u in here) for k in ("dense", "expert"))
+
+    def whole(kind: str, per_param: float) -> list[tuple[str, float]]:
+        return [(k, n) for k, n, _ in _states(kind, per_param, dense, expert, config)]
+
+    if config.zero_stage == 0:
+        return whole("all_reduce", grad_b)
+    per_unit = _unit_collectives(here, config, options, dtype)
+    scatters = [(kind, n) for layers, _, rs in per_unit for kind, n, _ in rs * int(layers)]
+    gathers = [(kind, n) for layers, g, _ in per_unit for kind, n, _ in g * int(layers)]
+    if config.zero_stage == 3 and options.zero3_gather == "sync":
+        uses = _sync_gather_uses(here, config, options.zero3_max_reuse_distance)
+        return m * ([("all_gather", n * param_b) for n, _ in uses] + scatters)
+    p = _passes(config, options, m)
+    if not p.per_unit:
+        gathers, scatters = whole("all_gather", param_b), whole("reduce_scatter", grad_b)
+    return (p.forward_gathers + p.backward_gathers) * gathers + p.scatters * scatters
 
 
 def dp_bytes(dtype: str, options: EstimateOptions) -> tuple[int, int]:

@@ -20,8 +20,8 @@ from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
                                LOSS_KEPT_BYTES_PER_LOGIT, state_bytes_split)
 from costmodels.pipeline import PipelineTimeline
 
-__all__ = ["stage_memory", "activation_bytes", "keeps_fp8_copies", "keeps_weight_copies",
-           "loss_bytes", "peak_inflight_bytes"]
+__all__ = ["stage_memory", "activation_bytes", "held_zero_stage", "keeps_fp8_copies",
+           "keeps_weight_copies", "loss_bytes", "peak_inflight_bytes"]
 
 
 def loss_bytes(unit: Unit, loss_kernel: str) -> tuple[float, float]:
@@ -53,6 +53,14 @@ def keeps_weight_copies(cfg: ParallelConfig, dtype: str, fp32_params: bool) -> b
     (`EstimateOptions.fp32_params`): a 16-bit run without ZeRO (FSDP2 gathers the
     parameters in 16 bits)."""
     return fp32_params and dtype in ("bf16", "fp8") and cfg.zero_stage == 0
+
+
+def held_zero_stage(cfg: ParallelConfig, fsdp2: bool) -> int:
+    """The ZeRO stage whose model states a rank holds at its peak: under FSDP2 in a pipeline
+    (`EstimateOptions.fsdp2`) ZeRO-2 and -3 hold what ZeRO-1 holds, the stage keeping every
+    unit's parameters gathered and its gradients whole from its first backward to its last;
+    otherwise the plan's."""
+    return 1 if fsdp2 and cfg.pp > 1 and cfg.zero_stage > 1 else cfg.zero_stage
 
 
 def keeps_fp8_copies(dtype: str, fp32_params: bool, fp8_recipe: str) -> bool:

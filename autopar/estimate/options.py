@@ -70,13 +70,18 @@ class EstimateOptions:
     its last GEMM and residual add: torch.utils.checkpoint non-reentrant (torch >= 2.1, as
     autopar's runtime runs it; measured in tests/unit/test_trace.py). False: the whole block
     (Megatron's and DeepSpeed's checkpointing, reentrant torch checkpoint)."""
-    regather_per_microbatch: bool = False
-    """ZeRO-1 and -2 as FSDP2 runs them without reshard-after-forward (autopar's runtime,
-    torchtitan): FSDP2 reshards the parameters after every backward, so without a pipeline
-    each micro-batch's forward all-gathers them again, and ZeRO-2 reduce-scatters each
-    micro-batch's gradients (ZeRO-1 only the last's); a pipeline schedule holds them from one
-    micro-batch to the next. False: one all-gather and one reduce-scatter a step (Megatron's
-    distributed optimizer). `autopar.estimate.data_parallel.dp_comm`."""
+    fsdp2: bool = False
+    """Data parallel with ZeRO runs as torch's FSDP2: ``fully_shard`` on each block and at the
+    root (autopar's runtime, torchtitan), under a pipeline inside torch.distributed.pipelining's
+    stages. Without a pipeline FSDP2 reshards the parameters after every backward, so each
+    micro-batch's forward gathers every unit again, and ZeRO-2 reduce-scatters each
+    micro-batch's gradients (ZeRO-1 only the last's). Under a pipeline a stage keeps its
+    parameters gathered (ZeRO-3 without reshard-after-forward, torchtitan's default there) and
+    its gradients whole and unreduced from the first micro-batch to its last backward: one
+    all-gather and one reduce-scatter per unit a step, and at its peak a rank holds what ZeRO-1
+    holds, whatever the stage. False: the whole rank's parameters gathered and gradients
+    reduce-scattered once a step (Megatron's distributed optimizer), ZeRO-3 per unit and
+    micro-batch. `autopar.estimate.data_parallel.dp_comm`, `memory.held_zero_stage`."""
     pipeline_balance: Literal["layers", "gemm_weights"] = "layers"
     """How the engine cuts the layers into pipeline stages when no cut is given: "layers",
     equal numbers of blocks, the embedding with the first and the head with the last

@@ -25,11 +25,12 @@ class SoftwarePreset:
 
 SOFTWARE: dict[str, SoftwarePreset] = {
     "autopar": SoftwarePreset(
-        EstimateOptions(fp32_params=True, regather_per_microbatch=True),
+        EstimateOptions(fp32_params=True, fsdp2=True),
         "autopar's generated code on PyTorch's engine: eager kernels, SDPA's flash attention, "
         "the cross-entropy on fp32-upcast logits, DDP/FSDP2 gradient reduction overlapped with "
-        "backward, fp32 gradient reduction, ZeRO-1/2 as FSDP2 (without a pipeline, parameters "
-        "gathered again every micro-batch, ZeRO-2's gradients reduced every micro-batch), "
+        "backward, fp32 gradient reduction, ZeRO as FSDP2 (without a pipeline, parameters "
+        "gathered again every micro-batch, ZeRO-2's gradients reduced every micro-batch; "
+        "under one, kept gathered and unreduced through the step), "
         "non-reentrant "
         "checkpointing that stops recomputing "
         "early; fp32 parameters under bf16 autocast, whose cast weights each forward keeps "
@@ -49,9 +50,10 @@ SOFTWARE: dict[str, SoftwarePreset] = {
         EstimateOptions(attention_kernel="flash", overlap_dp_comm=True, kernels="eager",
                         loss_kernel="eager", recompute_early_stop=True,
                         fp8_recipe="tensorwise", fp32_params=True,
-                        regather_per_microbatch=True),
+                        fsdp2=True),
         "torchtitan without torch.compile: FSDP2 (prefetched all-gathers, reduce-scatters "
-        "under backward, without a pipeline parameters gathered again every micro-batch), "
+        "under backward, without a pipeline parameters gathered again every micro-batch, under "
+        "one kept gathered and unreduced through the step), "
         "SDPA flash attention, "
         "eager kernels, the cross-entropy on fp32-"
         "upcast logits, non-reentrant checkpointing, bf16 autocast over fp32 parameters "
@@ -60,7 +62,7 @@ SOFTWARE: dict[str, SoftwarePreset] = {
     "torchtitan-compile": SoftwarePreset(
         EstimateOptions(attention_kernel="flash", overlap_dp_comm=True, kernels="fused",
                         loss_kernel="fused", recompute_early_stop=True,
-                        fp8_recipe="tensorwise", regather_per_microbatch=True),
+                        fp8_recipe="tensorwise", fsdp2=True),
         "torchtitan with --compile.enable: as 'torchtitan', with inductor fusing the memory-"
         "bound ops (norms, activations, residual adds, fp8 casts) and the loss"),
     "deepspeed": SoftwarePreset(

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from autopar.config import ParallelConfig
-from autopar.estimate.layout import Layout
+from autopar.estimate.layout import Layout, structure
 from autopar.estimate.groups import RankGroups
+from autopar.estimate.stages import Boundaries
 from autopar.estimate.timing import tp_collectives
 from autopar.estimate.units import Unit
 
@@ -46,13 +47,14 @@ def partial_gradient_sync(cache, units: tuple[Unit, ...], lay: Layout, config: P
     return cache.collective_time("all_reduce", nbytes, groups.tp) if nbytes > 0 else 0.0
 
 
-def tp_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_batch_size: int
+def tp_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_batch_size: int,
+                        pipeline_rank: int = 0, boundaries: Boundaries | None = None
                         ) -> list[tuple[str, float]]:
-    """Every tensor-parallel collective the estimate charges for one step of the whole model
-    (all pipeline stages together) on one tp group, as ``(kind, nbytes)``: each layer's
-    `tp_collectives` forward and backward, per micro-batch, and the one all-reduce of the
-    partial gradients (`partial_gradient_bytes`). What a runtime's recorded collectives are
-    checked against."""
+    """Every tensor-parallel collective the estimate charges for one step of pipeline rank
+    `pipeline_rank`'s layers (the stages cut at `boundaries`, or evenly by layers) on one tp
+    group, as ``(kind, nbytes)``: each layer's `tp_collectives` forward and backward, per
+    micro-batch, and the one all-reduce of the partial gradients (`partial_gradient_bytes`).
+    What a runtime's recorded collectives are checked against."""
     if config.tp == 1:
         return []
     m, rest = divmod(global_batch_size, config.dp * config.micro_batch_size)
@@ -61,10 +63,13 @@ def tp_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_b
                          f"micro-batch = {config.dp * config.micro_batch_size}")
     out: list[tuple[str, float]] = []
     units = costs.units_for(config.micro_batch_size)
-    for unit in units:
+    counts = structure(units, config.pp, config.virtual_stages, boundaries).rank_counts
+    layers = [int(n) for n in counts[pipeline_rank]]
+    for unit, n in zip(units, layers):
         fwd, bwd = tp_collectives(unit, config)
-        out += (fwd + bwd) * (unit.count * m)
-    nbytes = sum(partial_gradient_bytes(u, config.sequence_parallel) * u.count for u in units)
+        out += (fwd + bwd) * (n * m)
+    nbytes = sum(partial_gradient_bytes(u, config.sequence_parallel) * n
+                 for u, n in zip(units, layers))
     return out + ([("all_reduce", nbytes)] if nbytes else [])
 
 

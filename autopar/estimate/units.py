@@ -167,6 +167,9 @@ class Unit:
     # elements of `dense_params` whole on every tp rank: the GEMM weights of the sub-layers
     # the layout replicates (`replicated`)
     tp_replicated_params: int = 0
+    # elements of the trainable parameters tp never splits in any layout: `stream_params`,
+    # `router_params`, `head_params` as traced and the row-parallel GEMMs' biases
+    tp_shared_params: int = 0
     # each copy's place in the model's layer order (`autopar.estimate.stages.layer_sequence`):
     # copies of one block may interleave with another's (alternating attention kinds)
     positions: tuple[float, ...] = ()
@@ -185,10 +188,11 @@ class Unit:
                 sum(d == "backward" and k == "reduce" for d, k, _ in self.tp_syncs))
 
     def tp_whole_params(self, tp: int) -> int:
-        """Elements of `dense_params` whole on every rank at ``tp``: the replicated
-        sub-layers' and the K/V projections tp does not split (`kv_whole`)."""
-        return self.tp_replicated_params + sum(kv.params for kv in self.kv_projections
-                                               if kv.whole(tp))
+        """Elements of `dense_params` whole on every rank at ``tp``: those tp never splits
+        (`tp_shared_params`), the replicated sub-layers' and the K/V projections tp does not
+        split (`kv_whole`)."""
+        return self.tp_shared_params + self.tp_replicated_params + sum(
+            kv.params for kv in self.kv_projections if kv.whole(tp))
 
     def dense_on_tp_rank(self, tp: int) -> float:
         """Dense parameter elements one tp rank holds of one layer."""
@@ -438,6 +442,13 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         act = max((t.num_bytes for n in nodes for t, src in zip(n.inputs, n.input_sources)
                    if not src.startswith(("param:", "buffer:", "const"))), default=0)
     syncs, stream = _tp_syncs(nodes, residual, act, vocab_dims)
+    # {fqn: elements} tp never splits: the stream's, the routers', the heads' and the row
+    # GEMMs' biases (added to their reduced outputs)
+    shared = (_params_of(nodes, stream | after_row_ops(nodes, residual), seen_params),
+              _router_params(nodes, residual, seen_params),
+              _head_params(nodes, sharded, seen_params),
+              {p.fqn: p.numel for n in nodes if n.name in residual.row_gemms for p in n.params
+               if len(p.shape) == 1 and p.requires_grad and p.fqn in seen_params})
     losses = [n for n in nodes if _is_cross_entropy(n)]
     subs = tuple(_sublayer(run, op_index, residual, kept, seen_params)
                  for run in sublayers(nodes, residual)) if residual.residual_adds else ()
@@ -456,22 +467,22 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         param_bytes=sum(seen_params.values()),
         loss_logits=sum(n.inputs[0].numel for n in losses),
         loss_logit_bytes=sum(n.inputs[0].num_bytes for n in losses), tail_kernels=tail_kernels,
-        stream_params=_params_of(nodes, stream | after_row_ops(nodes, residual), seen_params),
-        sublayers=subs,
-        router_params=_router_params(nodes, residual, seen_params),
-        head_params=_head_params(nodes, sharded, seen_params),
+        stream_params=sum(shared[0].values()), sublayers=subs,
+        router_params=sum(shared[1].values()), head_params=sum(shared[2].values()),
+        tp_shared_params=sum({k: v for d in shared for k, v in d.items()}.values()),
         kv_projections=tuple(kv_made))
 
 
-def _params_of(nodes: list[Node], users: set[str], owned: dict[str, int]) -> int:
-    """Trainable elements, owned by this unit, of the parameters the nodes ``users`` read,
-    directly or through ops made of parameters alone (`made_of_params`)."""
+def _params_of(nodes: list[Node], users: set[str], owned: dict[str, int]) -> dict[str, int]:
+    """{fqn: trainable elements} of the parameters, owned by this unit, the nodes ``users``
+    read, directly or through ops made of parameters alone (`made_of_params`)."""
     users = users | made_of_params(nodes, users)
-    return sum({p.fqn: p.numel for n in nodes if n.name in users for p in n.params
-                if p.requires_grad and p.fqn in owned}.values())
+    return {p.fqn: p.numel for n in nodes if n.name in users for p in n.params
+            if p.requires_grad and p.fqn in owned}
 
 
-def _head_params(nodes: list[Node], sharded: set[str], owned: dict[str, int]) -> int:
+def _head_params(nodes: list[Node], sharded: set[str], owned: dict[str, int]
+                 ) -> dict[str, int]:
     """Trainable elements of the parameters, owned by this unit, of the ops on split features
     (``sharded``, `tp_split_ops`) that read them as heads (a 4-D ``[..., heads, head_dim]``
     input: tp splits the heads, not what the op normalises or scales), and of the ops made of
@@ -481,13 +492,13 @@ def _head_params(nodes: list[Node], sharded: set[str], owned: dict[str, int]) ->
         if not src.startswith(("param:", "buffer:", "const")))}, owned)
 
 
-def _router_params(nodes: list[Node], residual, owned: dict[str, int]) -> int:
-    """Trainable elements of the routers of a block's MoE sub-layers (`router_gemms`) owned
-    by this unit."""
+def _router_params(nodes: list[Node], residual, owned: dict[str, int]) -> dict[str, int]:
+    """{fqn: trainable elements} of the routers of a block's MoE sub-layers
+    (`router_gemms`) owned by this unit."""
     found: dict[str, int] = {}
     for node in (n for run in sublayers(nodes, residual) for n in router_gemms(run)):
         found.update({p.fqn: p.numel for p in node.params if p.requires_grad and p.fqn in owned})
-    return sum(found.values())
+    return found
 
 
 _NOT_REPLICABLE = frozenset({OpKind.ATTENTION, OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE,

@@ -200,7 +200,6 @@ def explain(plan: Plan, model: Any, cluster: Cluster, *, example_inputs: Any = N
     with `alternative=None` and the reason.
     """
     from autopar.api import compile as compile_plan
-    from autopar.estimate.core import EstimateOptions
     from autopar.estimate.software import SOFTWARE
     from autopar.plan.plan import check_plan
     from autopar.search.outer import CONFIG_FIELDS, SearchSettings
@@ -214,9 +213,8 @@ def explain(plan: Plan, model: Any, cluster: Cluster, *, example_inputs: Any = N
                          f"{', '.join(CONFIG_FIELDS)}")
     check_plan(plan, cluster=cluster)
     constraints = {**_recorded_pins(plan, pins), **pins}
-    known = EstimateOptions.__dataclass_fields__
     training = plan.training
-    options = EstimateOptions(**{k: v for k, v in training.options.items() if k in known})
+    options = training.estimate_options
     # the plan's preset by name, so that a target's own preset does not replace it
     software = training.software
     costs = ({"software": software} if software in SOFTWARE

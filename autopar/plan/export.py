@@ -378,11 +378,9 @@ def _torchtitan(plan: Plan) -> tuple[str, list[str], list[str]]:
     parallelism: dict[str, Any] = {
         "data_parallel_replicate_degree": 1 if sharded else cfg.dp,
         "data_parallel_shard_degree": cfg.dp if sharded else 1,
-        # ZeRO-3 re-gathers each micro-batch's parameters for its backward, as costed;
-        # torchtitan's "default" keeps them gathered under pipeline parallel
-        "fsdp_reshard_after_forward": (("never" if cfg.pp_schedule == "zero-bubble"
-                                        else "always") if sharded and cfg.pp > 1
-                                       else "default"),
+        # resharded after each forward without a pipeline, kept gathered under one: as costed
+        # (EstimateOptions.fsdp2)
+        "fsdp_reshard_after_forward": "default",
         "tensor_parallel_degree": cfg.tp, "enable_async_tensor_parallel": async_tp,
         "pipeline_parallel_degree": cfg.pp,
         "context_parallel_degree": cfg.cp, "expert_parallel_degree": cfg.ep,
@@ -473,11 +471,13 @@ def _torchtitan_notes(cfg: Any, shape: _Shape, opts: dict[str, Any]) -> list[str
         notes.append("context parallel: torchtitan exchanges K/V shards by all-gather or "
                      "all-to-all (context_parallel_rotate_method); the plan costed a ring that "
                      "passes K/V to the next rank")
-    shard_ranks = (cfg.dp if cfg.zero_stage == 3 else 1) * cfg.cp
-    if cfg.ep > 1 and (cfg.ep % cfg.cp or shard_ranks % cfg.ep):
+    within = cfg.cp * (cfg.tp if cfg.folded else 1)  # folded: tp's ranks too
+    shard_ranks = (cfg.dp if cfg.zero_stage == 3 else 1) * within
+    if cfg.ep > 1 and (cfg.ep % within or shard_ranks % cfg.ep):
+        ranks = "context-parallel x tp" if cfg.folded else "context-parallel"
         notes.append(f"expert parallel {cfg.ep}: torchtitan takes expert-parallel ranks from "
-                     f"the FSDP-shard x context-parallel ranks (ep a multiple of cp and a "
-                     f"divisor of data_parallel_shard_degree * cp = {shard_ranks} here)"
+                     f"the FSDP-shard x {ranks} ranks (ep a multiple of {within} and a "
+                     f"divisor of {shard_ranks} here)"
                      + (f"; with ZeRO {cfg.zero_stage} mapped to replication that does not "
                         f"hold: use data_parallel_shard_degree = {cfg.dp} (ZeRO-3)"
                         if cfg.zero_stage < 3 else ""))

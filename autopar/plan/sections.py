@@ -164,3 +164,12 @@ class PlanTraining(_Section):
     unrestricted: dict[str, Any] | None = None
     """For another engine than autopar's: the best plan for autopar's runtime under the same
     pins and software (its "step_time_s" and "config"), or the "reason" there is none."""
+
+    @property
+    def estimate_options(self) -> Any:
+        """`options` as the `EstimateOptions` they name (fields this autopar does not know,
+        from another version's plan, left out)."""
+        from autopar.estimate.options import EstimateOptions
+
+        known = EstimateOptions.__dataclass_fields__
+        return EstimateOptions(**{k: v for k, v in self.options.items() if k in known})

@@ -10,13 +10,20 @@ Mapping:
 * ZeRO-0 otherwise (DTensor parameters under tensor parallel, pipeline stages, parameters left
   to another owner): full replicas, and after backward one bucketed all-reduce per dtype of the
   local gradients, divided by the group size (DDP's numerics, without overlap).
-* ZeRO-1 and ZeRO-2: FSDP2 ``fully_shard`` per block (``structure.blocks``) and at the root with
-  ``reshard_after_forward=False``: parameters stay gathered from forward to backward, gradients
-  are reduce-scattered and the optimizer state is sharded.  FSDP2 has no ZeRO-1 (full gradients,
-  sharded optimizer), so ZeRO-1 runs as ZeRO-2: the same traffic, less gradient memory.
-* ZeRO-3: the same with ``reshard_after_forward=True`` (except under zero-bubble pipelines,
-  which need the parameters kept between their B and W passes: FSDP2 resharding between
-  them gives wrong gradients on torch 2.13).
+* ZeRO-1, -2 and -3: FSDP2 ``fully_shard`` per block (``structure.blocks``) and at the root
+  (what is not in a block), which shards the parameters, gradients and optimizer states.
+  Without a pipeline, FSDP2 gathers each unit's parameters again for every micro-batch's forward
+  (it reshards after every backward); ZeRO-3 reshards after the forward too
+  (``reshard_after_forward=True``) and gathers again for the backward; ZeRO-2 and -3
+  reduce-scatter every micro-batch's gradients, ZeRO-1 only the last micro-batch's (FSDP2's
+  ``set_requires_gradient_sync(False)`` before it, so its gradients stay whole as ZeRO-1's
+  are).  Under a pipeline every stage keeps its parameters gathered and its gradients whole from
+  the first micro-batch to its last backward (torch.distributed.pipelining turns FSDP2's
+  reshard-after-backward and gradient sync off until then; ZeRO-3 runs
+  ``reshard_after_forward=False``, torchtitan's default with a pipeline, since resharding
+  after a forward would only gather again for the next backward): one all-gather and one
+  reduce-scatter per unit a step, and every stage holds at its peak what ZeRO-1 holds
+  (`reshards_after_forward`; the estimate's ``EstimateOptions.fsdp2``).
 
 A bf16 (or fp8) plan's FSDP2 gathers its parameters in bf16 and reduces gradients in fp32
 (`fsdp_precision`), the bytes the estimate costs; the shards, gradients and AdamW states stay
@@ -25,7 +32,6 @@ fp32. Replicated parameters stay fp32 and autocast casts them per forward.
 
 from __future__ import annotations
 
-import logging
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -40,9 +46,7 @@ from autopar.runtime.structure import blocks
 if TYPE_CHECKING:
     from autopar.plan.plan import Plan
 
-__all__ = ["apply_data_parallel", "fsdp_precision", "sync_gradients"]
-
-log = logging.getLogger(__name__)
+__all__ = ["apply_data_parallel", "fsdp_precision", "reshards_after_forward", "sync_gradients"]
 
 # module → the manual gradient all-reduce that runs after its backward (ZeRO-0 without DDP)
 _SYNCS: weakref.WeakKeyDictionary[nn.Module, _GradientAllReduce] = weakref.WeakKeyDictionary()
@@ -112,23 +116,27 @@ def apply_data_parallel(module: nn.Module, plan: Plan, dp_mesh: Any, *, pure_dp:
     from torch.distributed.fsdp import fully_shard
 
     policy = fsdp_precision(plan)
-    reshard = zero == 3
-    if reshard and plan.config.pp > 1 and plan.config.pp_schedule == "zero-bubble":
-        log.warning("zero-bubble pipeline with ZeRO-3: running reshard_after_forward=False "
-                    "(FSDP2 resharding between the B and W passes gives wrong gradients)")
-        reshard = False
-    if zero == 1:
-        log.info("zero_stage=1 runs as FSDP2 without reshard-after-forward (ZeRO-2: gradients "
-                 "are sharded too)")
+    reshard = reshards_after_forward(plan)
+    placement = _fsdp_placement(dp_mesh.size())
     for block in blocks(module):
         mine = {p for p in block.parameters() if p in ignored}
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard,
-                    ignored_params=mine or None, shard_placement_fn=_fsdp_placement,
+                    ignored_params=mine or None, shard_placement_fn=placement,
                     mp_policy=policy)
     fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard,
-                ignored_params=ignored or None, shard_placement_fn=_fsdp_placement,
+                ignored_params=ignored or None, shard_placement_fn=placement,
                 mp_policy=policy)
     return module
+
+
+def reshards_after_forward(plan: Plan) -> bool:
+    """Whether FSDP2 frees the gathered parameters after each forward: ZeRO-3 without a
+    pipeline. Under a pipeline a stage keeps them gathered from its first backward to the end
+    of the step (torch.distributed.pipelining), so resharding after a forward would only gather
+    them again for the next backward: ZeRO-3 keeps them, as torchtitan's default does (and
+    resharding between the zero-bubble schedule's B and W passes gives wrong gradients on
+    torch 2.13)."""
+    return plan.config.zero_stage == 3 and plan.config.pp == 1
 
 
 def fsdp_precision(plan: Plan) -> Any:
@@ -141,14 +149,24 @@ def fsdp_precision(plan: Plan) -> Any:
     return MixedPrecisionPolicy()
 
 
-def _fsdp_placement(param: nn.Parameter) -> Shard | None:
-    """Where FSDP2 shards a parameter over dp: for a 2-D weight that tensor parallel placed
-    within chunks (``_StridedShard``, a fused q/k/v projection's output features: dim 0 of
-    nn.Linear's ``[out, in]``, dim 1 of GPT-2's ``[in, out]`` Conv1D) the other dim, since
-    FSDP cannot split those features again without breaking the heads while the input
-    features are free. Default (dim 0) otherwise."""
-    if isinstance(param, DTensor) and param.ndim == 2:
-        strided = {p.dim for p in param.placements if isinstance(p, _StridedShard)}
-        if 0 in strided:
-            return Shard(1)
-    return None
+def _fsdp_placement(size: int):
+    """Where FSDP2 shards each parameter over a dp mesh of `size` ranks: for a 2-D weight
+    that tensor parallel placed within chunks (``_StridedShard``, a fused q/k/v projection's
+    output features: dim 0 of nn.Linear's ``[out, in]``, dim 1 of GPT-2's ``[in, out]`` Conv1D)
+    the other dim, since FSDP cannot split those features again without breaking the heads
+    while the input features are free; otherwise dim 0 (the default) when its rank-local size
+    splits evenly, else the first dim that does, so that FSDP2 pads nothing (a ``[1, n, d]``
+    position table padded on dim 0 would gather `size` times its bytes)."""
+
+    def place(param: nn.Parameter) -> Shard | None:
+        if isinstance(param, DTensor) and param.ndim == 2:
+            strided = {p.dim for p in param.placements if isinstance(p, _StridedShard)}
+            if 0 in strided:
+                return Shard(1)
+        shape = _local(param).shape
+        if not shape or shape[0] % size == 0:
+            return None
+        even = [d for d, n in enumerate(shape) if n % size == 0]
+        return Shard(even[0]) if even else None
+
+    return place

@@ -72,7 +72,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.runtime.context_parallel import replica_dims
-from autopar.runtime.data_parallel import fsdp_precision
+from autopar.runtime.data_parallel import fsdp_precision, reshards_after_forward
 from autopar.runtime.local_attention import sum_grad_over_tp
 
 if TYPE_CHECKING:
@@ -531,7 +531,7 @@ def shard_expert_params(module: nn.Module, plan: Plan, groups: ExpertGroups) -> 
     from torch.distributed.fsdp import fully_shard
 
     policy = fsdp_precision(plan)
-    reshard = zero == 3 and not (plan.config.pp > 1 and plan.config.pp_schedule == "zero-bubble")
+    reshard = reshards_after_forward(plan)
     for layer in layers:
         for expert in layer.experts:
             fully_shard(expert, mesh=groups.replica_mesh, reshard_after_forward=reshard,

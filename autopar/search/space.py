@@ -467,6 +467,8 @@ def first_rank_memory(table: ConfigTable, rows: np.ndarray, *, units: dict[int, 
         / (expert_tp * c["ep"])
     shards = c["dp"] * cp
     zero = c["zero_stage"]
+    if options.fsdp2:  # what the rank holds at its peak (`memory.held_zero_stage`)
+        zero = np.where((pp > 1) & (zero > 1), 1, zero)
     states = dense * _state_bytes(dtype, zero, shards, fp32_params) \
         + expert * _state_bytes(dtype, zero, expert_dp, fp32_params)
     pbytes = np.array([u.param_bytes for u in base], float)

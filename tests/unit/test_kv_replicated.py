@@ -73,8 +73,12 @@ def test_the_estimate_runs_them_whole_and_reduces_their_gradients():
     kv_params = 2 * DIM * HEAD_DIM  # wk and wv: [head_dim, dim] each, no bias
     assert [(kv.heads, kv.params, kv.read_heads) for kv in block.kv_projections] == \
         [(1, DIM * HEAD_DIM, HEADS)] * 2
-    assert block.tp_whole_params(4) == kv_params and block.tp_whole_params(1) == 0
-    assert block.dense_on_tp_rank(4) == (block.dense_params - kv_params) / 4 + kv_params
+    norms = 2 * DIM  # the block's two RMSNorm weights: tp never splits them
+    assert block.tp_shared_params == norms
+    assert block.tp_whole_params(4) == kv_params + norms
+    assert block.tp_whole_params(1) == norms  # at tp=1 no K/V projection is left whole
+    assert block.dense_on_tp_rank(4) == (block.dense_params - kv_params - norms) / 4 \
+        + kv_params + norms
     # a K/V GEMM takes as long on a rank at tp=4 as alone; the query projection a quarter
     gemms = [op for op in block.ops if op.kind == "gemm"]
     kv_op, q_op = next(op for op in gemms if op.kv_heads), gemms[0]
@@ -136,7 +140,9 @@ def test_a_fused_projection_run_whole_gathers_its_queries_and_reduces_no_input()
         {"c_attn.weight": "R", "c_attn.bias": "R", "c_proj.weight": "S(1)"}
     block = next(u for u in ModelCosts.from_graph(graph).units if u.is_block)
     c_attn = 64 * 96 + 96  # weight [96, 64] (q 64, k 16, v 16) and bias
-    assert block.tp_whole_params(2) == c_attn and block.tp_whole_params(1) == 0
+    shared = block.tp_shared_params  # norms, row biases: tests/unit/test_tp_param_bytes.py
+    assert block.tp_whole_params(2) == c_attn + shared
+    assert block.tp_whole_params(1) == shared
     hidden, kv = 8 * 64 * 64 * 4, 8 * 64 * 16 * 4
     for sp in (False, True):
         fwd, bwd = tp_collectives(block, ParallelConfig(tp=2, sequence_parallel=sp))
