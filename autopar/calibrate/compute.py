@@ -59,13 +59,30 @@ def _median_time_s(world: World, fn: Callable[[], Any], *, reps: int, sample_s: 
     return statistics.median(times)
 
 
+# --quick times a dtype's GEMMs up to the shape whose call the rate measured so far says
+# would take longer than this (16-bit GEMMs emulated on a CPU run ~100x slower than fp32)
+QUICK_GEMM_CALL_S = 0.5
+
+
 def _gemm_times(world: World, dtypes: Sequence[str], quick: bool, progress: Progress
-                ) -> list[tuple[str, int, int, int, float]]:
-    shapes = gemm_shapes(world.device.type, quick)
-    rows, done = [], 0
+                ) -> tuple[list[tuple[str, int, int, int, float]], list[str]]:
+    """(dtype, m, k, n, seconds) per GEMM timed, smallest first, and notes. With `quick`, a
+    dtype stops at the first shape its best rate so far says would take longer than
+    QUICK_GEMM_CALL_S a call on the slowest rank (at least two shapes timed; the ranks decide
+    together, so they time the same shapes)."""
+    shapes = sorted(gemm_shapes(world.device.type, quick), key=lambda s: (s[0] * s[1] * s[2], s))
+    rows, notes, done = [], [], 0
     for dtype in dtypes:
         torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
-        for m, k, n in shapes:
+        for i, (m, k, n) in enumerate(shapes):
+            if quick and i >= 2:
+                rate = max(2.0 * a * b * c / t for d, a, b, c, t in rows if d == dtype)
+                slow = torch.tensor([2.0 * m * k * n / rate])
+                dist.all_reduce(slow, op=dist.ReduceOp.MAX, group=world.control)
+                if float(slow) > QUICK_GEMM_CALL_S:
+                    notes.append(f"{dtype} GEMMs from {m}x{k}x{n} up not timed (--quick: a "
+                                 f"call would take about {float(slow):.1f} s)")
+                    break
             a = torch.randn(m, k, device=world.device).to(_TORCH_DTYPES[dtype])
             b = torch.randn(k, n, device=world.device).to(_TORCH_DTYPES[dtype])
             dist.barrier(group=world.control)
@@ -74,7 +91,7 @@ def _gemm_times(world: World, dtypes: Sequence[str], quick: bool, progress: Prog
             done += 1
             tick(world, progress, "compute", done, len(dtypes) * len(shapes) + 3)
     torch.backends.cuda.matmul.allow_tf32 = False
-    return rows
+    return rows, notes
 
 
 def _copy_time_s(world: World, nbytes: int) -> float:
@@ -163,7 +180,8 @@ def measure_compute(world: World, dtypes: Sequence[str], *, quick: bool, progres
     notes += [f"{d} GEMMs not measured (kept from the base profile)" for d in dtypes
               if d not in measurable]
     memory, memory_how = _usable_memory(world)
-    gemms = _gemm_times(world, measurable, quick, progress)
+    gemms, skipped = _gemm_times(world, measurable, quick, progress)
+    notes += skipped
     copy_bytes = (1 << 30) if world.device.type == "cuda" else ((64 << 20) if quick else 256 << 20)
     copy_s = _copy_time_s(world, copy_bytes)
     overhead = _op_overhead_s() if world.device.type == "cpu" else None
