@@ -97,10 +97,12 @@ def compare(cell, plan_dir: Path) -> Comparison:
     fqns = [f for _, f in layer_sequence(costs.units)]
     start = [fqns.index(stage[0]) for stage in plan.stages]
     cut = tuple((a, a + len(stage)) for a, stage in zip(start, plan.stages))
-    where = {"global_batch_size": plan.training.global_batch_size, "boundaries": cut}
-    charged = Counter((kind, round(n)) for kind, n in tp_step_collectives(costs, cfg, **where)
-                      + dp_step_collectives(costs, cfg, plan.training.estimate_options,
-                                            dtype=plan.training.dtype, **where))
+    where = {"global_batch_size": plan.training.global_batch_size, "boundaries": cut,
+             "dtype": plan.training.dtype}
+    options = plan.training.estimate_options
+    charged = Counter((kind, round(n)) for kind, n in
+                      tp_step_collectives(costs, cfg, options=options, **where)
+                      + dp_step_collectives(costs, cfg, options, **where))
     units = {u.name: u for u in costs.units}
     blocks = {block: (primitive_collectives(entry["forward_collectives"]
                                             + entry["backward_collectives"]),

@@ -86,6 +86,9 @@ PLANS: dict[str, tuple[int, dict]] = {
     "ep_zero3_per_op": (4, {"dp": 4, "ep": 2, "zero_stage": 3, "recompute": "per_op"}),
     "ep_pp": (4, {"dp": 2, "ep": 2, "pp": 2, "pp_schedule": "1f1b", **MB2}),
     "tp_zero3": (4, {"dp": 2, "tp": 2, "zero_stage": 3, "sequence_parallel": True}),
+    # FSDP2 makes each tp gradient whole on its own in every reduce-scatter pass
+    "tp_zero2_mb2": (4, {"dp": 2, "tp": 2, "zero_stage": 2, "sequence_parallel": True,
+                         **MB2}),
     "tp_pp": (4, {"tp": 2, "pp": 2, "pp_schedule": "1f1b", "sequence_parallel": False, **MB2}),
     "tp_sp_pp": (4, {"tp": 2, "pp": 2, "pp_schedule": "1f1b", "sequence_parallel": True,
                      **MB2}),

@@ -79,14 +79,16 @@ def exact_step_lower_bound(costs: ModelCosts, cluster: Cluster, config: Parallel
                            stage_boundaries: tuple[tuple[int, int], ...] | None = None) -> float:
     """A bound `evaluate(..., exact=True).step_time_s` never goes below (up to the rounding of
     sums taken in another order): the simulated schedule replaced by
-    `layout.simulated_lower_bound`, plus the same data-parallel and optimizer terms. Costs
-    no simulation, so the search ranks simulation candidates by it and skips those that
-    cannot beat a simulated one. `stage_boundaries` as in `evaluate`."""
+    `layout.simulated_lower_bound`, plus the same data-parallel, optimizer and partial-gradient
+    terms. Costs no simulation, so the search ranks simulation candidates by it and skips
+    those that cannot beat a simulated one. `stage_boundaries` as in `evaluate`."""
     m = _checked(costs, cluster, config, global_batch_size)
     cache = cache or EvalCache(cluster)
     prep = _prepared(costs, cache, config, dtype, options, stage_boundaries)
-    dp_exposed, _, optimizer = _data_parallel(cluster, cache, prep, config, m, dtype, options)
-    return simulated_lower_bound(config, m, prep.lay, prep.p2p) + dp_exposed + optimizer
+    dp_exposed, _, optimizer, tp_sync = _data_parallel(cluster, cache, prep, config, m, dtype,
+                                                       options)
+    return simulated_lower_bound(config, m, prep.lay, prep.p2p) + dp_exposed + optimizer \
+        + tp_sync
 
 
 @dataclass(frozen=True)

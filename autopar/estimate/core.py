@@ -246,11 +246,11 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
                                   analytic_inflight(config, m, lay))
         pipe_s, busiest, inflight = prep.pipeline[key]
 
-    dp_exposed, dp_total, optimizer = _data_parallel(cluster, cache, prep, config, m, dtype,
-                                                     options)
-    step = pipe_s + dp_exposed + optimizer + prep.tp_grad_sync
+    dp_exposed, dp_total, optimizer, tp_grad_sync = _data_parallel(cluster, cache, prep, config,
+                                                                   m, dtype, options)
+    step = pipe_s + dp_exposed + optimizer + tp_grad_sync
     breakdown = _breakdown(pipe_s, lay.attr_sums(busiest), m)
-    breakdown["tp_comm"] += prep.tp_grad_sync
+    breakdown["tp_comm"] += tp_grad_sync
     breakdown.update(dp_comm=float(dp_exposed), optimizer=float(optimizer),
                      dp_comm_total=float(dp_total), pp_p2p_per_transfer=float(p2p))
     peak_dense = cluster.hardware.device.peak_flops.get(dtype, 0.0)
@@ -280,15 +280,19 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
 
 def _data_parallel(cluster: Cluster, cache: EvalCache, prep: "_Prepared",
                    config: ParallelConfig, m: int, dtype: str, options: EstimateOptions
-                   ) -> tuple[float, float, float]:
+                   ) -> tuple[float, float, float, float]:
     """(exposed, total) data-parallel seconds and the optimizer step, on the pipeline rank
-    with the most parameters; memoised per (ZeRO stage, micro-batches, options)."""
+    with the most parameters, and the seconds of the collectives over tp that make gradients
+    whole (`partial_gradient_sync`: FSDP2 issues them in its reduce-scatter passes); memoised
+    per (ZeRO stage, micro-batches, options)."""
     dkey = (config.zero_stage, m, options)
     if dkey not in prep.data_parallel:
         dp_exposed, dp_total = dp_comm(cache, config, prep.groups, prep.dense, prep.expert,
                                         prep.heavy_sums, m, dtype, options, prep.units_here)
         prep.data_parallel[dkey] = (dp_exposed, dp_total, _optimizer_s(
-            cluster.hardware.device, prep.dense, prep.expert, config, dtype))
+            cluster.hardware.device, prep.dense, prep.expert, config, dtype),
+            partial_gradient_sync(cache, cache.units[config.micro_batch_size], prep.lay,
+                                  config, prep.groups, options, m, dtype))
     return prep.data_parallel[dkey]
 
 
@@ -319,7 +323,6 @@ class _Prepared:
     expert: float
     heavy_sums: dict[str, float]
     units_here: list["GatherUnit"]
-    tp_grad_sync: float  # seconds a step: `tp_comm.partial_gradient_sync`
     pipeline: dict = field(default_factory=dict)
     data_parallel: dict = field(default_factory=dict)
     timelines: dict = field(default_factory=dict)
@@ -399,8 +402,7 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
     prep = cache.layouts[lkey] = _Prepared(
         lay=lay, groups=groups, p2p=p2p, dense=lay.rank_dense[heavy],
         expert=lay.rank_expert[heavy],
-        heavy_sums=lay.attr_sums(heavy), units_here=units_here,
-        tp_grad_sync=partial_gradient_sync(cache, units, lay, config, groups))
+        heavy_sums=lay.attr_sums(heavy), units_here=units_here)
     return prep
 
 

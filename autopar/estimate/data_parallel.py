@@ -18,7 +18,8 @@ from costmodels.memory import DTYPE_BYTES, weight_bytes
 if TYPE_CHECKING:
     from autopar.estimate.core import EstimateOptions, EvalCache, ModelCosts
 
-__all__ = ["GatherUnit", "dp_bytes", "dp_comm", "dp_step_collectives", "gather_units"]
+__all__ = ["GatherUnit", "ZeroPasses", "dp_bytes", "dp_comm", "dp_step_collectives",
+           "gather_units", "zero_passes"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,7 +99,7 @@ Collective = tuple[str, float, bool]  # (kind, bytes, over the expert replicas)
 
 
 @dataclass(frozen=True, slots=True)
-class _Passes:
+class ZeroPasses:
     """How often one step moves a rank's data-parallel states with ZeRO: all-gathers of its
     parameters in forward and in backward passes, and reduce-scatters of its gradients, each
     pass per FSDP unit (`per_unit`) or as one collective of the rank's whole."""
@@ -109,17 +110,17 @@ class _Passes:
     scatters: int
 
 
-def _passes(config: ParallelConfig, options: EstimateOptions, m: int) -> _Passes:
+def zero_passes(config: ParallelConfig, options: EstimateOptions, m: int) -> ZeroPasses:
     """The passes of ZeRO >= 1 with prefetched gathers (see `dp_comm`) over `m`
     micro-batches."""
     if options.fsdp2 and config.pp > 1:
-        return _Passes(per_unit=True, forward_gathers=1, backward_gathers=0, scatters=1)
+        return ZeroPasses(per_unit=True, forward_gathers=1, backward_gathers=0, scatters=1)
     if config.zero_stage == 3:
-        return _Passes(per_unit=True, forward_gathers=m, backward_gathers=m, scatters=m)
+        return ZeroPasses(per_unit=True, forward_gathers=m, backward_gathers=m, scatters=m)
     if options.fsdp2:
-        return _Passes(per_unit=True, forward_gathers=m, backward_gathers=0,
-                      scatters=m if config.zero_stage == 2 else 1)
-    return _Passes(per_unit=False, forward_gathers=1, backward_gathers=0, scatters=1)
+        return ZeroPasses(per_unit=True, forward_gathers=m, backward_gathers=0,
+                          scatters=m if config.zero_stage == 2 else 1)
+    return ZeroPasses(per_unit=False, forward_gathers=1, backward_gathers=0, scatters=1)
 
 
 def _unit_collectives(gather_units: Sequence[GatherUnit], config: ParallelConfig,
@@ -128,13 +129,21 @@ def _unit_collectives(gather_units: Sequence[GatherUnit], config: ParallelConfig
     """Per FSDP unit on the rank, (its layers there, the all-gathers of one layer's parameters,
     the reduce-scatters of one layer's gradients): the dense ones over dp, the experts' over
     their replicas (`ParallelConfig.expert_dp`). Under FSDP2 what is not in a block (the glue
-    before and after the blocks) is one unit, the root's."""
+    before and after the blocks) is one unit, the root's, and a fused projection's bias that
+    tp splits by chunk is whole on every tp rank (`Unit.split_fused_biases`: FSDP2 cannot
+    shard a chunk-strided 1-D tensor again; the runtime replicates it over tp)."""
     param_b, grad_b = dp_bytes(dtype, options)
-    shapes = [(u.layers, u.dense, u.expert) for u in gather_units
+    tp = config.tp
+
+    def held(u: GatherUnit) -> float:  # dense elements of one layer
+        return u.dense + (sum(u.unit.split_fused_biases(tp)) * (1 - 1 / tp) if options.fsdp2
+                          else 0.0)
+
+    shapes = [(u.layers, held(u), u.expert) for u in gather_units
               if u.unit.is_block or not options.fsdp2]
     glue = [u for u in gather_units if not u.unit.is_block] if options.fsdp2 else []
     if glue:
-        shapes.append((1.0, sum(u.layers * u.dense for u in glue),
+        shapes.append((1.0, sum(u.layers * held(u) for u in glue),
                        sum(u.layers * u.expert for u in glue)))
     return [(layers, _states("all_gather", param_b, dense, expert, config),
              _states("reduce_scatter", grad_b, dense, expert, config))
@@ -154,6 +163,48 @@ def _states(kind: str, per_param: float, dense: float, expert: float,
                  if n > 0 and (config.expert_dp > 1 or not is_expert))
 
 
+@dataclass(frozen=True, slots=True)
+class _Traffic:
+    """One rank's data-parallel collectives in one step: every gather pass of `passes` moves
+    `gathers` and every reduction pass `scatters`, each as (layers, the collectives of one
+    layer) per FSDP unit, or as the rank's whole states (one entry of one layer). With
+    `sync`, DeepSpeed-2021 ZeRO-3's gathers, one per tensor use, in one entry for the step's
+    micro-batch (`_sync_gather_uses`)."""
+
+    passes: ZeroPasses
+    gathers: tuple[tuple[float, tuple[Collective, ...]], ...]
+    scatters: tuple[tuple[float, tuple[Collective, ...]], ...]
+    sync: bool = False
+
+
+def _traffic(gather_units: Sequence[GatherUnit], config: ParallelConfig,
+             options: EstimateOptions, m: int, dtype: str, dense: float, expert: float
+             ) -> _Traffic:
+    """`_Traffic` of a rank holding `gather_units`, `dense` and `expert` parameters in all,
+    over `m` micro-batches: ZeRO-0's one all-reduce of the gradients, or the passes of
+    `zero_passes`."""
+    param_b, grad_b = dp_bytes(dtype, options)
+
+    def whole(kind: str, per_param: float) -> tuple[tuple[float, tuple[Collective, ...]], ...]:
+        return ((1.0, _states(kind, per_param, dense, expert, config)),)
+
+    if config.zero_stage == 0:
+        return _Traffic(ZeroPasses(per_unit=False, forward_gathers=0, backward_gathers=0,
+                                   scatters=1), (), whole("all_reduce", grad_b))
+    units = _unit_collectives(gather_units, config, options, dtype)
+    scatters = tuple((layers, rs) for layers, _, rs in units)
+    if config.zero_stage == 3 and options.zero3_gather == "sync":
+        uses = _sync_gather_uses(gather_units, config, options.zero3_max_reuse_distance)
+        return _Traffic(ZeroPasses(per_unit=True, forward_gathers=m, backward_gathers=0,
+                                   scatters=m),
+                        ((1.0, tuple(("all_gather", n * param_b, e) for n, e in uses)),),
+                        scatters, sync=True)
+    p = zero_passes(config, options, m)
+    if p.per_unit:
+        return _Traffic(p, tuple((layers, g) for layers, g, _ in units), scatters)
+    return _Traffic(p, whole("all_gather", param_b), whole("reduce_scatter", grad_b))
+
+
 def dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: float,
              expert: float, sums: dict[str, float], m: int, dtype: str,
              options: EstimateOptions, gather_units: list[GatherUnit]
@@ -161,7 +212,7 @@ def dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: 
     """(exposed, total) seconds of data-parallel communication per step on one rank.
 
     ZeRO-0 all-reduces the gradients once a step, under the last micro-batch's backward.
-    ZeRO >= 1 moves the rank's states in the passes `_passes` counts:
+    ZeRO >= 1 moves the rank's states in the passes `zero_passes` counts:
 
     * ZeRO-3 all-gathers per FSDP unit (`_unit_collectives`: a block layer, or the glue), so
       each collective pays its own latency, which grows with the group size: in every
@@ -183,43 +234,22 @@ def dp_comm(cluster: EvalCache, cfg: ParallelConfig, groups: RankGroups, dense: 
     waiting: nothing hides them."""
     if len(groups.dp) == 1:
         return 0.0, 0.0
-    expert_group = groups.edp
     fwd = sums["compute_fwd"]
     bwd = sums["compute_bwd"] + sums["recompute"]
+    traffic = _traffic(gather_units, cfg, options, m, dtype, dense, expert)
 
-    def time(collectives: Sequence[Collective]) -> float:
-        return sum(cluster.collective_time(kind, n, expert_group if is_expert else groups.dp)
+    def time(collectives: Sequence[Collective], sync: bool = False) -> float:
+        return sum(cluster.collective_time(kind, n, groups.edp if is_expert else groups.dp)
+                   + (n / ZERO3_SYNC_GATHER_BYTES_PER_S if sync else 0.0)
                    for kind, n, is_expert in collectives)
 
-    param_b, grad_b = dp_bytes(dtype, options)
-    if cfg.zero_stage == 0:
-        reduce = time(_states("all_reduce", grad_b, dense, expert, cfg))
-        return (max(0.0, reduce - bwd) if options.overlap_dp_comm else reduce), reduce
-    units = _unit_collectives(gather_units, cfg, options, dtype)
-    scatter = sum(layers * time(rs) for layers, _, rs in units)
-    if cfg.zero_stage == 3 and options.zero3_gather == "sync":
-        times: dict[tuple[float, bool], float] = {}  # tensors of a size recur per layer
-
-        def one(n: float, is_expert: bool) -> float:
-            t = times.get((n, is_expert))
-            if t is None:
-                t = times[n, is_expert] = cluster.collective_time(
-                    "all_gather", n * param_b, expert_group if is_expert else groups.dp) \
-                    + n * param_b / ZERO3_SYNC_GATHER_BYTES_PER_S
-            return t
-
-        gather = sum(one(n, is_expert) for n, is_expert in _sync_gather_uses(
-            gather_units, cfg, options.zero3_max_reuse_distance))
+    unit_gathers = [time(g, traffic.sync) for _, g in traffic.gathers]
+    gather = sum(layers * t for (layers, _), t in zip(traffic.gathers, unit_gathers))
+    scatter = sum(layers * time(rs) for layers, rs in traffic.scatters)
+    if traffic.sync:
         return m * (gather + max(0.0, scatter - bwd)), m * (gather + scatter)
-    p = _passes(cfg, options, m)
-    if p.per_unit:
-        gathers = [time(g) for _, g, _ in units]
-        gather = sum(layers * t for (layers, _, _), t in zip(units, gathers))
-        first = max(gathers, default=0.0)
-    else:  # the rank's whole states in one collective each
-        gather = time(_states("all_gather", param_b, dense, expert, cfg))
-        scatter = time(_states("reduce_scatter", grad_b, dense, expert, cfg))
-        first = 0.0
+    p = traffic.passes
+    first = max(unit_gathers, default=0.0) if p.per_unit else 0.0
     total = (p.forward_gathers + p.backward_gathers) * gather + p.scatters * scatter
     if not options.overlap_dp_comm and cfg.zero_stage != 3:
         return total, total
@@ -246,24 +276,15 @@ def dp_step_collectives(costs: "ModelCosts", config: ParallelConfig, options: Es
     units = costs.units_for(config.micro_batch_size)
     counts = structure(units, config.pp, config.virtual_stages, boundaries).rank_counts
     here = gather_units(units, counts[pipeline_rank], config)
-    param_b, grad_b = dp_bytes(dtype, options)
     dense, expert = (sum(u.layers * getattr(u, k) for u in here) for k in ("dense", "expert"))
+    traffic = _traffic(here, config, options, m, dtype, dense, expert)
 
-    def whole(kind: str, per_param: float) -> list[tuple[str, float]]:
-        return [(k, n) for k, n, _ in _states(kind, per_param, dense, expert, config)]
+    def one(entries) -> list[tuple[str, float]]:
+        return [(kind, n) for layers, cs in entries for kind, n, _ in cs * int(layers)]
 
-    if config.zero_stage == 0:
-        return whole("all_reduce", grad_b)
-    per_unit = _unit_collectives(here, config, options, dtype)
-    scatters = [(kind, n) for layers, _, rs in per_unit for kind, n, _ in rs * int(layers)]
-    gathers = [(kind, n) for layers, g, _ in per_unit for kind, n, _ in g * int(layers)]
-    if config.zero_stage == 3 and options.zero3_gather == "sync":
-        uses = _sync_gather_uses(here, config, options.zero3_max_reuse_distance)
-        return m * ([("all_gather", n * param_b) for n, _ in uses] + scatters)
-    p = _passes(config, options, m)
-    if not p.per_unit:
-        gathers, scatters = whole("all_gather", param_b), whole("reduce_scatter", grad_b)
-    return (p.forward_gathers + p.backward_gathers) * gathers + p.scatters * scatters
+    p = traffic.passes
+    return (p.forward_gathers + p.backward_gathers) * one(traffic.gathers) \
+        + p.scatters * one(traffic.scatters)
 
 
 def dp_bytes(dtype: str, options: EstimateOptions) -> tuple[int, int]:

@@ -27,11 +27,12 @@ from typing import Any
 
 from autopar.estimate.fp8 import fp8_elements
 from autopar.estimate.kept import per_op_kept, recompute_tail
-from autopar.estimate.kv import KvGemm
+from autopar.estimate.kv import KvGemm, kv_whole
+from autopar.estimate.sublayer import SubLayer, sublayer_of
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
-from autopar.ir.residual import (after_row_ops, consumers, kv_projections, made_of_params,
-                                 residual_structure, router_gemms, split_statistics, sublayers,
-                                 tp_split_ops, vocab_sizes)
+from autopar.ir.residual import (after_row_ops, consumers, fused_chunks, kv_projections,
+                                 made_of_params, residual_structure, router_gemms,
+                                 split_statistics, sublayers, tp_split_ops, vocab_sizes)
 
 LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
 LOSS_REDUCTION_BYTES = 4  # fp32 per row each
@@ -86,26 +87,13 @@ class OpCost:
     # on every tp rank (`kv_whole`)
     kv_heads: int = 0
     kv_cut: bool = False
+    # a GEMM whose output is k > 1 chunks (a fused q/k/v projection, `fused_chunks`): elements
+    # of its trainable 1-D bias, which tp splits by chunk where it splits the GEMM
+    fused_bias: int = 0
     # a memory-bound op on features Megatron's layout splits over tp (after a sub-layer's
     # column-parallel GEMMs, before its row-parallel one: an MLP's activation, RoPE on the
     # heads): its work is split over tp with or without sequence parallel
     tp_sharded: bool = False
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SubLayer:
-    """One sub-layer of a block (`autopar.ir.residual.sublayers`) at the traced batch: what
-    running it replicated over tp changes (`Unit.replicated`)."""
-
-    ops: tuple[int, ...]  # indices into `Unit.ops`
-    reductions: int  # its row-parallel GEMMs: tp reductions per direction under Megatron's
-    params: int  # elements of its GEMMs' parameters this unit owns
-    trainable: int  # the part of `params` that trains
-    per_op_partial: int  # of `Unit.saved_bytes_per_op_partial`: its row GEMMs' kept outputs
-    # whether a runtime can run it replicated on the sequence shard: GEMMs (matmuls) with
-    # weights, element-wise and norm ops only -- no attention (it needs the whole sequence),
-    # no MoE routing, embedding or convolution
-    replicable: bool
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -148,18 +136,18 @@ class Unit:
     loss_logits: int = 0  # elements of its cross-entropy losses' inputs (the logits)
     loss_logit_bytes: int = 0  # the same in their traced dtype
     tail_kernels: int = 0  # kernels of the ops an early-stopping recompute skips (OpCost.tail)
-    # elements of the tp-replicated parameters of ops on the hidden stream (norms between the
+    # elements of each tp-replicated parameter of ops on the hidden stream (norms between the
     # sub-layers, a position table, the final norm): under sequence parallel they see a
     # sequence shard and their gradients are partial sums over tp, reduced once a step
-    stream_params: int = 0
-    # elements of an MoE sub-layer's routing GEMMs' parameters (before its dispatch, whole on
+    stream_params: tuple[int, ...] = ()
+    # elements of each routing GEMM parameter of an MoE sub-layer (before its dispatch, whole on
     # every tp rank): the sub-layer's output reduced once over tp, the router's gradient on a
     # rank is a partial sum too, reduced once a step with the stream's, with or without SP
-    router_params: int = 0
-    # elements of the replicated parameters of ops on the heads tp splits (a per-head q/k
+    router_params: tuple[int, ...] = ()
+    # elements of each replicated parameter of ops on the heads tp splits (a per-head q/k
     # norm and its scale): each rank's gradient is a partial sum over its heads, reduced
     # once a step with the stream's, with or without SP
-    head_params: int = 0
+    head_params: tuple[int, ...] = ()
     # how expert parallel moves tokens: "all_to_all" (dispatch and combine of the routed rows) or
     # "all_gather" (every ep rank's tokens gathered, outputs reduce-scattered)
     ep_dispatch: str = "all_to_all"
@@ -199,6 +187,12 @@ class Unit:
         whole = self.tp_whole_params(tp)
         return (self.dense_params - whole) / tp + whole
 
+    def split_fused_biases(self, tp: int) -> tuple[int, ...]:
+        """Elements of each fused projection's bias (`OpCost.fused_bias`) tp splits by chunk
+        at ``tp``: those of GEMMs the layout neither replicates nor runs whole (`kv_whole`)."""
+        return tuple(op.fused_bias for op in self.ops if op.fused_bias and not op.tp_replicated
+                     and not (op.kv_heads and kv_whole(op.kv_heads, tp, op.kv_cut)))
+
     def replicated(self, which: frozenset[int]) -> "Unit":
         """This unit with the sub-layers ``which`` (indices into `sublayers`) run replicated
         over tp on the sequence shard under sequence parallel, where Megatron-LM's layout
@@ -228,7 +222,7 @@ class Unit:
         return replace(self, ops=ops, tp_syncs=tuple(syncs),
                        tp_replicated_params=self.tp_replicated_params
                        + sum(sub.params for sub in subs),
-                       stream_params=self.stream_params + sum(sub.trainable for sub in subs),
+                       stream_params=self.stream_params + sum((s.trainable for s in subs), ()),
                        saved_bytes_per_op=self.saved_bytes_per_op + partial,
                        saved_bytes_per_op_partial=self.saved_bytes_per_op_partial - partial)
 
@@ -347,6 +341,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     sharded = tp_split_ops(nodes, residual)
     kept = per_op_kept(nodes)
     kv_gemms = kv_projections(nodes)
+    fused = fused_chunks(nodes)
     gemm_readers = consumers([n for n in nodes if n.kind in _GEMM_KINDS and n.params])
     kv_made: list[KvGemm] = []
     per_op = per_op_partial = per_op_attention = 0
@@ -389,6 +384,9 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
                               aligned=_aligned(node), tail=node.name in tail,
                               kv_heads=kv_gemms[node.name].heads if node.name in kv_gemms
                               else 0, kv_cut=node.name in kv_gemms and kv_gemms[node.name].cut,
+                              fused_bias=sum(p.numel for p in node.params if p.fqn in fused
+                                             and len(p.shape) == 1 and p.requires_grad
+                                             and p.fqn in seen_params),
                               fp8_elements=fp8_elements(node, vocab_dims), **fixed))
             if node.name in kv_gemms:
                 made = kv_gemms[node.name]
@@ -450,7 +448,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
               {p.fqn: p.numel for n in nodes if n.name in residual.row_gemms for p in n.params
                if len(p.shape) == 1 and p.requires_grad and p.fqn in seen_params})
     losses = [n for n in nodes if _is_cross_entropy(n)]
-    subs = tuple(_sublayer(run, op_index, residual, kept, seen_params)
+    subs = tuple(sublayer_of(run, op_index, residual, kept, seen_params)
                  for run in sublayers(nodes, residual)) if residual.residual_adds else ()
     return Unit(
         name=name, layer_fqns=fqns, ops=tuple(ops), num_kernels=kernels, num_ops=len(nodes),
@@ -467,8 +465,8 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         param_bytes=sum(seen_params.values()),
         loss_logits=sum(n.inputs[0].numel for n in losses),
         loss_logit_bytes=sum(n.inputs[0].num_bytes for n in losses), tail_kernels=tail_kernels,
-        stream_params=sum(shared[0].values()), sublayers=subs,
-        router_params=sum(shared[1].values()), head_params=sum(shared[2].values()),
+        stream_params=tuple(shared[0].values()), sublayers=subs,
+        router_params=tuple(shared[1].values()), head_params=tuple(shared[2].values()),
         tp_shared_params=sum({k: v for d in shared for k, v in d.items()}.values()),
         kv_projections=tuple(kv_made))
 
@@ -499,26 +497,6 @@ def _router_params(nodes: list[Node], residual, owned: dict[str, int]) -> dict[s
     for node in (n for run in sublayers(nodes, residual) for n in router_gemms(run)):
         found.update({p.fqn: p.numel for p in node.params if p.requires_grad and p.fqn in owned})
     return found
-
-
-_NOT_REPLICABLE = frozenset({OpKind.ATTENTION, OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE,
-                             OpKind.EMBEDDING, OpKind.CONV})
-
-
-def _sublayer(run: list[Node], op_index: dict[str, int], residual, kept: dict[str, int],
-              owned: dict[str, int]) -> SubLayer:
-    """`SubLayer` of one run of a block's nodes (``owned``: the parameters the unit counts)."""
-    gemm_params = {p.fqn: p for n in run if n.kind is OpKind.MATMUL for p in n.params
-                   if p.fqn in owned}
-    return SubLayer(
-        ops=tuple(op_index[n.name] for n in run if n.name in op_index),
-        reductions=sum(n.name in residual.row_gemms for n in run),
-        params=sum(p.numel for p in gemm_params.values()),
-        trainable=sum(p.numel for p in gemm_params.values() if p.requires_grad),
-        per_op_partial=sum(kept.get(n.name, 0) for n in run
-                           if n.name in residual.row_gemms and n.kind is not OpKind.ATTENTION),
-        replicable=bool(gemm_params) and not any(n.kind in _NOT_REPLICABLE
-                                                 or n.target.startswith("moe.") for n in run))
 
 
 def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]

@@ -113,7 +113,7 @@ def replicated_sublayers(graph: Graph, units: Sequence[Unit], tp_placements: Map
     FQN: placement on tp}, a block's layers read at its representative) runs replicated where
     Megatron-LM's layout splits them: every parameter of the sub-layer "R", under sequence
     parallel, in a sub-layer a runtime can run so on the sequence shard
-    (`autopar.estimate.units.SubLayer.replicable`). Every other parameter must be placed as
+    (`autopar.estimate.sublayer.SubLayer.replicable`). Every other parameter must be placed as
     `megatron_tp_placements` does at ``tp``: InvalidConfigError otherwise, naming the first
     that is not."""
     megatron = megatron_tp_placements(graph, tp)

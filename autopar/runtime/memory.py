@@ -26,7 +26,8 @@ from torch import nn
 if TYPE_CHECKING:
     from autopar.plan.plan import Plan
 
-__all__ = ["StateBytes", "StateCounter", "WeightWatcher", "grad_bytes", "optimizer_bytes", "param_bytes"]
+__all__ = ["StateBytes", "StateCounter", "WeightWatcher", "grad_bytes", "local_bytes",
+           "optimizer_bytes", "param_bytes"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,10 @@ class StateBytes:
     optimizer: float
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def local_bytes(t: torch.Tensor | None) -> int:
+    """Bytes of a tensor on this rank (a DTensor's local shard); 0 for None."""
+    if t is None:
+        return 0
     local = t._local_tensor if hasattr(t, "_local_tensor") else t
     return local.numel() * local.element_size()
 
@@ -50,11 +54,11 @@ def _unique_params(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
 
 
 def param_bytes(modules: Iterable[nn.Module]) -> int:
-    return sum(_nbytes(p) for p in _unique_params(modules))
+    return sum(local_bytes(p) for p in _unique_params(modules))
 
 
 def grad_bytes(modules: Iterable[nn.Module]) -> int:
-    return sum(_nbytes(p.grad) for p in _unique_params(modules) if p.grad is not None)
+    return sum(local_bytes(p.grad) for p in _unique_params(modules))
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -62,7 +66,7 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     for state in optimizer.state.values():
         for key, value in state.items():
             if key != "step" and isinstance(value, torch.Tensor):
-                total += _nbytes(value)
+                total += local_bytes(value)
     return total
 
 

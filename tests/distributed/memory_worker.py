@@ -15,14 +15,7 @@ import torch
 import tiny_models
 from autopar import runtime
 from autopar.plan import load_plan
-from autopar.runtime.memory import WeightWatcher, grad_bytes, optimizer_bytes
-
-
-def _nbytes(t) -> int:
-    if t is None:
-        return 0
-    t = t._local_tensor if hasattr(t, "_local_tensor") else t
-    return t.numel() * t.element_size()
+from autopar.runtime.memory import WeightWatcher, grad_bytes, local_bytes, optimizer_bytes
 
 
 def _fsdp_gradient_bytes(modules) -> int:
@@ -36,8 +29,9 @@ def _fsdp_gradient_bytes(modules) -> int:
         group = module._get_fsdp_state()._fsdp_param_group
         for fp in group.fsdp_params if group is not None else ():
             unsharded = getattr(fp, "_unsharded_param", None)
-            total += _nbytes(fp.unsharded_accumulated_grad) + _nbytes(fp.sharded_param.grad) \
-                + _nbytes(unsharded.grad if unsharded is not None else None)
+            total += local_bytes(fp.unsharded_accumulated_grad) \
+                + local_bytes(fp.sharded_param.grad) \
+                + local_bytes(unsharded.grad if unsharded is not None else None)
     return total
 
 
@@ -78,7 +72,8 @@ def main(out_dir: str, specs: list[str]) -> None:
         watcher.remove()
         grad_peak.remove()
         pp_rank = rt.mesh["pp"].get_local_rank() if plan.config.pp > 1 else 0
-        record = {"rank": rank, "pp_rank": pp_rank, "weights": watcher.peak, "weights_at_rest": watcher.rest, "grads": grads,
+        record = {"rank": rank, "pp_rank": pp_rank, "weights": watcher.peak,
+                  "weights_at_rest": watcher.rest, "grads": grads,
                   "grads_peak": max(grads, grad_peak.peak),
                   "optimizer": optimizer_bytes(opt)}
         Path(out_dir, f"{Path(path).stem}.{rank}.json").write_text(json.dumps(record))

@@ -214,10 +214,13 @@ def test_data_parallel_collectives_are_the_ones_the_estimate_charges(plan_dir):
     bytes, are the ones `dp_step_collectives` lists. With two micro-batches a rank each
     forward gathers every FSDP unit (the blocks and the root) again, ZeRO-3's backward too;
     ZeRO-1 reduce-scatters once, ZeRO-2 and -3 every micro-batch; in a pipeline each unit
-    is gathered and reduce-scattered once a step."""
-    plans = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp"]
+    is gathered and reduce-scattered once a step. With tensor parallel (dp2 tp2, sequence
+    parallel) FSDP2 makes each tp gradient whole on its own in every reduce-scatter pass: an
+    all-reduce per norm weight, and for GPT-2's fused q/k/v bias (whole on each tp rank under
+    FSDP2) an all-gather of its chunks (`tp_comm.gradient_collectives`)."""
+    plans = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
     cells = rm.run_matrix(["plain_llama", "hf_gpt2"], plans, plan_dir)
-    assert len(cells) == 10
+    assert len(cells) == 12
     for cell in cells:
         assert cell.loss_err is not None and cell.loss_err < rm.LOSS_TOL, cell.text()
         got = ca.compare(cell, plan_dir)

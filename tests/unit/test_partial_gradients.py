@@ -7,6 +7,7 @@ loss reading soft-capped logits, which stay split over the vocabulary."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,8 +34,8 @@ def _units(factory):
 
 def test_per_head_norms_reduce_their_gradients_with_or_without_sequence_parallel():
     (block,), _ = _units(corpus.hf_qwen3)  # q_norm and k_norm over each head's 16 features
-    assert block.head_params == 2 * HEAD_DIM
-    assert block.stream_params == 2 * HIDDEN  # input and post-attention RMSNorm
+    assert block.head_params == (HEAD_DIM, HEAD_DIM)
+    assert block.stream_params == (HIDDEN, HIDDEN)  # input and post-attention RMSNorm
     fp32 = 4
     assert partial_gradient_bytes(block, False) == fp32 * 2 * HEAD_DIM
     assert partial_gradient_bytes(block, True) == fp32 * (2 * HEAD_DIM + 2 * HIDDEN)
@@ -42,11 +43,11 @@ def test_per_head_norms_reduce_their_gradients_with_or_without_sequence_parallel
 
 def test_gemma_norms_and_post_norms_are_on_the_sequence_shard():
     (block,), _ = _units(corpus.hf_gemma)  # output * (1 + w): the weight reaches it via an add
-    assert block.stream_params == 2 * HIDDEN
+    assert block.stream_params == (HIDDEN, HIDDEN)
     blocks, glue = _units(corpus.hf_gemma2)
     # input, post-attention, pre- and post-feedforward norms; the post-norms read a row
     # GEMM's output, which sequence parallel reduce-scatters
-    assert [b.stream_params for b in blocks] == [4 * HIDDEN] * len(blocks)
+    assert [b.stream_params for b in blocks] == [(HIDDEN,) * 4] * len(blocks)
     assert sum(b.count for b in blocks) == LAYERS
 
 
@@ -82,3 +83,79 @@ def test_norms_over_a_whole_split_projection_reduce_their_statistics():
     assert ("forward", "stat", 2 * rows * fp32) in twice.tp_syncs
     (qwen3,), _ = _units(corpus.hf_qwen3)
     assert all(k in ("reduce", "loss", "gather") for _, k, _ in qwen3.tp_syncs)
+
+
+def _costs(factory, dtype: str):
+    with torch.device("meta"):
+        model = factory()
+    graph = autopar.trace(model, global_batch_size=1, seq_len=32, dtype=dtype)
+    return model, ModelCosts.from_graph(graph).units
+
+
+def test_fsdp2_reduces_each_partial_gradient_on_its_own_per_reduce_scatter_pass():
+    """A hand-written Llama at tp=2 with sequence parallel, dp=2, two micro-batches a rank:
+    without FSDP the norms' gradients (every 1-D parameter of the model: 2 per block and the
+    final norm's) are all-reduced over tp in one buffer once a step; FSDP2 redistributes
+    each DTensor gradient on its own when it reduces it, so each norm's is all-reduced alone
+    in every reduce-scatter pass: per micro-batch under ZeRO-2 and -3 in the gathered
+    parameters' dtype, once under ZeRO-1 in the reduce dtype it accumulated in."""
+    from autopar.estimate.software import software_options
+    from autopar.estimate.tp_comm import gradient_collectives
+
+    fsdp2 = software_options("autopar", autopar.EstimateOptions())
+    assert fsdp2.fsdp2 and fsdp2.grad_reduce_dtype == "fp32"
+    for dtype, param_b in (("fp32", 4), ("bf16", 2)):
+        model, units = _costs(corpus.plain_llama, dtype)
+        norms = [p.numel() for p in model.parameters() if p.dim() == 1]
+        assert len(norms) == 2 * LAYERS + 1
+
+        def listed(zero: int, options) -> list:
+            cfg = ParallelConfig(dp=2, tp=2, sequence_parallel=True, zero_stage=zero)
+            return sorted(gradient_collectives(units, [u.count for u in units], cfg, options,
+                                               2, dtype))
+
+        one_buffer = [("all_reduce", sum(norms) * (4 if dtype == "fp32" else 2))]
+        assert listed(0, fsdp2) == listed(2, autopar.EstimateOptions()) == one_buffer
+        for zero, passes, per_elem in ((1, 1, 4), (2, 2, param_b), (3, 2, param_b)):
+            assert listed(zero, fsdp2) == sorted([("all_reduce", n * per_elem)
+                                                  for n in norms] * passes), (dtype, zero)
+
+
+def test_a_fused_bias_is_whole_on_each_tp_rank_under_fsdp2():
+    """nanoGPT's fused q/k/v bias, split by chunk over tp where FSDP2 does not shard the
+    parameters: under FSDP2 (which cannot shard a chunk-strided 1-D tensor again) it is
+    whole on every tp rank -- each block's FSDP unit gathers and reduce-scatters (1 - 1/tp)
+    of it more -- and each rank's chunks of its gradient are all-gathered over tp in every
+    reduce-scatter pass (per micro-batch under ZeRO-3, once in a pipeline)."""
+    from autopar.estimate.data_parallel import dp_step_collectives
+    from autopar.estimate.software import software_options
+    from autopar.estimate.tp_comm import gradient_collectives
+
+    fsdp2 = software_options("autopar", autopar.EstimateOptions())
+    with torch.device("meta"):
+        model = corpus.nano_gpt()
+    graph = autopar.trace(model, global_batch_size=1, seq_len=32, dtype="fp32")
+    costs = ModelCosts.from_graph(graph)
+    units = costs.units
+    bias = model.transformer.h[0].attn.c_attn.bias.numel()
+    (block,) = [u for u in units if u.is_block]
+    assert block.split_fused_biases(2) == (bias,)
+    cfg = ParallelConfig(dp=2, tp=2, zero_stage=3)
+    gathers = [c for c in gradient_collectives(units, [u.count for u in units], cfg, fsdp2, 2,
+                                               "fp32") if c[0] == "all_gather"]
+    assert gathers == [("all_gather", 4 * bias)] * (block.count * 2)
+    piped = replace(cfg, pp=2)
+    half = [(u.count + 1) // 2 for u in units]  # either stage's share, at most
+    assert [c for c in gradient_collectives(units, half, piped, fsdp2, 2, "fp32")
+            if c[0] == "all_gather"] == [("all_gather", 4 * bias)] * half[units.index(block)]
+    assert not [c for c in gradient_collectives(units, [u.count for u in units], cfg,
+                                                autopar.EstimateOptions(), 2, "fp32")
+                if c[0] == "all_gather"]
+
+    def unit_gathers(options) -> set:
+        return {n for kind, n in dp_step_collectives(costs, cfg, options, global_batch_size=4,
+                                                    dtype="fp32") if kind == "all_gather"}
+
+    megatron = unit_gathers(autopar.EstimateOptions(fsdp2=False))
+    per_layer = block.dense_on_tp_rank(2) * 4
+    assert per_layer in megatron and per_layer + 4 * bias / 2 in unit_gathers(fsdp2)

@@ -131,7 +131,7 @@ def test_a_replicated_mlp_costs_its_whole_weights_and_no_activation_traffic():
     assert mlp.tp_replicated_params == mlp_params
     assert mlp.dense_on_tp_rank(4) - block.dense_on_tp_rank(4) == mlp_params * 3 / 4
     assert mlp.tp_reductions == (1, 1) and block.tp_reductions == (2, 2)
-    assert mlp.stream_params - block.stream_params == mlp_params
+    assert sum(mlp.stream_params) - sum(block.stream_params) == mlp_params
     # the step's tp traffic: per micro-batch one all-gather and one reduce-scatter of the
     # hidden state fewer each way per layer, and the MLP gradients in the one all-reduce
     per_layer = 256 * 256 * 4  # one sequence's hidden state, fp32
@@ -164,7 +164,7 @@ def test_the_plan_takes_the_fastest_layout_of_the_winner_and_its_runners_up():
     with torch.device("meta"):
         model = Llama(LlamaConfig(vocab_size=128256, dim=4096, n_layers=8, n_heads=32,
                                   n_kv_heads=8, ffn_dim=14336, max_seq_len=8192))
-    shape = dict(global_batch_size=32, seq_len=8192)
+    shape = dict(global_batch_size=16, seq_len=8192)
     plan = autopar.compile(model, NODE, **shape, constraints={"tp": 2})
     megatron = autopar.compile(model, NODE, **shape, constraints={"tp": 2},
                                settings=autopar.SearchSettings(tp_layouts="megatron"))
@@ -286,7 +286,7 @@ def test_the_ilp_prices_an_moe_block_as_the_runtime_runs_it(make, sequence_paral
                           dtype="fp32")
     (unit,) = [u for u in costs_of_layout(graph, plan.config, plan.tp_placements).units
                if u.is_block]
-    assert unit.router_params > 0
+    assert sum(unit.router_params) > 0
     (block,) = plan.intra_op.values()
     fwd, bwd = tp_collectives(unit, plan.config)
     assert primitive_collectives(block["forward_collectives"] + block["backward_collectives"]) \
