@@ -158,13 +158,24 @@ class _Found:
 
 def _micro_batch_graph(model, graph, micro_batch_size: int, seq_len, example_inputs,
                        dtype: str):
-    """``graph`` (a token model traced at one sequence) traced again at ``micro_batch_size``
-    sequences, for the intra-op ILP; a model traced from its example inputs as it was."""
+    """``graph`` traced again at ``micro_batch_size`` sequences or samples, for the intra-op
+    ILP: a token model's at that many sequences, a model traced from its example inputs with
+    each input that carries the traced batch on its first dim resized to it."""
+    from torch.utils import _pytree as pytree
+
     from autopar.trace import trace
 
-    if example_inputs is not None or micro_batch_size == graph.batch_size:
+    if micro_batch_size == graph.batch_size:
         return graph
-    return trace(model, global_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype)
+    if example_inputs is None:
+        return trace(model, global_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype)
+
+    def resized(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == graph.batch_size:
+            return torch.empty((micro_batch_size, *t.shape[1:]), dtype=t.dtype, device="meta")
+        return t
+
+    return trace(model, example_inputs=pytree.tree_map(resized, example_inputs), dtype=dtype)
 
 
 def _best(ctx: SearchContext, constraints: dict[str, Any], runtime: dict[str, Any],

@@ -293,3 +293,27 @@ def test_the_ilp_prices_an_moe_block_as_the_runtime_runs_it(make, sequence_paral
         == primitive_collectives(fwd + bwd)
     assert sum(n for _, n in block["gradient_collectives"]) == pytest.approx(
         partial_gradient_bytes(unit, sequence_parallel))
+
+
+def test_a_model_given_example_inputs_has_its_layout_solved_at_the_micro_batch():
+    """A ViT compiled from example inputs of 8 images, with 2 images per micro-batch pinned
+    (dp2 tp2 pp2): the intra-op ILP solves its block traced at the micro-batch, so the
+    block's collectives in the plan are the estimate's for one layer (solved at the 8 traced
+    images, each was 4 times the bytes)."""
+    from autopar.estimate.core import costs_of_layout
+    from autopar.estimate.timing import tp_collectives
+    from autopar.estimate.tp_comm import primitive_collectives
+
+    with torch.device("meta"):
+        model = corpus.vit_encoder()
+    images = torch.empty(8, *corpus.IMAGE_SHAPE, device="meta")
+    gloo = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=8)
+    plan = autopar.compile(model, gloo, global_batch_size=8, example_inputs=(images,),
+                           dtype="fp32", constraints={"dp": 2, "tp": 2, "pp": 2,
+                                                      "micro_batch_size": 2})
+    graph = autopar.trace(model, example_inputs=(images[:2],), dtype="fp32")
+    units = {u.name: u for u in costs_of_layout(graph, plan.config, plan.tp_placements).units}
+    (block, entry), = plan.intra_op.items()
+    charged = primitive_collectives(sum(tp_collectives(units[block], plan.config), []))
+    assert charged and primitive_collectives(entry["forward_collectives"]
+                                             + entry["backward_collectives"]) == charged
