@@ -154,11 +154,11 @@ class ModelCosts:
 
     @functools.cached_property
     def per_op_costed(self) -> bool:
-        """Whether per-op recompute is costed: every block keeps some op's output
-        (`OpCost.kept`; not one with an MoE layer costed as a whole whose experts' matmuls
-        alternate with the routing, `autopar.estimate.kept.per_op_kept`)."""
+        """Whether per-op recompute is costed: the model has blocks, and none of them has an
+        MoE layer costed as a whole whose experts' matmuls alternate with the routing
+        (`Unit.per_op_routed`, `autopar.estimate.kept.per_op_kept`)."""
         blocks = [u for u in self.units if u.is_block]
-        return bool(blocks) and all(any(op.kept for op in u.ops) for u in blocks)
+        return bool(blocks) and not any(u.per_op_routed for u in blocks)
 
     def units_for(self, micro_batch_size: int) -> tuple[Unit, ...]:
         factor = micro_batch_size / self.traced_batch

@@ -28,7 +28,7 @@ def recompute_tail(nodes: list[Node]) -> set[str]:
     return tail
 
 
-def per_op_kept(nodes: list[Node]) -> dict[str, int]:
+def per_op_kept(nodes: list[Node]) -> dict[str, int] | None:
     """The nodes per-op recompute keeps the output of, with its bytes: attention (its output
     and fp32 log-sum-exp; a fused kernel's, the math kernel's ops being re-run) and the ops of
     `PER_OP_SAVED` but every second `PER_OP_ALTERNATED` matmul, counted in forward order.
@@ -37,11 +37,13 @@ def per_op_kept(nodes: list[Node]) -> dict[str, int]:
     runs as one grouped matmul, or as one matmul per expert hit, expert after expert: with an
     even number of such weights (gate_up and down) each node falls on the same parity either
     way, however many experts the routing hits. With an odd number a per-expert loop's parity
-    follows the routing; such a block keeps nothing here (per-op recompute is not costed)."""
+    follows the routing: None (per-op recompute is not costed). A block with none of these
+    ops (Linear layers with biases run ``addmm``, attention written with ``baddbmm``) keeps
+    nothing: per-op recompute re-runs it whole, as full recompute does."""
     out: dict[str, int] = {}
     grouped = Counter(n.module_path for n in nodes if n.target == MOE_GROUPED_MM)
     if any(count % 2 for count in grouped.values()):
-        return out
+        return None
     matmuls = 0
     for node in nodes:
         if node.kind is OpKind.ATTENTION and node.attention is not None:

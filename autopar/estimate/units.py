@@ -136,6 +136,8 @@ class Unit:
     loss_logits: int = 0  # elements of its cross-entropy losses' inputs (the logits)
     loss_logit_bytes: int = 0  # the same in their traced dtype
     tail_kernels: int = 0  # kernels of the ops an early-stopping recompute skips (OpCost.tail)
+    # what per-op recompute keeps depends on the routing (`per_op_kept`): not costed
+    per_op_routed: bool = False
     # elements of each tp-replicated parameter of ops on the hidden stream (norms between the
     # sub-layers, a position table, the final norm): under sequence parallel they see a
     # sequence shard and their gradients are partial sums over tp, reduced once a step
@@ -340,6 +342,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     residual = residual_structure(nodes)
     sharded = tp_split_ops(nodes, residual)
     kept = per_op_kept(nodes)
+    per_op_routed, kept = kept is None, kept or {}
     kv_gemms = kv_projections(nodes)
     fused = fused_chunks(nodes)
     gemm_readers = consumers([n for n in nodes if n.kind in _GEMM_KINDS and n.params])
@@ -465,6 +468,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         param_bytes=sum(seen_params.values()),
         loss_logits=sum(n.inputs[0].numel for n in losses),
         loss_logit_bytes=sum(n.inputs[0].num_bytes for n in losses), tail_kernels=tail_kernels,
+        per_op_routed=per_op_routed,
         stream_params=tuple(shared[0].values()), sublayers=subs,
         router_params=tuple(shared[1].values()), head_params=tuple(shared[2].values()),
         tp_shared_params=sum({k: v for d in shared for k, v in d.items()}.values()),

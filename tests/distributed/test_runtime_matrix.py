@@ -128,6 +128,15 @@ def test_alternating_blocks_run_in_order_in_a_pipeline(plan_dir):
     assert layers == list(range(4)) and all(stages), stages
 
 
+def test_per_op_recompute_runs_blocks_that_keep_no_op(plan_dir):
+    """Hugging Face BLOOM (Linear layers with biases, attention written with ``baddbmm``: no
+    op per-op recompute keeps, so each block re-runs whole) under per-op recompute, with data
+    parallel and with tensor and sequence parallel: the losses and gradients are the
+    reference's."""
+    cells = rm.run_matrix(["hf_bloom"], ["dp_per_op", "tp_sp_per_op"], plan_dir)
+    assert len(cells) == 2 and all(c.ok for c in cells), [c.text() for c in cells]
+
+
 def test_vocab_parallel_logits_take_the_parallel_loss(cells):
     """Under tensor parallel the untied heads' logits stay vocab-sharded on the last stage and
     the loss runs under loss_parallel."""

@@ -107,6 +107,29 @@ def test_kept_activations_per_policy_are_the_measured_ones(name):
         assert want == pytest.approx(measured, rel=0.01)
 
 
+def test_per_op_recompute_of_blocks_that_keep_no_op_is_full_recompute():
+    """Hugging Face BLOOM runs its Linear layers with biases (``addmm``) and writes attention
+    with ``baddbmm`` and ``bmm``: none is an op per-op recompute keeps, so each block keeps its
+    input alone, as under full recompute -- measured, and costed so (per-op is a candidate for
+    it: `ModelCosts.per_op_costed`)."""
+    from autopar.estimate.core import ModelCosts
+
+    transformers = pytest.importorskip("transformers")
+
+    def make():
+        cfg = transformers.BloomConfig(vocab_size=256, hidden_size=128, n_layer=4, n_head=4,
+                                       use_cache=False)
+        return transformers.BloomForCausalLM(cfg)
+
+    graph = autopar.trace(make(), global_batch_size=BATCH, seq_len=SEQ, dtype="fp32")
+    costs = ModelCosts.from_graph(graph)
+    assert costs.per_op_costed
+    assert not any(op.kept for u in costs.units if u.is_block for op in u.ops)
+    (per_op, loss), (full, same) = (_held_after_forward(make, p, 1) for p in ("per_op", "full"))
+    assert loss == same and per_op == full
+    assert _predicted(make, "per_op", 1) == _predicted(make, "full", 1) > 0
+
+
 @pytest.mark.parametrize("policy", ["full", "per_op"])
 def test_a_checkpointed_block_recomputes_in_each_of_two_backward_passes(policy):
     """A zero-bubble schedule computes a stage's input gradients and its weight gradients in
