@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import FunctionCtx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -100,6 +102,8 @@ class Recorder:
         self._saved_bases: set[int] = set()
         self._name_counts: collections.Counter[str] = collections.Counter()
         self._paused = 0
+        # per custom autograd Function running (innermost last): what it saves for backward
+        self._custom: list[list[torch.Tensor]] = []
         self.module_stack: list[str] = [""]
         self.nodes: list[Node] = []
         self.unknown_ops: collections.Counter[str] = collections.Counter()
@@ -117,7 +121,7 @@ class Recorder:
     # ------------------------------------------------------------------ context
     @contextlib.contextmanager
     def recording(self):
-        with _FunctionMode(self), _DispatchMode(self):
+        with _FunctionMode(self), _DispatchMode(self), _custom_functions(self):
             yield self
 
     @contextlib.contextmanager
@@ -237,7 +241,8 @@ class Recorder:
             outs.append(self._new_value(
                 t, source=name, needs_grad=grad and t.dtype.is_floating_point,
                 score=score_out, base=base))
-        saved_values = [self.value(t) for t in save]
+        # inside a custom autograd Function autograd keeps what it saves, not its ops' inputs
+        saved_values = [self.value(t) for t in save] if not self._custom else []
         saved, kept = self._charge(saved_values, layer) if grad else (0, 0)
         if grad and extra_saved_bytes:
             saved += extra_saved_bytes
@@ -262,6 +267,23 @@ class Recorder:
         )
         self.nodes.append(node)
         return node
+
+    def charge_custom(self, first: int, tensors: list[torch.Tensor], out) -> None:
+        """Charge what a custom autograd Function passed to ``ctx.save_for_backward`` to the
+        last node its forward recorded (nodes ``first`` on), if an output (``out``) needs a
+        gradient."""
+        outs = [self._values.get(id(o)) for o in pytree.tree_leaves(out)
+                if isinstance(o, torch.Tensor)]
+        if first >= len(self.nodes) or not any(v is not None and v.needs_grad for v in outs):
+            return
+        node = self.nodes[-1]
+        values = [self.value(t) for t in tensors]
+        saved, kept = self._charge(values, node.layer_index)
+        self.nodes[-1] = dataclasses.replace(
+            node, saved_bytes=node.saved_bytes + saved,
+            saved_bytes_recompute=node.saved_bytes_recompute + kept,
+            saved_from=tuple(sorted(set(node.saved_from)
+                                    | {v.source for v in values if not v.state})))
 
     # ------------------------------------------------------------------ aten ops
     def on_aten(self, func, args, kwargs, out) -> None:
@@ -396,6 +418,38 @@ class Recorder:
                   in_tensors=[input, target], out_tensors=[out], save=[target],
                   traits=OpTraits(extra_saved_bytes=self._spec(input).num_bytes))  # log-probs
         return out
+
+
+@contextlib.contextmanager
+def _custom_functions(recorder: Recorder):
+    """While recording, every custom autograd Function (a ``torch.autograd.Function``
+    subclass, as BLOOM's GELU) is charged what its forward passes to ``ctx.save_for_backward``
+    -- all autograd keeps of it -- rather than what its ops would save (`Recorder.emit`)."""
+    apply = torch.autograd.Function.__dict__["apply"]
+    save = FunctionCtx.save_for_backward
+
+    def recorded_apply(cls, *args, **kwargs):
+        recorder._custom.append([])
+        first = len(recorder.nodes)
+        try:
+            out = apply.__func__(cls, *args, **kwargs)
+        finally:
+            saved = recorder._custom.pop()
+        recorder.charge_custom(first, saved, out)
+        return out
+
+    def recorded_save(ctx, *tensors):
+        if recorder._custom:
+            recorder._custom[-1].extend(t for t in tensors if isinstance(t, torch.Tensor))
+        return save(ctx, *tensors)
+
+    torch.autograd.Function.apply = classmethod(recorded_apply)
+    FunctionCtx.save_for_backward = recorded_save
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = apply
+        FunctionCtx.save_for_backward = save
 
 
 class _FunctionMode(TorchFunctionMode):

@@ -154,6 +154,52 @@ def test_without_dropout_the_mask_terms_vanish():
     assert saved == 32 * s * b * h + 2 * a * s * s * b + _ln_stats(s, b)
 
 
+class _SquashSavingInput(torch.autograd.Function):
+    """x * tanh(x) + x, with a backward of its own: autograd keeps the input alone."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.tanh(x) + x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(x)
+        return grad * (t + x * (1 - t * t) + 1)
+
+
+def test_a_custom_autograd_function_keeps_what_it_saves():
+    """A block whose activation is a custom autograd Function saving its input alone: the
+    trace charges what autograd keeps, measured on CPU by saved-tensor hooks (distinct
+    storages), not what the Function's ops would save on their own."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+        def forward(self, x):
+            return self.down(_SquashSavingInput.apply(self.up(x)))
+
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(4, 8, 32)
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum().backward()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    measured = sum(n for ptr, n in storages.items() if ptr not in weights)
+    graph = trace(model, example_inputs=(x,))
+    assert measured == 4 * 8 * (32 + 64 + 64) * 4  # up's input, the Function's, down's input
+    assert sum(n.saved_bytes for n in graph.nodes) == measured
+
+
 def test_dtype_override_costs_tensors_in_that_precision():
     model = models.build("gpt2", **TINY_GPT)  # fp32 weights
     fp32 = trace(model, global_batch_size=2, seq_len=32)
