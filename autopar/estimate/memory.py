@@ -12,7 +12,6 @@ its forward until its last backward op (B, or W for zero-bubble).
 from __future__ import annotations
 
 from autopar.config import ParallelConfig
-from autopar.estimate.kv import kv_whole
 from autopar.estimate.units import Unit
 from costmodels.compute import LOSS_KERNELS
 from costmodels.memory import (ALLOCATOR_RESERVE_FRACTION, COMM_BUFFER_BYTES,
@@ -102,7 +101,7 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig, flash: bool,
         full += sum((op.fp8_elements[1] if fp8 and op.fp8_elements else
                      op.param_bytes if weight_copies else 0.0)
                     / (cfg.expert_tp * cfg.ep if op.expert else
-                       1 if op.tp_replicated or kv_whole(op.kv_heads, tp, op.kv_cut) else tp)
+                       1 if op.whole_on_tp(tp) else tp)
                     for op in unit.ops if op.kind == "gemm")
     if fp8:
         full += unit.fp8_saved_bytes_delta / (tp * cp)

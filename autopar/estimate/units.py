@@ -95,6 +95,11 @@ class OpCost:
     # heads): its work is split over tp with or without sequence parallel
     tp_sharded: bool = False
 
+    def whole_on_tp(self, tp: int) -> bool:
+        """A GEMM every rank of ``tp`` runs whole: in a replicated sub-layer, or a K/V
+        projection tp does not split (`kv_whole`)."""
+        return self.tp_replicated or kv_whole(self.kv_heads, tp, self.kv_cut)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Unit:
@@ -192,8 +197,8 @@ class Unit:
     def split_fused_biases(self, tp: int) -> tuple[int, ...]:
         """Elements of each fused projection's bias (`OpCost.fused_bias`) tp splits by chunk
         at ``tp``: those of GEMMs the layout neither replicates nor runs whole (`kv_whole`)."""
-        return tuple(op.fused_bias for op in self.ops if op.fused_bias and not op.tp_replicated
-                     and not (op.kv_heads and kv_whole(op.kv_heads, tp, op.kv_cut)))
+        return tuple(op.fused_bias for op in self.ops
+                     if op.fused_bias and not op.whole_on_tp(tp))
 
     def replicated(self, which: frozenset[int]) -> "Unit":
         """This unit with the sub-layers ``which`` (indices into `sublayers`) run replicated

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -279,7 +278,7 @@ class Recorder:
         node = self.nodes[-1]
         values = [self.value(t) for t in tensors]
         saved, kept = self._charge(values, node.layer_index)
-        self.nodes[-1] = dataclasses.replace(
+        self.nodes[-1] = replace(
             node, saved_bytes=node.saved_bytes + saved,
             saved_bytes_recompute=node.saved_bytes_recompute + kept,
             saved_from=tuple(sorted(set(node.saved_from)
