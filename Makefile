@@ -24,8 +24,11 @@ demo: $(STAMP)
 	$(VENV)/bin/autopar plan --model gpt3-175b --cluster dgx-a100-80g --nodes 128 --global-batch 1536 --seq-len 2048 --dtype fp16 --plots out/gpt3-175b
 	$(PY) benchmarks/collectives.py --profile dgx-h100 --role large --role heldout --role small
 
+# one-process tests on two workers; the multi-rank ones (each launch already runs a process
+# per rank) one at a time
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests/unit
+	$(PY) -m pytest -q tests/distributed
 
 bench: $(STAMP)
 	$(PY) benchmarks/collectives.py

@@ -96,9 +96,28 @@ PLANS: dict[str, tuple[int, dict]] = {
     "ep_tp_zero1": (8, {"dp": 4, "tp": 2, "ep": 2, "zero_stage": 1}),
     "dp_tp_pp": (8, {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 1, "pp_schedule": "1f1b",
                      **MB2}),
+    # fewer micro-batches (1) than pipeline ranks: GPipe runs it
+    "pp_gpipe_mb8": (2, {"pp": 2, "pp_schedule": "gpipe", "micro_batch_size": 8}),
+    "zero2_full": (2, {"dp": 2, "zero_stage": 2, "recompute": "full"}),
+    "tp_sp_dp": (4, {"dp": 2, "tp": 2, "zero_stage": 0, "sequence_parallel": True}),
+    "dp_pp_gpipe": (4, {"dp": 2, "pp": 2, "zero_stage": 0, "pp_schedule": "gpipe", **MB2}),
+    # another mesh order: dp innermost, the tp groups 2 ranks apart
+    "tp_zero3_dp_inner": (4, {"dp": 2, "tp": 2, "zero_stage": 3, "sequence_parallel": True,
+                              "mesh_order": ("pp", "tp", "cp", "dp")}),
+    "cp_tp_sp": (4, {"cp": 2, "tp": 2, "sequence_parallel": True}),
+    # cp outside dp: the gradients average over a (dp, cp) mesh sliced out of order, and the
+    # expert groups come from it
+    "cp_zero2_cp_outer": (4, {"dp": 2, "cp": 2, "zero_stage": 2,
+                              "mesh_order": ("cp", "pp", "dp", "tp")}),
+    "ep_cp_outer": (4, {"dp": 2, "ep": 2, "cp": 2, "zero_stage": 0,
+                        "mesh_order": ("cp", "tp", "pp", "dp")}),
+    "zero3_tp_pp": (8, {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 3, "pp_schedule": "1f1b",
+                        "sequence_parallel": False, **MB2}),
 }
-EXPERT_PLANS = ("ep", "ep_zero3", "ep_zero3_per_op", "ep_pp", "ep_tp", "ep_tp_zero1")
-MOE_MODELS = ("moe_loop", "moe_batched", "hf_mixtral", "hf_qwen3_moe", "hf_deepseek_v3", "hf_olmoe")
+EXPERT_PLANS = ("ep", "ep_zero3", "ep_zero3_per_op", "ep_pp", "ep_tp", "ep_tp_zero1",
+                "ep_cp_outer")
+MOE_MODELS = ("moe_loop", "moe_batched", "hf_mixtral", "hf_qwen3_moe", "hf_deepseek_v3", "hf_olmoe",
+              "tiny_mixtral")
 
 
 @dataclass
@@ -186,17 +205,20 @@ def compile_cell(model_name: str, plan_name: str, out_dir: Path,
 
 
 def run_cells(cells: list[tuple[Cell, Path]], ranks: int, out_dir: Path,
-              timeout_s: float = 180) -> None:
-    """Train every compiled cell of one rank count in one torchrun launch; fills the cells."""
+              timeout_s: float | None = None, steps: int = STEPS) -> None:
+    """Train every compiled cell of one rank count in one torchrun launch for `steps` steps;
+    fills the cells. A launch that crashes or hangs (``timeout_s``, by default 90 s and 15 s
+    per cell and rank) fails the cells it had not finished."""
     if not cells:
         return
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     specs = [f"{path}:{cell.model}" for cell, path in cells]
+    timeout_s = 90 + 15 * ranks * len(cells) if timeout_s is None else timeout_s
     try:
         proc = subprocess.run([torchrun, "--standalone", f"--nproc_per_node={ranks}",
-                               str(WORKER), str(out_dir), str(STEPS), *specs], env=env,
+                               str(WORKER), str(out_dir), str(steps), *specs], env=env,
                               capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc = subprocess.CompletedProcess([], returncode=-1, stdout="",
@@ -224,18 +246,23 @@ def run_cells(cells: list[tuple[Cell, Path]], ranks: int, out_dir: Path,
 
 def run_matrix(models: list[str], plans: list[str], out_dir: Path,
                dtype: str = "fp32") -> list[Cell]:
-    """Compile every cell, then train the compiled ones: one launch per model and rank count,
-    so a crash costs the cells of that launch only."""
-    compiled: dict[tuple[str, int], list[tuple[Cell, Path]]] = {}
+    """Every plan on every model (`run_pairs`)."""
+    return run_pairs([(m, p) for m in models for p in plans], out_dir, dtype)
+
+
+def run_pairs(pairs: list[tuple[str, str]], out_dir: Path, dtype: str = "fp32",
+              steps: int = STEPS) -> list[Cell]:
+    """Compile each (model, plan) cell, then train the compiled ones for `steps` steps: one
+    launch per rank count, each cell's error its own (`run_cells`)."""
+    by_ranks: dict[int, list[tuple[Cell, Path]]] = {}
     cells = []
-    for model in models:
-        for plan in plans:
-            cell, path = compile_cell(model, plan, out_dir, dtype)
-            cells.append(cell)
-            if path is not None:
-                compiled.setdefault((model, PLANS[plan][0]), []).append((cell, path))
-    for (_, ranks), group in compiled.items():
-        run_cells(group, ranks, out_dir)
+    for model, plan in pairs:
+        cell, path = compile_cell(model, plan, out_dir, dtype)
+        cells.append(cell)
+        if path is not None:
+            by_ranks.setdefault(PLANS[plan][0], []).append((cell, path))
+    for ranks, group in sorted(by_ranks.items()):
+        run_cells(group, ranks, out_dir, steps=steps)
     return cells
 
 

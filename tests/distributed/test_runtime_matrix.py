@@ -2,9 +2,9 @@
 autopar (a hand-written Llama, nanoGPT with its tied head, an MoE written as a loop, Hugging Face
 Llama and Mixtral, a ViT) under tensor + sequence (also with per-op recompute), pipeline,
 context parallel (alone and with a pipeline) and 3-D plans on 2-8 gloo ranks, each
-trained for 3 steps next to a one-process reference: every cell matches it (losses within 1e-4,
+trained for 2 steps next to a one-process reference: every cell matches it (losses within 1e-4,
 gradients within 1e-5 of the largest reference gradient) or was refused by compile with the
-runtime's reason."""
+runtime's reason. Every cell of the module trains in one torchrun launch per rank count."""
 
 from __future__ import annotations
 
@@ -20,8 +20,19 @@ from benchmarks import runtime_matrix as rm  # noqa: E402
 
 MODELS = ["plain_llama", "nano_gpt", "moe_loop", "hf_llama", "hf_mixtral", "hf_gpt2",
           "vit_encoder"]
-PLANS = ["tp", "tp_sp", "tp_sp_mb1", "tp_sp_per_op", "pp_zero_bubble", "tp_zero3", "tp_sp_pp",
-         "cp", "cp_pp", "ep", "ep_zero3", "ep_zero3_per_op", "ep_tp", "ep_tp_zero1"]
+# plan -> the models it trains on here (every model under every plan:
+# benchmarks/runtime_matrix.py): the tp plans and cp on all (the collectives test below reads
+# the tp cells of every model), expert plans on all (dense models: "n/a", at no cost), the
+# others on models of distinct styles
+SLICE = {
+    "tp": MODELS, "tp_sp": MODELS, "tp_sp_mb1": MODELS,
+    "tp_sp_per_op": ["plain_llama", "hf_mixtral", "hf_gpt2"],
+    "pp_zero_bubble": ["moe_loop", "hf_gpt2", "vit_encoder"],
+    "tp_zero3": ["nano_gpt", "hf_llama", "hf_mixtral"],
+    "tp_sp_pp": ["plain_llama", "hf_mixtral", "hf_gpt2", "vit_encoder"],
+    "cp": MODELS, "cp_pp": ["plain_llama", "hf_mixtral"],
+    **{p: MODELS for p in ("ep", "ep_zero3", "ep_zero3_per_op", "ep_tp", "ep_tp_zero1")},
+}
 
 
 # Gemma 2's hand-written attention: the ILP prices its blocks with all-to-alls the layout
@@ -39,37 +50,64 @@ def plan_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("matrix")
 
 
-@pytest.fixture(scope="module")
-def cells(plan_dir):
-    return rm.run_matrix(MODELS, PLANS, plan_dir)
+ZOO = [(m, p) for m in ("tiny_llama", "tiny_gpt") for p in ("tp", "tp_sp", "tp_sp_mb1")]
+MQA = [("plain_mqa", p) for p in ("tp", "tp_sp", "tp_sp_mb1")] + [("hf_gemma", "tp")]
+FUSED = [("hf_gpt_bigcode", "tp_sp"), ("hf_phi3", "tp")]
+NORMS = [("hf_qwen3", "tp"), ("hf_qwen3", "tp_sp"), ("hf_gemma2", "tp"), ("hf_olmo2", "tp"),
+         ("hf_gemma", "tp_sp")]
+DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
+DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
+OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op")]
+# autopar's own Llama and Mixtral under the plans no other cell trains for several steps:
+# GPipe with one micro-batch (fewer than stages), interleaved 1F1B, ZeRO-2 with full
+# recompute, dp x pp without ZeRO, FSDP2 under tp in another mesh order, dp x tp x pp under
+# ZeRO-3, cp with ZeRO-3, with tp + sequence parallel and outside dp, experts over a (dp, cp)
+# mesh sliced out of order (the generated scripts that run such plans: test_parity.py)
+OWN = [("tiny_llama", p) for p in ("pp_gpipe_mb8", "pp_interleaved", "zero2_full",
+                                    "dp_pp_gpipe", "cp_zero3", "cp_zero2_cp_outer")] + \
+    [("tiny_llama_wide", p) for p in ("tp_zero3_dp_inner", "zero3_tp_pp", "cp_tp_sp")] + \
+    [("tiny_mixtral", "ep_cp_outer")]
 
 
 @pytest.fixture(scope="module")
-def zoo_cells(plan_dir):
+def matrix(plan_dir):
+    """Every cell the tests read, trained in one launch per rank count for 2 steps (the
+    second's loss follows the first update; the collectives are recorded in it)."""
+    pairs = [(m, p) for p, models in SLICE.items() for m in models] + ZOO + MQA + FUSED \
+        + NORMS + DP + OTHERS + OWN
+    cells = rm.run_pairs(list(dict.fromkeys(pairs)), plan_dir, steps=2)
+    return {(c.model, c.plan): c for c in cells}
+
+
+@pytest.fixture(scope="module")
+def cells(matrix):
+    return [matrix[m, p] for p, models in SLICE.items() for m in models]
+
+
+@pytest.fixture(scope="module")
+def zoo_cells(matrix):
     """autopar's own Llama (hook attention, GQA) and GPT (fused q/k/v, tied head)."""
-    return rm.run_matrix(["tiny_llama", "tiny_gpt"], ["tp", "tp_sp", "tp_sp_mb1"], plan_dir)
+    return [matrix[k] for k in ZOO]
 
 
 @pytest.fixture(scope="module")
-def mqa_cells(plan_dir):
+def mqa_cells(matrix):
     """Multi-query attention, one kv head over tp=2: repeated to the query heads before SDPA
     (a hand-written Llama) and read as one head by SDPA's grouped-query path (Hugging Face
     Gemma): the K and V projections run replicated."""
-    return rm.run_matrix(["plain_mqa"], ["tp", "tp_sp", "tp_sp_mb1"], plan_dir) + \
-        rm.run_matrix(["hf_gemma"], ["tp"], plan_dir)
+    return [matrix[k] for k in MQA]
 
 
 @pytest.fixture(scope="module")
-def fused_cells(plan_dir):
+def fused_cells(matrix):
     """Fused q/k/v projections tp cannot split by head, run whole with each rank slicing its
     query heads: StarCoder's (one k/v head after the queries) and Phi-3's (q, k and v rows
     sliced at unequal widths)."""
-    return rm.run_matrix(["hf_gpt_bigcode"], ["tp_sp"], plan_dir) + \
-        rm.run_matrix(["hf_phi3"], ["tp"], plan_dir)
+    return [matrix[k] for k in FUSED]
 
 
 @pytest.fixture(scope="module")
-def norm_cells(plan_dir):
+def norm_cells(matrix):
     """Norms the layout leaves replicated where tp splits or shards what they read: Qwen3's
     per-head q/k norms (partial gradients over the heads, with sequence parallel too) and
     Gemma 2's post-norms with their ``1 + w`` scales and final logit soft-capping (the loss
@@ -77,9 +115,7 @@ def norm_cells(plan_dir):
     embedding, scaled by a buffer inside its module, reduce-scattered under sequence
     parallel as any other; OLMo 2's norms over the whole q and k projections, whose per-row
     statistics each rank sums over its share of the features."""
-    return rm.run_matrix(["hf_qwen3"], ["tp", "tp_sp"], plan_dir) + \
-        rm.run_matrix(["hf_gemma2", "hf_olmo2"], ["tp"], plan_dir) + \
-        rm.run_matrix(["hf_gemma"], ["tp_sp"], plan_dir)
+    return [matrix[k] for k in NORMS]
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -90,6 +126,19 @@ def test_every_cell_matches_the_reference_or_was_refused_at_compile(cells, model
             continue
         assert cell.loss_err <= rm.LOSS_TOL and cell.grad_err <= rm.GRAD_TOL, \
             (cell.plan, cell.loss_err, cell.grad_err)
+
+
+def test_autopars_own_models_train_like_the_reference(matrix, plan_dir):
+    """autopar's own models under `OWN`: each pinned choice compiled as pinned, the losses and
+    the first gradients the reference's."""
+    from autopar.plan import load_plan
+
+    for model, plan_name in OWN:
+        cell = matrix[model, plan_name]
+        assert cell.ok, (model, plan_name, cell.text())
+        plan = load_plan(plan_dir / f"{model}.{plan_name}.json")
+        for key, value in rm.PLANS[plan_name][1].items():
+            assert getattr(plan.config, key) == value, (plan_name, key, plan.config)
 
 
 def test_plans_run_on_the_models_own_forward(cells):
@@ -114,27 +163,26 @@ def test_plans_run_on_the_models_own_forward(cells):
     assert by["vit_encoder", "pp_zero_bubble"].startswith("ok"), by  # an image model's stages
 
 
-def test_alternating_blocks_run_in_order_in_a_pipeline(plan_dir):
+def test_alternating_blocks_run_in_order_in_a_pipeline(matrix, plan_dir):
     """Gemma 2 (sliding-window and global layers alternating in one block list, hand-written
     soft-capped attention, tied head) in a 1F1B pipeline: each stage owns consecutive layers
     and the losses and gradients are the reference's."""
     import json
 
-    cells = rm.run_matrix(["hf_gemma2"], ["pp_1f1b"], plan_dir)
-    assert all(c.ok for c in cells), [c.text() for c in cells]
+    assert matrix["hf_gemma2", "pp_1f1b"].ok, matrix["hf_gemma2", "pp_1f1b"].text()
     stages = json.loads((plan_dir / "hf_gemma2.pp_1f1b.json").read_text())["stages"]
     layers = [int(n.rsplit(".", 1)[1]) for stage in stages for n in stage
               if n.startswith("model.layers.")]
     assert layers == list(range(4)) and all(stages), stages
 
 
-def test_per_op_recompute_runs_blocks_that_keep_no_op(plan_dir):
+def test_per_op_recompute_runs_blocks_that_keep_no_op(matrix):
     """Hugging Face BLOOM (Linear layers with biases, attention written with ``baddbmm``: no
     op per-op recompute keeps, so each block re-runs whole) under per-op recompute, with data
     parallel and with tensor and sequence parallel: the losses and gradients are the
     reference's."""
-    cells = rm.run_matrix(["hf_bloom"], ["dp_per_op", "tp_sp_per_op"], plan_dir)
-    assert len(cells) == 2 and all(c.ok for c in cells), [c.text() for c in cells]
+    cells = [matrix["hf_bloom", p] for p in ("dp_per_op", "tp_sp_per_op")]
+    assert all(c.ok for c in cells), [c.text() for c in cells]
 
 
 def test_vocab_parallel_logits_take_the_parallel_loss(cells):
@@ -216,7 +264,7 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
             == ("R", "S(1)"), cell.model
 
 
-def test_data_parallel_collectives_are_the_ones_the_estimate_charges(plan_dir):
+def test_data_parallel_collectives_are_the_ones_the_estimate_charges(matrix, plan_dir):
     """The ZeRO stages as FSDP2 runs them (`EstimateOptions.fsdp2`, set by the "autopar"
     preset), on a hand-written Llama and Hugging Face GPT-2 (tied head, in the root unit):
     the all-reduces, all-gathers and reduce-scatters rank 0 issues in a step, with their
@@ -227,9 +275,7 @@ def test_data_parallel_collectives_are_the_ones_the_estimate_charges(plan_dir):
     parallel) FSDP2 makes each tp gradient whole on its own in every reduce-scatter pass: an
     all-reduce per norm weight, and for GPT-2's fused q/k/v bias (whole on each tp rank under
     FSDP2) an all-gather of its chunks (`tp_comm.gradient_collectives`)."""
-    plans = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
-    cells = rm.run_matrix(["plain_llama", "hf_gpt2"], plans, plan_dir)
-    assert len(cells) == 12
+    cells = [matrix[k] for k in DP]
     for cell in cells:
         assert cell.loss_err is not None and cell.loss_err < rm.LOSS_TOL, cell.text()
         got = ca.compare(cell, plan_dir)
