@@ -207,15 +207,41 @@ def compile_cell(model_name: str, plan_name: str, out_dir: Path,
 def run_cells(cells: list[tuple[Cell, Path]], ranks: int, out_dir: Path,
               timeout_s: float | None = None, steps: int = STEPS) -> None:
     """Train every compiled cell of one rank count in one torchrun launch for `steps` steps;
-    fills the cells. A launch that crashes or hangs (``timeout_s``, by default 90 s and 15 s
-    per cell and rank) fails the cells it had not finished."""
-    if not cells:
-        return
+    fills the cells. When a launch crashes or hangs (``timeout_s``, by default 90 s and 15 s
+    per cell and rank), the first cell it did not finish runs again alone (a rank may die in
+    a cell before another wrote the cell before it) and fails if that launch fails too; the
+    cells after it go on in a new launch."""
+    pending, alone = list(cells), False
+    while pending:
+        batch = pending[:1] if alone else pending
+        results = {path: [out_dir / f"{path.stem}.{r}.json" for r in range(ranks)]
+                   for _, path in batch}
+        for files in results.values():
+            for f in files:
+                f.unlink(missing_ok=True)
+        proc = _launch([p for _, p in batch], [c.model for c, _ in batch], ranks, out_dir,
+                       steps, 90 + 15 * ranks * len(batch) if timeout_s is None else timeout_s)
+        finished = {p for p, files in results.items() if all(f.is_file() for f in files)}
+        for cell, path in batch:
+            if path in finished:
+                _fill(cell, [json.loads(f.read_text()) for f in results[path]])
+        if alone and not finished:
+            lines = [line for line in (proc.stderr or proc.stdout).splitlines()
+                     if line.strip(" =")]  # not torchrun's rules around its failure report
+            tail = next((line for line in reversed(lines) if "Error" in line),
+                        lines[-1] if lines else "no output")
+            batch[0][0].status = f"FAIL: worker exited {proc.returncode}: {tail[:160]}"
+        done = finished | ({batch[0][1]} if alone else set())  # a cell alone ran or failed
+        pending = [(c, p) for c, p in pending if p not in done]
+        alone = not alone and bool(pending)
+
+
+def _launch(paths: list[Path], models: list[str], ranks: int, out_dir: Path, steps: int,
+            timeout_s: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    specs = [f"{path}:{cell.model}" for cell, path in cells]
-    timeout_s = 90 + 15 * ranks * len(cells) if timeout_s is None else timeout_s
+    specs = [f"{path}:{model}" for path, model in zip(paths, models)]
     try:
         proc = subprocess.run([torchrun, "--standalone", f"--nproc_per_node={ranks}",
                                str(WORKER), str(out_dir), str(steps), *specs], env=env,
@@ -225,23 +251,21 @@ def run_cells(cells: list[tuple[Cell, Path]], ranks: int, out_dir: Path,
                                            stderr=f"no result after {timeout_s:.0f} s")
     if os.environ.get("AUTOPAR_MATRIX_TRACEBACK"):
         sys.stderr.write(proc.stderr)
-    for cell, path in cells:
-        results = [out_dir / f"{path.stem}.{r}.json" for r in range(ranks)]
-        if not all(r.is_file() for r in results):
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            cell.status = f"FAIL: worker exited {proc.returncode}: {tail[0][:160]}"
-            continue
-        rows = [json.loads(r.read_text()) for r in results]
-        errors = [row["error"] for row in rows if row.get("error")]
-        if errors:
-            cell.status = "FAIL: " + errors[0][:160]
-            continue
-        cell.loss_err = max(row["loss_err"] for row in rows)
-        cell.grad_err = max(row["grad_err"] for row in rows)
-        cell.detail = rows[0]
-        for key in ("fp8_loss_gap", "fp8_grad_gap"):  # each rank's reference: the same batches
-            if key in rows[0]:
-                cell.detail[key] = max(row[key] for row in rows)
+    return proc
+
+
+def _fill(cell: Cell, rows: list[dict]) -> None:
+    """A trained cell's status from its ranks' results."""
+    errors = [row["error"] for row in rows if row.get("error")]
+    if errors:
+        cell.status = "FAIL: " + errors[0][:160]
+        return
+    cell.loss_err = max(row["loss_err"] for row in rows)
+    cell.grad_err = max(row["grad_err"] for row in rows)
+    cell.detail = rows[0]
+    for key in ("fp8_loss_gap", "fp8_grad_gap"):  # each rank's reference: the same batches
+        if key in rows[0]:
+            cell.detail[key] = max(row[key] for row in rows)
 
 
 def run_matrix(models: list[str], plans: list[str], out_dir: Path,

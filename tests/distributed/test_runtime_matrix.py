@@ -60,12 +60,14 @@ DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
 OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op")]
 # autopar's own Llama and Mixtral under the plans no other cell trains for several steps:
 # GPipe with one micro-batch (fewer than stages), interleaved 1F1B, ZeRO-2 with full
-# recompute, dp x pp without ZeRO, FSDP2 under tp in another mesh order, dp x tp x pp under
-# ZeRO-3, cp with ZeRO-3, with tp + sequence parallel and outside dp, experts over a (dp, cp)
-# mesh sliced out of order (the generated scripts that run such plans: test_parity.py)
-OWN = [("tiny_llama", p) for p in ("pp_gpipe_mb8", "pp_interleaved", "zero2_full",
+# recompute, ZeRO-1 in a pipeline, dp x pp and dp x tp + SP without ZeRO, FSDP2 under tp in
+# another mesh order, dp x tp x pp under ZeRO-3, cp with ZeRO-3, with tp + sequence parallel
+# and outside dp, experts over a (dp, cp) mesh sliced out of order (the generated scripts
+# that run plans: test_parity.py)
+OWN = [("tiny_llama", p) for p in ("pp_gpipe_mb8", "pp_interleaved", "zero2_full", "zero1_pp",
                                     "dp_pp_gpipe", "cp_zero3", "cp_zero2_cp_outer")] + \
-    [("tiny_llama_wide", p) for p in ("tp_zero3_dp_inner", "zero3_tp_pp", "cp_tp_sp")] + \
+    [("tiny_llama_wide", p) for p in ("tp_sp_dp", "tp_zero3_dp_inner", "zero3_tp_pp",
+                                      "cp_tp_sp")] + \
     [("tiny_mixtral", "ep_cp_outer")]
 
 
