@@ -205,9 +205,8 @@ def compile_cell(model_name: str, plan_name: str, out_dir: Path,
 
 
 def run_cells(cells: list[tuple[Cell, Path]], ranks: int, out_dir: Path,
-              timeout_s: float | None = None, steps: int = STEPS) -> None:
-    """Train every compiled cell of one rank count in one torchrun launch for `steps` steps;
-    fills the cells. When a launch crashes or hangs (``timeout_s``, by default 90 s and 15 s
+              timeout_s: float | None = None) -> None:
+    """Train every compiled cell of one rank count in one torchrun launch; fills the cells. When a launch crashes or hangs (``timeout_s``, by default 90 s and 15 s
     per cell and rank), the first cell it did not finish runs again alone (a rank may die in
     a cell before another wrote the cell before it) and fails if that launch fails too; the
     cells after it go on in a new launch."""
@@ -220,7 +219,7 @@ def run_cells(cells: list[tuple[Cell, Path]], ranks: int, out_dir: Path,
             for f in files:
                 f.unlink(missing_ok=True)
         proc = _launch([p for _, p in batch], [c.model for c, _ in batch], ranks, out_dir,
-                       steps, 90 + 15 * ranks * len(batch) if timeout_s is None else timeout_s)
+                       90 + 15 * ranks * len(batch) if timeout_s is None else timeout_s)
         finished = {p for p, files in results.items() if all(f.is_file() for f in files)}
         for cell, path in batch:
             if path in finished:
@@ -236,7 +235,7 @@ def run_cells(cells: list[tuple[Cell, Path]], ranks: int, out_dir: Path,
         alone = not alone and bool(pending)
 
 
-def _launch(paths: list[Path], models: list[str], ranks: int, out_dir: Path, steps: int,
+def _launch(paths: list[Path], models: list[str], ranks: int, out_dir: Path,
             timeout_s: float) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")]))
@@ -244,7 +243,7 @@ def _launch(paths: list[Path], models: list[str], ranks: int, out_dir: Path, ste
     specs = [f"{path}:{model}" for path, model in zip(paths, models)]
     try:
         proc = subprocess.run([torchrun, "--standalone", f"--nproc_per_node={ranks}",
-                               str(WORKER), str(out_dir), str(steps), *specs], env=env,
+                               str(WORKER), str(out_dir), str(STEPS), *specs], env=env,
                               capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc = subprocess.CompletedProcess([], returncode=-1, stdout="",
@@ -274,10 +273,9 @@ def run_matrix(models: list[str], plans: list[str], out_dir: Path,
     return run_pairs([(m, p) for m in models for p in plans], out_dir, dtype)
 
 
-def run_pairs(pairs: list[tuple[str, str]], out_dir: Path, dtype: str = "fp32",
-              steps: int = STEPS) -> list[Cell]:
-    """Compile each (model, plan) cell, then train the compiled ones for `steps` steps: one
-    launch per rank count, each cell's error its own (`run_cells`)."""
+def run_pairs(pairs: list[tuple[str, str]], out_dir: Path, dtype: str = "fp32") -> list[Cell]:
+    """Compile each (model, plan) cell, then train the compiled ones: one launch per rank
+    count, each cell's error its own (`run_cells`)."""
     by_ranks: dict[int, list[tuple[Cell, Path]]] = {}
     cells = []
     for model, plan in pairs:
@@ -286,7 +284,7 @@ def run_pairs(pairs: list[tuple[str, str]], out_dir: Path, dtype: str = "fp32",
         if path is not None:
             by_ranks.setdefault(PLANS[plan][0], []).append((cell, path))
     for ranks, group in sorted(by_ranks.items()):
-        run_cells(group, ranks, out_dir, steps=steps)
+        run_cells(group, ranks, out_dir)
     return cells
 
 

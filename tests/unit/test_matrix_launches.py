@@ -17,7 +17,7 @@ from benchmarks import runtime_matrix as rm  # noqa: E402
 def test_a_crash_fails_only_the_cell_it_happened_in(tmp_path, monkeypatch):
     launches = []
 
-    def launch(paths, models, ranks, out_dir, steps, timeout_s):
+    def launch(paths, models, ranks, out_dir, timeout_s):
         launches.append(list(models))
         for i, (path, model) in enumerate(zip(paths, models)):
             if model == "crash":
