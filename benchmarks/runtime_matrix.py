@@ -206,10 +206,11 @@ def compile_cell(model_name: str, plan_name: str, out_dir: Path,
 
 def run_cells(cells: list[tuple[Cell, Path]], ranks: int, out_dir: Path,
               timeout_s: float | None = None) -> None:
-    """Train every compiled cell of one rank count in one torchrun launch; fills the cells. When a launch crashes or hangs (``timeout_s``, by default 90 s and 15 s
-    per cell and rank), the first cell it did not finish runs again alone (a rank may die in
-    a cell before another wrote the cell before it) and fails if that launch fails too; the
-    cells after it go on in a new launch."""
+    """Train every compiled cell of one rank count in one torchrun launch; fills the cells.
+    When a launch crashes or hangs (``timeout_s``, by default 90 s and 15 s per cell and
+    rank), the first cell it did not finish runs again alone (a rank may die in a cell before
+    another wrote the cell before it) and fails if that launch fails too; the cells after it
+    go on in a new launch."""
     pending, alone = list(cells), False
     while pending:
         batch = pending[:1] if alone else pending
