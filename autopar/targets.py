@@ -396,11 +396,6 @@ TORCHTITAN = EngineTarget(
                        "(data_parallel_replicate_degree); it has no optimizer-state-only or "
                        "gradient-only sharding",
                 source=f"{_TITAN_CONFIG} ([parallelism] data_parallel_*_degree)"),
-        Allowed(field="cp", values=(1,),
-                reason="its context parallel exchanges K/V shards by all-gather or "
-                       "all-to-all (context_parallel_rotate_method), not by the ring that "
-                       "passes them rank to rank, which the estimate costs",
-                source=f"{_TITAN_CONFIG} (context_parallel_rotate_method)"),
         Allowed(field="recompute", values=("none", "per_op", "full"),
                 reason="its selective checkpointing is per op (selective_ac_option = \"op\": "
                        "the policy recompute='per_op' costs) or every n-th layer; it has no "

@@ -1,15 +1,17 @@
-"""Does the estimate charge the tensor- and data-parallel collectives the runtime issues?  For
-each corpus model (``tests/corpus.py``) under plans of ``benchmarks/runtime_matrix.py`` (tp and
-tp + sequence parallel on 2 gloo ranks by default; ZeRO plans, pipelines and their
-combinations too, not context or expert parallel), the plan is compiled, trained for 3 steps
-next to the one-process reference, and the collectives rank 0 issued in one training step
-(each kind with its bytes, less the scalar all-reduce of the reported loss and DDP's one-off
-broadcasts when it rebuilds its buckets in its second step) are compared with the estimate's
-for rank 0's pipeline stage in the plan's layout
-(`autopar.estimate.tp_comm.tp_step_collectives`,
-`autopar.estimate.data_parallel.dp_step_collectives`), and each block's in the plan
-(`plan.intra_op`, the ILP's execution of the layout) with the estimate's per layer, as
-reduce-scatters and all-gathers (`primitive_collectives`).
+"""Does the estimate charge the collectives the runtime issues?  For each corpus model
+(``tests/corpus.py``) under plans of ``benchmarks/runtime_matrix.py`` (tp and tp + sequence
+parallel on 2 gloo ranks by default; ZeRO plans, pipelines, context parallel and their
+combinations too; not expert parallel), the plan is compiled, trained for 3 steps next to the
+one-process reference, and the collectives rank 0 issued in one training step are compared
+with the estimate's for rank 0's pipeline stage in the plan's layout
+(`autopar.estimate.tp_comm.tp_step_collectives`, `cp_step_collectives`,
+`autopar.estimate.pipeline_comm.pp_step_collectives`,
+`autopar.estimate.data_parallel.dp_step_collectives`): each kind with its bytes, a cp ring's
+hops and a pipeline's transfers as ``send_recv`` of what the rank sends, less the scalar
+all-reduce of the reported loss and DDP's one-off broadcasts when it rebuilds its buckets in
+its second step. Each block's collectives in the plan (`plan.intra_op`, the ILP's execution
+of the layout) are compared with the estimate's per layer, as reduce-scatters and
+all-gathers (`primitive_collectives`).
 
 A row says whether the numbers matched the reference ("ok"), whether the runtime's collectives
 are the estimate's ("same") or which (kind, bytes) x count only one side has, and whether the
@@ -68,9 +70,11 @@ def compare(cell, plan_dir: Path) -> Comparison:
     import autopar
     from autopar.estimate.core import costs_of_layout
     from autopar.estimate.data_parallel import dp_step_collectives
+    from autopar.estimate.pipeline_comm import pp_step_collectives
     from autopar.estimate.stages import layer_sequence
     from autopar.estimate.timing import tp_collectives
-    from autopar.estimate.tp_comm import primitive_collectives, tp_step_collectives
+    from autopar.estimate.tp_comm import (cp_step_collectives, primitive_collectives,
+                                          tp_step_collectives)
     from autopar.plan import load_plan
 
     corpus = rm._corpus()
@@ -86,9 +90,9 @@ def compare(cell, plan_dir: Path) -> Comparison:
     costs = costs_of_layout(autopar.trace(model, dtype=plan.training.dtype, **shape),
                             plan.config, plan.tp_placements)
     cfg = plan.config
-    if cfg.cp > 1 or cfg.ep > 1:
-        raise ValueError(f"{cell.model} {cell.plan}: the estimate lists no context- or "
-                         f"expert-parallel collectives to compare")
+    if cfg.ep > 1:
+        raise ValueError(f"{cell.model} {cell.plan}: the estimate lists no expert-parallel "
+                         f"collectives to compare")
     issued = Counter((kind, int(n)) for kind, n in cell.detail["collective_bytes"]
                      if kind != "broadcast" or cfg.zero_stage)  # DDP's bucket rebuild
     if not issued[("all_reduce", 4)]:
@@ -102,6 +106,8 @@ def compare(cell, plan_dir: Path) -> Comparison:
     options = plan.training.estimate_options
     charged = Counter((kind, round(n)) for kind, n in
                       tp_step_collectives(costs, cfg, options=options, **where)
+                      + cp_step_collectives(costs, cfg, options=options, **where)
+                      + pp_step_collectives(costs, cfg, options=options, **where)
                       + dp_step_collectives(costs, cfg, options, **where))
     units = {u.name: u for u in costs.units}
     blocks = {block: (primitive_collectives(entry["forward_collectives"]

@@ -59,6 +59,7 @@ _COLLECTIVES = {
     "_reduce_scatter_base_": ("reduce_scatter", "in"),
     "all_to_all_single": ("all_to_all", "in"), "alltoall_base_": ("all_to_all", "in"),
     "broadcast_": ("broadcast", "in"),
+    "send": ("send_recv", "in"),  # a ring's hop: counted once, by its sender
 }
 
 
@@ -91,7 +92,7 @@ class _CollectiveLog(TorchDispatchMode):
                 and op in _COLLECTIVES:
             kind, which = _COLLECTIVES[op]
             if namespace == "c10d":  # (output, input, ...) or (tensors, ...)
-                tensor = args[0] if which == "out" or op in ("allreduce_", "broadcast_") \
+                tensor = args[0] if which == "out" or op in ("allreduce_", "broadcast_", "send") \
                     else args[1]
             else:
                 tensor = out if which == "out" else args[0]

@@ -44,6 +44,7 @@ from autopar.estimate.layout import (Layout, Structure, analytic_inflight, fast_
 from autopar.estimate.memory import (activation_bytes, held_zero_stage, keeps_fp8_copies,
                                      keeps_weight_copies, stage_memory)
 from autopar.estimate.options import EstimateOptions
+from autopar.estimate.pipeline_comm import boundary_bytes, tied_gradient_sync
 from autopar.estimate.stages import body_span, layer_sequence, weight_balanced_boundaries
 from autopar.estimate.groups import RankGroups
 from autopar.estimate.timing import UnitTimes, unit_compute, unit_times
@@ -248,10 +249,14 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
 
     dp_exposed, dp_total, optimizer, tp_grad_sync = _data_parallel(cluster, cache, prep, config,
                                                                    m, dtype, options)
-    step = pipe_s + dp_exposed + optimizer + tp_grad_sync
+    tied = 0.0 if config.pp == 1 else prep.tied.get(config.zero_stage)
+    if tied is None:  # the sums of gradients of weights tied across stages, after the drain
+        tied = prep.tied[config.zero_stage] = tied_gradient_sync(
+            cache, cache.units[config.micro_batch_size], lay, config, prep.groups, options, dtype)
+    step = pipe_s + dp_exposed + optimizer + tp_grad_sync + tied
     breakdown = _breakdown(pipe_s, lay.attr_sums(busiest), m)
     breakdown["tp_comm"] += tp_grad_sync
-    breakdown.update(dp_comm=float(dp_exposed), optimizer=float(optimizer),
+    breakdown.update(pp_comm=float(tied), dp_comm=float(dp_exposed), optimizer=float(optimizer),
                      dp_comm_total=float(dp_total), pp_p2p_per_transfer=float(p2p))
     peak_dense = cluster.hardware.device.peak_flops.get(dtype, 0.0)
     model_flops = 3.0 * costs.flops_fwd * (global_batch_size / costs.traced_batch)
@@ -313,8 +318,8 @@ class _Prepared:
     groups, the p2p time and the data-parallel view of the pipeline rank with the most
     parameters. `pipeline` and `data_parallel` memoise the closed-form pipeline terms per
     (schedule, micro-batches) and the DP/optimizer terms per (ZeRO stage, micro-batches,
-    options), `timelines` the simulated schedule per (schedule, micro-batches),
-    so a search pays for each once."""
+    options), `timelines` the simulated schedule per (schedule, micro-batches), `tied` the
+    sums of tied weights' gradients per ZeRO stage, so a search pays for each once."""
 
     lay: Layout
     groups: RankGroups
@@ -326,6 +331,7 @@ class _Prepared:
     pipeline: dict = field(default_factory=dict)
     data_parallel: dict = field(default_factory=dict)
     timelines: dict = field(default_factory=dict)
+    tied: dict = field(default_factory=dict)
 
 
 def _degrees_key(config: ParallelConfig, dtype: str, options: EstimateOptions) -> tuple:
@@ -394,8 +400,7 @@ def _prepared(costs: ModelCosts, cache: EvalCache, config: ParallelConfig, dtype
                                            fp8=fp8_copies)
     lay = layout(cache.vectors[vkey], config, split)
     groups = _rank_groups(cache, config)
-    act = max(u.act_bytes for u in units) / config.cp / config.tp
-    p2p = (cache.collective_time("send_recv", act, groups.pp_hop)
+    p2p = (cache.collective_time("send_recv", boundary_bytes(units, config), groups.pp_hop)
            if groups.pp_hop is not None else 0.0)
     heavy = int(np.argmax(lay.rank_dense + lay.rank_expert))  # the first, as max() took
     units_here = gather_units(units, lay.rank_counts[heavy], config)

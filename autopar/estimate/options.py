@@ -82,6 +82,16 @@ class EstimateOptions:
     holds, whatever the stage. False: the whole rank's parameters gathered and gradients
     reduce-scattered once a step (Megatron's distributed optimizer), ZeRO-3 per unit and
     micro-batch. `autopar.estimate.data_parallel.dp_comm`, `memory.held_zero_stage`."""
+    cp_rotate: Literal["p2p", "ring", "all_gather"] = "p2p"
+    """How context-parallel attention moves K/V and their gradients between the cp ranks
+    (`autopar.estimate.timing.cp_collectives`): "p2p", each K/V chunk passed rank to rank
+    cp-1 times a forward and, with its dK/dV in the same buffer and dtype, a backward
+    (Transformer Engine's AttnFuncWithCPAndKVP2P, Megatron-Core); "ring", K/V passed cp-1
+    times a pass and fp32 dK/dV accumulators cp times, one step behind (autopar's runtime,
+    autopar.runtime.context_parallel); "all_gather", K/V all-gathered once a pass and the fp32
+    dK/dV rotated cp times (PyTorch's context_parallel with its default rotate method
+    "allgather" and convert_to_f32, as torchtitan runs it). Each transfer hides behind the
+    attention blocks that can run before it is needed."""
     pipeline_balance: Literal["layers", "gemm_weights"] = "layers"
     """How the engine cuts the layers into pipeline stages when no cut is given: "layers",
     equal numbers of blocks, the embedding with the first and the head with the last

@@ -25,7 +25,7 @@ class SoftwarePreset:
 
 SOFTWARE: dict[str, SoftwarePreset] = {
     "autopar": SoftwarePreset(
-        EstimateOptions(fp32_params=True, fsdp2=True),
+        EstimateOptions(fp32_params=True, fsdp2=True, cp_rotate="ring"),
         "autopar's generated code on PyTorch's engine: eager kernels, SDPA's flash attention, "
         "the cross-entropy on fp32-upcast logits, DDP/FSDP2 gradient reduction overlapped with "
         "backward, fp32 gradient reduction, ZeRO as FSDP2 (without a pipeline, parameters "
@@ -35,7 +35,8 @@ SOFTWARE: dict[str, SoftwarePreset] = {
         "checkpointing that stops recomputing "
         "early; fp32 parameters under bf16 autocast, whose cast weights each forward keeps "
         "without ZeRO (FSDP2 gathers bf16 parameters); an fp8 plan's Linear GEMMs in fp8 "
-        "with torchao's dynamic tensorwise scaling, eager casts (autopar.runtime.fp8)"),
+        "with torchao's dynamic tensorwise scaling, eager casts (autopar.runtime.fp8); "
+        "context parallel as a K/V ring with fp32 dK/dV accumulators one hop behind"),
     "megatron": SoftwarePreset(
         EstimateOptions(attention_kernel="cudnn", overlap_dp_comm=True, overlap_tp_comm=True,
                         kernels="fused", loss_kernel="megatron", grad_reduce_dtype="bf16",
@@ -44,25 +45,28 @@ SOFTWARE: dict[str, SoftwarePreset] = {
         "it: TE's cuDNN fused attention and fused norm/activation kernels, --overlap-grad-"
         "reduce, --overlap-param-gather and --tp-comm-overlap, gradients reduced in bf16, its "
         "unfused vocab-parallel cross-entropy on fp32 logits (--cross-entropy-loss-fusion is "
-        "opt-in), checkpointing that re-runs whole layers, and fp8 by TE's delayed scaling "
-        "(--fp8-recipe's default)"),
+        "opt-in), checkpointing that re-runs whole layers, fp8 by TE's delayed scaling "
+        "(--fp8-recipe's default), and context parallel by TE's p2p ring (K/V, then dK/dV "
+        "with them in the same dtype)"),
     "torchtitan": SoftwarePreset(
         EstimateOptions(attention_kernel="flash", overlap_dp_comm=True, kernels="eager",
                         loss_kernel="eager", recompute_early_stop=True,
                         fp8_recipe="tensorwise", fp32_params=True,
-                        fsdp2=True),
+                        fsdp2=True, cp_rotate="all_gather"),
         "torchtitan without torch.compile: FSDP2 (prefetched all-gathers, reduce-scatters "
         "under backward, without a pipeline parameters gathered again every micro-batch, under "
         "one kept gathered and unreduced through the step), "
         "SDPA flash attention, "
         "eager kernels, the cross-entropy on fp32-"
         "upcast logits, non-reentrant checkpointing, bf16 autocast over fp32 parameters "
-        "where FSDP does not cast them (DDP alone), and fp8 by torchao's Float8Linear with "
-        "dynamic tensorwise scaling (its default recipe)"),
+        "where FSDP does not cast them (DDP alone), fp8 by torchao's Float8Linear with "
+        "dynamic tensorwise scaling (its default recipe), and context parallel by PyTorch's "
+        "context_parallel with its default rotate method (K/V all-gathered once a pass, fp32 "
+        "dK/dV rotated)"),
     "torchtitan-compile": SoftwarePreset(
         EstimateOptions(attention_kernel="flash", overlap_dp_comm=True, kernels="fused",
                         loss_kernel="fused", recompute_early_stop=True,
-                        fp8_recipe="tensorwise", fsdp2=True),
+                        fp8_recipe="tensorwise", fsdp2=True, cp_rotate="all_gather"),
         "torchtitan with --compile.enable: as 'torchtitan', with inductor fusing the memory-"
         "bound ops (norms, activations, residual adds, fp8 casts) and the loss"),
     "deepspeed": SoftwarePreset(

@@ -12,8 +12,8 @@ decides its cost:
   all-gather the other way), a vocabulary-parallel loss's per-token reductions
   (`tp_collectives`); exposed, or hidden behind the unit's GEMMs up to their duration when
   the software overlaps it.
-- CP: ring attention passes K/V (forward) and their gradients (backward) cp-1 times,
-  overlapped with the attention computation; only the excess is exposed.
+- CP: the K/V transfers of the engine's ring or all-gather (`cp_collectives`), each hidden
+  behind the attention blocks that can run while it is in flight; only the excess is exposed.
 - EP: all-to-all dispatch and combine of the routed tokens, forward and backward.
 Recompute: "full" re-runs the unit's forward (compute and TP communication) in backward (one
 layer in `recompute_every`: per layer, that share of it); "per_op" re-runs the ops whose
@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     from autopar.estimate.core import EstimateOptions
 
 __all__ = ["BACKWARD_MEMORY_RATIO", "UnitCompute", "UnitTimes", "cp_attention_blocks",
-           "op_times", "selective_checkpoint_time_s", "tp_collectives", "unit_compute",
-           "unit_times"]
+           "cp_collectives", "op_times", "selective_checkpoint_time_s", "tp_collectives",
+           "unit_compute", "unit_times"]
 
 # A memory-bound op's backward reads the output gradient and the saved input and writes the
 # input gradient: about twice the forward's traffic (read input, write output).
@@ -268,11 +268,63 @@ def unit_compute(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfi
                        per_op_fwd=rerun[0], per_op_tail_fwd=rerun[1])
 
 
+def cp_collectives(unit: Unit, cfg: ParallelConfig, options: EstimateOptions, dtype: str
+                   ) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """(forward, backward) transfers, as (kind, bytes a rank sends), of one layer of `unit`'s
+    attention on a cp rank for one micro-batch, in the way ``options.cp_rotate`` says. A rank
+    holds 1/(cp*tp) of the K/V (its tokens, its heads); the fp32 dK/dV accumulators of "ring"
+    and "all_gather" are that share in 4-byte elements."""
+    if cfg.cp == 1 or not unit.attention_kv_bytes:
+        return [], []
+    cp = cfg.cp
+    kv = unit.attention_kv_bytes / (cp * cfg.tp)
+    dkv = kv * 4 / (4 if dtype == "fp32" else 2)  # attention runs in bf16 under fp8
+    if options.cp_rotate == "p2p":
+        return [("send_recv", kv)] * (cp - 1), [("send_recv", kv)] * (2 * (cp - 1))
+    if options.cp_rotate == "ring":
+        hops = [("send_recv", kv)] * (cp - 1)
+        return hops, hops + [("send_recv", dkv)] * cp
+    gather = [("all_gather", kv * cp)]
+    return gather, gather + [("all_to_all", dkv)] * cp
+
+
+def _cp_times(unit: Unit, cluster: Cluster, cfg: ParallelConfig, groups: RankGroups | None,
+              options: EstimateOptions, dtype: str, attn_fwd: float, attn_bwd: float
+              ) -> tuple[float, float]:
+    """Exposed (forward, backward) seconds of `cp_collectives`. A transfer hides behind the
+    attention blocks that run while it is in flight: the K/V hops behind the whole pass's
+    blocks, an all-gather behind the first step's (1/cp of them), each dK/dV hop but the last
+    behind the next step's; the last dK/dV hop waits for all of them."""
+    if cfg.cp == 1 or not unit.attention_kv_bytes or groups is None:
+        return 0.0, 0.0
+    cp, ring = cfg.cp, groups.cp
+
+    def hop(nbytes: float) -> float:
+        # a ring is as slow as its slowest link: the wrap-around pair crosses nodes whenever
+        # the group spans nodes (a dK/dV rotation by all-to-all sends to one peer, as a hop)
+        return max(cluster.collective_time("send_recv", nbytes, ring[:2]),
+                   cluster.collective_time("send_recv", nbytes, (ring[-1], ring[0])))
+
+    fwd, bwd = cp_collectives(unit, cfg, options, dtype)
+    kv = fwd[0][1] if options.cp_rotate != "all_gather" else fwd[0][1] / cp
+    if options.cp_rotate == "p2p":
+        ring_time = (cp - 1) * hop(kv)
+        return max(0.0, ring_time - attn_fwd), max(0.0, 2 * ring_time - attn_bwd)
+    last = hop(bwd[-1][1])
+    if options.cp_rotate == "ring":
+        return (max(0.0, (cp - 1) * hop(kv) - attn_fwd),
+                max(0.0, (cp - 1) * (hop(kv) + last) - attn_bwd) + last)
+    gather = cluster.collective_time("all_gather", kv * cp, ring)
+    return (max(0.0, gather - attn_fwd / cp),
+            max(0.0, gather - attn_bwd / cp)
+            + max(0.0, (cp - 1) * (last - attn_bwd / cp)) + last)
+
+
 def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
                groups: RankGroups | None, options: EstimateOptions,
                compute: UnitCompute | None = None) -> UnitTimes:
     """Per micro-batch seconds of one layer of `unit` in the software ``options`` says. Full
-    recompute re-runs a block's forward and its TP communication (not the glue's); with
+    recompute re-runs a block's forward and its TP and CP communication (not the glue's); with
     ``options.recompute_early_stop`` (torch's non-reentrant checkpoint) it stops before the
     unit's tail (`OpCost.tail`: a block's last GEMM and what follows) and that GEMM's
     row-parallel reduction. ``compute``: the unit's `unit_compute` for this config if the
@@ -287,16 +339,7 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
     if options.overlap_tp_comm:
         tp_fwd, tp_bwd = max(0.0, tp_fwd - c.gemm_fwd), max(0.0, tp_bwd - c.gemm_bwd)
 
-    cp_fwd = cp_bwd = 0.0
-    if cfg.cp > 1 and unit.attention_kv_bytes and groups is not None:
-        chunk = unit.attention_kv_bytes / (cfg.cp * cfg.tp)
-        # a ring is as slow as its slowest link: the wrap-around pair crosses nodes whenever
-        # the group spans nodes
-        hop = max(cluster.collective_time("send_recv", chunk, groups.cp[:2]),
-                  cluster.collective_time("send_recv", chunk, (groups.cp[-1], groups.cp[0])))
-        ring = (cfg.cp - 1) * hop
-        cp_fwd = max(0.0, ring - attn_fwd)
-        cp_bwd = max(0.0, 2 * ring - attn_bwd)
+    cp_fwd, cp_bwd = _cp_times(unit, cluster, cfg, groups, options, dtype, attn_fwd, attn_bwd)
 
     ep = 0.0
     if cfg.ep > 1 and unit.moe_dispatch_bytes and groups is not None:
@@ -316,9 +359,9 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
     elif cfg.recompute == "full" and options.recompute_early_stop:
         points = unit.tp_reductions[0]
         kept = (points - min(c.tail_gemms, points)) / points if points else 1.0
-        recompute = fwd - c.tail_fwd - unit.tail_kernels * gap + tp_fwd * kept
+        recompute = fwd - c.tail_fwd - unit.tail_kernels * gap + tp_fwd * kept + cp_fwd
     elif cfg.recompute == "full":
-        recompute = fwd + tp_fwd
+        recompute = fwd + tp_fwd + cp_fwd
     elif cfg.recompute == "per_op":
         points = unit.tp_reductions[0]
         if cfg.sequence_parallel:  # the reduce-scatters' outputs are kept, the gathers re-run

@@ -2,8 +2,8 @@
 make gradients whole -- the all-reduces of the partial gradients a layout leaves on
 replicated parameters (sequence parallelism on the stream's, an MoE sub-layer reduced once on
 its router's) and, under FSDP2, the gathers of fused biases' chunks -- and every tensor-parallel
-collective of a step as a list -- what a runtime's recorded collectives are checked
-against."""
+collective of a step as a list, and every context-parallel transfer -- what a runtime's
+recorded collectives are checked against."""
 
 from __future__ import annotations
 
@@ -15,14 +15,15 @@ from autopar.estimate.groups import RankGroups
 from autopar.estimate.layout import Layout, structure
 from autopar.estimate.options import EstimateOptions
 from autopar.estimate.stages import Boundaries
-from autopar.estimate.timing import tp_collectives
+from autopar.estimate.timing import cp_collectives, tp_collectives
 from autopar.estimate.units import Unit
 
 if TYPE_CHECKING:
     from autopar.estimate.core import ModelCosts
 
-__all__ = ["gradient_collectives", "partial_gradient_bytes", "partial_gradient_sync",
-           "partial_gradients", "primitive_collectives", "tp_step_collectives"]
+__all__ = ["cp_step_collectives", "gradient_collectives", "partial_gradient_bytes",
+           "partial_gradient_sync", "partial_gradients", "primitive_collectives", "step_layers",
+           "tp_step_collectives"]
 
 
 def partial_gradients(unit: Unit, sequence_parallel: bool) -> tuple[int, ...]:
@@ -83,6 +84,19 @@ def partial_gradient_sync(cache, units: Sequence[Unit], lay: Layout, config: Par
                for counts in lay.rank_counts)
 
 
+def step_layers(costs: "ModelCosts", config: ParallelConfig, global_batch_size: int,
+                 boundaries: Boundaries | None) -> tuple[int, list[Unit], list[list[int]]]:
+    """(micro-batches a step, the units at the micro-batch, each pipeline rank's layers of
+    each unit with the stages cut at `boundaries` or evenly by layers)."""
+    m, rest = divmod(global_batch_size, config.dp * config.micro_batch_size)
+    if rest or not m:
+        raise ValueError(f"global batch {global_batch_size} is not a multiple of dp x "
+                         f"micro-batch = {config.dp * config.micro_batch_size}")
+    units = list(costs.units_for(config.micro_batch_size))
+    counts = structure(units, config.pp, config.virtual_stages, boundaries).rank_counts
+    return m, units, [[int(n) for n in rank] for rank in counts]
+
+
 def tp_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_batch_size: int,
                         options: EstimateOptions = EstimateOptions(), dtype: str = "bf16",
                         pipeline_rank: int = 0, boundaries: Boundaries | None = None
@@ -94,18 +108,32 @@ def tp_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_b
     checked against."""
     if config.tp == 1:
         return []
-    m, rest = divmod(global_batch_size, config.dp * config.micro_batch_size)
-    if rest or not m:
-        raise ValueError(f"global batch {global_batch_size} is not a multiple of dp x "
-                         f"micro-batch = {config.dp * config.micro_batch_size}")
+    m, units, counts = step_layers(costs, config, global_batch_size, boundaries)
+    layers = counts[pipeline_rank]
     out: list[tuple[str, float]] = []
-    units = costs.units_for(config.micro_batch_size)
-    counts = structure(units, config.pp, config.virtual_stages, boundaries).rank_counts
-    layers = [int(n) for n in counts[pipeline_rank]]
     for unit, n in zip(units, layers):
         fwd, bwd = tp_collectives(unit, config)
         out += (fwd + bwd) * (n * m)
     return out + gradient_collectives(units, layers, config, options, m, dtype)
+
+
+def cp_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_batch_size: int,
+                        options: EstimateOptions = EstimateOptions(), dtype: str = "bf16",
+                        pipeline_rank: int = 0, boundaries: Boundaries | None = None
+                        ) -> list[tuple[str, float]]:
+    """Every context-parallel transfer the estimate charges a rank for one step of pipeline
+    rank `pipeline_rank`'s layers, as ``(kind, nbytes)``: each layer's `cp_collectives`
+    forward and backward per micro-batch, the forward's again where full recompute re-runs
+    it."""
+    if config.cp == 1:
+        return []
+    m, units, counts = step_layers(costs, config, global_batch_size, boundaries)
+    out: list[tuple[str, float]] = []
+    for unit, n in zip(units, counts[pipeline_rank]):
+        fwd, bwd = cp_collectives(unit, config, options, dtype)
+        again = fwd if config.recompute == "full" and unit.is_block else []
+        out += (fwd + again + bwd) * (n * m)
+    return out
 
 
 def primitive_collectives(collectives) -> list[tuple[str, int]]:

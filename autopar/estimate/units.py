@@ -171,6 +171,10 @@ class Unit:
     # each GEMM that makes keys or values only (`OpCost.kv_heads`): whole on every tp rank
     # where tp does not divide its heads (`timing.tp_collectives` says what its gradient moves)
     kv_projections: tuple[KvGemm, ...] = ()
+    # (the unit that owns it, elements) of each parameter the unit reads that an earlier unit
+    # owns (an LM head tied to the token embedding): on another pipeline stage than its
+    # owner, each stage's gradient of it is summed with the other's once a step
+    tied_params: tuple[tuple[str, int], ...] = ()
 
     @property
     def count(self) -> int:
@@ -334,13 +338,15 @@ def _fixed_bytes(node: Node, derived: dict[str, bool]) -> int:
 
 
 def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: set[int],
-               counted: set[str], derived: dict[str, bool]) -> Unit:
-    """`counted` holds the parameters earlier units already own (tied weights count once);
-    `derived` says which nodes derive from the model's inputs (`Graph.from_inputs`)."""
+               counted: dict[str, str], derived: dict[str, bool]) -> Unit:
+    """`counted` maps the parameters earlier units already own to their unit (tied weights
+    count once); `derived` says which nodes derive from the model's inputs
+    (`Graph.from_inputs`)."""
     ops: list[OpCost] = []
     dense = expert = 0
     in_moe = False
     seen_params: dict[str, int] = {}
+    tied: dict[str, tuple[str, int]] = {}
     saved_memory = kernels = dispatch = kv = scores = tail_kernels = fp8_delta = 0
     act = 0
     tail = recompute_tail(nodes)
@@ -361,9 +367,12 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         elif node.kind is OpKind.MOE_COMBINE:
             in_moe = False
         for p in node.params:
+            if p.fqn in counted and p.fqn not in seen_params and counted[p.fqn] != name \
+                    and p.requires_grad:
+                tied[p.fqn] = (counted[p.fqn], p.numel)
             if p.fqn not in seen_params and p.fqn not in counted:
                 seen_params[p.fqn] = p.num_bytes
-                counted.add(p.fqn)
+                counted[p.fqn] = name
                 if in_moe:
                     expert += p.numel
                 else:
@@ -477,7 +486,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         stream_params=tuple(shared[0].values()), sublayers=subs,
         router_params=tuple(shared[1].values()), head_params=tuple(shared[2].values()),
         tp_shared_params=sum({k: v for d in shared for k, v in d.items()}.values()),
-        kv_projections=tuple(kv_made))
+        kv_projections=tuple(kv_made), tied_params=tuple(tied.values()))
 
 
 def _params_of(nodes: list[Node], users: set[str], owned: dict[str, int]) -> dict[str, int]:
@@ -576,7 +585,7 @@ def _activation_input(node: Node) -> tuple[str, Any]:
 def units_from_graph(graph: Graph) -> tuple[Unit, ...]:
     """The graph's units in execution order (blocks stand for all their copies)."""
     vocab_dims = vocab_sizes(graph)
-    counted: set[str] = set()
+    counted: dict[str, str] = {}
     index = {b.representative: b.layer_indices for b in graph.blocks}
     units, last = [], -1.0  # glue sits after the blocks run before it
     for name, nodes, fqns in _segments(graph):

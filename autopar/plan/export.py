@@ -385,6 +385,8 @@ def _torchtitan(plan: Plan) -> tuple[str, list[str], list[str]]:
         "pipeline_parallel_degree": cfg.pp,
         "context_parallel_degree": cfg.cp, "expert_parallel_degree": cfg.ep,
     }
+    if cfg.cp > 1:  # K/V gathered once a pass, as the torchtitan preset costs
+        parallelism["context_parallel_rotate_method"] = "allgather"
     if cfg.ep > 1 or cfg.folded:  # 1 (folded) or tp
         parallelism["expert_tensor_parallel_degree"] = cfg.expert_tp
     comments: dict[str, list[str]] = {}
@@ -467,10 +469,11 @@ def _torchtitan_notes(cfg: Any, shape: _Shape, opts: dict[str, Any]) -> list[str
                      f"for two or more stages per rank, ZBVZeroBubble for exactly two), so "
                      f"torchtitan may refuse {cfg.pp} parts on {cfg.pp} ranks: split each "
                      f"rank's layers in two ({2 * cfg.pp} parts) for ZBVZeroBubble, or use 1F1B")
-    if cfg.cp > 1:
-        notes.append("context parallel: torchtitan exchanges K/V shards by all-gather or "
-                     "all-to-all (context_parallel_rotate_method); the plan costed a ring that "
-                     "passes K/V to the next rank")
+    rotate = opts.get("cp_rotate", "p2p")
+    if cfg.cp > 1 and rotate != "all_gather":
+        notes.append(f"context parallel: torchtitan all-gathers the K/V shards "
+                     f"(context_parallel_rotate_method = \"allgather\"); the plan costed "
+                     f"cp_rotate={rotate!r}, K/V passed rank to rank")
     within = cfg.cp * (cfg.tp if cfg.folded else 1)  # folded: tp's ranks too
     shard_ranks = (cfg.dp if cfg.zero_stage == 3 else 1) * within
     if cfg.ep > 1 and (cfg.ep % within or shard_ranks % cfg.ep):

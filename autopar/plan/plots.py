@@ -43,6 +43,7 @@ _MEMORY_COLORS = {"states": "#4C72B0", "activations": "#DD8452", "zero3_buffers"
                   "allocator_reserve": "#937860"}
 _TERM_COLORS = {"compute": "#4C72B0", "recompute": "#64B5CD", "tp_comm": "#DD8452",
                 "cp_comm": "#DA8BC3", "ep_comm": "#CCB974", "bubble": "#8C8C8C",
+                "pp_comm": "#55A868",
                 "dp_comm": "#8172B3", "optimizer": "#937860"}
 _MAX_LABELLED_OPS = 48  # per rank; more and the micro-batch numbers become unreadable
 

@@ -33,14 +33,15 @@ __all__ = ["BREAKDOWN_TERMS", "compress_modules", "next_candidates", "overlap_ru
 
 # Exposed seconds per step on the busiest pipeline rank; they sum to the step time.
 BREAKDOWN_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "bubble",
-                   "dp_comm", "optimizer")
+                   "pp_comm", "dp_comm", "optimizer")
 _TERM_MEANING = {
     "compute": "forward and backward kernels of the busiest pipeline rank",
     "recompute": "activation recomputation in the backward",
     "tp_comm": "tensor/sequence-parallel collectives not hidden by GEMMs",
-    "cp_comm": "context-parallel ring traffic not hidden by attention",
+    "cp_comm": "context-parallel K/V traffic not hidden by attention",
     "ep_comm": "expert-parallel all-to-all (never overlapped)",
     "bubble": "idle time of that rank in the pipeline schedule (incl. p2p waits)",
+    "pp_comm": "gradient sums of weights tied across pipeline stages, after the drain",
     "dp_comm": "data-parallel gradient/parameter traffic left exposed",
     "optimizer": "optimizer step on the local shard of the master weights",
 }

@@ -15,8 +15,9 @@ Ring attention (:func:`ring_attention`) is a ``torch.autograd.Function``:
   merge with an online softmax through their log-sum-exp.  K/V rotate one step around the ring
   (batched ``isend``/``irecv`` on the group) while the current block computes.
 * backward: recomputes each block's probabilities from the saved log-sum-exp, adds dQ locally,
-  and adds dK/dV into accumulators that travel around the ring with their K/V; after ``cp``
-  hops every accumulator is back at its owner.
+  and adds dK/dV into fp32 accumulators that travel around the ring one step behind their K/V
+  (each hop under the next step's blocks, as PyTorch's ring does); after ``cp`` hops every
+  accumulator is back at its owner.
 
 Grouped-query attention keeps K/V at their own head count (the ring sends ``n_kv_heads``
 heads): queries are viewed as ``[batch, kv_heads, group, seq, head_dim]``.
@@ -255,11 +256,14 @@ class _RingAttention(torch.autograd.Function):
         delta = (do * out.reshape(b, hk, h // hk, n, d).float()).sum(-1)
         dq = torch.zeros_like(qg)
         kv = torch.stack([k, v])
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        # the accumulator of the K/V this rank holds arrives from the previous rank while the
+        # rank computes its own share; it leaves for the next rank with that share added
+        arriving: tuple[torch.Tensor, list[Any]] | None = None
         for i in range(ring.size):
             src = (ring.rank - i) % ring.size
             nxt, reqs = ring.start_shift(kv) if i < ring.size - 1 else (None, [])
             kf, vf = kv[0].float(), kv[1].float()
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
             for qs, ks, mask in ring.blocks(src):
                 dq_b, dk_b, dv_b = _block_backward(qg[..., qs, :], kf[..., ks, :], vf[..., ks, :],
                                                    scale, mask, do[..., qs, :], lse[..., qs],
@@ -267,10 +271,16 @@ class _RingAttention(torch.autograd.Function):
                 dq[..., qs, :] += dq_b
                 dkv[0, ..., ks, :] += dk_b
                 dkv[1, ..., ks, :] += dv_b
+            if arriving is not None:
+                _wait(arriving[1])
+                dkv += arriving[0]
+            if ring.size > 1:  # after `size` hops every accumulator is home
+                arriving = ring.start_shift(dkv)
             _wait(reqs)
             kv = nxt if nxt is not None else kv
-            if ring.size > 1:  # the accumulator follows its K/V; after `size` hops it is home
-                dkv = ring.shift(dkv)
+        if arriving is not None:
+            _wait(arriving[1])
+            dkv = arriving[0]
         return (dq.reshape(b, h, n, d).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
                 None, None)
 
