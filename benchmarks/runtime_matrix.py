@@ -1,9 +1,10 @@
 """Does every plan run on every model?  Models written independently of autopar (the corpus in
 ``tests/corpus.py``: hand-written and library norms, rotary and learned positions, fused and
 separate q/k/v, tied and untied heads, MoE layers written as a loop and as batched experts, a
-ViT, and 20 Hugging Face architectures built from small configs: Llama, Mistral, Qwen2/3,
+ViT, and 36 Hugging Face architectures built from small configs: Llama, Mistral, Qwen2/3,
 Mixtral, GPT-2, Phi-2/3, GPT-NeoX, Gemma 2/3, OLMo 2, StarCoder, OPT, Falcon, BLOOM, BERT,
-Qwen3-MoE, OLMoE, DeepSeek-V3) times
+Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-J, StableLM, Cohere, Granite, StarCoder2, Persimmon, MPT,
+CodeGen, Nemotron, GLM, EXAONE 4, SmolLM3, GraniteMoE, Qwen2-MoE, PhiMoE, DBRX) times
 plans pinned at compile time (dp, ZeRO-1/2/3, tp, tp+sp, pp with each schedule, cp, ep, and
 their 3-D/4-D combinations on 2-8 CPU ranks with gloo). autopar's own models run too, by their
 names in ``tests/distributed/tiny_models.py`` (``--models tiny_llama,tiny_gpt``).
@@ -117,7 +118,7 @@ PLANS: dict[str, tuple[int, dict]] = {
 EXPERT_PLANS = ("ep", "ep_zero3", "ep_zero3_per_op", "ep_pp", "ep_tp", "ep_tp_zero1",
                 "ep_cp_outer")
 MOE_MODELS = ("moe_loop", "moe_batched", "hf_mixtral", "hf_qwen3_moe", "hf_deepseek_v3", "hf_olmoe",
-              "tiny_mixtral")
+              "tiny_mixtral", "hf_granitemoe", "hf_qwen2_moe", "hf_phimoe", "hf_dbrx")
 
 
 @dataclass

@@ -36,7 +36,10 @@ TOKEN_MODELS = ["plain_llama", "plain_mqa", "nano_gpt", "litgpt_style", "moe_loo
                 "hf_llama", "hf_mistral", "hf_qwen2", "hf_mixtral", "hf_gpt2", "hf_qwen3",
                 "hf_phi3", "hf_gpt_neox", "hf_gemma2", "hf_gemma3", "hf_olmo2",
                 "hf_gpt_bigcode", "hf_gemma", "hf_opt", "hf_falcon", "hf_bloom", "hf_phi", "hf_bert",
-                "hf_qwen3_moe", "hf_olmoe", "hf_deepseek_v3"]
+                "hf_qwen3_moe", "hf_olmoe", "hf_deepseek_v3",
+                "hf_gptj", "hf_stablelm", "hf_cohere", "hf_granite", "hf_starcoder2",
+                "hf_persimmon", "hf_mpt", "hf_codegen", "hf_nemotron", "hf_glm", "hf_exaone4",
+                "hf_smollm3", "hf_granitemoe", "hf_qwen2_moe", "hf_phimoe", "hf_dbrx"]
 BIDIRECTIONAL = ("hf_bert",)  # token models whose attention is not causal
 IMAGE_MODELS = ["vit_encoder"]
 
@@ -924,3 +927,132 @@ def hf_deepseek_v3():
                qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8,
                max_position_embeddings=MAX_SEQ, use_cache=False, bos_token_id=0,
                eos_token_id=0, pad_token_id=0)
+
+
+# ---- probe: architectures not yet in the corpus ----------------------------------------------
+def hf_gptj():
+    """``transformers.GPTJForCausalLM``: parallel attention and MLP off one LayerNorm,
+    interleaved (every-other-dim) rotary on 8 of each head's 16 dims, untied head with a bias."""
+    return _hf("GPTJConfig", "GPTJForCausalLM", 127, vocab_size=VOCAB, n_embd=64, n_layer=4,
+               n_head=4, rotary_dim=8, n_inner=128, n_positions=MAX_SEQ, resid_pdrop=0.0,
+               embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
+               pad_token_id=0)
+
+
+def hf_stablelm():
+    """``transformers.StableLmForCausalLM``: LayerNorm, partial rotary (25%), q/k/v biases,
+    GQA 4/2, sequential residual."""
+    return _hf("StableLmConfig", "StableLmForCausalLM", 128, **_HF_DECODER, use_qkv_bias=True,
+               hidden_dropout=0.0)
+
+
+def hf_cohere():
+    """``transformers.CohereForCausalLM``: parallel attention and MLP off one bias-free
+    LayerNorm, interleaved rotary, logits scaled by ``logit_scale``, tied head."""
+    return _hf("CohereConfig", "CohereForCausalLM", 129, **_HF_DECODER, logit_scale=0.5)
+
+
+def hf_granite():
+    """``transformers.GraniteForCausalLM``: Llama with scalar multipliers on the embeddings,
+    the residual branches, the attention scores and the logits."""
+    return _hf("GraniteConfig", "GraniteForCausalLM", 130, **_HF_DECODER,
+               embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.25,
+               logits_scaling=2.0)
+
+
+def hf_starcoder2():
+    """``transformers.Starcoder2ForCausalLM``: LayerNorm, biases everywhere, GELU MLP
+    (c_fc / c_proj, no gate), GQA 4/2, tied head."""
+    return _hf("Starcoder2Config", "Starcoder2ForCausalLM", 131, **_HF_DECODER,
+               residual_dropout=0.0, embedding_dropout=0.0, use_bias=True)
+
+
+def hf_persimmon():
+    """``transformers.PersimmonForCausalLM``: fused ``query_key_value`` head by head, LayerNorm
+    over each head of q and k, partial rotary, squared-ReLU MLP, no GQA."""
+    return _hf("PersimmonConfig", "PersimmonForCausalLM", 132, vocab_size=VOCAB,
+               hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, max_position_embeddings=MAX_SEQ, qk_layernorm=True,
+               hidden_dropout=0.0, attention_dropout=0.0, use_cache=False, bos_token_id=0,
+               eos_token_id=0, pad_token_id=0)
+
+
+def hf_mpt():
+    """``transformers.MptForCausalLM``: fused ``Wqkv``, ALiBi biases on eager scores, no
+    biases, bias-free LayerNorm, tied head."""
+    return _hf("MptConfig", "MptForCausalLM", 133, vocab_size=VOCAB, d_model=64, n_heads=4,
+               n_layers=4, expansion_ratio=2, max_seq_len=MAX_SEQ, resid_pdrop=0.0,
+               emb_pdrop=0.0, attn_config={"attn_pdrop": 0, "alibi": True},
+               use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+               attn_implementation="eager")
+
+
+def hf_codegen():
+    """``transformers.CodeGenForCausalLM``: one fused ``qkv_proj`` laid out in 4 model-parallel
+    blocks (q, v, k within each), parallel attention and MLP, interleaved partial rotary."""
+    return _hf("CodeGenConfig", "CodeGenForCausalLM", 134, vocab_size=VOCAB, n_embd=64,
+               n_layer=4, n_head=4, rotary_dim=8, n_inner=128, n_positions=MAX_SEQ,
+               n_ctx=MAX_SEQ, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+               use_cache=False, bos_token_id=0, eos_token_id=0)
+
+
+def hf_nemotron():
+    """``transformers.NemotronForCausalLM``: LayerNorm1P (weight + 1), squared-ReLU MLP
+    without gate, partial rotary (50%), GQA 4/2."""
+    return _hf("NemotronConfig", "NemotronForCausalLM", 135, **_HF_DECODER, head_dim=16)
+
+
+def hf_glm():
+    """``transformers.GlmForCausalLM``: fused ``gate_up_proj``, interleaved rotary on half of
+    each head, q/k/v biases, GQA 4/2."""
+    return _hf("GlmConfig", "GlmForCausalLM", 136, **_HF_DECODER, head_dim=16)
+
+
+def hf_exaone4():
+    """``transformers.Exaone4ForCausalLM``: norms after each sub-layer, RMSNorm on each head of
+    q and k, sliding-window (16) layers then a global layer without RoPE."""
+    return _hf("Exaone4Config", "Exaone4ForCausalLM", 137, **_HF_DECODER, sliding_window=16,
+               sliding_window_pattern=4)
+
+
+def hf_smollm3():
+    """``transformers.SmolLM3ForCausalLM``: every 4th layer without RoPE (NoPE), GQA 4/2,
+    tied head."""
+    return _hf("SmolLM3Config", "SmolLM3ForCausalLM", 138, **_HF_DECODER,
+               no_rope_layer_interval=4)
+
+
+def hf_granitemoe():
+    """``transformers.GraniteMoeForCausalLM``: 4 fused experts top-2 (``gate_up_proj`` /
+    ``down_proj``), Granite's scalar multipliers."""
+    return _hf("GraniteMoeConfig", "GraniteMoeForCausalLM", 139, **_HF_DECODER,
+               num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=2.0,
+               residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=2.0)
+
+
+def hf_qwen2_moe():
+    """``transformers.Qwen2MoeForCausalLM``: 4 fused experts top-2 plus a shared expert behind
+    a sigmoid gate, q/k/v biases."""
+    return _hf("Qwen2MoeConfig", "Qwen2MoeForCausalLM", 140, **_HF_DECODER, num_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=64,
+               shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def hf_phimoe():
+    """``transformers.PhimoeForCausalLM``: 4 fused experts, top-2 by sparsemixer routing (a
+    custom ``autograd.Function``; jitter 0 masks all but the top gate, so its Gumbel sampling
+    is deterministic), LayerNorm with biases."""
+    return _hf("PhimoeConfig", "PhimoeForCausalLM", 141, **_HF_DECODER, num_local_experts=4,
+               num_experts_per_tok=2, router_jitter_noise=0.0, input_jitter_noise=0.0)
+
+
+def hf_dbrx():
+    """``transformers.DbrxForCausalLM``: fused ``Wqkv`` (GQA 4/2), q/k/v clipped to +-8,
+    4 experts top-2 stored as flat [E * ffn, hidden] w1 / v1 / w2, LayerNorm without bias."""
+    return _hf("DbrxConfig", "DbrxForCausalLM", 142, vocab_size=VOCAB, d_model=64, n_heads=4,
+               n_layers=4, max_seq_len=MAX_SEQ, resid_pdrop=0.0, emb_pdrop=0.0,
+               attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "attn_pdrop": 0.0,
+                            "rope_theta": 10000.0},
+               ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2,
+                           "moe_jitter_eps": None},
+               use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)

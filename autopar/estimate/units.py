@@ -31,8 +31,9 @@ from autopar.estimate.kv import KvGemm, kv_whole
 from autopar.estimate.sublayer import SubLayer, sublayer_of
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
 from autopar.ir.residual import (after_row_ops, consumers, fused_chunks, kv_projections,
-                                 made_of_params, residual_structure, router_gemms,
-                                 split_statistics, sublayers, tp_split_ops, vocab_sizes)
+                                 made_of_params, moe_dispatch, reduction_points,
+                                 residual_structure, router_gemms, split_statistics, sublayers,
+                                 tp_split_ops, vocab_sizes)
 
 LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
 LOSS_REDUCTION_BYTES = 4  # fp32 per row each
@@ -171,9 +172,8 @@ class Unit:
     # each GEMM that makes keys or values only (`OpCost.kv_heads`): whole on every tp rank
     # where tp does not divide its heads (`timing.tp_collectives` says what its gradient moves)
     kv_projections: tuple[KvGemm, ...] = ()
-    # (the unit that owns it, elements) of each parameter the unit reads that an earlier unit
-    # owns (an LM head tied to the token embedding): on another pipeline stage than its
-    # owner, each stage's gradient of it is summed with the other's once a step
+    # (owner unit, elements) of each parameter it reads that an earlier unit owns (a head tied
+    # to the embedding): on two pipeline stages, their gradients are summed once a step
     tied_params: tuple[tuple[str, int], ...] = ()
 
     @property
@@ -339,9 +339,8 @@ def _fixed_bytes(node: Node, derived: dict[str, bool]) -> int:
 
 def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: set[int],
                counted: dict[str, str], derived: dict[str, bool]) -> Unit:
-    """`counted` maps the parameters earlier units already own to their unit (tied weights
-    count once); `derived` says which nodes derive from the model's inputs
-    (`Graph.from_inputs`)."""
+    """`counted` maps the parameters earlier units own to their unit (tied weights count
+    once); `derived` says which nodes derive from the model's inputs (`Graph.from_inputs`)."""
     ops: list[OpCost] = []
     dense = expert = 0
     in_moe = False
@@ -509,11 +508,15 @@ def _head_params(nodes: list[Node], sharded: set[str], owned: dict[str, int]
 
 
 def _router_params(nodes: list[Node], residual, owned: dict[str, int]) -> dict[str, int]:
-    """{fqn: trainable elements} of the routers of a block's MoE sub-layers
-    (`router_gemms`) owned by this unit."""
+    """{fqn: trainable elements} of the GEMM weights of a block's MoE sub-layers owned by this
+    unit that every tp rank holds whole: the routers (`router_gemms`) and a gate of one output
+    feature (Qwen2-MoE's on its shared expert), which tp cannot split."""
     found: dict[str, int] = {}
-    for node in (n for run in sublayers(nodes, residual) for n in router_gemms(run)):
-        found.update({p.fqn: p.numel for p in node.params if p.requires_grad and p.fqn in owned})
+    for run in (r for r in sublayers(nodes, residual) if moe_dispatch(r) is not None):
+        for node in router_gemms(run) + [n for n in run if n.kind is OpKind.MATMUL and n.params
+                                         and n.outputs and n.outputs[0].shape[-1] == 1]:
+            found.update({p.fqn: p.numel for p in node.params
+                          if p.requires_grad and p.fqn in owned})
     return found
 
 
@@ -523,9 +526,10 @@ def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]
     ``(direction, kind, nbytes)`` (`Unit.tp_syncs`), and the nodes on its sequence-sharded
     stream under sequence parallel.
 
-    A block (a run with residual adds) reduces the hidden state once each way per sub-layer --
-    the row-parallel GEMM's output forward, the column-parallel GEMMs' input gradient backward
-    -- and per MoE sub-layer and output-channel parallel convolution, and all-reduces each
+    A block (a run with residual adds) reduces the hidden state once each way per partial sum
+    (`reduction_points`: a sub-layer's row-parallel GEMM or MoE combine, those merged before
+    the residual add once) -- the output forward, the column-parallel GEMMs' input gradient
+    backward -- and per output-channel parallel convolution, and all-reduces each
     norm statistic over split features each way, all-gathering the gradients of the weights
     scaling them (`split_statistics`); its stream is the residual structure's. In the glue
     each op says what it moves: a vocabulary-parallel lookup reduces its output forward (its
@@ -535,9 +539,8 @@ def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]
     which reduces three fp32 values per row forward); a convolution's output channels are
     gathered likewise. The glue's stream is every other op."""
     if residual.residual_adds:
-        points = len(residual.row_gemms) + sum(
-            n.kind is OpKind.MOE_DISPATCH or (n.kind is OpKind.CONV and bool(n.params))
-            for n in nodes)
+        points = reduction_points(nodes, residual) + sum(
+            n.kind is OpKind.CONV and bool(n.params) for n in nodes)
         syncs = [("forward", "reduce", act)] * points + [("backward", "reduce", act)] * points
         for stat, scales in split_statistics(nodes, residual):
             n = stat.outputs[0].num_bytes

@@ -30,8 +30,8 @@ from autopar.ir.graph import Graph, Node, OpKind
 
 __all__ = ["KvProjection", "MIXING_KINDS", "Residual", "after_row_ops", "consumers",
            "fused_chunks", "fused_splits", "kv_projections", "made_of_params", "moe_dispatch",
-           "residual_structure", "router_gemms", "routing_nodes", "split_statistics",
-           "sublayers", "token_lookup", "tp_split_ops", "vocab_sizes"]
+           "reduction_points", "residual_structure", "router_gemms", "routing_nodes",
+           "split_statistics", "sublayers", "token_lookup", "tp_split_ops", "vocab_sizes"]
 
 MIXING_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
                      OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE})
@@ -138,21 +138,40 @@ def moe_dispatch(run: Sequence[Node]) -> int | None:
     return next((i for i, n in enumerate(run) if n.kind is OpKind.MOE_DISPATCH), None)
 
 
-def router_gemms(run: Sequence[Node]) -> list[Node]:
-    """The GEMMs of a sub-layer (``run``, one of `sublayers`) before its MoE dispatch: its
-    router, which every rank runs whole (routing needs all the experts' logits); none in a
-    sub-layer without a dispatch."""
+def _routing(run: Sequence[Node]) -> list[Node]:
+    """The nodes of a sub-layer (``run``) before its MoE dispatch whose outputs decide the
+    routing: those the dispatch reads besides the tokens it routes (a router's logits) or the
+    combine reads besides the experts' outputs (routing weights), and what they are made
+    from. A shared expert run on the same tokens before the dispatch is not among them."""
     dispatch = moe_dispatch(run)
-    return [n for n in run[:dispatch] if n.kind in (OpKind.MATMUL, OpKind.CONV)] \
-        if dispatch is not None else []
+    if dispatch is None:
+        return []
+    before = {n.name: n for n in run[:dispatch]}
+    combine = next((n for n in run[dispatch:] if n.kind is OpKind.MOE_COMBINE), None)
+    todo = list(run[dispatch].input_sources[1:]) + (
+        [s for s in combine.input_sources if s in before] if combine is not None else [])
+    seen: set[str] = set()
+    while todo:
+        src = todo.pop()
+        if src in before and src not in seen:
+            seen.add(src)
+            todo += before[src].input_sources
+    return [n for n in run[:dispatch] if n.name in seen]
+
+
+def router_gemms(run: Sequence[Node]) -> list[Node]:
+    """The GEMMs that route a sub-layer's (``run``, one of `sublayers`) tokens to its experts
+    (`_routing`): its router, which every rank runs whole (routing needs all the experts'
+    logits); none in a sub-layer without a dispatch."""
+    return [n for n in _routing(run) if n.kind in (OpKind.MATMUL, OpKind.CONV)]
 
 
 def routing_nodes(nodes: Sequence[Node], residual: Residual) -> set[str]:
-    """The nodes of the MoE sub-layers of ``nodes`` (their structure ``residual``) up to each
-    dispatch, off the residual stream: the router (`router_gemms`) and what turns its logits
-    into routing weights."""
+    """The nodes of the MoE sub-layers of ``nodes`` (their structure ``residual``) that route
+    their tokens, off the residual stream: the router (`router_gemms`) and what turns its
+    logits into routing weights (`_routing`)."""
     return {n.name for run in sublayers(nodes, residual) if router_gemms(run)
-            for n in run[:moe_dispatch(run)] if n.name not in residual.stream}
+            for n in _routing(run) if n.name not in residual.stream}
 
 
 _RESHAPES = ("aten.view", "aten.reshape", "aten._unsafe_view")
@@ -368,6 +387,16 @@ def token_lookup(graph: Graph, node: Node) -> bool:
         if src.startswith("input:"):
             return True
     return False
+
+
+def reduction_points(nodes: Sequence[Node], residual: Residual) -> int:
+    """How many partial sums one layer of a block reduces over tp each way under Megatron's
+    layout: each row GEMM's output where it leaves the GEMM, except in an MoE sub-layer, which
+    runs on its tp shards and reduces its output once, with the row GEMMs of a shared expert
+    beside its experts (`autopar.runtime.tp_moe`)."""
+    return sum(1 if moe_dispatch(run) is not None else
+               sum(n.name in residual.row_gemms for n in run)
+               for run in sublayers(nodes, residual))
 
 
 def after_row_ops(nodes: Sequence[Node], residual: Residual) -> set[str]:

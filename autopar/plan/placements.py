@@ -16,9 +16,11 @@ it read is gathered or reduced at the attention's input, as `tp_collectives` cha
 their weight gradients are whole). So is a fused q/k/v projection tp cannot split by head (its
 output cut into q, k and v of unequal widths, or its kv heads fewer than tp): each rank slices
 its query heads from the whole queries. In an MoE sub-layer the router is
-replicated and each expert's GEMMs are a column→row chain (the last GEMM, fed by another and
-feeding none, is row-parallel: what the estimate costs, expert weights split over tp, one tp
-reduction per sub-layer). Block representatives
+replicated (the GEMMs whose outputs decide the routing, `autopar.ir.residual.router_gemms`)
+and each expert's GEMMs, and a shared expert's beside them, are a column→row chain (the last
+GEMM, fed by another and feeding none, is row-parallel: what the estimate costs, expert
+weights split over tp, one tp reduction per sub-layer); a GEMM of one output (a gate) stays
+whole. Block representatives
 expand to every layer of their block. The dp axis shards parameters on dim 0 under ZeRO-3 only;
 expert parameters (those of the ops between an MoE dispatch and its combine) are sharded over
 ep on their expert dim.
@@ -58,14 +60,14 @@ def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
     def close(group: list) -> None:
         """One sub-layer (the nodes up to its residual add).  An MoE sub-layer is a replicated
         router (every rank needs all expert logits to route) and a column→row chain per
-        expert."""
+        expert and per shared expert."""
         dispatch = moe_dispatch(group)
         if dispatch is None:
             close_run(group)
             return
         for p in (p for node in router_gemms(group) for p in node.params):
             out.setdefault(p.fqn, "R")
-        close_run(group[dispatch + 1:], experts=True)
+        close_run(group, experts=True)  # the experts and a shared expert beside them
 
     def close_run(group: list, experts: bool = False) -> None:
         """Column-parallel GEMMs and the row-parallel ones: those the dataflow found, or among
@@ -79,6 +81,8 @@ def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
                 features, inputs = _feature_dims(node, p)
                 if p.shape and p.shape[features] in vocab and len(p.shape) == 2:
                     out.setdefault(p.fqn, f"S({features})")
+                elif not row and p.shape and p.shape[features] == 1:
+                    out.setdefault(p.fqn, "R")  # one output: a gate tp cannot split
                 elif len(p.shape) >= 2:
                     out.setdefault(p.fqn, f"S({inputs})" if row else f"S({features})")
                 else:  # bias

@@ -57,7 +57,8 @@ NORMS = [("hf_qwen3", "tp"), ("hf_qwen3", "tp_sp"), ("hf_gemma2", "tp"), ("hf_ol
          ("hf_gemma", "tp_sp")]
 DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
 DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
-OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op")]
+OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op"),
+          ("hf_qwen2_moe", "ep_tp")]
 # autopar's own Llama and Mixtral under the plans no other cell trains for several steps:
 # GPipe with one micro-batch (fewer than stages), interleaved 1F1B, ZeRO-2 with full
 # recompute, ZeRO-1 in a pipeline, dp x pp and dp x tp + SP without ZeRO, FSDP2 under tp in
@@ -183,6 +184,16 @@ def test_per_op_recompute_runs_blocks_that_keep_no_op(matrix):
     reference's."""
     cells = [matrix["hf_bloom", p] for p in ("dp_per_op", "tp_sp_per_op")]
     assert all(c.ok for c in cells), [c.text() for c in cells]
+
+
+def test_a_shared_expert_beside_the_routed_ones_runs_on_local_shards(matrix):
+    """Hugging Face Qwen2-MoE (a shared expert run before the router, behind a one-output
+    sigmoid gate) under expert x tensor parallel (dp2 tp2 ep2), whose fused expert weights
+    split over ep and tp run only on local shards: the shared expert is column->row like
+    the experts and its gate whole, so the sub-layer is the sum of its ranks' outputs and
+    the losses and gradients are the reference's."""
+    cell = matrix["hf_qwen2_moe", "ep_tp"]
+    assert cell.ok, cell.text()
 
 
 def test_vocab_parallel_logits_take_the_parallel_loss(cells):

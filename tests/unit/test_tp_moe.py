@@ -115,3 +115,26 @@ def test_the_router_gradient_is_reduced_once_a_step():
     assert unit.router_params == (router,)
     assert partial_gradient_bytes(unit, False) == 4 * router
     assert partial_gradient_bytes(unit, True) == 4 * (router + sum(unit.stream_params))
+
+
+def test_a_shared_expert_run_before_the_routing_is_split_like_an_mlp():
+    """Qwen2-MoE runs its shared expert on the tokens before its router: it is a column->row
+    chain beside the experts, not part of the router, and its one-output sigmoid gate, which
+    tp cannot split, stays whole. The sub-layer is then the sum of its ranks' outputs and
+    reduces once each way, its gate's gradient joining the once-a-step all-reduce."""
+    torch.manual_seed(0)
+    model = corpus.hf_qwen2_moe()
+    graph = autopar.trace(model, global_batch_size=2, seq_len=16)
+    tp_map = megatron_tp_placements(graph, 2)
+    mlp = "model.layers.0.mlp"
+    assert {k[len(mlp) + 1:]: v for k, v in tp_map.items() if k.startswith(mlp)} == {
+        "gate.weight": "R", "experts.gate_up_proj": "S(1)", "experts.down_proj": "S(2)",
+        "shared_expert.gate_proj.weight": "S(0)", "shared_expert.up_proj.weight": "S(0)",
+        "shared_expert.down_proj.weight": "S(1)", "shared_expert_gate.weight": "R"}
+    placements = _placements(model, mlp, _expand(model, tp_map), fused_projections(graph))
+    x = torch.randn(2, 16, 64)
+    assert partial_sum_error(model.get_submodule(mlp), ((x,), {}), placements, 2) < 1e-5
+    (unit,) = [u for u in ModelCosts.from_graph(graph).units if u.is_block]
+    assert unit.tp_reductions == (2, 2)  # attention and the MoE sub-layer
+    gate = model.model.layers[0].mlp.gate.weight.numel()
+    assert sorted(unit.router_params) == [64, gate]  # the shared gate: one output x 64
