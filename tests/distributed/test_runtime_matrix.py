@@ -296,9 +296,9 @@ def test_data_parallel_collectives_are_the_ones_the_estimate_charges(matrix, pla
                                               "_reduce_scatter_base_": 10, "allreduce_": 1}
 
 
-# MoE layers under cp: the runtime gathers the sequence shards of the tokens the MoE layer
-# routes and DDP splits their gradients in two buckets, neither of which the estimate charges
-CP_MOE_OTHERWISE = (("moe_loop", "cp"), ("hf_mixtral", "cp"), ("hf_mixtral", "cp_pp"))
+# MoE models under cp without ZeRO or a pipeline: DDP reduces their gradients in two buckets (its
+# first is 1 MiB), where the estimate charges one all-reduce of the same bytes
+CP_MOE_OTHERWISE = (("moe_loop", "cp"), ("hf_mixtral", "cp"))
 
 
 def test_pipeline_and_context_parallel_transfers_are_the_ones_the_estimate_charges(
@@ -312,7 +312,9 @@ def test_pipeline_and_context_parallel_transfers_are_the_ones_the_estimate_charg
     (nanoGPT's and GPT-2's head) sends its gradient once a step, as FSDP2's shard under ZeRO
     (`pipeline_comm.pp_step_collectives`). A cp ring passes each attention's K/V cp-1 times
     forward and backward and the fp32 dK/dV accumulators cp times
-    (`timing.cp_collectives`, ``cp_rotate="ring"``), again forward under full recompute."""
+    (`timing.cp_collectives`, ``cp_rotate="ring"``), again forward under full recompute.
+    An MoE layer routes each cp rank's own tokens: no gather of the sequence
+    (`runtime.cp_moe`), only DDP's buckets set those cells apart."""
     checked = []
     for cell in matrix.values():
         plan = PLANS_OF.get(cell.plan)
@@ -324,6 +326,11 @@ def test_pipeline_and_context_parallel_transfers_are_the_ones_the_estimate_charg
         assert got.same, (cell.model, cell.plan, ca._difference(got.issued, got.charged))
         checked.append((cell.model, cell.plan))
     assert len(checked) >= 18, checked
+    for key in CP_MOE_OTHERWISE:
+        got = ca.compare(matrix[key], plan_dir)
+        assert {kind for kind, _ in got.issued - got.charged} == {"all_reduce"}, key
+        assert sum(n * k for (_, n), k in (got.issued - got.charged).items()) == \
+            sum(n * k for (_, n), k in (got.charged - got.issued).items()), key
     assert {("nano_gpt", "cp"), ("plain_llama", "cp_pp"), ("tiny_llama", "pp_interleaved"),
             ("hf_gpt2", "tp_sp_pp"), ("tiny_llama_wide", "cp_tp_sp")} <= set(checked), checked
 
