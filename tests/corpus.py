@@ -39,7 +39,8 @@ TOKEN_MODELS = ["plain_llama", "plain_mqa", "nano_gpt", "litgpt_style", "moe_loo
                 "hf_qwen3_moe", "hf_olmoe", "hf_deepseek_v3",
                 "hf_gptj", "hf_stablelm", "hf_cohere", "hf_granite", "hf_starcoder2",
                 "hf_persimmon", "hf_mpt", "hf_codegen", "hf_nemotron", "hf_glm", "hf_exaone4",
-                "hf_smollm3", "hf_granitemoe", "hf_qwen2_moe", "hf_phimoe", "hf_dbrx"]
+                "hf_smollm3", "hf_granitemoe", "hf_qwen2_moe", "hf_phimoe", "hf_dbrx",
+                "hf_gpt2_odd_vocab"]
 BIDIRECTIONAL = ("hf_bert",)  # token models whose attention is not causal
 IMAGE_MODELS = ["vit_encoder"]
 
@@ -1056,3 +1057,12 @@ def hf_dbrx():
                ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2,
                            "moe_jitter_eps": None},
                use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def hf_gpt2_odd_vocab():
+    """``transformers.GPT2LMHeadModel`` as ``hf_gpt2`` with an odd vocabulary (257 tokens), as
+    GPT-2's own 50,257: tensor parallel cannot split its embedding and head evenly."""
+    return _hf("GPT2Config", "GPT2LMHeadModel", 111, vocab_size=VOCAB + 1, n_embd=64,
+               n_layer=4, n_head=4, n_positions=MAX_SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
+               attn_pdrop=0.0, summary_first_dropout=0.0, bos_token_id=0, eos_token_id=0,
+               use_cache=False)

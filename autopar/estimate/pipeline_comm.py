@@ -39,16 +39,17 @@ def tied_gradient_collectives(units: Sequence[Unit], counts: Sequence[Sequence[f
     """What pipeline rank `rank` sends once a step, after the pipeline drains, to sum the
     gradients of the weights it shares with another stage (`Unit.tied_params`; ``counts``:
     each rank's layers of each unit): its copy's gradient, in the dtype gradients are reduced
-    in, split over tp (a tied embedding and head are vocabulary-parallel) and, under FSDP2
-    with ZeRO, over the data-parallel shards (Megatron-LM's embedding-group all-reduce between
+    in, split over tp (a tied embedding and head are vocabulary-parallel; the first tp rank's
+    share, the largest) and, under FSDP2 with ZeRO, over the data-parallel shards (Megatron-LM's embedding-group all-reduce between
     two ranks; autopar's runtime's exchange, `autopar.runtime.pipeline`)."""
     if config.pp == 1:
         return []
     where = {u.name: {r for r, c in enumerate(counts) if c[i]} for i, u in enumerate(units)}
-    shards = config.tp * (config.dp * config.cp if options.fsdp2 and config.zero_stage else 1)
+    shards = config.dp * config.cp if options.fsdp2 and config.zero_stage else 1
     grad_b = dp_bytes(dtype, options)[1]
-    return [("send_recv", numel * grad_b / shards) for u in units
-            for owner, numel in u.tied_params
+    # the first tp rank's rows: tp splits a vocabulary it does not divide unevenly
+    return [("send_recv", -(-rows // config.tp) * numel / rows * grad_b / shards)
+            for u in units for owner, numel, rows in u.tied_params
             if (rank in where[owner]) != (rank in where[u.name])]
 
 

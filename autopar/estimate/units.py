@@ -172,9 +172,9 @@ class Unit:
     # each GEMM that makes keys or values only (`OpCost.kv_heads`): whole on every tp rank
     # where tp does not divide its heads (`timing.tp_collectives` says what its gradient moves)
     kv_projections: tuple[KvGemm, ...] = ()
-    # (owner unit, elements) of each parameter it reads that an earlier unit owns (a head tied
-    # to the embedding): on two pipeline stages, their gradients are summed once a step
-    tied_params: tuple[tuple[str, int], ...] = ()
+    # (owner unit, elements, rows) of each parameter it reads that an earlier unit owns (a head
+    # tied to the embedding): on two pipeline stages, their gradients are summed once a step
+    tied_params: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def count(self) -> int:
@@ -345,7 +345,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     dense = expert = 0
     in_moe = False
     seen_params: dict[str, int] = {}
-    tied: dict[str, tuple[str, int]] = {}
+    tied: dict[str, tuple[str, int, int]] = {}
     saved_memory = kernels = dispatch = kv = scores = tail_kernels = fp8_delta = 0
     act = 0
     tail = recompute_tail(nodes)
@@ -368,7 +368,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         for p in node.params:
             if p.fqn in counted and p.fqn not in seen_params and counted[p.fqn] != name \
                     and p.requires_grad:
-                tied[p.fqn] = (counted[p.fqn], p.numel)
+                tied[p.fqn] = (counted[p.fqn], p.numel, p.shape[0] if p.shape else 1)
             if p.fqn not in seen_params and p.fqn not in counted:
                 seen_params[p.fqn] = p.num_bytes
                 counted[p.fqn] = name

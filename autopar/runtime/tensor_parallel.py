@@ -258,12 +258,15 @@ def _distribute(module: nn.Module, mesh: Any, dims: dict[str, int], own: list[st
 
 def _placement(fqn: str, p: torch.Tensor, dims: dict[str, int], chunks: dict[str, int],
                size: int, replicate_fused_bias: bool) -> tuple:
-    """The tp placement of parameter ``fqn`` (see `_distribute`)."""
+    """The tp placement of parameter ``fqn`` (see `_distribute`). A dim tp does not divide
+    (GPT-2's vocabulary of 50,257 tokens) is sharded unevenly, as DTensor shards (the last
+    ranks hold a row fewer), unless FSDP2 shards the parameter again (``replicate_fused_bias``:
+    DTensor cannot gather such a two-level uneven layout)."""
     dim = dims.get(fqn)
-    if dim is not None and p.shape[dim] % size:
+    if dim is not None and p.shape[dim] % size and replicate_fused_bias:
         raise ValueError(f"{fqn} {tuple(p.shape)}: the plan shards dim {dim} over tp={size}, "
-                         f"which does not divide it; re-plan with a tp that divides it (or "
-                         f"tp=1)")
+                         f"which does not divide it, and FSDP shards it again over dp; "
+                         f"re-plan with a tp that divides it, zero_stage=0, or tp=1")
     k = chunks.get(fqn, 1) if dim is not None else 1
     if k > 1 and p.dim() == 1 and replicate_fused_bias:
         return (Replicate(),)

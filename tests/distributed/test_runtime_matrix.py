@@ -58,7 +58,7 @@ NORMS = [("hf_qwen3", "tp"), ("hf_qwen3", "tp_sp"), ("hf_gemma2", "tp"), ("hf_ol
 DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
 DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
 OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op"),
-          ("hf_qwen2_moe", "ep_tp")]
+          ("hf_qwen2_moe", "ep_tp"), ("hf_gpt2_odd_vocab", "tp_sp"), ("hf_gpt2_odd_vocab", "tp_pp")]
 # autopar's own Llama and Mixtral under the plans no other cell trains for several steps:
 # GPipe with one micro-batch (fewer than stages), interleaved 1F1B, ZeRO-2 with full
 # recompute, ZeRO-1 in a pipeline, dp x pp and dp x tp + SP without ZeRO, FSDP2 under tp in
@@ -194,6 +194,15 @@ def test_a_shared_expert_beside_the_routed_ones_runs_on_local_shards(matrix):
     the losses and gradients are the reference's."""
     cell = matrix["hf_qwen2_moe", "ep_tp"]
     assert cell.ok, cell.text()
+
+
+def test_a_vocabulary_tp_does_not_divide_is_split_unevenly(matrix):
+    """GPT-2 with an odd vocabulary (257 tokens, as its own 50,257) under tensor parallel with
+    sequence parallel and in a pipeline (tp2 pp2): the tied embedding and head split 129 and
+    128 rows over the two tp ranks and the losses and gradients are the reference's."""
+    for plan in ("tp_sp", "tp_pp"):
+        cell = matrix["hf_gpt2_odd_vocab", plan]
+        assert cell.ok, cell.text()
 
 
 def test_vocab_parallel_logits_take_the_parallel_loss(cells):

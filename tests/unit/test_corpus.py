@@ -46,7 +46,7 @@ def _inputs(name):
 def _expected_shape(name):
     if name in corpus.IMAGE_MODELS:
         return (BATCH, corpus.NUM_CLASSES)
-    return (BATCH, SEQ, corpus.VOCAB)
+    return (BATCH, SEQ, corpus.VOCAB + (name == "hf_gpt2_odd_vocab"))
 
 
 def _loss(logits, targets):

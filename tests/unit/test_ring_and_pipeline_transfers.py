@@ -82,7 +82,7 @@ def test_the_last_gradient_hop_of_a_ring_is_never_hidden():
 def test_a_head_tied_to_the_embedding_sums_its_gradient_between_the_two_stages():
     costs = _costs(corpus.hf_gpt2)
     head = next(u for u in costs.units if u.tied_params)
-    assert [numel for _, numel in head.tied_params] == [VOCAB * HIDDEN]
+    assert [(numel, rows) for _, numel, rows in head.tied_params] == [(VOCAB * HIDDEN, VOCAB)]
     untied = _costs(corpus.hf_llama)  # Llama's head has a weight of its own
     assert not any(u.tied_params for u in untied.units)
     options = SOFTWARE["autopar"].options
@@ -93,6 +93,10 @@ def test_a_head_tied_to_the_embedding_sums_its_gradient_between_the_two_stages()
             sent = tied_gradient_collectives(costs.units, _layers_per_rank(costs, cfg), cfg,
                                              options, "fp32", rank)
             assert sent == [("send_recv", VOCAB * HIDDEN * 4 / shard)], (cfg, rank)
+    odd = _costs(corpus.hf_gpt2_odd_vocab)  # 257 rows: the first tp rank holds 129
+    cfg = ParallelConfig(pp=2, tp=2)
+    assert tied_gradient_collectives(odd.units, _layers_per_rank(odd, cfg), cfg, options,
+                                     "fp32", 0) == [("send_recv", 129 * HIDDEN * 4)]
     # both on one stage: nothing to sum
     assert pp_step_collectives(costs, ParallelConfig(), global_batch_size=BATCH) == []
 
