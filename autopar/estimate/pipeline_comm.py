@@ -40,8 +40,9 @@ def tied_gradient_collectives(units: Sequence[Unit], counts: Sequence[Sequence[f
     gradients of the weights it shares with another stage (`Unit.tied_params`; ``counts``:
     each rank's layers of each unit): its copy's gradient, in the dtype gradients are reduced
     in, split over tp (a tied embedding and head are vocabulary-parallel; the first tp rank's
-    share, the largest) and, under FSDP2 with ZeRO, over the data-parallel shards (Megatron-LM's embedding-group all-reduce between
-    two ranks; autopar's runtime's exchange, `autopar.runtime.pipeline`)."""
+    share, the largest) and, under FSDP2 with ZeRO, over the data-parallel shards
+    (Megatron-LM's embedding-group all-reduce between two ranks; autopar's runtime's exchange,
+    `autopar.runtime.pipeline`)."""
     if config.pp == 1:
         return []
     where = {u.name: {r for r, c in enumerate(counts) if c[i]} for i, u in enumerate(units)}
