@@ -268,8 +268,9 @@ def _within_limits(constraints: dict[str, Any], limits: RuntimeLimits) -> list[d
     """The search's constraints, one dict per region of the space the runtime can run: the
     user's pins, degree 1 on every axis the runtime cannot run for this model (a pin above 1
     there is refused with the runtime's reason), each field it runs at one value only at that
-    value (likewise), and, for each pair of axis groups the runtime cannot combine, one
-    region per group held at 1 (unless a pin decides which)."""
+    value (likewise), for each pair of axis groups the runtime cannot combine, one region per
+    group held at 1 (unless a pin decides which), and for each set of alternatives of which
+    a plan must hold one, one region per alternative the pins allow."""
     for axis, reason in sorted(limits.axes.items()):
         if constraints.get(axis, 1) != 1:
             raise RuntimeLimitError(f"{axis}={constraints[axis]} cannot run on this model: "
@@ -296,6 +297,15 @@ def _within_limits(constraints: dict[str, Any], limits: RuntimeLimits) -> list[d
         keep = [first, second] if not pinned else [pinned[0]]
         regions = [{**r, **{axis: 1 for axis in (second if group is first else first)}}
                    for r in regions for group in keep]
+    for alternatives, reason in limits.one_of:
+        held = [alt for alt in alternatives
+                if all(constraints.get(k, v) == v for k, v in alt.items())]
+        if not held:
+            pins = ", ".join(f"{k}={constraints[k]}" for k in sorted(
+                {k for alt in alternatives for k in alt}) if k in constraints)
+            raise RuntimeLimitError(f"{pins} cannot run on this model: {reason}")
+        regions = [{**r, **alt} for r in regions for alt in held
+                   if all(r.get(k, v) == v for k, v in alt.items())]
     unique = {tuple(sorted(r.items())): r for r in regions}  # pairs may repeat a region
     return list(unique.values())
 

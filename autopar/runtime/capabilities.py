@@ -20,7 +20,9 @@ the model's structure or its traced forward, never module names:
   autopar's own router/experts/top-k layers run with all-to-all dispatch; others on their own
   forward with all-gathered tokens (``expert_gather``). Experts are split over tp as the dense
   layers are: expert parallel folded over tp (``ParallelConfig.etp`` = 1) is Megatron-Core's
-  and torchtitan's, not this runtime's (``RuntimeLimits.fields``).
+  and torchtitan's, not this runtime's (``RuntimeLimits.fields``);
+* tensor parallel splits a vocabulary it does not divide unevenly, which FSDP cannot shard
+  again: ZeRO stays at 0 unless tp divides it (``RuntimeLimits.one_of``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 from torch import nn
 
 from autopar.ir import Graph, OpKind
+from autopar.ir.residual import vocab_sizes
 from autopar.runtime.pipeline import tied_parameters
 from autopar.runtime.structure import block_names
 
@@ -61,11 +64,14 @@ class RuntimeLimits:
     autopar's attention hook, "contiguous" through the model's own forward); ``ep_dispatch``,
     how it runs expert parallel ("all_to_all" for autopar's MoE layers, "all_gather" on the
     layer's own forward); ``fields``, ``{field: (value, reason)}`` for each other config field
-    it runs at one value only."""
+    it runs at one value only; ``one_of``, sets of alternative pins of which a plan must hold
+    one, with the reason."""
 
     axes: dict[str, str] = field(default_factory=dict)
     fields: dict[str, tuple[Any, str]] = field(default_factory=dict)
     exclusive: tuple[tuple[frozenset[str], frozenset[str], str], ...] = ()
+    # (alternative pins of which a plan must satisfy one, reason)
+    one_of: tuple[tuple[tuple[dict[str, Any], ...], str], ...] = ()
     cp_layout: str = "zigzag"
     ep_dispatch: str = "all_to_all"  # or "all_gather": MoE layers on their own forward
 
@@ -121,4 +127,22 @@ def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool, one_inp
                             "expert parallel folded over tp (etp=1) runs on Megatron-Core and "
                             "torchtitan: compile with target='megatron' or 'torchtitan'")
     return RuntimeLimits(axes=limits, fields=fields, exclusive=tuple(exclusive),
-                         cp_layout=cp_layout, ep_dispatch=ep_dispatch)
+                         one_of=_uneven_vocabulary(graph), cp_layout=cp_layout,
+                         ep_dispatch=ep_dispatch)
+
+
+def _uneven_vocabulary(graph: Graph) -> tuple[tuple[tuple[dict[str, Any], ...], str], ...]:
+    """A vocabulary some tp of up to 64 ranks does not divide (GPT-2's 50,257 tokens) splits
+    unevenly over tp, which FSDP2 cannot shard again: such a plan keeps ZeRO at 0 or takes a tp
+    that divides it (under dp x cp = 1 ZeRO shards nothing, the first alternative's costs)."""
+    sizes = vocab_sizes(graph)
+    fits = [t for t in _TP_CANDIDATES if all(v % t == 0 for v in sizes)]
+    if len(fits) == len(_TP_CANDIDATES):
+        return ()
+    return (((({"zero_stage": 0},) + tuple({"tp": t} for t in fits)),
+             f"tensor parallel splits the vocabulary of {', '.join(map(str, sorted(sizes)))} "
+             f"tokens unevenly over a tp that does not divide it, and FSDP cannot shard such "
+             f"a split again; plan with zero_stage=0 or tp in {fits}"),)
+
+
+_TP_CANDIDATES = (1, 2, 4, 8, 16, 32, 64)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.errors import RuntimeLimitError
 from autopar.models.gpt import GPT, GPTConfig
 from autopar.search.outer import _tie_key
 
@@ -393,3 +394,28 @@ def test_reserved_memory_and_the_live_budget_are_inverse():
     for device in (16e9, 80e9, 141e9):
         assert reserved_bytes(live_bytes_budget(device)) == pytest.approx(device, rel=1e-12)
     assert reserved_bytes(0.0) == RANK_FIXED_BYTES
+
+
+def test_a_vocabulary_tp_does_not_divide_keeps_zero_at_0_under_tp():
+    """GPT-2 with an odd vocabulary (257 tokens, as its own 50,257): tp splits it unevenly,
+    which the runtime runs without FSDP but FSDP cannot shard again. A pin of both is refused
+    at compile time with the alternatives; with tp pinned the search keeps ZeRO at 0; a model
+    whose vocabulary every tp divides is searched as before."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import corpus
+
+    with torch.device("meta"):
+        odd, even = corpus.hf_gpt2_odd_vocab(), corpus.hf_gpt2()
+    cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=4)
+    shape = {"global_batch_size": 8, "seq_len": 64, "dtype": "fp32"}
+    with pytest.raises(RuntimeLimitError, match=r"tp=2, zero_stage=3 cannot run on "
+                       r"this model: .* vocabulary of 257 tokens .* zero_stage=0 or tp in \[1\]"):
+        autopar.compile(odd, cluster, constraints={"tp": 2, "dp": 2, "zero_stage": 3}, **shape)
+    plan = autopar.compile(odd, cluster, constraints={"tp": 2, "dp": 2}, **shape)
+    assert plan.config.zero_stage == 0
+    plan = autopar.compile(even, cluster, constraints={"tp": 2, "dp": 2, "zero_stage": 3},
+                           **shape)
+    assert plan.config.zero_stage == 3
