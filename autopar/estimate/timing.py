@@ -272,12 +272,14 @@ def cp_collectives(unit: Unit, cfg: ParallelConfig, options: EstimateOptions, dt
                    ) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
     """(forward, backward) transfers, as (kind, bytes a rank sends), of one layer of `unit`'s
     attention on a cp rank for one micro-batch, in the way ``options.cp_rotate`` says. A rank
-    holds 1/(cp*tp) of the K/V (its tokens, its heads); the fp32 dK/dV accumulators of "ring"
-    and "all_gather" are that share in 4-byte elements."""
+    holds 1/cp of the K/V's tokens and the heads its query heads read: 1/tp of them, or one
+    where the attention reads fewer K/V heads than tp (`KvGemm.read_heads`); the fp32 dK/dV
+    accumulators of "ring" and "all_gather" are that share in 4-byte elements."""
     if cfg.cp == 1 or not unit.attention_kv_bytes:
         return [], []
     cp = cfg.cp
-    kv = unit.attention_kv_bytes / (cp * cfg.tp)
+    heads = min((kv.read_heads for kv in unit.kv_projections), default=cfg.tp)
+    kv = unit.attention_kv_bytes / (cp * min(cfg.tp, max(1, heads)))
     dkv = kv * 4 / (4 if dtype == "fp32" else 2)  # attention runs in bf16 under fp8
     if options.cp_rotate == "p2p":
         return [("send_recv", kv)] * (cp - 1), [("send_recv", kv)] * (2 * (cp - 1))

@@ -125,3 +125,17 @@ def test_a_pipeline_rank_sends_activations_forward_and_gradients_back(pp, v, ran
     whole = replace(cfg, tp=2, sequence_parallel=False)  # replicated: each tp rank sends it
     assert set(pp_step_collectives(costs, whole, global_batch_size=m, pipeline_rank=rank)) \
         == {("send_recv", SEQ * HIDDEN * 4)}
+
+
+def test_a_rank_passes_the_kv_heads_its_query_heads_read():
+    """Under tp=2: StarCoder's one K/V head, read by SDPA as it is, is whole on each rank and
+    the ring passes all of it; where the model repeats K/V to the query heads before SDPA
+    (the hand-written MQA Llama), each rank passes the repeated heads its queries read, half;
+    Hugging Face Llama's two K/V heads split over tp."""
+    cfg = ParallelConfig(cp=2, tp=2)
+    options = SOFTWARE["autopar"].options
+    for factory, split in [(corpus.hf_gpt_bigcode, 1), (corpus.plain_mqa, 2),
+                           (corpus.hf_llama, 2)]:
+        block = next(u for u in _costs(factory).units if u.is_block)
+        (sent,), _ = cp_collectives(block, cfg, options, "fp32")
+        assert sent == ("send_recv", block.attention_kv_bytes / (2 * split)), factory
