@@ -19,7 +19,6 @@ batch) keeps DTensor's execution, with a warning.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -31,8 +30,6 @@ from torch.utils._pytree import tree_leaves, tree_map
 from autopar.ir import SEQUENCE_DIM
 
 __all__ = ["install_token_local", "per_token_error", "token_local_classes"]
-
-log = logging.getLogger(__name__)
 
 _TOLERANCE = 1e-5  # relative: the same ops on fewer rows
 
@@ -63,31 +60,20 @@ def token_local_classes(model: nn.Module, cp: int, example: Callable[[], torch.T
     the first of each class got in one forward of ``example()``)."""
     from autopar.runtime.expert_gather import _capture_inputs
     from autopar.runtime.tensor_parallel import _sublayer_entries
-    from autopar.runtime.tp_moe import moe_sublayers
+    from autopar.runtime.tp_moe import moe_sublayers, verified_classes
 
     owners = {n.rpartition(".")[0] for n, _ in model.named_parameters()}
     names = moe_sublayers(model, _sublayer_entries(model, owners))
     if not names:
         return set()
     inputs = _capture_inputs(model, names, example())
-    verdict: dict[type, bool] = {}
-    for name in names:
-        sub = model.get_submodule(name)
-        if type(sub) in verdict or name not in inputs or not inputs[name][0] \
-                or not isinstance(inputs[name][0][0], torch.Tensor):
-            continue
-        try:
-            error = per_token_error(sub, inputs[name], cp)
-        except RuntimeError as exc:
-            log.debug("%s on sequence chunks: %s", name, exc)
-            error = float("inf")
-        verdict[type(sub)] = error <= _TOLERANCE
-        if not verdict[type(sub)]:
-            log.warning("%s (%s): its output on the whole sequence is not its outputs on the "
-                        "sequence's chunks (relative error %.1e), so under context parallel "
-                        "it runs with DTensor, which gathers the sequence on every rank", name,
-                        type(sub).__name__, error)
-    return {cls for cls, exact in verdict.items() if exact}
+    runnable = [n for n in names if n in inputs and inputs[n][0]
+                and isinstance(inputs[n][0][0], torch.Tensor)]
+    return verified_classes(model, runnable, lambda name, sub: per_token_error(
+        sub, inputs[name], cp), _TOLERANCE,
+        "its output on the whole sequence is not its outputs on the sequence's chunks "
+        "(relative error %.1e), so under context parallel it runs with DTensor, which "
+        "gathers the sequence on every rank")
 
 
 def install_token_local(module: nn.Module, mesh: Any, classes: set[type]) -> None:

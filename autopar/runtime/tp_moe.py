@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from autopar.plan.plan import Plan
 
 __all__ = ["exact_moe_classes", "install_local_moe", "local_moe_sublayers", "local_shard",
-           "moe_sublayers", "partial_sum_error"]
+           "moe_sublayers", "partial_sum_error", "verified_classes"]
 
 log = logging.getLogger(__name__)
 
@@ -73,25 +73,39 @@ def exact_moe_classes(model: nn.Module, plan: Plan, example: Callable[[], torch.
     chunks = plan.model.fused_projections or {}
     fsdp_follows = plan.config.zero_stage >= 1 and plan.config.dp * plan.config.cp > 1
     inputs = _capture_inputs(model, names, example())
-    verdict: dict[type, bool] = {}
-    for name in names:
-        sub = model.get_submodule(name)
-        if type(sub) in verdict or name not in inputs:
-            continue
+
+    def error(name: str, sub: nn.Module) -> float:
         placements = [_placement(f"{name}.{fqn}" if name else fqn, m._parameters[n], dims,
                                  chunks, tp, fsdp_follows)[0]
                       for fqn, m, n in _param_slots(sub)]
+        return partial_sum_error(sub, inputs[name], placements, tp)
+
+    return verified_classes(model, [n for n in names if n in inputs], error, _TOLERANCE,
+                            "its output is not the sum of its tp ranks' outputs on their "
+                            "shards (relative error %.1e), so it runs with DTensor, which "
+                            "reduces each expert's rows apart: more collectives than the plan "
+                            "costs")
+
+
+def verified_classes(model: nn.Module, names: list[str],
+                     error: Callable[[str, nn.Module], float], tolerance: float,
+                     otherwise: str) -> set[type]:
+    """The classes of the sub-layers ``names`` of ``model`` whose first sub-layer's
+    ``error(name, sub)`` is within ``tolerance`` (inf where its forward raises a
+    RuntimeError); each other class is logged with ``otherwise`` (a format of the error)."""
+    verdict: dict[type, bool] = {}
+    for name in names:
+        sub = model.get_submodule(name)
+        if type(sub) in verdict:
+            continue
         try:
-            error = partial_sum_error(sub, inputs[name], placements, tp)
-        except RuntimeError as exc:  # its forward cannot run on its shards
-            log.debug("%s on local shards: %s", name, exc)
-            error = float("inf")
-        verdict[type(sub)] = error <= _TOLERANCE
+            err = error(name, sub)
+        except RuntimeError as exc:  # its forward cannot run so
+            log.debug("%s: %s", name, exc)
+            err = float("inf")
+        verdict[type(sub)] = err <= tolerance
         if not verdict[type(sub)]:
-            log.warning("%s (%s): its output is not the sum of its tp ranks' outputs on their "
-                        "shards (relative error %.1e), so it runs with DTensor, which reduces "
-                        "each expert's rows apart: more collectives than the plan costs", name,
-                        type(sub).__name__, error)
+            log.warning("%s (%s): " + otherwise, name, type(sub).__name__, err)
     return {cls for cls, exact in verdict.items() if exact}
 
 
