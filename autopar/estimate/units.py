@@ -527,8 +527,8 @@ def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]
     stream under sequence parallel.
 
     A block (a run with residual adds) reduces the hidden state once each way per partial sum
-    (`reduction_points`: a sub-layer's row-parallel GEMM or MoE combine, those merged before
-    the residual add once) -- the output forward, the column-parallel GEMMs' input gradient
+    (`reduction_points`: each row-parallel GEMM's output, an MoE sub-layer's once with its
+    shared expert's) -- the output forward, the column-parallel GEMMs' input gradient
     backward -- and per output-channel parallel convolution, and all-reduces each
     norm statistic over split features each way, all-gathering the gradients of the weights
     scaling them (`split_statistics`); its stream is the residual structure's. In the glue
