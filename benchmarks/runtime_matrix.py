@@ -1,7 +1,7 @@
 """Does every plan run on every model?  Models written independently of autopar (the corpus in
-``tests/corpus.py``: hand-written and library norms, rotary and learned positions, fused and
-separate q/k/v, tied and untied heads, MoE layers written as a loop and as batched experts, a
-ViT, and 36 Hugging Face architectures built from small configs: Llama, Mistral, Qwen2/3,
+``tests/corpus.py``: hand-written and library norms, rotary (torchtitan's as complex products
+too) and learned positions, fused and separate q/k/v, tied and untied heads, MoE layers written
+as a loop and as batched experts, a ViT, and 36 Hugging Face architectures built from small configs: Llama, Mistral, Qwen2/3,
 Mixtral, GPT-2, Phi-2/3, GPT-NeoX, Gemma 2/3, OLMo 2, StarCoder, OPT, Falcon, BLOOM, BERT,
 Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-J, StableLM, Cohere, Granite, StarCoder2, Persimmon, MPT,
 CodeGen, Nemotron, GLM, EXAONE 4, SmolLM3, GraniteMoE, Qwen2-MoE, PhiMoE, DBRX) times

@@ -40,7 +40,7 @@ TOKEN_MODELS = ["plain_llama", "plain_mqa", "nano_gpt", "litgpt_style", "moe_loo
                 "hf_gptj", "hf_stablelm", "hf_cohere", "hf_granite", "hf_starcoder2",
                 "hf_persimmon", "hf_mpt", "hf_codegen", "hf_nemotron", "hf_glm", "hf_exaone4",
                 "hf_smollm3", "hf_granitemoe", "hf_qwen2_moe", "hf_phimoe", "hf_dbrx",
-                "hf_gpt2_odd_vocab"]
+                "hf_gpt2_odd_vocab", "titan_llama"]
 BIDIRECTIONAL = ("hf_bert",)  # token models whose attention is not causal
 IMAGE_MODELS = ["vit_encoder"]
 
@@ -1066,3 +1066,95 @@ def hf_gpt2_odd_vocab():
                n_layer=4, n_head=4, n_positions=MAX_SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
                attn_pdrop=0.0, summary_first_dropout=0.0, bos_token_id=0, eos_token_id=0,
                use_cache=False)
+
+
+def _titan_freqs_cis(dim, end, theta=10000.0):
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    t = torch.arange(end, device=freqs.device)
+    freqs = torch.outer(t, freqs).float()
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def _titan_rope(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis[: xq.shape[1]].view(1, xq.shape[1], 1, xq_.shape[-1])
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+class _TitanAttention(nn.Module):
+    def __init__(self, dim, n_heads, n_kv):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = n_heads, n_kv, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.hd, bias=False)
+        self.wk = nn.Linear(dim, n_kv * self.hd, bias=False)
+        self.wv = nn.Linear(dim, n_kv * self.hd, bias=False)
+        self.wo = nn.Linear(n_heads * self.hd, dim, bias=False)
+
+    def forward(self, x, freqs_cis):
+        bs, seqlen, _ = x.shape
+        xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+        xq = xq.view(bs, seqlen, -1, self.hd)
+        xk = xk.view(bs, seqlen, -1, self.hd)
+        xv = xv.view(bs, seqlen, -1, self.hd)
+        xq, xk = _titan_rope(xq, xk, freqs_cis)
+        rep = self.n_heads // self.n_kv
+        xk = torch.repeat_interleave(xk, rep, dim=2)
+        xv = torch.repeat_interleave(xv, rep, dim=2)
+        out = F.scaled_dot_product_attention(xq.transpose(1, 2), xk.transpose(1, 2),
+                                             xv.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+
+
+class _TitanFeedForward(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _TitanBlock(nn.Module):
+    def __init__(self, dim, n_heads, n_kv):
+        super().__init__()
+        self.attention = _TitanAttention(dim, n_heads, n_kv)
+        self.feed_forward = _TitanFeedForward(dim, 128)
+        self.attention_norm = nn.RMSNorm(dim, eps=1e-5)
+        self.ffn_norm = nn.RMSNorm(dim, eps=1e-5)
+
+    def forward(self, x, freqs_cis):
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class _TitanTransformer(nn.Module):
+    """A Llama as torchtitan writes it (`titan_llama`)."""
+
+    def __init__(self, vocab=256, dim=64, n_layers=4, n_heads=4, n_kv=2, max_seq=128):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.register_buffer("freqs_cis", _titan_freqs_cis(dim // n_heads, max_seq * 2),
+                             persistent=False)
+        self.layers = nn.ModuleDict({str(i): _TitanBlock(dim, n_heads, n_kv)
+                                     for i in range(n_layers)})
+        self.norm = nn.RMSNorm(dim, eps=1e-5)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        return self.output(self.norm(h))
+
+
+def titan_llama():
+    """torchtitan style (torchtitan/models/llama3/model.py): RoPE as complex products
+    (``torch.polar`` tables, ``view_as_complex``), the layers a ``ModuleDict`` keyed by their
+    index, ``nn.RMSNorm``, GQA 4/2 heads by ``repeat_interleave``, untied head."""
+    torch.manual_seed(151)
+    return _TitanTransformer(vocab=VOCAB, max_seq=MAX_SEQ)

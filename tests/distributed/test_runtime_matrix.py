@@ -58,7 +58,8 @@ NORMS = [("hf_qwen3", "tp"), ("hf_qwen3", "tp_sp"), ("hf_gemma2", "tp"), ("hf_ol
 DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
 DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
 OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op"),
-          ("hf_qwen2_moe", "ep_tp"), ("hf_gpt2_odd_vocab", "tp_sp"), ("hf_gpt2_odd_vocab", "tp_pp")]
+          ("hf_qwen2_moe", "ep_tp"), ("hf_gpt2_odd_vocab", "tp_sp"), ("hf_gpt2_odd_vocab", "tp_pp"),
+          ("titan_llama", "tp_sp"), ("titan_llama", "cp")]
 # autopar's own Llama and Mixtral under the plans no other cell trains for several steps:
 # GPipe with one micro-batch (fewer than stages), interleaved 1F1B, ZeRO-2 with full
 # recompute, ZeRO-1 in a pipeline, dp x pp and dp x tp + SP without ZeRO, FSDP2 under tp in
@@ -203,6 +204,17 @@ def test_a_vocabulary_tp_does_not_divide_is_split_unevenly(matrix):
     for plan in ("tp_sp", "tp_pp"):
         cell = matrix["hf_gpt2_odd_vocab", plan]
         assert cell.ok, cell.text()
+
+
+def test_a_llama_written_as_torchtitan_writes_it_runs_as_costed(matrix, plan_dir):
+    """A Llama with torchtitan's RoPE as complex products (``view_as_complex`` on the heads) and
+    its layers in a ModuleDict, under tp + sequence parallel and under cp: the losses and
+    gradients are the reference's, and rank 0 issues the collectives the estimate charges."""
+    for plan in ("tp_sp", "cp"):
+        cell = matrix["titan_llama", plan]
+        assert cell.ok, cell.text()
+        got = ca.compare(cell, plan_dir)
+        assert got.same, (plan, ca._difference(got.issued, got.charged))
 
 
 def test_vocab_parallel_logits_take_the_parallel_loss(cells):
