@@ -1,10 +1,11 @@
-"""Does every plan run on every model?  Models written independently of autopar (the corpus in
+"""Does every plan run on every model? Models written independently of autopar (the corpus in
 ``tests/corpus.py``: hand-written and library norms, rotary (torchtitan's as complex products
 too) and learned positions, fused and separate q/k/v, tied and untied heads, MoE layers written
-as a loop and as batched experts, a ViT, and 36 Hugging Face architectures built from small configs: Llama, Mistral, Qwen2/3,
-Mixtral, GPT-2, Phi-2/3, GPT-NeoX, Gemma 2/3, OLMo 2, StarCoder, OPT, Falcon, BLOOM, BERT,
-Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-J, StableLM, Cohere, Granite, StarCoder2, Persimmon, MPT,
-CodeGen, Nemotron, GLM, EXAONE 4, SmolLM3, GraniteMoE, Qwen2-MoE, PhiMoE, DBRX) times
+as a loop and as batched experts, a ViT, and 36 Hugging Face architectures built from small
+configs: Llama, Mistral, Qwen2/3, Mixtral, GPT-2, Phi-2/3, GPT-NeoX, Gemma 2/3, OLMo 2,
+StarCoder, OPT, Falcon, BLOOM, BERT, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-J, StableLM, Cohere,
+Granite, StarCoder2, Persimmon, MPT, CodeGen, Nemotron, GLM, EXAONE 4, SmolLM3, GraniteMoE,
+Qwen2-MoE, PhiMoE, DBRX) times
 plans pinned at compile time (dp, ZeRO-1/2/3, tp, tp+sp, pp with each schedule, cp, ep, and
 their 3-D/4-D combinations on 2-8 CPU ranks with gloo). autopar's own models run too, by their
 names in ``tests/distributed/tiny_models.py`` (``--models tiny_llama,tiny_gpt``).
