@@ -1108,22 +1108,11 @@ class _TitanAttention(nn.Module):
         return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
 
 
-class _TitanFeedForward(nn.Module):
-    def __init__(self, dim, hidden):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class _TitanBlock(nn.Module):
     def __init__(self, dim, n_heads, n_kv):
         super().__init__()
         self.attention = _TitanAttention(dim, n_heads, n_kv)
-        self.feed_forward = _TitanFeedForward(dim, 128)
+        self.feed_forward = _PlainSwiGLU(dim, 128)  # torchtitan's FeedForward, Meta's SwiGLU
         self.attention_norm = nn.RMSNorm(dim, eps=1e-5)
         self.ffn_norm = nn.RMSNorm(dim, eps=1e-5)
 

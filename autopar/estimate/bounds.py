@@ -85,8 +85,8 @@ def exact_step_lower_bound(costs: ModelCosts, cluster: Cluster, config: Parallel
     m = _checked(costs, cluster, config, global_batch_size)
     cache = cache or EvalCache(cluster)
     prep = _prepared(costs, cache, config, dtype, options, stage_boundaries)
-    dp_exposed, _, optimizer, tp_sync = _data_parallel(cluster, cache, prep, config, m, dtype,
-                                                       options)
+    dp_exposed, _, optimizer, tp_sync, _ = _data_parallel(cluster, cache, prep, config, m,
+                                                          dtype, options)
     return simulated_lower_bound(config, m, prep.lay, prep.p2p) + dp_exposed + optimizer \
         + tp_sync
 

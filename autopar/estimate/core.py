@@ -247,12 +247,8 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
                                   analytic_inflight(config, m, lay))
         pipe_s, busiest, inflight = prep.pipeline[key]
 
-    dp_exposed, dp_total, optimizer, tp_grad_sync = _data_parallel(cluster, cache, prep, config,
-                                                                   m, dtype, options)
-    tied = 0.0 if config.pp == 1 else prep.tied.get(config.zero_stage)
-    if tied is None:  # the sums of gradients of weights tied across stages, after the drain
-        tied = prep.tied[config.zero_stage] = tied_gradient_sync(
-            cache, cache.units[config.micro_batch_size], lay, config, prep.groups, options, dtype)
+    dp_exposed, dp_total, optimizer, tp_grad_sync, tied = _data_parallel(
+        cluster, cache, prep, config, m, dtype, options)
     step = pipe_s + dp_exposed + optimizer + tp_grad_sync + tied
     breakdown = _breakdown(pipe_s, lay.attr_sums(busiest), m)
     breakdown["tp_comm"] += tp_grad_sync
@@ -285,11 +281,12 @@ def evaluate(costs: ModelCosts, cluster: Cluster, config: ParallelConfig, *,
 
 def _data_parallel(cluster: Cluster, cache: EvalCache, prep: "_Prepared",
                    config: ParallelConfig, m: int, dtype: str, options: EstimateOptions
-                   ) -> tuple[float, float, float, float]:
+                   ) -> tuple[float, float, float, float, float]:
     """(exposed, total) data-parallel seconds and the optimizer step, on the pipeline rank
-    with the most parameters, and the seconds of the collectives over tp that make gradients
-    whole (`partial_gradient_sync`: FSDP2 issues them in its reduce-scatter passes); memoised
-    per (ZeRO stage, micro-batches, options)."""
+    with the most parameters, the seconds of the collectives over tp that make gradients
+    whole (`partial_gradient_sync`: FSDP2 issues them in its reduce-scatter passes) and of
+    the sums of gradients of weights tied across pipeline stages after the drain
+    (`tied_gradient_sync`); memoised per (ZeRO stage, micro-batches, options)."""
     dkey = (config.zero_stage, m, options)
     if dkey not in prep.data_parallel:
         dp_exposed, dp_total = dp_comm(cache, config, prep.groups, prep.dense, prep.expert,
@@ -297,7 +294,9 @@ def _data_parallel(cluster: Cluster, cache: EvalCache, prep: "_Prepared",
         prep.data_parallel[dkey] = (dp_exposed, dp_total, _optimizer_s(
             cluster.hardware.device, prep.dense, prep.expert, config, dtype),
             partial_gradient_sync(cache, cache.units[config.micro_batch_size], prep.lay,
-                                  config, prep.groups, options, m, dtype))
+                                  config, prep.groups, options, m, dtype),
+            tied_gradient_sync(cache, cache.units[config.micro_batch_size], prep.lay, config,
+                               prep.groups, options, dtype))
     return prep.data_parallel[dkey]
 
 
@@ -318,8 +317,8 @@ class _Prepared:
     groups, the p2p time and the data-parallel view of the pipeline rank with the most
     parameters. `pipeline` and `data_parallel` memoise the closed-form pipeline terms per
     (schedule, micro-batches) and the DP/optimizer terms per (ZeRO stage, micro-batches,
-    options), `timelines` the simulated schedule per (schedule, micro-batches), `tied` the
-    sums of tied weights' gradients per ZeRO stage, so a search pays for each once."""
+    options), `timelines` the simulated schedule per (schedule, micro-batches),
+    so a search pays for each once."""
 
     lay: Layout
     groups: RankGroups
@@ -331,7 +330,6 @@ class _Prepared:
     pipeline: dict = field(default_factory=dict)
     data_parallel: dict = field(default_factory=dict)
     timelines: dict = field(default_factory=dict)
-    tied: dict = field(default_factory=dict)
 
 
 def _degrees_key(config: ParallelConfig, dtype: str, options: EstimateOptions) -> tuple:

@@ -265,16 +265,11 @@ def dp_step_collectives(costs: "ModelCosts", config: ParallelConfig, options: Es
     `pipeline_rank` in one step, as ``(kind, nbytes)``, the experts' with the dense ones
     (the stages cut at `boundaries`, or evenly by layers): what a runtime's recorded
     collectives are checked against."""
-    from autopar.estimate.layout import structure
+    from autopar.estimate.layout import step_layers
 
     if config.dp * config.cp == 1:
         return []
-    m, rest = divmod(global_batch_size, config.dp * config.micro_batch_size)
-    if rest or not m:
-        raise ValueError(f"global batch {global_batch_size} is not a multiple of dp x "
-                         f"micro-batch = {config.dp * config.micro_batch_size}")
-    units = costs.units_for(config.micro_batch_size)
-    counts = structure(units, config.pp, config.virtual_stages, boundaries).rank_counts
+    m, units, counts = step_layers(costs, config, global_batch_size, boundaries)
     here = gather_units(units, counts[pipeline_rank], config)
     dense, expert = (sum(u.layers * getattr(u, k) for u in here) for k in ("dense", "expert"))
     traffic = _traffic(here, config, options, m, dtype, dense, expert)

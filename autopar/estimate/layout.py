@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -28,9 +28,12 @@ from autopar.estimate.units import Unit
 from autopar.errors import InvalidConfigError
 from costmodels.memory import reserved_bytes, state_bytes_per_param
 
+if TYPE_CHECKING:
+    from autopar.estimate.core import ModelCosts
+
 __all__ = ["TIME_ATTRS", "Layout", "Structure", "UnitVectors", "structure", "unit_vectors",
            "layout", "pipeline_bound", "simulated_lower_bound", "analytic_inflight",
-           "fast_peak_memory", "rank_work_extremes"]
+           "fast_peak_memory", "rank_work_extremes", "step_layers"]
 
 TIME_ATTRS = ("compute_fwd", "compute_bwd", "recompute", "tp_fwd", "tp_bwd", "cp_fwd",
               "cp_bwd", "ep_fwd", "ep_bwd")
@@ -335,3 +338,15 @@ def fast_peak_memory(cfg: ParallelConfig, dtype: str, lay: Layout, inflight: np.
     live = states + inflight + lay.rank_working + gathered
     return reserved_bytes(float(live.max()))
 
+
+def step_layers(costs: "ModelCosts", config: ParallelConfig, global_batch_size: int,
+                 boundaries: Boundaries | None) -> tuple[int, list[Unit], list[list[int]]]:
+    """(micro-batches a step, the units at the micro-batch, each pipeline rank's layers of
+    each unit with the stages cut at `boundaries` or evenly by layers)."""
+    m, rest = divmod(global_batch_size, config.dp * config.micro_batch_size)
+    if rest or not m:
+        raise ValueError(f"global batch {global_batch_size} is not a multiple of dp x "
+                         f"micro-batch = {config.dp * config.micro_batch_size}")
+    units = list(costs.units_for(config.micro_batch_size))
+    counts = structure(units, config.pp, config.virtual_stages, boundaries).rank_counts
+    return m, units, [[int(n) for n in rank] for rank in counts]

@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING, Sequence
 from autopar.config import ParallelConfig
 from autopar.estimate.data_parallel import dp_bytes
 from autopar.estimate.groups import RankGroups
-from autopar.estimate.layout import Layout
+from autopar.estimate.layout import Layout, step_layers
 from autopar.estimate.options import EstimateOptions
 from autopar.estimate.stages import Boundaries
-from autopar.estimate.tp_comm import step_layers
 from autopar.estimate.units import Unit
 
 if TYPE_CHECKING:

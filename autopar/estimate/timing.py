@@ -278,9 +278,7 @@ def cp_collectives(unit: Unit, cfg: ParallelConfig, options: EstimateOptions, dt
     if cfg.cp == 1 or not unit.attention_kv_bytes:
         return [], []
     cp = cfg.cp
-    heads = min((kv.read_heads for kv in unit.kv_projections), default=cfg.tp)
-    kv = unit.attention_kv_bytes / (cp * min(cfg.tp, max(1, heads)))
-    dkv = kv * 4 / (4 if dtype == "fp32" else 2)  # attention runs in bf16 under fp8
+    kv, dkv = _cp_shares(unit, cfg, dtype)
     if options.cp_rotate == "p2p":
         return [("send_recv", kv)] * (cp - 1), [("send_recv", kv)] * (2 * (cp - 1))
     if options.cp_rotate == "ring":
@@ -288,6 +286,13 @@ def cp_collectives(unit: Unit, cfg: ParallelConfig, options: EstimateOptions, dt
         return hops, hops + [("send_recv", dkv)] * cp
     gather = [("all_gather", kv * cp)]
     return gather, gather + [("all_to_all", dkv)] * cp
+
+
+def _cp_shares(unit: Unit, cfg: ParallelConfig, dtype: str) -> tuple[float, float]:
+    """(bytes of a cp rank's K/V share, of its fp32 dK/dV accumulators) (`cp_collectives`)."""
+    heads = min((kv.read_heads for kv in unit.kv_projections), default=cfg.tp)
+    kv = unit.attention_kv_bytes / (cfg.cp * min(cfg.tp, max(1, heads)))
+    return kv, kv * 4 / (4 if dtype == "fp32" else 2)  # attention runs in bf16 under fp8
 
 
 def _cp_times(unit: Unit, cluster: Cluster, cfg: ParallelConfig, groups: RankGroups | None,
@@ -307,12 +312,11 @@ def _cp_times(unit: Unit, cluster: Cluster, cfg: ParallelConfig, groups: RankGro
         return max(cluster.collective_time("send_recv", nbytes, ring[:2]),
                    cluster.collective_time("send_recv", nbytes, (ring[-1], ring[0])))
 
-    fwd, bwd = cp_collectives(unit, cfg, options, dtype)
-    kv = fwd[0][1] if options.cp_rotate != "all_gather" else fwd[0][1] / cp
+    kv, dkv = _cp_shares(unit, cfg, dtype)
     if options.cp_rotate == "p2p":
         ring_time = (cp - 1) * hop(kv)
         return max(0.0, ring_time - attn_fwd), max(0.0, 2 * ring_time - attn_bwd)
-    last = hop(bwd[-1][1])
+    last = hop(dkv)
     if options.cp_rotate == "ring":
         return (max(0.0, (cp - 1) * hop(kv) - attn_fwd),
                 max(0.0, (cp - 1) * (hop(kv) + last) - attn_bwd) + last)

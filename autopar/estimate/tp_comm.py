@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 from autopar.config import ParallelConfig
 from autopar.estimate.data_parallel import dp_bytes, zero_passes
 from autopar.estimate.groups import RankGroups
-from autopar.estimate.layout import Layout, structure
+from autopar.estimate.layout import Layout, step_layers
 from autopar.estimate.options import EstimateOptions
 from autopar.estimate.stages import Boundaries
 from autopar.estimate.timing import cp_collectives, tp_collectives
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from autopar.estimate.core import ModelCosts
 
 __all__ = ["cp_step_collectives", "gradient_collectives", "partial_gradient_bytes",
-           "partial_gradient_sync", "partial_gradients", "primitive_collectives", "step_layers",
+           "partial_gradient_sync", "partial_gradients", "primitive_collectives",
            "tp_step_collectives"]
 
 
@@ -82,19 +82,6 @@ def partial_gradient_sync(cache, units: Sequence[Unit], lay: Layout, config: Par
     return max(sum(cache.collective_time(kind, n, groups.tp) for kind, n in
                    gradient_collectives(units, counts, config, options, m, dtype))
                for counts in lay.rank_counts)
-
-
-def step_layers(costs: "ModelCosts", config: ParallelConfig, global_batch_size: int,
-                 boundaries: Boundaries | None) -> tuple[int, list[Unit], list[list[int]]]:
-    """(micro-batches a step, the units at the micro-batch, each pipeline rank's layers of
-    each unit with the stages cut at `boundaries` or evenly by layers)."""
-    m, rest = divmod(global_batch_size, config.dp * config.micro_batch_size)
-    if rest or not m:
-        raise ValueError(f"global batch {global_batch_size} is not a multiple of dp x "
-                         f"micro-batch = {config.dp * config.micro_batch_size}")
-    units = list(costs.units_for(config.micro_batch_size))
-    counts = structure(units, config.pp, config.virtual_stages, boundaries).rank_counts
-    return m, units, [[int(n) for n in rank] for rank in counts]
 
 
 def tp_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_batch_size: int,

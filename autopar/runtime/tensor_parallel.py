@@ -224,13 +224,13 @@ class TensorParallel:
 
 
 def _distribute(module: nn.Module, mesh: Any, dims: dict[str, int], own: list[str],
-                chunks: dict[str, int], replicate_fused_bias: bool, local_moe: list[str]
+                chunks: dict[str, int], fsdp_follows: bool, local_moe: list[str]
                 ) -> None:
     """Every parameter of ``module`` (outside ``own`` subtrees) becomes a DTensor on ``mesh``,
     sharded on the plan's dim or replicated; tied parameters stay one object.  A fused
     projection's weight and bias (``chunks``: k head-major chunks of output features) are
     sharded within each chunk (``_StridedShard(0, k)``), so a rank holds whole heads of each;
-    when FSDP2 shards the parameters next (``replicate_fused_bias``) the 1-D bias, which it
+    when FSDP2 shards the parameters next (``fsdp_follows``) the 1-D bias, which it
     cannot shard again, stays replicated on tp (and a rank slices its heads in forward)."""
     done: dict[int, nn.Parameter] = {}
     for fqn, p in list(module.named_parameters(remove_duplicate=False)):
@@ -240,7 +240,7 @@ def _distribute(module: nn.Module, mesh: Any, dims: dict[str, int], own: list[st
         owner = module.get_submodule(owner_name)
         new = done.get(id(p))
         if new is None:
-            placement = _placement(fqn, p, dims, chunks, mesh.size(), replicate_fused_bias)
+            placement = _placement(fqn, p, dims, chunks, mesh.size(), fsdp_follows)
             if isinstance(p, DTensor):  # a fused expert weight's rows on the ep mesh
                 if not _under(owner_name, local_moe):
                     raise ValueError(
@@ -257,18 +257,18 @@ def _distribute(module: nn.Module, mesh: Any, dims: dict[str, int], own: list[st
 
 
 def _placement(fqn: str, p: torch.Tensor, dims: dict[str, int], chunks: dict[str, int],
-               size: int, replicate_fused_bias: bool) -> tuple:
+               size: int, fsdp_follows: bool) -> tuple:
     """The tp placement of parameter ``fqn`` (see `_distribute`). A dim tp does not divide
     (GPT-2's vocabulary of 50,257 tokens) is sharded unevenly, as DTensor shards (the last
-    ranks hold a row fewer), unless FSDP2 shards the parameter again (``replicate_fused_bias``:
+    ranks hold a row fewer), unless FSDP2 shards the parameter again (``fsdp_follows``:
     DTensor cannot gather such a two-level uneven layout)."""
     dim = dims.get(fqn)
-    if dim is not None and p.shape[dim] % size and replicate_fused_bias:
+    if dim is not None and p.shape[dim] % size and fsdp_follows:
         raise ValueError(f"{fqn} {tuple(p.shape)}: the plan shards dim {dim} over tp={size}, "
                          f"which does not divide it, and FSDP shards it again over dp; "
                          f"re-plan with a tp that divides it, zero_stage=0, or tp=1")
     k = chunks.get(fqn, 1) if dim is not None else 1
-    if k > 1 and p.dim() == 1 and replicate_fused_bias:
+    if k > 1 and p.dim() == 1 and fsdp_follows:
         return (Replicate(),)
     if k > 1 and p.shape[dim] % (k * size) == 0:
         return (_StridedShard(dim, split_factor=k),)
@@ -299,7 +299,7 @@ def apply_tensor_parallel(module: nn.Module, plan: Plan, tp_mesh: Any, *,
     holders = {fqn.rpartition(".")[0] for fqn in dims} - set(convs)
     entries = _sublayer_entries(module, holders)
     local_moe = local_moe_sublayers(module, entries, own, exact_moe)
-    _distribute(module, tp_mesh, dims, own, chunks, replicate_fused_bias=fsdp_follows,
+    _distribute(module, tp_mesh, dims, own, chunks, fsdp_follows=fsdp_follows,
                 local_moe=local_moe)
     for mod in convs.values():
         mod.__class__ = _CHANNEL_PARALLEL[type(mod)]

@@ -322,6 +322,12 @@ def test_data_parallel_collectives_are_the_ones_the_estimate_charges(matrix, pla
 CP_MOE_OTHERWISE = (("moe_loop", "cp"), ("hf_mixtral", "cp"))
 
 
+# the plans with a pipeline or a cp ring whose cells the test below reads
+PLANS_OF = {name: pins for name, (_, pins) in rm.PLANS.items()
+            if (pins.get("pp", 1) > 1 or pins.get("cp", 1) > 1) and pins.get("ep", 1) == 1
+            and pins.get("pp_schedule") != "zero-bubble"}
+
+
 def test_pipeline_and_context_parallel_transfers_are_the_ones_the_estimate_charges(
         matrix, plan_dir):
     """Every cell of the module with a pipeline or a cp ring (without expert parallel, and
@@ -354,9 +360,3 @@ def test_pipeline_and_context_parallel_transfers_are_the_ones_the_estimate_charg
             sum(n * k for (_, n), k in (got.charged - got.issued).items()), key
     assert {("nano_gpt", "cp"), ("plain_llama", "cp_pp"), ("tiny_llama", "pp_interleaved"),
             ("hf_gpt2", "tp_sp_pp"), ("tiny_llama_wide", "cp_tp_sp")} <= set(checked), checked
-
-
-# the plans with a pipeline or a cp ring whose cells the test above reads
-PLANS_OF = {name: pins for name, (_, pins) in rm.PLANS.items()
-            if (pins.get("pp", 1) > 1 or pins.get("cp", 1) > 1) and pins.get("ep", 1) == 1
-            and pins.get("pp_schedule") != "zero-bubble"}

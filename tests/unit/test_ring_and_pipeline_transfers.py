@@ -102,7 +102,7 @@ def test_a_head_tied_to_the_embedding_sums_its_gradient_between_the_two_stages()
 
 
 def _layers_per_rank(costs, cfg):
-    from autopar.estimate.tp_comm import step_layers
+    from autopar.estimate.layout import step_layers
 
     return step_layers(costs, cfg, cfg.dp * cfg.micro_batch_size, None)[2]
 
