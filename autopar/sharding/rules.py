@@ -14,8 +14,10 @@ ATTENTION    heads (q, k, v, out on dim 1; q-only with replicated k/v when the k
 NORM         any non-normalised dim; batch norm also its channel dim (params sharded) and
              its batch dim (statistics all-reduced: 2 · C fp32 forward and backward)
 ELEMENTWISE  any output dim, inputs following by right-aligned broadcasting (a broadcast or
-DROPOUT      a differently-sized input dim stays replicated / excludes the dim); linear ops
-             (add, sub, neg, cat, clone, stack) also pass partial sums through; ``stack``
+DROPOUT      a differently-sized input dim stays replicated / excludes the dim), a parameter
+             among them also replicated, read by its slice (gradient all-gathered); linear
+             ops (add, sub of two tensors, neg, cat, clone, stack) also pass partial sums
+             through; ``stack``
              any input dim, moved past the new dim; an MoE layer's gated expert activation
              its features, from both halves of its input
 SOFTMAX      any dim but the last (the softmax dim in every traced model)
@@ -61,6 +63,7 @@ from autopar.sharding.views import op_name, view_dim_map
 __all__ = ["on_sequence_shard", "op_name", "signature", "strategies"]
 
 _LINEAR = {"add", "add_", "sub", "sub_", "neg", "cat", "clone", "copy", "copy_", "sum"}
+_BINARY = {"add", "add_", "sub", "sub_"}
 _LINEAR_REDUCE = {"sum", "mean"}
 _BATCH_NORM = {"native_batch_norm", "_native_batch_norm_legit",
                "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
@@ -129,8 +132,12 @@ def _aux_output(shape: Sequence[int], ref: Sequence[int], dim: int, n: int) -> s
 
 
 def _pointwise(node: Node, n: int, excluded: set[int] = frozenset()) -> list[Strategy]:
-    """Shard any output dim not in ``excluded``; inputs follow by broadcasting."""
+    """Shard any output dim not in ``excluded``; inputs follow by broadcasting. A parameter
+    that follows the shard may also stay replicated, each rank reading its slice: its
+    gradient, split likewise, is then all-gathered backward (a norm's weight scaling the
+    features of a column-parallel projection, as DTensor runs it)."""
     out = node.outputs[0].shape
+    params = [i for i, src in enumerate(node.input_sources) if src.startswith("param:")]
     found = []
     for d in range(len(out)):
         if d in excluded or not _ok(out[d], n):
@@ -140,6 +147,15 @@ def _pointwise(node: Node, n: int, excluded: set[int] = frozenset()) -> list[Str
             continue
         outs = [_follow(t.shape, out, d, n) or REPLICATE for t in node.outputs]
         found.append(_make(f"S({d})", ins, outs, n))
+        sliced = [i for i in params if ins[i] != REPLICATE]
+        if sliced:
+            whole = [REPLICATE if i in sliced else p for i, p in enumerate(ins)]
+            grads = tuple(REPLICATE if i in sliced else g
+                          for i, g in enumerate(default_input_grads(ins, True)))
+            gathers = tuple(("all_gather", float(node.inputs[i].num_bytes)) for i in sliced)
+            found.append(Strategy(name=f"S({d}) sliced", inputs=tuple(whole),
+                                  outputs=tuple(outs), input_grads=grads, work_divisor=n,
+                                  bwd_collectives=gathers))
     return found
 
 
@@ -162,7 +178,8 @@ def _elementwise(node: Node, n: int) -> list[Strategy]:
         return _stacked(node, n) + [_make("P", [PARTIAL] * len(node.inputs), [PARTIAL], n,
                                           split=False)]
     found = _pointwise(node, n) + _gated_halves(node, n)
-    if op_name(node.target) in _LINEAR and node.outputs[0].shape:
+    if op_name(node.target) in _LINEAR and node.outputs[0].shape and not (
+            op_name(node.target) in _BINARY and len(node.inputs) < 2):  # x + eps: not linear
         found.append(_make("P", [PARTIAL] * len(node.inputs), [PARTIAL] * len(node.outputs),
                            n, split=False))
     return found

@@ -15,6 +15,8 @@ The IR keeps a view's target and shapes but not its arguments, so the dim map is
   of equal size map to themselves (right-aligned for ``expand``), others do not.
 * rank-dropping (``select``, ``unbind``): every way of deleting dims that yields the output
   shape is a candidate; a dim maps where all candidates agree.
+* ``view_as_complex``/``view_as_real`` (RoPE as complex products): the dims before the
+  trailing pair of reals map to themselves.
 Anything else maps no dim (only replicate/partial propagate).
 """
 
@@ -31,6 +33,7 @@ _RESHAPE = {"view", "_unsafe_view", "reshape", "flatten", "unflatten", "_reshape
 _PERMUTE = {"transpose", "t", "permute", "swapaxes", "movedim", "mT"}
 _SAME_RANK = {"slice", "narrow", "split", "split_with_sizes", "chunk", "expand", "expand_as"}
 _DROP = {"select", "unbind"}
+_COMPLEX = {"view_as_complex", "view_as_real"}
 
 
 def op_name(target: str) -> str:
@@ -121,6 +124,8 @@ def view_dim_map(target: str, input_shape: Sequence[int],
         return _permute_map(a, b, op)
     if op in _DROP:
         return _drop_map(a, b)
+    if op in _COMPLEX:
+        return {d: d for d in range(min(len(a), len(b))) if a[d] == b[d] and a[d] > 1}
     if op in _SAME_RANK:
         return _same_rank_map(a, b)
     if op in _RESHAPE or a == b:

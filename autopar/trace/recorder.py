@@ -5,7 +5,8 @@ tensors (no memory is allocated):
 
 * a ``TorchFunctionMode`` that records a few fused functions as single ops before PyTorch
   decomposes them on the meta device (``scaled_dot_product_attention`` -> one ATTENTION node,
-  ``rms_norm``, ``dropout``, ``cross_entropy``) and remembers where a forward failed;
+  ``rms_norm``, ``dropout``, ``cross_entropy``, ``matmul`` of batched operands) and remembers
+  where a forward failed;
 * a ``TorchDispatchMode`` that records every other ATen op.
 
 Tensors are followed by identity: each gets a value record with its storage base (views
@@ -115,6 +116,9 @@ class Recorder:
             F.rms_norm: self._rms_norm,
             F.dropout: self._dropout,
             F.cross_entropy: self._cross_entropy,
+            torch.matmul: self._matmul,
+            torch.Tensor.matmul: self._matmul,
+            torch.Tensor.__matmul__: self._matmul,
         }
 
     # ------------------------------------------------------------------ context
@@ -389,6 +393,25 @@ class Recorder:
                   in_tensors=ins, out_tensors=[out], flops_fwd=fwd, flops_bwd=bwd,
                   save=ins + [out], traits=OpTraits(extra_saved_bytes=lse_bytes, attention=spec))
         return out
+
+    def _matmul(self, input, other, *, out=None):
+        """A product of two batched operands (``q @ k.transpose(-2, -1)`` on ``[b, h, s, d]``)
+        as one node with its batch dims apart: ATen runs it as a ``bmm`` over the batch dims
+        flattened, where a shard of an inner batch dim (the heads) is no block of the merged
+        dim. Other products (``x @ W``, vectors) are recorded as the ATen ops they run."""
+        if out is not None or not isinstance(other, torch.Tensor) or input.dim() < 3 \
+                or other.dim() < 3:
+            return torch.matmul(input, other, out=out)
+        with self.paused():
+            result = torch.matmul(input, other)
+        flops = 2 * result.numel() * input.shape[-1]
+        vals = [self.value(input), self.value(other)]
+        save = [t for t, partner in ((input, vals[1]), (other, vals[0])) if partner.needs_grad]
+        self.emit(kind=OpKind.MATMUL, target="torch.matmul", short="matmul",
+                  in_tensors=[input, other], out_tensors=[result], flops_fwd=flops,
+                  flops_bwd=flops * sum(v.needs_grad for v in vals), save=save,
+                  traits=OpTraits(score_out=self._is_score(OpKind.MATMUL, vals, [result])))
+        return result
 
     def _rms_norm(self, input, normalized_shape, weight=None, eps=None):
         out = self._empty(input.shape, input)

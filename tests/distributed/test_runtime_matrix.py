@@ -35,14 +35,14 @@ SLICE = {
 }
 
 
-# Gemma 2's hand-written attention: the ILP prices its blocks with all-to-alls the layout
-# the plan runs (Megatron's, which the runtime and the estimate agree on) does not move;
 # StarCoder's and Phi-3's fused q/k/v projections run whole: on gloo's latencies the ILP
 # executes them with one all-reduce of the whole projection's output gradient, where the
 # runtime and the estimate gather the queries' and reduce K's and V's (three collectives)
-# OLMo 2's norms over the whole q and k projections: the ILP has no strategy that uses a
-# replicated norm weight's local share, so it gathers the projections
-ILP_EXECUTES_OTHERWISE = ("hf_gemma2", "hf_gpt_bigcode", "hf_phi3", "hf_olmo2")
+# OLMo 2's norms over the whole q and k projections: on gloo's latencies the ILP gathers
+# the projections (two collectives), where the runtime and the estimate all-reduce each
+# norm's per-row statistic each way and gather its weight's gradient (three; the ILP's
+# choice too at Llama-7B widths on H100)
+ILP_EXECUTES_OTHERWISE = ("hf_gpt_bigcode", "hf_phi3", "hf_olmo2")
 
 
 @pytest.fixture(scope="module")

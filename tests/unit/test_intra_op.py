@@ -508,6 +508,46 @@ def test_matmul_rules_from_einsum():
     assert strategies(node, 1) == (by_name["R"],)
 
 
+def test_view_dim_maps_of_complex_views():
+    """RoPE as complex products (torchtitan): the dims before the pair of reals pass."""
+    assert view_dim_map("aten.view_as_complex.default", (2, 64, 4, 8, 2), (2, 64, 4, 8)) == {
+        0: 0, 1: 1, 2: 2, 3: 3}
+    assert view_dim_map("aten.view_as_real.default", (2, 64, 4, 8), (2, 64, 4, 8, 2)) == {
+        0: 0, 1: 1, 2: 2, 3: 3}
+
+
+def test_batched_matmul_rules_shard_each_batch_dim():
+    """``q @ k.transpose(-2, -1)`` on [batch, heads, seq, head_dim], recorded whole: the
+    heads shard (dim 1 of both operands and of the scores), as the batch does."""
+    q, k = _t((2, 4, 64, 16)), _t((2, 4, 16, 64))
+    node = Node(name="scores", kind=OpKind.MATMUL, target="torch.matmul", inputs=(q, k),
+                input_sources=("q", "k"), outputs=(_t((2, 4, 64, 64)),))
+    by_name = {s.name: s for s in strategies(node, 2)}
+    assert by_name["S(b)"].inputs == ("S(1)", "S(1)") and by_name["S(b)"].outputs == ("S(1)",)
+    assert by_name["S(a)"].outputs == ("S(0)",) and by_name["S(k)"].outputs == ("P",)
+
+
+def test_a_replicated_weight_may_scale_split_features_by_its_slice():
+    """A norm's weight scaling split features: sharded with them, or replicated with each
+    rank reading its slice, its gradient all-gathered backward (as DTensor runs a replicated
+    weight against a sharded activation); no partial sum passes ``x + eps``, which is not
+    linear in ``x``."""
+    x, w = _t((8, 64, 64)), _t((64,))
+    scale = Node(name="scale", kind=OpKind.ELEMENTWISE, target="aten.mul.Tensor",
+                 inputs=(x, w), input_sources=("x", "param:norm.weight"), outputs=(x,),
+                 params=(ParamSpec(fqn="norm.weight", shape=(64,), dtype=DT),))
+    on_features = [s for s in strategies(scale, 2) if s.outputs == ("S(2)",)]
+    assert [(s.inputs, s.input_grads, s.bwd_collectives) for s in on_features] == [
+        (("S(2)", "S(0)"), ("S(2)", "S(0)"), ()),
+        (("S(2)", "R"), ("S(2)", "R"), (("all_gather", float(w.num_bytes)),))]
+    plus_eps = Node(name="eps", kind=OpKind.ELEMENTWISE, target="aten.add.Tensor",
+                    inputs=(_t((8, 64, 1)),), input_sources=("mean",),
+                    outputs=(_t((8, 64, 1)),))
+    assert all("P" not in s.inputs for s in strategies(plus_eps, 2))
+    both = dataclasses.replace(plus_eps, inputs=(x, x), input_sources=("a", "b"), outputs=(x,))
+    assert any(s.inputs == ("P", "P") for s in strategies(both, 2))
+
+
 def test_grouped_expert_gemm_rules_split_features_never_experts():
     """A fused MoE layer's expert GEMM (routed rows times [E, out, in]) shards its output
     features (column), its input features (row: output partial) or its rows, and never the

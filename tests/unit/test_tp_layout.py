@@ -295,6 +295,33 @@ def test_the_ilp_prices_an_moe_block_as_the_runtime_runs_it(make, sequence_paral
         partial_gradient_bytes(unit, sequence_parallel))
 
 
+@pytest.mark.parametrize("make", [corpus.hf_gemma2, corpus.titan_llama])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_the_ilp_runs_hand_written_attention_on_split_heads(make, sequence_parallel):
+    """Attention as models write it by hand: Gemma 2's eager scores (``q @ k.transpose``
+    with soft-capping, k/v heads repeated by ``expand``) and torchtitan's RoPE as complex
+    products (``view_as_complex``). At tp=2 on gloo the ILP's best execution of the plan's
+    layout keeps the heads split through them, with the estimate's collectives: no
+    all-to-all to a batch split, no gathered projection."""
+    from autopar.estimate.core import costs_of_layout
+    from autopar.estimate.timing import tp_collectives
+    from autopar.estimate.tp_comm import primitive_collectives
+
+    with torch.device("meta"):
+        model = make()
+    gloo = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=2)
+    plan = autopar.compile(model, gloo, global_batch_size=8, seq_len=64, dtype="fp32",
+                           constraints={"tp": 2, "sequence_parallel": sequence_parallel})
+    graph = autopar.trace(model, global_batch_size=plan.config.micro_batch_size, seq_len=64,
+                          dtype="fp32")
+    units = {u.name: u for u in costs_of_layout(graph, plan.config, plan.tp_placements).units}
+    for name, block in plan.intra_op.items():
+        fwd, bwd = tp_collectives(units[name], plan.config)
+        ilp = block["forward_collectives"] + block["backward_collectives"]
+        assert primitive_collectives(ilp) == primitive_collectives(fwd + bwd), name
+        assert len(ilp) == len(fwd + bwd) and "all_to_all" not in {k for k, _ in ilp}, name
+
+
 def test_a_model_given_example_inputs_has_its_layout_solved_at_the_micro_batch():
     """A ViT compiled from example inputs of 8 images, with 2 images per micro-batch pinned
     (dp2 tp2 pp2): the intra-op ILP solves its block traced at the micro-batch, so the

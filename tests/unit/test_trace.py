@@ -84,7 +84,8 @@ def test_llama_layer_forward_flops_match_swiglu_gqa_closed_form():
 
 
 @pytest.mark.parametrize("name,overrides", [("gpt2", TINY_GPT), ("llama3-8b", TINY_LLAMA),
-                                            ("mixtral-8x7b", TINY_MIXTRAL)])
+                                            ("mixtral-8x7b", TINY_MIXTRAL),
+                                            ("gpt2", dict(TINY_GPT, attention=AttentionImpl.MATH))])
 def test_whole_model_train_flops_match_flop_counter_on_real_model(name, overrides):
     # Mixtral: the real step routes tokens randomly, but every token still meets exactly k
     # experts, so the expected-routing count (capacity factor 1) equals the real one.
@@ -132,6 +133,20 @@ def _ln_stats(s, b):
 def test_gpt_activations_match_korthikanti_with_dropout_and_explicit_attention():
     saved, (b, s, h, a) = _gpt_saved_per_layer(dropout=0.1, attention=AttentionImpl.MATH)
     assert saved == 34 * s * b * h + 5 * a * s * s * b + _ln_stats(s, b)
+
+
+def test_a_batched_product_is_one_node_with_its_batch_dims_apart():
+    """Attention written with ``q @ k.transpose(-2, -1)`` and ``p @ v`` on [b, heads, s, d]:
+    one MATMUL node each, over the operands as the model holds them (ATen would run a bmm
+    over the batch and heads flattened), the scores marked as such."""
+    model = models.build("gpt2", **dict(TINY_GPT, attention=AttentionImpl.MATH))
+    graph = trace(model, global_batch_size=2, seq_len=16)
+    products = [n for n in layer_nodes(graph) if n.target == "torch.matmul"]
+    assert [(n.inputs[0].shape, n.inputs[1].shape, n.outputs[0].shape) for n in products] == [
+        ((2, 4, 16, 16), (2, 4, 16, 16), (2, 4, 16, 16)),
+        ((2, 4, 16, 16), (2, 4, 16, 16), (2, 4, 16, 16))]
+    assert not any("bmm" in n.target for n in graph.nodes)
+    assert [n.flops_fwd for n in products] == [2 * 2 * 4 * 16 * 16 * 16] * 2
 
 
 def test_selective_recompute_leaves_34sbh():
