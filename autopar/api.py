@@ -21,7 +21,8 @@ from autopar.search.context import SearchContext
 from autopar.search.inter_op import LayerCosts, partition_stages
 from costmodels.memory import live_bytes_budget
 from autopar.models.common import count_attention_calls
-from autopar.plan import Plan, fp8_weights, fused_projections, param_placements
+from autopar.plan import (Plan, fp8_weights, fused_projections, param_placements,
+                          summed_row_weights)
 from autopar.plan.sections import PlanCluster, PlanMesh, PlanModel, PlanTraining
 from autopar.runtime.capabilities import RuntimeLimits, runtime_limits
 from autopar.search.tp_layout import choose_layout
@@ -117,7 +118,9 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
         model=PlanModel(model_class=graph.model_class, fingerprint=fingerprint,
                         num_params=graph.num_params, num_layers=costs.num_layers,
                         cp_layout=limits.cp_layout, ep_dispatch=limits.ep_dispatch,
-                        fused_projections=fused_projections(graph) or None),
+                        fused_projections=fused_projections(graph) or None,
+                        summed_row_weights=cfg.tp > 1 and summed_row_weights(
+                            graph, cfg.sequence_parallel) or None),
         cluster=PlanCluster(profile=cluster.name, num_nodes=cluster.num_nodes,
                             world_size=cluster.world_size, fingerprint=cluster.fingerprint()),
         training=PlanTraining(

@@ -188,6 +188,10 @@ def tp_collectives(unit: Unit, cfg: ParallelConfig
         return fwd, bwd
     skip = dict.fromkeys(("forward", "backward"), unit.moe_reductions if cfg.folded else 0)
     for direction, kind, nbytes in unit.tp_syncs:
+        if kind == "reduce_sp":  # a partial sum meeting the stream's sequence shard
+            if not cfg.sequence_parallel:
+                continue
+            kind = "reduce"
         if kind == "reduce" and skip[direction]:
             skip[direction] -= 1
             continue

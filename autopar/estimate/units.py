@@ -11,10 +11,9 @@ timing and memory models need, per micro-batch of the traced size, unsharded:
   memory-bound ops, which tensor parallelism shards only with sequence parallelism), and the
   outputs per-op recompute keeps (`autopar.config.PER_OP_SAVED`);
 - the tensor-parallel synchronisations of one layer, forward and backward (`tp_syncs`: in a
-  block one reduction of the hidden state each way per sub-layer -- the row-parallel GEMM's
-  output forward, found from the dataflow by `autopar.ir.residual`, the column-parallel GEMMs'
-  input gradient backward; in the glue what each op moves, as `_tp_syncs` says), the size of
-  the hidden state, the parameters whose gradients sequence parallelism leaves partial, MoE
+  block the hidden state's reductions `autopar.ir.residual.reduction_points` finds from the
+  dataflow; in the glue what each op moves, as `_tp_syncs` says), the size of the hidden
+  state, the parameters whose gradients sequence parallelism leaves partial, MoE
   dispatch bytes and the K/V bytes ring attention passes around.
 
 Pure functions of the IR; no torch import.
@@ -127,10 +126,10 @@ class Unit:
     # tensor-parallel synchronisations per layer under Megatron's layout: (direction
     # "forward"/"backward", kind, nbytes at the traced batch); kind "reduce" (a partial sum:
     # an all-reduce, or with sequence parallel a reduce-scatter and an all-gather the other
-    # way), "gather" (a split output gathered), "loss" (a parallel cross-entropy's per-row
-    # all-reduce), "stat" (a norm's per-row statistic over split features, all-reduced) or
-    # "weight" (the gradient of a replicated weight scaling split features, all-gathered
-    # from the ranks' shares: its bytes do not grow with the batch)
+    # way; "reduce_sp" one under sequence parallel only), "gather" (a split output gathered),
+    # "loss" (a parallel cross-entropy's per-row all-reduce), "stat" (a norm's per-row
+    # statistic over split features, all-reduced) or "weight" (a replicated weight's gradient
+    # over split features, all-gathered from the ranks' shares: bytes fixed by the batch)
     tp_syncs: tuple[tuple[str, str, float], ...]
     moe_dispatch_bytes: int  # tokens x top-k x hidden, per MoE layer of the unit
     # of `tp_syncs`' reductions per direction, those of its MoE sub-layers (one per dispatch:
@@ -526,10 +525,11 @@ def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]
     ``(direction, kind, nbytes)`` (`Unit.tp_syncs`), and the nodes on its sequence-sharded
     stream under sequence parallel.
 
-    A block (a run with residual adds) reduces the hidden state once each way per partial sum
-    (`reduction_points`: each row-parallel GEMM's output, an MoE sub-layer's once with its
-    shared expert's) -- the output forward, the column-parallel GEMMs' input gradient
-    backward -- and per output-channel parallel convolution, and all-reduces each
+    A block (a run with residual adds) reduces the hidden state per partial sum
+    (`reduction_points`: row-parallel GEMMs' outputs forward, once per sum they join; the
+    column-parallel GEMMs' input gradients backward, once per tensor they read; an MoE
+    sub-layer's once each way with its shared expert's) and per output-channel parallel
+    convolution each way, and all-reduces each
     norm statistic over split features each way, all-gathering the gradients of the weights
     scaling them (`split_statistics`); its stream is the residual structure's. In the glue
     each op says what it moves: a vocabulary-parallel lookup reduces its output forward (its
@@ -539,9 +539,10 @@ def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]
     which reduces three fp32 values per row forward); a convolution's output channels are
     gathered likewise. The glue's stream is every other op."""
     if residual.residual_adds:
-        points = reduction_points(nodes, residual) + sum(
-            n.kind is OpKind.CONV and bool(n.params) for n in nodes)
-        syncs = [("forward", "reduce", act)] * points + [("backward", "reduce", act)] * points
+        fwd, fwd_sp, bwd = (k + sum(n.kind is OpKind.CONV and bool(n.params) for n in nodes)
+                            for k in reduction_points(nodes, residual))
+        syncs = [("forward", "reduce", act)] * fwd + [("forward", "reduce_sp", act)] * max(
+            0, fwd_sp - fwd) + [("backward", "reduce", act)] * bwd
         for stat, scales in split_statistics(nodes, residual):
             n = stat.outputs[0].num_bytes
             syncs += [("forward", "stat", n), ("backward", "stat", n)]

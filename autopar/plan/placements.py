@@ -36,12 +36,13 @@ from autopar.estimate.fp8 import fp8_weight
 from autopar.estimate.kv import kv_whole
 from autopar.estimate.units import Unit
 from autopar.ir import Graph, OpKind
-from autopar.ir.residual import (MIXING_KINDS, consumers, fused_chunks, kv_projections,
-                                 moe_dispatch, residual_structure, router_gemms, sublayers,
-                                 token_lookup, vocab_sizes)
+from autopar.ir.residual import (MIXING_KINDS, consumers, dense_row_gemms, fused_chunks,
+                                 kv_projections, moe_dispatch, residual_structure,
+                                 router_gemms, sublayers, summed_row_gemms, token_lookup,
+                                 vocab_sizes)
 
 __all__ = ["fp8_weights", "fused_projections", "megatron_tp_placements", "param_placements",
-           "replicated_kv", "replicated_sublayers"]
+           "replicated_kv", "replicated_sublayers", "summed_row_weights"]
 
 
 def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
@@ -212,6 +213,22 @@ def fused_projections(graph: Graph) -> dict[str, int]:
     chunks = fused_chunks(graph.nodes)
     return {name: chunks[p.fqn] for _, p, names in _layer_names(graph) if p.fqn in chunks
             for name in sorted(names)}
+
+
+def summed_row_weights(graph: Graph, sequence_parallel: bool) -> list[str]:
+    """The FQNs, in every layer, of the parameters of row-parallel GEMMs whose partial
+    outputs are summed before one reduction (`autopar.ir.residual.summed_row_gemms`: a
+    parallel attention and MLP), as the estimate costs them: the runtime leaves their
+    outputs partial, for DTensor to reduce where the sum is read."""
+    rows: set[str] = set()
+    for block in graph.blocks:
+        nodes = [graph.node(name) for name in block.node_names]
+        residual = residual_structure(nodes)
+        for group in summed_row_gemms(nodes, residual, dense_row_gemms(nodes, residual),
+                                      sequence_parallel=sequence_parallel):
+            rows |= group if len(group) > 1 else set()
+    return sorted({name for node, _, names in _layer_names(graph) if node.name in rows
+                   for name in names})
 
 
 def fp8_weights(graph: Graph) -> list[str]:

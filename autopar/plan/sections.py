@@ -94,7 +94,8 @@ class PlanModel(_Section):
     """The model the plan was made for."""
 
     _KEYS: ClassVar[dict[str, str]] = {"model_class": "class"}
-    _OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"fused_projections"})
+    _OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"fused_projections",
+                                                      "summed_row_weights"})
 
     model_class: str
     """The traced module's class name (saved as "class")."""
@@ -114,6 +115,9 @@ class PlanModel(_Section):
     fused_projections: dict[str, int] | None = None
     """``{param FQN: k}`` for each fused projection whose output is k head-major chunks, each
     of which column parallel splits; None where the model has none."""
+    summed_row_weights: list[str] | None = None
+    """The parameters of row-parallel GEMMs whose partial outputs the plan sums before one
+    reduction over tp (a parallel attention and MLP), every layer; None where it sums none."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -101,6 +101,8 @@ class LocalAttention(TorchFunctionMode):
             scaled = _scaled_partial(*args)
             if scaled is not None:
                 return scaled
+        if func in _ADDS and len(args) == 2:
+            args = _settled_on_shard(*args)
         if func in _SPLITS and isinstance(args[0], DTensor):
             pieces = _split_chunks(func, *args, **kwargs)
             if pieces is not None:
@@ -127,6 +129,27 @@ class LocalAttention(TorchFunctionMode):
 
 
 _MULS = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
+_ADDS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__,
+         torch.Tensor.add_, torch.Tensor.__iadd__)
+
+
+def _settled_on_shard(a: Any, b: Any) -> tuple[Any, Any]:
+    """A partial sum added to a sharded tensor (row-parallel outputs summed before their one
+    reduction, meeting the stream's sequence shard under sequence parallel): the partial
+    operand reduce-scattered to the shard by a redistribute of its own, whose backward
+    gathers the gradient once; DTensor would reduce it inside the add, whose backward hands
+    the sharded gradient on to each summand's GEMM."""
+    def layout(t: Any):
+        return t.placements if isinstance(t, DTensor) else None
+
+    pa, pb = layout(a), layout(b)
+    if pa is None or pb is None or len(pa) != 1 or len(pb) != 1:
+        return a, b
+    if pa[0].is_partial("sum") and pb[0].is_shard():
+        return a.redistribute(a.device_mesh, pb), b
+    if pb[0].is_partial("sum") and pa[0].is_shard():
+        return a, b.redistribute(b.device_mesh, pa)
+    return a, b
 _MEANS = (torch.mean, torch.Tensor.mean)
 
 

@@ -22,13 +22,21 @@ What the hooks add, per module that directly holds a tp-sharded parameter:
   ``to_local``/``from_local`` pair, whose backward turns any incoming gradient layout into that
   placement (DTensor cannot redistribute a partial gradient into a vocab-masked one).
 
+Row-parallel GEMMs whose partial outputs are summed before one reduction (a parallel
+attention and MLP, the plan's ``summed_row_weights``) are not reduced after them: DTensor adds
+their partial sums, and the sum is reduced where it meets the stream (reduce-scattered to its
+sequence shard under sequence parallel, by a redistribute of its own,
+`local_attention.LocalAttention`) or as it leaves the block.
+
 Under sequence parallel, each sub-layer (a child of a block that holds tp-sharded parameters:
 attention, MLP, MoE) all-gathers its sequence-sharded input on entry (Megatron's ``g``), so its
 GEMMs read the full sequence rather than DTensor gathering a weight, and token routing sees
 whole sequences; the norms between sub-layers run on the sequence shard, and their partial-sum
 weight gradients are all-reduced once a step in one buffer (``settle_gradients``). Without
 it, a sub-layer's replicated input has its gradient all-reduced as it leaves the sub-layer
-(Megatron's ``f``), so the ops before it -- a norm, its weight -- see whole gradients.
+(Megatron's ``f``), so the ops before it -- a norm, its weight -- see whole gradients. Sub-layers
+of a block that read one tensor (both branches of a parallel block after one norm) share its
+gather, and the one reduction of their summed gradients.
 
 Scaled-dot-product attention has no DTensor strategy on CPU: the step runs under
 `autopar.runtime.local_attention.LocalAttention`, which runs it on the local heads.
@@ -67,7 +75,7 @@ from torch.utils._pytree import tree_map
 from autopar.ir import SEQUENCE_DIM
 from autopar.runtime.expert_gather import split_rows_over_tp
 from autopar.runtime.pipeline import tied_parameters
-from autopar.runtime.structure import block_slots
+from autopar.runtime.structure import block_names, block_slots
 from autopar.runtime.tp_moe import install_local_moe, local_moe_sublayers
 
 if TYPE_CHECKING:
@@ -305,18 +313,29 @@ def apply_tensor_parallel(module: nn.Module, plan: Plan, tp_mesh: Any, *,
         mod.__class__ = _CHANNEL_PARALLEL[type(mod)]
     seq = (Shard(SEQUENCE_DIM),) if sp else (Replicate(),)
     enter = _gather_sequence if sp else _reduce_gradient
-    entry = lambda _m, args, kwargs: (  # noqa: E731
-        tree_map(lambda t: enter(t, tp_mesh), args),
-        tree_map(lambda t: enter(t, tp_mesh), kwargs))
+    shared = _SharedEntries(lambda t: enter(t, tp_mesh))
+    layers = block_names(module)
+    in_block = lambda name: [b for b in layers if name.startswith(b + ".")]  # noqa: E731
     for name in sorted(entries):
-        module.get_submodule(name).register_forward_pre_hook(entry, with_kwargs=True)
+        module.get_submodule(name).register_forward_pre_hook(
+            shared.enter if in_block(name) else lambda _m, args, kwargs: (
+                tree_map(lambda t: enter(t, tp_mesh), args),
+                tree_map(lambda t: enter(t, tp_mesh), kwargs)), with_kwargs=True)
     for name in local_moe:
         install_local_moe(module.get_submodule(name), tp_mesh, sp, SEQUENCE_DIM)
-    for name in sorted(holders):
-        module.get_submodule(name).register_forward_hook(
-            lambda _m, _args, out: tree_map(
-                lambda t: _settle(t, tp_mesh, seq if t.dim() > SEQUENCE_DIM + 1 else
-                                  (Replicate(),)) if isinstance(t, DTensor) else t, out))
+    settle = lambda _m, _args, out: tree_map(  # noqa: E731
+        lambda t: _settle(t, tp_mesh, seq if t.dim() > SEQUENCE_DIM + 1 else (Replicate(),))
+        if isinstance(t, DTensor) else t, out)
+    summed = {fqn.rpartition(".")[0] for fqn in plan.model.summed_row_weights or ()}
+    for name in sorted(holders - summed):
+        module.get_submodule(name).register_forward_hook(settle)
+    summing = {b for name in holders & summed for b in in_block(name)}
+    for name in layers:
+        block = module.get_submodule(name)
+        block.register_forward_pre_hook(shared.clear)
+        block.register_forward_hook(shared.clear)
+        if name in summing:
+            block.register_forward_hook(settle)  # a sum of partial outputs leaving it
     for name in own:
         _local_island(module.get_submodule(name), tp_mesh)
     if not dims:
@@ -326,6 +345,31 @@ def apply_tensor_parallel(module: nn.Module, plan: Plan, tp_mesh: Any, *,
              ", ".join(f"{k}=S({v})" for k, v in sorted(dims.items())[:6]),
              ", ..." if len(dims) > 6 else "")
     return TensorParallel(mesh=tp_mesh, sequence_parallel=sp, sharded=dims)
+
+
+class _SharedEntries:
+    """The pre-hook of a block's sub-layers: each tensor entering them (``enter``: its
+    sequence gathered, or the boundary where its gradient is reduced) is entered once per
+    block, so that sub-layers reading one tensor (a parallel attention and MLP after one
+    norm) share the gather and the one reduction of their summed input gradients. Blocks
+    clear it on entry and exit."""
+
+    def __init__(self, enter):
+        self._enter = enter
+        self._done: dict[int, tuple[Any, Any]] = {}
+
+    def _once(self, t: Any) -> Any:
+        if not isinstance(t, DTensor):
+            return t
+        if id(t) not in self._done:  # the tensor is held: its id is not reused meanwhile
+            self._done[id(t)] = (t, self._enter(t))
+        return self._done[id(t)][1]
+
+    def enter(self, _m, args, kwargs):
+        return tree_map(self._once, args), tree_map(self._once, kwargs)
+
+    def clear(self, *_hook_args) -> None:
+        self._done.clear()
 
 
 def _sublayer_entries(module: nn.Module, holders: set[str]) -> set[str]:

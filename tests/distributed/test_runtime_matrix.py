@@ -55,6 +55,7 @@ MQA = [("plain_mqa", p) for p in ("tp", "tp_sp", "tp_sp_mb1")] + [("hf_gemma", "
 FUSED = [("hf_gpt_bigcode", "tp_sp"), ("hf_phi3", "tp")]
 NORMS = [("hf_qwen3", "tp"), ("hf_qwen3", "tp_sp"), ("hf_gemma2", "tp"), ("hf_olmo2", "tp"),
          ("hf_gemma", "tp_sp")]
+PARALLEL = [(m, p) for m in ("hf_gptj", "hf_gpt_neox", "hf_falcon") for p in ("tp", "tp_sp")]
 DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
 DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
 OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op"),
@@ -77,7 +78,7 @@ OWN = [("tiny_llama", p) for p in ("pp_gpipe_mb8", "pp_interleaved", "zero2_full
 def matrix(plan_dir):
     """Every cell the tests read, trained in one launch per rank count."""
     pairs = [(m, p) for p, models in SLICE.items() for m in models] + ZOO + MQA + FUSED \
-        + NORMS + DP + OTHERS + OWN
+        + NORMS + PARALLEL + DP + OTHERS + OWN
     return {(c.model, c.plan): c for c in rm.run_pairs(list(dict.fromkeys(pairs)), plan_dir)}
 
 
@@ -106,6 +107,14 @@ def fused_cells(matrix):
     query heads: StarCoder's (one k/v head after the queries) and Phi-3's (q, k and v rows
     sliced at unequal widths)."""
     return [matrix[k] for k in FUSED]
+
+
+@pytest.fixture(scope="module")
+def parallel_cells(matrix):
+    """A parallel attention and MLP: GPT-J's after one norm, GPT-NeoX's after two, Falcon's
+    summed in place (``mlp_output += attention_output``): their partial outputs are summed
+    and reduced once, and where both read one tensor its gradient is reduced once."""
+    return [matrix[k] for k in PARALLEL]
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +247,8 @@ def test_tensor_parallel_issues_megatrons_collectives(cells):
 
 @pytest.mark.parametrize("plan_name", ["tp", "tp_sp", "tp_sp_mb1"])
 def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
-        cells, zoo_cells, mqa_cells, norm_cells, fused_cells, plan_dir, plan_name):
+        cells, zoo_cells, mqa_cells, norm_cells, fused_cells, parallel_cells, plan_dir,
+        plan_name):
     """One layout, three readers: on the dense models (a hand-written Llama, nanoGPT with its
     fused q/k/v and tied head, Hugging Face Llama and GPT-2 with its [in, out] Conv1D weights,
     autopar's own Llama and GPT with q/k/v viewed as (3, heads, head_dim), a ViT with its
@@ -259,10 +269,13 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
     where SDPA reads the one head. Replicated norms on split heads or after a row GEMM join
     the once-a-step all-reduce of partial gradients (`norm_cells`); a norm over a split
     projection all-reduces its per-row statistics. A fused q/k/v projection
-    run whole (`fused_cells`) gathers its queries' gradient and reduces no input gradient."""
+    run whole (`fused_cells`) gathers its queries' gradient and reduces no input gradient.
+    A parallel attention and MLP (`parallel_cells`) reduce their summed outputs once, and
+    their input gradients once where both read one tensor (the plan's
+    ``summed_row_weights``)."""
     checked = []
     for cell in (c for c in cells + zoo_cells + mqa_cells + norm_cells + fused_cells
-                 if c.plan == plan_name and c.loss_err is not None):
+                 + parallel_cells if c.plan == plan_name and c.loss_err is not None):
         assert cell.loss_err <= rm.LOSS_TOL and cell.grad_err <= rm.GRAD_TOL, cell
         got = ca.compare(cell, plan_dir)
         assert got.issued == got.charged, cell.model
@@ -270,11 +283,14 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
             assert got.ilp_same, (cell.model, got.blocks)
         plan = got.plan
         checked.append(cell.model)
+        if (cell.model, cell.plan) in PARALLEL:
+            assert plan.model.summed_row_weights, cell.model
         if plan_name == "tp_sp_mb1" and cell.model not in rm.MOE_MODELS:  # MLPs, no routing
             assert all(e.get("replicated_sublayers") for e in plan.intra_op.values()), \
                 cell.model
     assert set(checked) == {"plain_llama", "nano_gpt", "moe_loop", "hf_llama", "hf_mixtral",
                             "hf_gpt2", "tiny_llama", "tiny_gpt", "plain_mqa"} | (
+        {m for m, p in PARALLEL if p == plan_name}) | (
         {"vit_encoder", "hf_gemma", "hf_qwen3", "hf_gemma2", "hf_phi3", "hf_olmo2"}
         if plan_name == "tp"
         else {"hf_qwen3", "hf_gemma", "hf_gpt_bigcode"} if plan_name == "tp_sp" else set()), \

@@ -38,7 +38,10 @@ class _Block(nn.Module):
         self.m_in, self.m_out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
 
     def forward(self, x):
-        attn = self.a_out(torch.tanh(self.a_in(self.n1(x))))
+        h = self.n1(x)
+        attn = self.a_out(torch.tanh(self.a_in(h)))
+        if self.parallel == "one-norm":  # GPT-J's: both branches read one norm's output
+            return attn + self.m_out(torch.relu(self.m_in(h))) + x
         if self.parallel == "in-place":  # Falcon's ``mlp_output += attention_output``
             out = self.m_out(torch.relu(self.m_in(self.n2(x))))
             out += attn
@@ -118,6 +121,44 @@ def test_a_hand_written_norm_costs_the_same_tensor_parallel_traffic_as_the_libra
     assert hand.tp_reductions == library.tp_reductions == (2, 2)
     assert hand.stream_params == library.stream_params == (16, 16)  # the two norms' weights
     assert hand.act_bytes == library.act_bytes
+
+
+@pytest.mark.parametrize("parallel, forward, forward_sp, backward", [
+    (False, 2, 2, 2),  # the first sum is read by the second norm too: reduced there
+    (True, 1, 2, 2),  # (x + attn) + mlp: under sequence parallel x is a sequence shard
+    ("in-place", 1, 1, 2),  # (mlp += attn) + x: two norms, two input gradients
+    ("one-norm", 1, 1, 1),  # (attn + mlp) + x, both branches after one norm
+])
+def test_parallel_branches_share_their_reductions(parallel, forward, forward_sp, backward):
+    """A parallel attention and MLP sum their partial outputs before one reduction forward
+    (under sequence parallel, where the sum meets the stream's shard), and reduce their
+    input gradients once where they read one tensor; a sequential block reduces each
+    sub-layer's alone. What the estimate charges (`tp_collectives`) and the plan tells the
+    runtime (`summed_row_weights`) follow."""
+    from autopar.config import ParallelConfig
+    from autopar.estimate.timing import tp_collectives
+    from autopar.ir.residual import reduction_points
+    from autopar.plan import summed_row_weights
+
+    graph = _trace(_Net(nn.LayerNorm, parallel))
+    nodes = _block_nodes(graph)
+    assert reduction_points(nodes, residual_structure(nodes)) == (forward, forward_sp,
+                                                                  backward)
+    (unit,) = [u for u in units_from_graph(graph) if u.name == "blocks.0"]
+    act = float(unit.act_bytes)
+    for sp, reduced in ((False, forward), (True, forward_sp)):
+        fwd, bwd = tp_collectives(unit, ParallelConfig(tp=2, sequence_parallel=sp))
+        if sp:
+            assert sorted(fwd) == [("all_gather", act)] * backward \
+                + [("reduce_scatter", act)] * reduced
+            assert sorted(bwd) == [("all_gather", act)] * reduced \
+                + [("reduce_scatter", act)] * backward
+        else:
+            assert (fwd, bwd) == ([("all_reduce", act)] * reduced,
+                                  [("all_reduce", act)] * backward)
+        summed = {f.rsplit(".", 1)[0] for f in summed_row_weights(graph, sp)}
+        assert summed == (set() if reduced == 2 else {
+            f"blocks.{i}.{m}" for i in range(2) for m in ("a_out", "m_out")})
 
 
 @pytest.mark.parametrize("factory,rows", [
