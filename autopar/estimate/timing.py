@@ -98,7 +98,7 @@ def fp8_casts(op: OpCost, cluster: Cluster, cfg: ParallelConfig, fp8_recipe: str
               kernels: str) -> tuple[float, float]:
     """Seconds of an fp8 GEMM's operand casts on one rank, forward and backward."""
     inputs, weights, outputs = op.fp8_elements
-    whole = kv_whole(op.kv_heads, cfg.tp, op.kv_cut)
+    whole = op.tp_whole or kv_whole(op.kv_heads, cfg.tp, op.kv_cut)
     scale = cfg.cp * (1 if whole else cfg.tp)
     return fp8_cast_time_s(cluster.hardware.device, fp8_recipe, kernels,
                            inputs=inputs / scale,
@@ -133,7 +133,7 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
     if dtype == "fp8" and not fp8:
         dtype = "bf16"
     if op.kind == "gemm":
-        whole = kv_whole(op.kv_heads, tp, op.kv_cut)  # a K/V projection run whole
+        whole = op.tp_whole or kv_whole(op.kv_heads, tp, op.kv_cut)  # run whole
         scale = cp * (1 if whole else tp)
         nbytes = op.bytes_fwd / scale
         if op.tp_replicated or whole:  # the rows it runs times the whole weight

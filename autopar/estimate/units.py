@@ -29,10 +29,10 @@ from autopar.estimate.kept import per_op_kept, recompute_tail
 from autopar.estimate.kv import KvGemm, kv_whole
 from autopar.estimate.sublayer import SubLayer, sublayer_of
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
-from autopar.ir.residual import (after_row_ops, consumers, fused_chunks, kv_projections,
-                                 made_of_params, moe_dispatch, reduction_points,
-                                 residual_structure, router_gemms, split_statistics, sublayers,
-                                 tp_split_ops, vocab_sizes)
+from autopar.ir.residual import (after_row_ops, bottleneck_gemms, consumers, fused_chunks,
+                                 kv_projections, made_of_params, moe_dispatch,
+                                 reduction_points, residual_structure, router_gemms,
+                                 split_statistics, sublayers, tp_split_ops, vocab_sizes)
 
 LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
 LOSS_REDUCTION_BYTES = 4  # fp32 per row each
@@ -82,6 +82,7 @@ class OpCost:
     # a GEMM of a sub-layer the layout replicates over tp (`Unit.replicated`): each tp rank
     # reads (and under fp8 casts) its whole weight
     tp_replicated: bool = False
+    tp_whole: bool = False  # a low-rank projection every tp rank runs whole (`bottleneck_gemms`)
     # a GEMM that makes an attention's keys or values: its kv heads, and whether tp cannot
     # split it by head (`KvGemm.cut`); if so, or tp does not divide them, it runs whole
     # on every tp rank (`kv_whole`)
@@ -96,9 +97,9 @@ class OpCost:
     tp_sharded: bool = False
 
     def whole_on_tp(self, tp: int) -> bool:
-        """A GEMM every rank of ``tp`` runs whole: in a replicated sub-layer, or a K/V
-        projection tp does not split (`kv_whole`)."""
-        return self.tp_replicated or kv_whole(self.kv_heads, tp, self.kv_cut)
+        """A GEMM every rank of ``tp`` runs whole: in a replicated sub-layer, a low-rank
+        projection, or a K/V projection tp does not split (`kv_whole`)."""
+        return self.tp_replicated or self.tp_whole or kv_whole(self.kv_heads, tp, self.kv_cut)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -147,20 +148,18 @@ class Unit:
     # sub-layers, a position table, the final norm): under sequence parallel they see a
     # sequence shard and their gradients are partial sums over tp, reduced once a step
     stream_params: tuple[int, ...] = ()
-    # elements of each routing GEMM parameter of an MoE sub-layer (before its dispatch, whole on
-    # every tp rank): the sub-layer's output reduced once over tp, the router's gradient on a
-    # rank is a partial sum too, reduced once a step with the stream's, with or without SP
+    # elements of each parameter every tp rank holds whole before split features: an MoE
+    # sub-layer's routing GEMMs, a low-rank projection and the ops after it (`bottleneck_gemms`):
+    # gradients partial sums, reduced once a step with the stream's, with or without SP
     router_params: tuple[int, ...] = ()
     # elements of each replicated parameter of ops on the heads tp splits (a per-head q/k
-    # norm and its scale): each rank's gradient is a partial sum over its heads, reduced
-    # once a step with the stream's, with or without SP
+    # norm and its scale): its gradient a partial sum over the heads, as `router_params`
     head_params: tuple[int, ...] = ()
     # how expert parallel moves tokens: "all_to_all" (dispatch and combine of the routed rows) or
     # "all_gather" (every ep rank's tokens gathered, outputs reduce-scattered)
     ep_dispatch: str = "all_to_all"
     sublayers: tuple[SubLayer, ...] = ()  # a block's, in order
-    # elements of `dense_params` whole on every tp rank: the GEMM weights of the sub-layers
-    # the layout replicates (`replicated`)
+    # elements of `dense_params` whole on every tp rank in the sub-layers it replicates
     tp_replicated_params: int = 0
     # elements of the trainable parameters tp never splits in any layout: `stream_params`,
     # `router_params`, `head_params` as traced and the row-parallel GEMMs' biases
@@ -187,8 +186,7 @@ class Unit:
 
     def tp_whole_params(self, tp: int) -> int:
         """Elements of `dense_params` whole on every rank at ``tp``: those tp never splits
-        (`tp_shared_params`), the replicated sub-layers' and the K/V projections tp does not
-        split (`kv_whole`)."""
+        (`tp_shared_params`), the replicated sub-layers' and K/V projections' (`kv_whole`)."""
         return self.tp_shared_params + self.tp_replicated_params + sum(
             kv.params for kv in self.kv_projections if kv.whole(tp))
 
@@ -279,8 +277,7 @@ class Unit:
 
 
 def _scaled_fp8(elements: tuple[float, ...], factor: float) -> tuple[float, ...]:
-    """`OpCost.fp8_elements` at `factor` times the batch: the activations scale, the weight
-    does not."""
+    """`OpCost.fp8_elements` at `factor` times the batch: the weight's do not scale."""
     if not elements:
         return elements
     inputs, weights, outputs = elements
@@ -349,7 +346,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     act = 0
     tail = recompute_tail(nodes)
     residual = residual_structure(nodes)
-    sharded = tp_split_ops(nodes, residual)
+    sharded, whole = tp_split_ops(nodes, residual), bottleneck_gemms(nodes, residual)
     kept = per_op_kept(nodes)
     per_op_routed, kept = kept is None, kept or {}
     kv_gemms = kv_projections(nodes)
@@ -399,6 +396,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
                               aligned=_aligned(node), tail=node.name in tail,
                               kv_heads=kv_gemms[node.name].heads if node.name in kv_gemms
                               else 0, kv_cut=node.name in kv_gemms and kv_gemms[node.name].cut,
+                              tp_whole=node.name in whole,
                               fused_bias=sum(p.numel for p in node.params if p.fqn in fused
                                              and len(p.shape) == 1 and p.requires_grad
                                              and p.fqn in seen_params),
@@ -458,7 +456,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     # {fqn: elements} tp never splits: the stream's, the routers', the heads' and the row
     # GEMMs' biases (added to their reduced outputs)
     shared = (_params_of(nodes, stream | after_row_ops(nodes, residual), seen_params),
-              _router_params(nodes, residual, seen_params),
+              _router_params(nodes, residual, whole, seen_params),
               _head_params(nodes, sharded, seen_params),
               {p.fqn: p.numel for n in nodes if n.name in residual.row_gemms for p in n.params
                if len(p.shape) == 1 and p.requires_grad and p.fqn in seen_params})
@@ -506,11 +504,13 @@ def _head_params(nodes: list[Node], sharded: set[str], owned: dict[str, int]
         if not src.startswith(("param:", "buffer:", "const")))}, owned)
 
 
-def _router_params(nodes: list[Node], residual, owned: dict[str, int]) -> dict[str, int]:
-    """{fqn: trainable elements} of the GEMM weights of a block's MoE sub-layers owned by this
-    unit that every tp rank holds whole: the routers (`router_gemms`) and a gate of one output
-    feature (Qwen2-MoE's on its shared expert), which tp cannot split."""
-    found: dict[str, int] = {}
+def _router_params(nodes: list[Node], residual, whole: dict[str, set[str]],
+                   owned: dict[str, int]) -> dict[str, int]:
+    """{fqn: trainable elements} of the parameters, owned by this unit, that every tp rank holds
+    whole before split features: an MoE sub-layer's routers (`router_gemms`) and gate of one
+    output feature (Qwen2-MoE's on its shared expert), which tp cannot split, and the low-rank
+    projections ``whole`` with the ops after them (`bottleneck_gemms`)."""
+    found = _params_of(nodes, set(whole).union(*whole.values()), owned)
     for run in (r for r in sublayers(nodes, residual) if moe_dispatch(r) is not None):
         for node in router_gemms(run) + [n for n in run if n.kind is OpKind.MATMUL and n.params
                                          and n.outputs and n.outputs[0].shape[-1] == 1]:

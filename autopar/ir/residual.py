@@ -29,11 +29,10 @@ from typing import NamedTuple
 from autopar.ir.graph import Graph, Node, OpKind
 
 __all__ = ["KvProjection", "MIXING_KINDS", "Reductions", "Residual", "after_row_ops",
-           "consumers", "dense_row_gemms", "fused_chunks", "fused_splits", "kv_projections",
-           "made_of_params", "moe_dispatch", "reduction_points", "residual_structure",
-           "router_gemms", "routing_nodes", "split_statistics", "sublayers", "summed_row_gemms",
-           "token_lookup",
-           "tp_split_ops", "vocab_sizes"]
+           "bottleneck_gemms", "consumers", "dense_row_gemms", "fused_chunks", "fused_splits",
+           "kv_projections", "made_of_params", "moe_dispatch", "reduction_points",
+           "residual_structure", "router_gemms", "routing_nodes", "split_statistics",
+           "sublayers", "summed_row_gemms", "token_lookup", "tp_split_ops", "vocab_sizes"]
 
 MIXING_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
                      OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE})
@@ -537,7 +536,8 @@ def split_statistics(nodes: Sequence[Node], residual: Residual) -> list[tuple[No
     if not residual.residual_adds:
         return []
     readers = consumers(nodes)
-    whole = routing_nodes(nodes, residual)  # a router every rank runs whole
+    # a router and a low-rank projection every rank runs whole
+    whole = routing_nodes(nodes, residual) | set(bottleneck_gemms(nodes, residual))
     found: list[tuple[Node, list]] = []
     for gemm in nodes:
         if gemm.kind is not OpKind.MATMUL or not gemm.params or not gemm.outputs or \
@@ -563,17 +563,52 @@ def split_statistics(nodes: Sequence[Node], residual: Residual) -> list[tuple[No
     return found
 
 
+def bottleneck_gemms(nodes: Sequence[Node], residual: Residual) -> dict[str, set[str]]:
+    """The weight GEMMs (of ``[out, in]`` weights) of a block's dense sub-layers whose output
+    another column-parallel GEMM reads, through ops that mix no features: a low-rank
+    projection before the heads' (multi-head latent attention's q and kv down-projections,
+    each followed by a norm).
+    Megatron's layout runs them whole on every tp rank (Megatron-Core's MLA duplicates them),
+    so that the GEMM after them reads a whole input. ``{GEMM: the ops between it and the
+    GEMMs it feeds}``."""
+    if not residual.residual_adds:
+        return {}
+    readers, kind = consumers(nodes), {n.name: n.kind for n in nodes}
+    moe = {n.name for run in sublayers(nodes, residual) if moe_dispatch(run) is not None
+           for n in run}
+    found: dict[str, set[str]] = {}
+    for gemm in nodes:
+        if gemm.kind is not OpKind.MATMUL or not gemm.params or gemm.name in moe \
+                or gemm.name in residual.row_gemms or any(len(p.shape) > 2 for p in gemm.params):
+            continue
+        stack, seen, feeds = [gemm.name], set(), False
+        while stack:
+            for nxt in readers.get(stack.pop(), ()):
+                if nxt.name in seen or nxt.name in residual.stream:
+                    continue
+                seen.add(nxt.name)
+                if nxt.kind is OpKind.MATMUL and nxt.params:
+                    feeds |= nxt.name not in residual.row_gemms
+                elif nxt.kind not in MIXING_KINDS:
+                    stack.append(nxt.name)
+        if feeds:
+            found[gemm.name] = {n for n in seen if kind[n] not in MIXING_KINDS}
+    return found
+
+
 def tp_split_ops(nodes: Sequence[Node], residual: Residual) -> set[str]:
     """The memory-bound ops of a block on features Megatron's layout splits over tp: those
-    computed from a sub-layer's mixing ops (its column-parallel GEMMs, attention) that are not
-    on the residual stream and not after its row-parallel GEMM (whose reduced output, like
-    the stream, is whole on every rank without sequence parallel)."""
+    computed from a sub-layer's mixing ops (its column-parallel GEMMs, attention; not the
+    `bottleneck_gemms` every rank runs whole) that are not on the residual stream and not
+    after its row-parallel GEMM (whose reduced output, like the stream, is whole on every rank
+    without sequence parallel)."""
     if not residual.residual_adds:
         return set()
     after_row = after_row_ops(nodes, residual)
+    whole = bottleneck_gemms(nodes, residual)
     mixed: set[str] = set()
     for node in nodes:
-        if node.kind in MIXING_KINDS:
+        if node.kind in MIXING_KINDS and node.name not in whole:
             mixed.add(node.name)
         elif any(src in mixed for src in node.input_sources) and node.name not in \
                 residual.stream and node.name not in after_row:

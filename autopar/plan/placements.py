@@ -4,8 +4,10 @@ Tensor-parallel placements come from a map {representative param FQN: placement}
 the intra-op ILP's solution or `megatron_tp_placements` (the layout the estimate assumes):
 in each sub-layer (the nodes up to a residual add, found from the dataflow by
 `autopar.ir.residual`, whatever the norms are written as) the GEMM whose output reaches the
-residual add is row-parallel (weight sharded on its input features, its bias replicated) and
-the other GEMMs are column-parallel (weight and bias sharded on the output features: dim 0 of
+residual add is row-parallel (weight sharded on its input features, its bias replicated), a
+low-rank projection another GEMM of the sub-layer reads (`autopar.ir.residual.bottleneck_gemms`:
+multi-head latent attention's down-projections) is replicated, and the other GEMMs are
+column-parallel (weight and bias sharded on the output features: dim 0 of
 an ``[out, in]`` weight read transposed as nn.Linear's, dim 1 of an ``[in, out]`` one read as
 it is as GPT-2's Conv1D, told apart by how the GEMM reads it); embeddings and the vocabulary
 head are vocab-parallel; norms stay replicated. Where tp does not divide an attention's key/value
@@ -36,10 +38,10 @@ from autopar.estimate.fp8 import fp8_weight
 from autopar.estimate.kv import kv_whole
 from autopar.estimate.units import Unit
 from autopar.ir import Graph, OpKind
-from autopar.ir.residual import (MIXING_KINDS, consumers, dense_row_gemms, fused_chunks,
-                                 kv_projections, moe_dispatch, residual_structure,
-                                 router_gemms, sublayers, summed_row_gemms, token_lookup,
-                                 vocab_sizes)
+from autopar.ir.residual import (MIXING_KINDS, bottleneck_gemms, consumers, dense_row_gemms,
+                                 fused_chunks, kv_projections, moe_dispatch,
+                                 residual_structure, router_gemms, sublayers, summed_row_gemms,
+                                 token_lookup, vocab_sizes)
 
 __all__ = ["fp8_weights", "fused_projections", "megatron_tp_placements", "param_placements",
            "replicated_kv", "replicated_sublayers", "summed_row_weights"]
@@ -57,6 +59,7 @@ def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
                  if key is not None}
     adds = {name for r in structure.values() for name in r.residual_adds}
     rows = {name for r in structure.values() for name in r.row_gemms}
+    whole = {name for key, r in structure.items() for name in bottleneck_gemms(runs[key], r)}
 
     def close(group: list) -> None:
         """One sub-layer (the nodes up to its residual add).  An MoE sub-layer is a replicated
@@ -80,7 +83,9 @@ def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
             row = (fed and not feeds) if experts else node.name in rows
             for p in node.params:
                 features, inputs = _feature_dims(node, p)
-                if p.shape and p.shape[features] in vocab and len(p.shape) == 2:
+                if node.name in whole:  # a low-rank projection the next GEMM reads whole
+                    out.setdefault(p.fqn, "R")
+                elif p.shape and p.shape[features] in vocab and len(p.shape) == 2:
                     out.setdefault(p.fqn, f"S({features})")
                 elif not row and p.shape and p.shape[features] == 1:
                     out.setdefault(p.fqn, "R")  # one output: a gate tp cannot split

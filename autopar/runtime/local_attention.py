@@ -103,6 +103,10 @@ class LocalAttention(TorchFunctionMode):
                 return scaled
         if func in _ADDS and len(args) == 2:
             args = _settled_on_shard(*args)
+        if func in _NEW and isinstance(args[0], DTensor):
+            made = _new_like_shard(func, args[0], args[1:], kwargs)
+            if made is not None:
+                return made
         if func in _SPLITS and isinstance(args[0], DTensor):
             pieces = _split_chunks(func, *args, **kwargs)
             if pieces is not None:
@@ -131,6 +135,30 @@ class LocalAttention(TorchFunctionMode):
 _MULS = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
 _ADDS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__,
          torch.Tensor.add_, torch.Tensor.__iadd__)
+
+
+_NEW = (torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones,
+        torch.Tensor.new_full)
+
+
+def _new_like_shard(func, t: DTensor, args: tuple, kwargs: dict) -> DTensor | None:
+    """A new tensor made from a tensor sharded on one dim, of the same rank and size on that
+    dim (DeepSeek-V3's keys assembled in ``k.new_empty(...)`` from the heads tp splits):
+    made sharded alike, each rank its block, where DTensor would make it replicated and
+    gather what is copied into it. None for any other."""
+    size = args[0] if len(args) >= 1 and isinstance(args[0], (tuple, list, torch.Size)) \
+        else args[:t.dim()] if func is not torch.Tensor.new_full else None
+    if size is None or len(t.placements) != 1 or not t.placements[0].is_shard():
+        return None
+    size, dim = [int(n) for n in size], t.placements[0].dim
+    ranks = t.device_mesh.size()
+    if len(size) != t.dim() or size[dim] != t.shape[dim] or size[dim] % ranks:
+        return None
+    local = list(size)
+    local[dim] //= ranks
+    rest = args[1:] if func is torch.Tensor.new_full else ()
+    made = func(t.to_local(), local, *rest, **kwargs)
+    return DTensor.from_local(made, t.device_mesh, t.placements, run_check=False)
 
 
 def _settled_on_shard(a: Any, b: Any) -> tuple[Any, Any]:

@@ -46,7 +46,8 @@ from typing import Any, Callable, Mapping, Sequence
 from autopar.errors import ShardingInfeasibleError
 from autopar.estimate.timing import BACKWARD_MEMORY_RATIO
 from autopar.ir import Graph, Node, OpKind, TensorSpec, dtype_num_bytes
-from autopar.ir.residual import fused_splits, residual_structure, routing_nodes
+from autopar.ir.residual import (bottleneck_gemms, fused_splits, residual_structure,
+                                 routing_nodes)
 from autopar.sharding.placement import (PARTIAL, REPLICATE, is_shard, reshard_collective,
                                         shard, shard_dim)
 from autopar.sharding.rules import on_sequence_shard
@@ -426,8 +427,12 @@ def build_problem(graph: Graph, node_names: Sequence[str], setting: BlockSetting
     residual = residual_structure(block_nodes)
     # the runtime runs an MoE sub-layer on local tensors, its gradients partial sums
     # (`autopar.runtime.tp_moe`): its routing may defer them ("R~P"), the router's weight
-    # gradient joining the step's one all-reduce
+    # gradient joining the step's one all-reduce; so may a low-rank projection every rank
+    # runs whole and the ops after it, whose partial gradients DTensor hands back to the
+    # sub-layer's input (`bottleneck_gemms`)
     routing = routing_nodes(block_nodes, residual)
+    routing |= {n for gemm, after in bottleneck_gemms(block_nodes, residual).items()
+                for n in (gemm, *after)}
     for name in names:
         node = by_name[name]
         key = (rule_signature(node), name in routing)

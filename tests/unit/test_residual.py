@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import autopar
 from autopar.estimate.units import units_from_graph
@@ -121,6 +122,64 @@ def test_a_hand_written_norm_costs_the_same_tensor_parallel_traffic_as_the_libra
     assert hand.tp_reductions == library.tp_reductions == (2, 2)
     assert hand.stream_params == library.stream_params == (16, 16)  # the two norms' weights
     assert hand.act_bytes == library.act_bytes
+
+
+class _LatentBlock(nn.Module):
+    """Multi-head latent attention as DeepSeek-V2/V3 write it, by hand: the queries and the
+    keys/values from low-rank down-projections, each followed by its own norm, then
+    projected up to the heads."""
+
+    def __init__(self, dim=32, heads=4, rank=8):
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = _HandNorm(dim), _HandNorm(dim)
+        self.q_down, self.q_norm, self.q_up = nn.Linear(dim, rank), _HandNorm(rank), \
+            nn.Linear(rank, dim)
+        self.kv_down, self.kv_norm, self.kv_up = nn.Linear(dim, rank), _HandNorm(rank), \
+            nn.Linear(rank, 2 * dim)
+        self.o = nn.Linear(dim, dim)
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = self.n1(x)
+        q = self.q_up(self.q_norm(self.q_down(h))).view(b, s, self.heads, -1).transpose(1, 2)
+        k, v = self.kv_up(self.kv_norm(self.kv_down(h))).view(
+            b, s, self.heads, -1).transpose(1, 2).chunk(2, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(torch.relu(self.up(self.n2(x))))
+
+
+def test_a_low_rank_projection_the_next_gemm_reads_runs_whole():
+    """The down-projections of latent attention feed, through a norm, the up-projections
+    to the heads: Megatron's layout (as Megatron-Core's MLA) runs them whole on every tp rank
+    with their norms, splits the up-projections by head; the estimate runs them whole, and
+    their gradients and their norms' are partial sums reduced once a step (no per-row
+    statistics over split features)."""
+    from autopar.ir.residual import bottleneck_gemms
+
+    net = _Net(nn.LayerNorm, dim=32)
+    net.blocks = nn.ModuleList(_LatentBlock() for _ in range(2))
+    graph = _trace(net)
+    nodes = _block_nodes(graph)
+    found = bottleneck_gemms(nodes, residual_structure(nodes))
+    assert {n.split("/")[0] for n in found} == {"blocks.0.q_down", "blocks.0.kv_down"}
+    tp = megatron_tp_placements(graph, 2)
+    assert [tp[f"blocks.0.{m}.weight"] for m in ("q_down", "kv_down", "q_up", "kv_up", "o")] \
+        == ["R", "R", "S(0)", "S(0)", "S(1)"]
+    (unit,) = [u for u in units_from_graph(graph) if u.name == "blocks.0"]
+    assert sum(op.tp_whole for op in unit.ops) == 2
+    assert not [s for s in unit.tp_syncs if s[1] in ("stat", "weight")]
+    whole = sum(p.numel() for m in (net.blocks[0].q_down, net.blocks[0].kv_down,
+                                    net.blocks[0].q_norm, net.blocks[0].kv_norm)
+                for p in m.parameters())
+    assert sum(unit.router_params) == whole
+    for name in ("hf_llama", "hf_gpt2", "litgpt_style"):  # MLPs feed a row GEMM: none
+        with torch.device("meta"):
+            other = _trace(getattr(corpus, name)())
+        nodes = _block_nodes(other)
+        assert not bottleneck_gemms(nodes, residual_structure(nodes)), name
 
 
 @pytest.mark.parametrize("parallel, forward, forward_sp, backward", [

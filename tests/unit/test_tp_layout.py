@@ -295,14 +295,17 @@ def test_the_ilp_prices_an_moe_block_as_the_runtime_runs_it(make, sequence_paral
         partial_gradient_bytes(unit, sequence_parallel))
 
 
-@pytest.mark.parametrize("make", [corpus.hf_gemma2, corpus.titan_llama])
+@pytest.mark.parametrize("make", [corpus.hf_gemma2, corpus.titan_llama,
+                                  corpus.hf_deepseek_v3])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_the_ilp_runs_hand_written_attention_on_split_heads(make, sequence_parallel):
-    """Attention as models write it by hand: Gemma 2's eager scores (``q @ k.transpose``
-    with soft-capping, k/v heads repeated by ``expand``) and torchtitan's RoPE as complex
-    products (``view_as_complex``). At tp=2 on gloo the ILP's best execution of the plan's
-    layout keeps the heads split through them, with the estimate's collectives: no
-    all-to-all to a batch split, no gathered projection."""
+def test_the_ilp_runs_attention_as_written_on_split_heads(make, sequence_parallel):
+    """Attention as models write it: Gemma 2's eager scores (``q @ k.transpose`` with
+    soft-capping, k/v heads repeated by ``expand``), torchtitan's RoPE as complex products
+    (``view_as_complex``), DeepSeek-V3's latent attention (low-rank down-projections every
+    rank runs whole, their partial gradients handed back to the sub-layer's input). At tp=2
+    on gloo the ILP's best execution of the plan's layout keeps the heads split through
+    them, with the estimate's collectives: no all-to-all to a batch split, no gathered
+    projection, no reduction inside the sub-layer."""
     from autopar.estimate.core import costs_of_layout
     from autopar.estimate.timing import tp_collectives
     from autopar.estimate.tp_comm import primitive_collectives
