@@ -263,6 +263,22 @@ def test_the_ilp_prices_a_blocks_collectives_as_the_estimate_does(make):
         + seconds([("all_reduce", stream)]), rel=1e-6)
 
 
+def _gloo_plan_units(make, sequence_parallel):
+    """The plan of ``make()``'s model at tp=2 on 2 gloo ranks (8 sequences of 64 tokens) and
+    the estimate's units in its layout at the micro-batch, by name."""
+    from autopar.estimate.core import costs_of_layout
+
+    with torch.device("meta"):
+        model = make()
+    gloo = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=2)
+    plan = autopar.compile(model, gloo, global_batch_size=8, seq_len=64, dtype="fp32",
+                           constraints={"tp": 2, "sequence_parallel": sequence_parallel})
+    graph = autopar.trace(model, global_batch_size=plan.config.micro_batch_size, seq_len=64,
+                          dtype="fp32")
+    units = costs_of_layout(graph, plan.config, plan.tp_placements).units
+    return plan, {u.name: u for u in units}
+
+
 @pytest.mark.parametrize("make", [corpus.hf_mixtral, corpus.moe_loop])
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_the_ilp_prices_an_moe_block_as_the_runtime_runs_it(make, sequence_parallel):
@@ -273,19 +289,11 @@ def test_the_ilp_prices_an_moe_block_as_the_runtime_runs_it(make, sequence_paral
     back, "R~P"; the fused experts' weights and gated activation split on features), and
     the partial parameter gradients it leaves are the estimate's, the router's among them
     (`partial_gradient_bytes`)."""
-    from autopar.estimate.core import costs_of_layout
     from autopar.estimate.timing import tp_collectives
     from autopar.estimate.tp_comm import partial_gradient_bytes, primitive_collectives
 
-    with torch.device("meta"):
-        model = make()
-    gloo = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=2)
-    plan = autopar.compile(model, gloo, global_batch_size=8, seq_len=64, dtype="fp32",
-                           constraints={"tp": 2, "sequence_parallel": sequence_parallel})
-    graph = autopar.trace(model, global_batch_size=plan.config.micro_batch_size, seq_len=64,
-                          dtype="fp32")
-    (unit,) = [u for u in costs_of_layout(graph, plan.config, plan.tp_placements).units
-               if u.is_block]
+    plan, units = _gloo_plan_units(make, sequence_parallel)
+    (unit,) = [u for u in units.values() if u.is_block]
     assert sum(unit.router_params) > 0
     (block,) = plan.intra_op.values()
     fwd, bwd = tp_collectives(unit, plan.config)
@@ -306,18 +314,10 @@ def test_the_ilp_runs_attention_as_written_on_split_heads(make, sequence_paralle
     on gloo the ILP's best execution of the plan's layout keeps the heads split through
     them, with the estimate's collectives: no all-to-all to a batch split, no gathered
     projection, no reduction inside the sub-layer."""
-    from autopar.estimate.core import costs_of_layout
     from autopar.estimate.timing import tp_collectives
     from autopar.estimate.tp_comm import primitive_collectives
 
-    with torch.device("meta"):
-        model = make()
-    gloo = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=2)
-    plan = autopar.compile(model, gloo, global_batch_size=8, seq_len=64, dtype="fp32",
-                           constraints={"tp": 2, "sequence_parallel": sequence_parallel})
-    graph = autopar.trace(model, global_batch_size=plan.config.micro_batch_size, seq_len=64,
-                          dtype="fp32")
-    units = {u.name: u for u in costs_of_layout(graph, plan.config, plan.tp_placements).units}
+    plan, units = _gloo_plan_units(make, sequence_parallel)
     for name, block in plan.intra_op.items():
         fwd, bwd = tp_collectives(units[name], plan.config)
         ilp = block["forward_collectives"] + block["backward_collectives"]
