@@ -461,10 +461,10 @@ def summed_row_gemms(nodes: Sequence[Node], residual: Residual, rows: Sequence[s
         summed = [partial[src] for src in acts if src in partial]
         if not summed or node.name in partial:
             continue
-        if node.kind is OpKind.VIEW and len(acts) == 1 or \
-                node.kind is OpKind.ELEMENTWISE and len(acts) == 2 and \
-                node.target.split(".")[:2] in (["aten", "add"], ["aten", "add_"]) and \
-                (len(summed) == 2 or not sequence_parallel):
+        view = node.kind is OpKind.VIEW and len(acts) == 1
+        add = node.kind is OpKind.ELEMENTWISE and len(acts) == 2 and \
+            node.target.split(".")[:2] in (["aten", "add"], ["aten", "add_"])
+        if view or (add and (len(summed) == 2 or not sequence_parallel)):
             links += [(summed[0], other) for other in summed[1:]]
             partial[node.name] = summed[0]
         else:

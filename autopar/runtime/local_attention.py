@@ -102,7 +102,7 @@ class LocalAttention(TorchFunctionMode):
             if scaled is not None:
                 return scaled
         if func in _ADDS and len(args) == 2:
-            args = _settled_on_shard(*args)
+            args = _settled_on_shard(*args, in_place=func in _IN_PLACE)
         if func in _NEW and isinstance(args[0], DTensor):
             made = _new_like_shard(func, args[0], args[1:], kwargs)
             if made is not None:
@@ -133,10 +133,9 @@ class LocalAttention(TorchFunctionMode):
 
 
 _MULS = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
-_ADDS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__,
-         torch.Tensor.add_, torch.Tensor.__iadd__)
-
-
+_MEANS = (torch.mean, torch.Tensor.mean)
+_IN_PLACE = (torch.Tensor.add_, torch.Tensor.__iadd__)
+_ADDS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, *_IN_PLACE)
 _NEW = (torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones,
         torch.Tensor.new_full)
 
@@ -161,24 +160,23 @@ def _new_like_shard(func, t: DTensor, args: tuple, kwargs: dict) -> DTensor | No
     return DTensor.from_local(made, t.device_mesh, t.placements, run_check=False)
 
 
-def _settled_on_shard(a: Any, b: Any) -> tuple[Any, Any]:
+def _settled_on_shard(a: Any, b: Any, *, in_place: bool) -> tuple[Any, Any]:
     """A partial sum added to a sharded tensor (row-parallel outputs summed before their one
     reduction, meeting the stream's sequence shard under sequence parallel): the partial
     operand reduce-scattered to the shard by a redistribute of its own, whose backward
     gathers the gradient once; DTensor would reduce it inside the add, whose backward hands
-    the sharded gradient on to each summand's GEMM."""
+    the sharded gradient on to each summand's GEMM. An in-place add's target stays."""
     def layout(t: Any):
         return t.placements if isinstance(t, DTensor) else None
 
     pa, pb = layout(a), layout(b)
     if pa is None or pb is None or len(pa) != 1 or len(pb) != 1:
         return a, b
-    if pa[0].is_partial("sum") and pb[0].is_shard():
+    if pa[0].is_partial("sum") and pb[0].is_shard() and not in_place:
         return a.redistribute(a.device_mesh, pb), b
     if pb[0].is_partial("sum") and pa[0].is_shard():
         return a, b.redistribute(b.device_mesh, pa)
     return a, b
-_MEANS = (torch.mean, torch.Tensor.mean)
 
 
 def _split_mean(x: Any, dim: Any = None, keepdim: bool = False, *, dtype=None) -> Any:
