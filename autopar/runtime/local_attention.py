@@ -172,11 +172,27 @@ def _settled_on_shard(a: Any, b: Any, *, in_place: bool) -> tuple[Any, Any]:
     pa, pb = layout(a), layout(b)
     if pa is None or pb is None or len(pa) != 1 or len(pb) != 1:
         return a, b
-    if pa[0].is_partial("sum") and pb[0].is_shard() and not in_place:
-        return a.redistribute(a.device_mesh, pb), b
-    if pb[0].is_partial("sum") and pa[0].is_shard():
-        return a, b.redistribute(b.device_mesh, pa)
+    if pa[0].is_partial("sum") and _sharded(pb[0]) and not in_place:
+        return _scattered(a, pb[0]), b
+    if pb[0].is_partial("sum") and _sharded(pa[0]):
+        return a, _scattered(b, pa[0])
     return a, b
+
+
+def _sharded(p: Any) -> bool:
+    return p.is_shard() or isinstance(p, _StridedShard) and p.dim == 0
+
+
+def _scattered(t: DTensor, to: Any) -> DTensor:
+    """Partial sum ``t`` reduce-scattered to placement ``to``: a shard, or the stream's
+    sequence shard with batch and sequence flattened (``_StridedShard(0, batch)``: OPT's
+    MLP), which DTensor would all-reduce into; scattered on the sequence of its unflattened
+    view."""
+    if not isinstance(to, _StridedShard):
+        return t.redistribute(t.device_mesh, (to,))
+    batch = to.split_factor
+    split = t.view(batch, t.shape[0] // batch, *t.shape[1:])
+    return split.redistribute(t.device_mesh, (Shard(1),)).view(t.shape)
 
 
 def _split_mean(x: Any, dim: Any = None, keepdim: bool = False, *, dtype=None) -> Any:

@@ -201,9 +201,20 @@ def _settle(t: Any, mesh: Any, target: tuple) -> Any:
 
 
 def _gather_sequence(t: Any, mesh: Any) -> Any:
-    if isinstance(t, DTensor) and t.dim() > SEQUENCE_DIM + 1 and \
-            t.placements == (Shard(SEQUENCE_DIM),):
+    """``t`` gathered if it is the stream's sequence shard: ``[batch, seq, ...]`` sharded on
+    the sequence, or its tokens flattened to ``[batch * seq, ...]`` (OPT's MLP), sharded on
+    them."""
+    if not isinstance(t, DTensor) or len(t.placements) != 1:
+        return t
+    if t.dim() > SEQUENCE_DIM + 1 and t.placements == (Shard(SEQUENCE_DIM),) or \
+            t.dim() == 2 and t.placements == (Shard(0),):
         return t.redistribute(mesh, (Replicate(),))
+    if t.dim() == 2 and isinstance(t.placements[0], _StridedShard) and t.placements[0].dim == 0:
+        # gathered on the sequence of its [batch, seq, ...] view, so that its gradient is
+        # reduce-scattered back (DTensor would all-reduce a partial sum into this layout)
+        batch = t.placements[0].split_factor
+        split = t.view(batch, t.shape[0] // batch, *t.shape[1:])
+        return split.redistribute(mesh, (Replicate(),)).view(t.shape)
     return t
 
 
@@ -326,9 +337,15 @@ def apply_tensor_parallel(module: nn.Module, plan: Plan, tp_mesh: Any, *,
     settle = lambda _m, _args, out: tree_map(  # noqa: E731
         lambda t: _settle(t, tp_mesh, seq if t.dim() > SEQUENCE_DIM + 1 else (Replicate(),))
         if isinstance(t, DTensor) else t, out)
+    # under sequence parallel, a block's GEMM output on flattened tokens stays partial: the
+    # add of the stream's (flattened) shard reduce-scatters it (`LocalAttention`)
+    settle_3d = lambda _m, _args, out: tree_map(  # noqa: E731
+        lambda t: _settle(t, tp_mesh, seq)
+        if isinstance(t, DTensor) and t.dim() > SEQUENCE_DIM + 1 else t, out)
     summed = {fqn.rpartition(".")[0] for fqn in plan.model.summed_row_weights or ()}
     for name in sorted(holders - summed):
-        module.get_submodule(name).register_forward_hook(settle)
+        module.get_submodule(name).register_forward_hook(
+            settle_3d if sp and in_block(name) else settle)
     summing = {b for name in holders & summed for b in in_block(name)}
     for name in layers:
         block = module.get_submodule(name)

@@ -56,7 +56,7 @@ FUSED = [("hf_gpt_bigcode", "tp_sp"), ("hf_phi3", "tp")]
 NORMS = [("hf_qwen3", "tp"), ("hf_qwen3", "tp_sp"), ("hf_gemma2", "tp"), ("hf_olmo2", "tp"),
          ("hf_gemma", "tp_sp")]
 PARALLEL = [(m, p) for m in ("hf_gptj", "hf_gpt_neox", "hf_falcon") for p in ("tp", "tp_sp")]
-LATENT = [("hf_deepseek_v3", p) for p in ("tp", "tp_sp")]
+LAYOUTS = [("hf_deepseek_v3", "tp"), ("hf_deepseek_v3", "tp_sp"), ("hf_opt", "tp_sp")]
 DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
 DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
 OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op"),
@@ -79,7 +79,7 @@ OWN = [("tiny_llama", p) for p in ("pp_gpipe_mb8", "pp_interleaved", "zero2_full
 def matrix(plan_dir):
     """Every cell the tests read, trained in one launch per rank count."""
     pairs = [(m, p) for p, models in SLICE.items() for m in models] + ZOO + MQA + FUSED \
-        + NORMS + PARALLEL + LATENT + DP + OTHERS + OWN
+        + NORMS + PARALLEL + LAYOUTS + DP + OTHERS + OWN
     return {(c.model, c.plan): c for c in rm.run_pairs(list(dict.fromkeys(pairs)), plan_dir)}
 
 
@@ -119,11 +119,13 @@ def parallel_cells(matrix):
 
 
 @pytest.fixture(scope="module")
-def latent_cells(matrix):
+def layout_cells(matrix):
     """DeepSeek-V3's latent attention: its low-rank q and kv down-projections (and their
     norms) run whole on every rank, the up-projections split by head, the keys assembled in
-    a new tensor sharded as the heads; MoE layers after a dense one."""
-    return [matrix[k] for k in LATENT]
+    a new tensor sharded as the heads; MoE layers after a dense one. OPT's MLP on the tokens
+    flattened to ``[batch * seq, hidden]``, under sequence parallel a strided shard of them:
+    gathered and reduce-scattered on the sequence of its unflattened view."""
+    return [matrix[k] for k in LAYOUTS]
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +258,7 @@ def test_tensor_parallel_issues_megatrons_collectives(cells):
 
 @pytest.mark.parametrize("plan_name", ["tp", "tp_sp", "tp_sp_mb1"])
 def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
-        cells, zoo_cells, mqa_cells, norm_cells, fused_cells, parallel_cells, latent_cells,
+        cells, zoo_cells, mqa_cells, norm_cells, fused_cells, parallel_cells, layout_cells,
         plan_dir, plan_name):
     """One layout, three readers: on the dense models (a hand-written Llama, nanoGPT with its
     fused q/k/v and tied head, Hugging Face Llama and GPT-2 with its [in, out] Conv1D weights,
@@ -281,11 +283,12 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
     run whole (`fused_cells`) gathers its queries' gradient and reduces no input gradient.
     A parallel attention and MLP (`parallel_cells`) reduce their summed outputs once, and
     their input gradients once where both read one tensor (the plan's
-    ``summed_row_weights``). Latent attention's down-projections run whole
-    (`latent_cells`) and reduce nothing in the sub-layer."""
+    ``summed_row_weights``). Latent attention's down-projections run whole and reduce
+    nothing in the sub-layer; an MLP on flattened tokens reduces as any other
+    (`layout_cells`)."""
     checked = []
     for cell in (c for c in cells + zoo_cells + mqa_cells + norm_cells + fused_cells
-                 + parallel_cells + latent_cells
+                 + parallel_cells + layout_cells
                  if c.plan == plan_name and c.loss_err is not None):
         assert cell.loss_err <= rm.LOSS_TOL and cell.grad_err <= rm.GRAD_TOL, cell
         got = ca.compare(cell, plan_dir)
@@ -301,7 +304,7 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
                 cell.model
     assert set(checked) == {"plain_llama", "nano_gpt", "moe_loop", "hf_llama", "hf_mixtral",
                             "hf_gpt2", "tiny_llama", "tiny_gpt", "plain_mqa"} | (
-        {m for m, p in PARALLEL + LATENT if p == plan_name}) | (
+        {m for m, p in PARALLEL + LAYOUTS if p == plan_name}) | (
         {"vit_encoder", "hf_gemma", "hf_qwen3", "hf_gemma2", "hf_phi3", "hf_olmo2"}
         if plan_name == "tp"
         else {"hf_qwen3", "hf_gemma", "hf_gpt_bigcode"} if plan_name == "tp_sp" else set()), \
