@@ -103,6 +103,10 @@ class LocalAttention(TorchFunctionMode):
                 return scaled
         if func in _ADDS and len(args) == 2:
             args = _settled_on_shard(*args, in_place=func in _IN_PLACE)
+        if func in _BMMS:
+            product = _bmm_on_local_rows(func, *args, **kwargs)
+            if product is not None:
+                return product
         if func in _NEW and isinstance(args[0], DTensor):
             made = _new_like_shard(func, args[0], args[1:], kwargs)
             if made is not None:
@@ -138,6 +142,48 @@ _IN_PLACE = (torch.Tensor.add_, torch.Tensor.__iadd__)
 _ADDS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, *_IN_PLACE)
 _NEW = (torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones,
         torch.Tensor.new_full)
+
+
+_BMMS = (torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm)
+
+
+def _bmm_on_local_rows(func, *args, **kwargs) -> DTensor | None:
+    """A batched product over the batch and heads flattened (``[batch * heads, q, d]``, as
+    BLOOM and Megatron-LM's unfused attention write it) of operands both split on their
+    heads (``_StridedShard(0, batch)``): each rank multiplies its own rows, an added term
+    (BLOOM's ALiBi bias, replicated) cut to them, where DTensor, with no strategy for that
+    layout, would gather the operands. None for any other product."""
+    names = ("input", "batch1", "batch2") if func in (torch.baddbmm, torch.Tensor.baddbmm) \
+        else ("input", "mat2")
+    given = {**dict(zip(names, args)), **kwargs}
+    if set(given) - {*names, "beta", "alpha"} or not set(names) <= set(given):
+        return None
+    added, a, b = (None, given["input"], given["mat2"]) if len(names) == 2 else \
+        (given["input"], given["batch1"], given["batch2"])
+    beta, alpha = given.get("beta", 1), given.get("alpha", 1)
+    if not all(isinstance(t, DTensor) and len(t.placements) == 1 for t in (a, b)):
+        return None
+    (pa,), (pb,) = a.placements, b.placements
+    if not isinstance(pa, _StridedShard) or pa != pb or pa.dim != 0:
+        return None
+    local_a, local_b = a.to_local(), b.to_local()
+    out = torch.bmm(local_a, local_b)
+    if added is not None:
+        if isinstance(added, DTensor):
+            if added.placements != (Replicate(),):
+                return None
+            added = added.to_local()
+        rows, mesh = a.shape[0], a.device_mesh
+        batch, ranks = pa.split_factor, mesh.size()
+        heads = rows // batch
+        if added.shape[0] != rows or heads % ranks:
+            return None
+        mine = heads // ranks * mesh.get_local_rank()
+        added = added.view(batch, heads, *added.shape[1:])[:, mine:mine + heads // ranks]
+        out = beta * added.reshape(-1, *added.shape[2:]) + alpha * out
+    shape = (a.shape[0], a.shape[1], b.shape[2])
+    return DTensor.from_local(out, a.device_mesh, a.placements, run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def _new_like_shard(func, t: DTensor, args: tuple, kwargs: dict) -> DTensor | None:

@@ -324,7 +324,7 @@ def apply_tensor_parallel(module: nn.Module, plan: Plan, tp_mesh: Any, *,
         mod.__class__ = _CHANNEL_PARALLEL[type(mod)]
     seq = (Shard(SEQUENCE_DIM),) if sp else (Replicate(),)
     enter = _gather_sequence if sp else _reduce_gradient
-    shared = _SharedEntries(lambda t: enter(t, tp_mesh))
+    shared = _SharedEntries(lambda t: enter(t, tp_mesh), first_only=sp)
     layers = block_names(module)
     in_block = lambda name: [b for b in layers if name.startswith(b + ".")]  # noqa: E731
     for name in sorted(entries):
@@ -368,11 +368,14 @@ class _SharedEntries:
     """The pre-hook of a block's sub-layers: each tensor entering them (``enter``: its
     sequence gathered, or the boundary where its gradient is reduced) is entered once per
     block, so that sub-layers reading one tensor (a parallel attention and MLP after one
-    norm) share the gather and the one reduction of their summed input gradients. Blocks
-    clear it on entry and exit."""
+    norm) share the gather and the one reduction of their summed input gradients. With
+    ``first_only`` (the sequence gathered) only a sub-layer's first tensor argument, its
+    input, is entered: another (BLOOM's residual, added to the output inside the sub-layer)
+    stays a sequence shard. Blocks clear it on entry and exit."""
 
-    def __init__(self, enter):
+    def __init__(self, enter, *, first_only: bool):
         self._enter = enter
+        self._first_only = first_only
         self._done: dict[int, tuple[Any, Any]] = {}
 
     def _once(self, t: Any) -> Any:
@@ -383,7 +386,11 @@ class _SharedEntries:
         return self._done[id(t)][1]
 
     def enter(self, _m, args, kwargs):
-        return tree_map(self._once, args), tree_map(self._once, kwargs)
+        if not self._first_only:
+            return tree_map(self._once, args), tree_map(self._once, kwargs)
+        first = next((t for t in [*args, *kwargs.values()] if isinstance(t, DTensor)), None)
+        pick = lambda t: self._once(t) if t is first else t  # noqa: E731
+        return tuple(pick(t) for t in args), {k: pick(t) for k, t in kwargs.items()}
 
     def clear(self, *_hook_args) -> None:
         self._done.clear()

@@ -42,7 +42,9 @@ SLICE = {
 # the projections (two collectives), where the runtime and the estimate all-reduce each
 # norm's per-row statistic each way and gather its weight's gradient (three; the ILP's
 # choice too at Llama-7B widths on H100)
-ILP_EXECUTES_OTHERWISE = ("hf_gpt_bigcode", "hf_phi3", "hf_olmo2")
+# BLOOM's attention over batch and heads flattened: the ILP has no placement for heads split
+# inside a flattened dim (DTensor's _StridedShard), so it re-lays them
+ILP_EXECUTES_OTHERWISE = ("hf_gpt_bigcode", "hf_phi3", "hf_olmo2", "hf_bloom")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,8 @@ FUSED = [("hf_gpt_bigcode", "tp_sp"), ("hf_phi3", "tp")]
 NORMS = [("hf_qwen3", "tp"), ("hf_qwen3", "tp_sp"), ("hf_gemma2", "tp"), ("hf_olmo2", "tp"),
          ("hf_gemma", "tp_sp")]
 PARALLEL = [(m, p) for m in ("hf_gptj", "hf_gpt_neox", "hf_falcon") for p in ("tp", "tp_sp")]
-LAYOUTS = [("hf_deepseek_v3", "tp"), ("hf_deepseek_v3", "tp_sp"), ("hf_opt", "tp_sp")]
+LAYOUTS = [("hf_deepseek_v3", "tp"), ("hf_deepseek_v3", "tp_sp"), ("hf_opt", "tp_sp"),
+           ("hf_bloom", "tp"), ("hf_bloom", "tp_sp")]
 DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
 DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
 OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op"),
@@ -124,7 +127,9 @@ def layout_cells(matrix):
     norms) run whole on every rank, the up-projections split by head, the keys assembled in
     a new tensor sharded as the heads; MoE layers after a dense one. OPT's MLP on the tokens
     flattened to ``[batch * seq, hidden]``, under sequence parallel a strided shard of them:
-    gathered and reduce-scattered on the sequence of its unflattened view."""
+    gathered and reduce-scattered on the sequence of its unflattened view. BLOOM's attention
+    over batch and heads flattened (``baddbmm`` with its ALiBi bias): each rank's rows,
+    its residual handed to each sub-layer left a sequence shard."""
     return [matrix[k] for k in LAYOUTS]
 
 
