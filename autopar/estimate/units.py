@@ -11,7 +11,7 @@ timing and memory models need, per micro-batch of the traced size, unsharded:
   memory-bound ops, which tensor parallelism shards only with sequence parallelism), and the
   outputs per-op recompute keeps (`autopar.config.PER_OP_SAVED`);
 - the tensor-parallel synchronisations of one layer, forward and backward (`tp_syncs`: in a
-  block the hidden state's reductions `autopar.ir.residual.reduction_points` finds from the
+  block the hidden state's reductions `autopar.ir.reductions.reduction_points` finds from the
   dataflow; in the glue what each op moves, as `_tp_syncs` says), the size of the hidden
   state, the parameters whose gradients sequence parallelism leaves partial, MoE
   dispatch bytes and the K/V bytes ring attention passes around.
@@ -29,10 +29,11 @@ from autopar.estimate.kept import per_op_kept, recompute_tail
 from autopar.estimate.kv import KvGemm, kv_whole
 from autopar.estimate.sublayer import SubLayer, sublayer_of
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
+from autopar.ir.reductions import reduction_points
 from autopar.ir.residual import (after_row_ops, bottleneck_gemms, consumers, fused_chunks,
-                                 kv_projections, made_of_params, moe_dispatch,
-                                 reduction_points, residual_structure, router_gemms,
-                                 split_statistics, sublayers, tp_split_ops, vocab_sizes)
+                                 kv_projections, made_of_params, moe_dispatch, router_gemms,
+                                 residual_structure, split_statistics, sublayers, tp_split_ops,
+                                 vocab_sizes)
 
 LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
 LOSS_REDUCTION_BYTES = 4  # fp32 per row each
@@ -453,8 +454,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         act = max((t.num_bytes for n in nodes for t, src in zip(n.inputs, n.input_sources)
                    if not src.startswith(("param:", "buffer:", "const"))), default=0)
     syncs, stream = _tp_syncs(nodes, residual, act, vocab_dims)
-    # {fqn: elements} tp never splits: the stream's, the routers', the heads' and the row
-    # GEMMs' biases (added to their reduced outputs)
+    # {fqn: elements} tp never splits: the stream's, routers', heads' and row GEMMs' biases
     shared = (_params_of(nodes, stream | after_row_ops(nodes, residual), seen_params),
               _router_params(nodes, residual, whole, seen_params),
               _head_params(nodes, sharded, seen_params),

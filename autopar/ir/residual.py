@@ -28,11 +28,10 @@ from typing import NamedTuple
 
 from autopar.ir.graph import Graph, Node, OpKind
 
-__all__ = ["KvProjection", "MIXING_KINDS", "Reductions", "Residual", "after_row_ops",
-           "bottleneck_gemms", "consumers", "dense_row_gemms", "fused_chunks", "fused_splits",
-           "kv_projections", "made_of_params", "moe_dispatch", "reduction_points",
-           "residual_structure", "router_gemms", "routing_nodes", "split_statistics",
-           "sublayers", "summed_row_gemms", "token_lookup", "tp_split_ops", "vocab_sizes"]
+__all__ = ["KvProjection", "MIXING_KINDS", "Residual", "after_row_ops", "bottleneck_gemms",
+           "consumers", "fused_chunks", "fused_splits", "kv_projections", "made_of_params",
+           "moe_dispatch", "residual_structure", "router_gemms", "routing_nodes",
+           "split_statistics", "sublayers", "token_lookup", "tp_split_ops", "vocab_sizes"]
 
 MIXING_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
                      OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE})
@@ -388,125 +387,6 @@ def token_lookup(graph: Graph, node: Node) -> bool:
         if src.startswith("input:"):
             return True
     return False
-
-
-class Reductions(NamedTuple):
-    """Partial sums one layer of a block reduces over tp under Megatron's layout: forward,
-    forward under sequence parallel, backward (`reduction_points`)."""
-
-    forward: int
-    forward_sp: int
-    backward: int
-
-
-def reduction_points(nodes: Sequence[Node], residual: Residual) -> Reductions:
-    """How many partial sums one layer of a block reduces over tp under Megatron's layout.
-
-    An MoE sub-layer runs on its tp shards and reduces its output once each way, with the
-    row GEMMs of a shared expert beside its experts (`autopar.runtime.tp_moe`). Elsewhere
-    forward, row GEMMs whose partial outputs are summed before any other op reads them (a
-    parallel attention and MLP: ``x + attn(n(x)) + mlp(n(x))``) share one reduction, each
-    other row GEMM's output is reduced alone (`summed_row_gemms`); backward, sub-layers
-    whose column GEMMs read the same tensor (one norm before both branches) share the
-    reduction of its gradient, the others reduce their own (`_shared_inputs`)."""
-    rows = dense_row_gemms(nodes, residual)
-    runs = sum(moe_dispatch(run) is not None for run in sublayers(nodes, residual))
-    return Reductions(
-        forward=runs + len(summed_row_gemms(nodes, residual, rows, sequence_parallel=False)),
-        forward_sp=runs + len(summed_row_gemms(nodes, residual, rows,
-                                               sequence_parallel=True)),
-        backward=runs + len(_shared_inputs(nodes, residual, rows)))
-
-
-def dense_row_gemms(nodes: Sequence[Node], residual: Residual) -> list[str]:
-    """The row GEMMs of ``nodes`` outside MoE sub-layers, in order."""
-    moe = {n.name for run in sublayers(nodes, residual) if moe_dispatch(run) is not None
-           for n in run}
-    return [n.name for n in nodes if n.name in residual.row_gemms and n.name not in moe]
-
-
-def _groups(rows: Sequence[str], links: Sequence[tuple[str, str]]) -> list[set[str]]:
-    """``rows`` grouped by the ``links`` between them (connected components)."""
-    root = {r: r for r in rows}
-
-    def find(r: str) -> str:
-        while root[r] != r:
-            r = root[r]
-        return r
-
-    for a, b in links:
-        root[find(a)] = find(b)
-    out: dict[str, set[str]] = {}
-    for r in rows:
-        out.setdefault(find(r), set()).add(r)
-    return list(out.values())
-
-
-def summed_row_gemms(nodes: Sequence[Node], residual: Residual, rows: Sequence[str], *,
-                     sequence_parallel: bool) -> list[set[str]]:
-    """The row GEMMs ``rows`` grouped by the one reduction their partial outputs share.
-
-    A partial sum passes views and adds, where it meets another (a parallel attention and
-    MLP) or, without sequence parallel, a replicated value (the stream: each rank adds its
-    share, as DTensor adds a replicated tensor to a partial one); under sequence parallel a
-    stream value is a sequence shard, and an add of it reduce-scatters the partial sum.
-    Row GEMMs whose partial sums meet form one group where the sum is reduced in one place
-    (read by one op that does not pass it, or leaving the block); otherwise (a sequential
-    block, whose first sum is read by the next norm too) each is reduced where it leaves
-    its GEMM, alone."""
-    partial: dict[str, str] = {r: r for r in rows}  # value -> a row GEMM whose sum it carries
-    links, ends = [], dict.fromkeys(rows, 0)
-    for node in nodes:
-        acts = [src for src, _ in _activations(node)]
-        summed = [partial[src] for src in acts if src in partial]
-        if not summed or node.name in partial:
-            continue
-        view = node.kind is OpKind.VIEW and len(acts) == 1
-        add = node.kind is OpKind.ELEMENTWISE and len(acts) == 2 and \
-            node.target.split(".")[:2] in (["aten", "add"], ["aten", "add_"])
-        if view or (add and (len(summed) == 2 or not sequence_parallel)):
-            links += [(summed[0], other) for other in summed[1:]]
-            partial[node.name] = summed[0]
-        else:
-            for row in summed:
-                ends[row] += 1
-    if nodes and nodes[-1].name in partial:
-        ends[partial[nodes[-1].name]] += 1
-    return [part for group in _groups(rows, links) for part in (
-        [group] if sum(ends[r] for r in group) <= 1 else [{r} for r in sorted(group)])]
-
-
-def _shared_inputs(nodes: Sequence[Node], residual: Residual, rows: Sequence[str]
-                   ) -> list[set[str]]:
-    """The row GEMMs ``rows`` grouped by the tensors their sub-layers' column GEMMs read
-    (through views): branches that read one tensor have their input gradients summed there
-    before the one reduction."""
-    by_name = {n.name: n for n in nodes}
-
-    def source(name: str) -> str:
-        node = by_name.get(name)
-        while node is not None and node.kind is OpKind.VIEW and len(_activations(node)) == 1:
-            name = _activations(node)[0][0]
-            node = by_name.get(name)
-        return name
-
-    read: dict[str, str] = {}  # a column GEMM's input -> a row GEMM that reads through it
-    links = []
-    for row in rows:
-        stack, seen = [row], {row}
-        while stack:
-            for src, _ in _activations(by_name[stack.pop()]):
-                node = by_name.get(src)
-                if node is None or src in seen or src in residual.stream:
-                    continue
-                seen.add(src)
-                if node.kind is OpKind.MATMUL and node.params and src not in residual.row_gemms:
-                    for tensor, _ in _activations(node):
-                        first = read.setdefault(source(tensor), row)
-                        links.append((first, row))
-                else:
-                    stack.append(src)
-    return _groups(rows, links)
 
 
 def after_row_ops(nodes: Sequence[Node], residual: Residual) -> set[str]:

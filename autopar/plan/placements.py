@@ -38,10 +38,10 @@ from autopar.estimate.fp8 import fp8_weight
 from autopar.estimate.kv import kv_whole
 from autopar.estimate.units import Unit
 from autopar.ir import Graph, OpKind
-from autopar.ir.residual import (MIXING_KINDS, bottleneck_gemms, consumers, dense_row_gemms,
-                                 fused_chunks, kv_projections, moe_dispatch,
-                                 residual_structure, router_gemms, sublayers, summed_row_gemms,
-                                 token_lookup, vocab_sizes)
+from autopar.ir.reductions import dense_row_gemms, summed_row_gemms
+from autopar.ir.residual import (MIXING_KINDS, bottleneck_gemms, consumers, fused_chunks,
+                                 kv_projections, moe_dispatch, residual_structure,
+                                 router_gemms, sublayers, token_lookup, vocab_sizes)
 
 __all__ = ["fp8_weights", "fused_projections", "megatron_tp_placements", "param_placements",
            "replicated_kv", "replicated_sublayers", "summed_row_weights"]
@@ -222,7 +222,7 @@ def fused_projections(graph: Graph) -> dict[str, int]:
 
 def summed_row_weights(graph: Graph, sequence_parallel: bool) -> list[str]:
     """The FQNs, in every layer, of the parameters of row-parallel GEMMs whose partial
-    outputs are summed before one reduction (`autopar.ir.residual.summed_row_gemms`: a
+    outputs are summed before one reduction (`autopar.ir.reductions.summed_row_gemms`: a
     parallel attention and MLP), as the estimate costs them: the runtime leaves their
     outputs partial, for DTensor to reduce where the sum is read."""
     rows: set[str] = set()

@@ -196,7 +196,7 @@ def test_parallel_branches_share_their_reductions(parallel, forward, forward_sp,
     runtime (`summed_row_weights`) follow."""
     from autopar.config import ParallelConfig
     from autopar.estimate.timing import tp_collectives
-    from autopar.ir.residual import reduction_points
+    from autopar.ir.reductions import reduction_points
     from autopar.plan import summed_row_weights
 
     graph = _trace(_Net(nn.LayerNorm, parallel))
