@@ -453,27 +453,22 @@ def _torchtitan_notes(cfg: Any, shape: _Shape, opts: dict[str, Any]) -> list[str
                      "bfloat16 is set")
     if shape.dtype == "fp8" and opts.get("fp8_recipe", "tensorwise") not in ("tensorwise",
                                                                               "rowwise"):
-        notes.append(f"fp8_recipe {opts['fp8_recipe']}: torchtitan's float8 recipes are "
-                     f"tensorwise and rowwise (torchao's dynamic scaling); none is set, so it "
-                     f"runs tensorwise")
+        notes.append(f"fp8_recipe {opts['fp8_recipe']}: torchtitan's float8 recipes (torchao's "
+                     f"dynamic scaling) are tensorwise and rowwise; none set, it runs tensorwise")
     if opts.get("grad_reduce_dtype", "fp32") != "fp32":
         notes.append(f"grad_reduce_dtype {opts['grad_reduce_dtype']}: torchtitan reduces "
                      f"gradients in float32 (mixed_precision_reduce)")
     if cfg.recompute == "selective":
-        notes.append("recompute selective: torchtitan's op-level selective checkpointing "
-                     "(selective_ac_option = \"op\") keeps a different set of activations than "
-                     "the attention-only recompute the plan was costed with")
+        notes.append("recompute selective: torchtitan's op-level checkpointing (selective_ac_option"
+                     " = \"op\") keeps other activations than the attention-only recompute costed")
     if cfg.pp > 1 and cfg.pp_schedule == "zero-bubble":
-        notes.append(f"pp_schedule zero-bubble: the plan is ZB-H1 with one stage per rank; "
-                     f"PyTorch's zero-bubble schedules are multi-stage (InterleavedZeroBubble "
-                     f"for two or more stages per rank, ZBVZeroBubble for exactly two), so "
-                     f"torchtitan may refuse {cfg.pp} parts on {cfg.pp} ranks: split each "
-                     f"rank's layers in two ({2 * cfg.pp} parts) for ZBVZeroBubble, or use 1F1B")
-    rotate = opts.get("cp_rotate", "p2p")
-    if cfg.cp > 1 and rotate != "all_gather":
-        notes.append(f"context parallel: torchtitan all-gathers the K/V shards "
-                     f"(context_parallel_rotate_method = \"allgather\"); the plan costed "
-                     f"cp_rotate={rotate!r}, K/V passed rank to rank")
+        notes.append(f"pp_schedule zero-bubble: the plan is ZB-H1, one stage a rank; PyTorch's "
+                     f"zero-bubble schedules take 2+ stages a rank (InterleavedZeroBubble; "
+                     f"ZBVZeroBubble exactly 2): split each rank's layers in two ({2 * cfg.pp} "
+                     f"parts on {cfg.pp} ranks) for ZBVZeroBubble, or use 1F1B")
+    if cfg.cp > 1 and (rotate := opts.get("cp_rotate", "p2p")) != "all_gather":
+        notes.append(f"context parallel: torchtitan all-gathers the K/V shards (context_parallel_"
+                     f"rotate_method = \"allgather\"); the plan costed cp_rotate={rotate!r}")
     within = cfg.cp * (cfg.tp if cfg.folded else 1)  # folded: tp's ranks too
     shard_ranks = (cfg.dp if cfg.zero_stage == 3 else 1) * within
     if cfg.ep > 1 and (cfg.ep % within or shard_ranks % cfg.ep):
