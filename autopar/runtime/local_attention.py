@@ -79,6 +79,10 @@ class LocalAttention(TorchFunctionMode):
     step go there directly; one refused for its operands' layout is remembered with the
     layout, so that a block's recompute runs the ops its forward ran, which per-op
     checkpointing replays call by call).
+    Beside these it keeps split what DTensor would gather: a partial sum added to a sequence
+    shard is reduce-scattered (`_settled_on_shard`), a product over batch and heads flattened
+    runs on each rank's rows (`_bmm_on_local_rows`), a tensor made from a split one with
+    ``new_empty`` is split alike (`_new_like_shard`).
     The numbers are the reference's; the layout costs the gathers."""
 
     def __init__(self):
@@ -142,8 +146,6 @@ _IN_PLACE = (torch.Tensor.add_, torch.Tensor.__iadd__)
 _ADDS = (torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__, *_IN_PLACE)
 _NEW = (torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones,
         torch.Tensor.new_full)
-
-
 _BMMS = (torch.bmm, torch.Tensor.bmm, torch.baddbmm, torch.Tensor.baddbmm)
 
 
