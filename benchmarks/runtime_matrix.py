@@ -73,6 +73,8 @@ PLANS: dict[str, tuple[int, dict]] = {
     "tp_sp_mb1": (2, {"tp": 2, "sequence_parallel": True, "micro_batch_size": 1}),
     "tp_sp_per_op": (2, {"tp": 2, "sequence_parallel": True, "recompute": "per_op"}),
     "tp_full": (2, {"tp": 2, "sequence_parallel": False, "recompute": "full"}),
+    "tp_sp_full": (2, {"tp": 2, "sequence_parallel": True, "recompute": "full"}),
+    "cp_full": (2, {"cp": 2, "recompute": "full"}),
     "dp_per_op": (2, {"dp": 2, "zero_stage": 0, "recompute": "per_op"}),
     "pp_gpipe": (2, {"pp": 2, "pp_schedule": "gpipe", **MB2}),
     "pp_1f1b": (2, {"pp": 2, "pp_schedule": "1f1b", **MB2}),

@@ -350,3 +350,21 @@ def step_layers(costs: "ModelCosts", config: ParallelConfig, global_batch_size: 
     units = list(costs.units_for(config.micro_batch_size))
     counts = structure(units, config.pp, config.virtual_stages, boundaries).rank_counts
     return m, units, [[int(n) for n in rank] for rank in counts]
+
+
+def recomputed_layers(units: Sequence[Unit], config: ParallelConfig,
+                      boundaries: Boundaries | None, pipeline_rank: int) -> list[int]:
+    """Per unit, the layers of pipeline rank `pipeline_rank` whose forward full recompute runs
+    again: the k-th, 2k-th, ... block of the rank's chunks in order (`recompute_every` k, as
+    the runtime and torchtitan count); none under any other policy."""
+    out = [0] * len(units)
+    if config.recompute != "full":
+        return out
+    order = unit_order(tuple(units))
+    cuts = structure(tuple(units), config.pp, config.virtual_stages, boundaries).cuts
+    blocks = [order[i] for a, b in cuts[pipeline_rank::config.pp] for i in range(a, b)
+              if units[order[i]].is_block]
+    for i in blocks[config.recompute_every - 1::config.recompute_every]:
+        out[i] += 1
+    return out
+

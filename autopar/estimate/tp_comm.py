@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Sequence
 from autopar.config import ParallelConfig
 from autopar.estimate.data_parallel import dp_bytes, zero_passes
 from autopar.estimate.groups import RankGroups
-from autopar.estimate.layout import Layout, step_layers
+from autopar.estimate.layout import Layout, recomputed_layers, step_layers
 from autopar.estimate.options import EstimateOptions
 from autopar.estimate.stages import Boundaries
 from autopar.estimate.timing import cp_collectives, tp_collectives
@@ -91,17 +91,38 @@ def tp_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_b
     """Every tensor-parallel collective the estimate charges for one step of pipeline rank
     `pipeline_rank`'s layers (the stages cut at `boundaries`, or evenly by layers) on one tp
     group, as ``(kind, nbytes)``: each layer's `tp_collectives` forward and backward, per
-    micro-batch, and the `gradient_collectives`. What a runtime's recorded collectives are
-    checked against."""
+    micro-batch, the forward's again in the layers full recompute re-runs
+    (`recomputed_layers`), and the `gradient_collectives`. What a runtime's recorded
+    collectives are checked against."""
     if config.tp == 1:
         return []
     m, units, counts = step_layers(costs, config, global_batch_size, boundaries)
     layers = counts[pipeline_rank]
+    again = recomputed_layers(units, config, boundaries, pipeline_rank)
     out: list[tuple[str, float]] = []
-    for unit, n in zip(units, layers):
+    for unit, n, r in zip(units, layers, again):
         fwd, bwd = tp_collectives(unit, config)
-        out += (fwd + bwd) * (n * m)
+        out += (fwd + bwd) * (n * m) + _recomputed(unit, fwd, config, options) * (r * m)
     return out + gradient_collectives(units, layers, config, options, m, dtype)
+
+
+def _recomputed(unit: Unit, fwd: list, config: ParallelConfig, options: EstimateOptions
+                ) -> list:
+    """The tp collectives full recompute issues again in one layer of ``unit``: its
+    forward's, less, where recompute stops early, the reductions of the GEMMs after the last
+    tensor backward needs (`OpCost.tail`: a block's last row-parallel GEMM), as
+    `timing.unit_times` charges them."""
+    if not options.recompute_early_stop:
+        return fwd
+    reduce = "reduce_scatter" if config.sequence_parallel else "all_reduce"
+    tail = min(sum(op.kind == "gemm" and op.tail for op in unit.ops), unit.tp_reductions[0])
+    out = list(fwd)
+    for _ in range(tail):
+        last = max((i for i, (kind, n) in enumerate(out)
+                    if kind == reduce and n == unit.act_bytes / config.cp), default=None)
+        if last is not None:
+            out.pop(last)
+    return out
 
 
 def cp_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_batch_size: int,
@@ -110,16 +131,16 @@ def cp_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_b
                         ) -> list[tuple[str, float]]:
     """Every context-parallel transfer the estimate charges a rank for one step of pipeline
     rank `pipeline_rank`'s layers, as ``(kind, nbytes)``: each layer's `cp_collectives`
-    forward and backward per micro-batch, the forward's again where full recompute re-runs
-    it."""
+    forward and backward per micro-batch, the forward's again in the layers full recompute
+    re-runs (`recomputed_layers`)."""
     if config.cp == 1:
         return []
     m, units, counts = step_layers(costs, config, global_batch_size, boundaries)
+    again = recomputed_layers(units, config, boundaries, pipeline_rank)
     out: list[tuple[str, float]] = []
-    for unit, n in zip(units, counts[pipeline_rank]):
+    for unit, n, r in zip(units, counts[pipeline_rank], again):
         fwd, bwd = cp_collectives(unit, config, options, dtype)
-        again = fwd if config.recompute == "full" and unit.is_block else []
-        out += (fwd + again + bwd) * (n * m)
+        out += (fwd + bwd) * (n * m) + fwd * (r * m)
     return out
 
 

@@ -64,7 +64,7 @@ DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_m
 DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
 OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op"),
           ("hf_qwen2_moe", "ep_tp"), ("hf_gpt2_odd_vocab", "tp_sp"), ("hf_gpt2_odd_vocab", "tp_pp"),
-          ("titan_llama", "tp_sp"), ("titan_llama", "cp")]
+          ("titan_llama", "tp_sp"), ("titan_llama", "cp"), ("plain_llama", "cp_full")]
 # autopar's own Llama and Mixtral under the plans no other cell trains for several steps:
 # GPipe with one micro-batch (fewer than stages), interleaved 1F1B, ZeRO-2 with full
 # recompute, ZeRO-1 in a pipeline, dp x pp and dp x tp + SP without ZeRO, FSDP2 under tp in
@@ -374,7 +374,8 @@ def test_pipeline_and_context_parallel_transfers_are_the_ones_the_estimate_charg
     (nanoGPT's and GPT-2's head) sends its gradient once a step, as FSDP2's shard under ZeRO
     (`pipeline_comm.pp_step_collectives`). A cp ring passes each attention's K/V cp-1 times
     forward and backward and the fp32 dK/dV accumulators cp times
-    (`timing.cp_collectives`, ``cp_rotate="ring"``), again forward under full recompute.
+    (`timing.cp_collectives`, ``cp_rotate="ring"``), again forward in the blocks full
+    recompute re-runs (`layout.recomputed_layers`).
     An MoE layer routes each cp rank's own tokens: no gather of the sequence
     (`runtime.cp_moe`), only DDP's buckets set those cells apart."""
     checked = []
@@ -394,4 +395,5 @@ def test_pipeline_and_context_parallel_transfers_are_the_ones_the_estimate_charg
         assert sum(n * k for (_, n), k in (got.issued - got.charged).items()) == \
             sum(n * k for (_, n), k in (got.charged - got.issued).items()), key
     assert {("nano_gpt", "cp"), ("plain_llama", "cp_pp"), ("tiny_llama", "pp_interleaved"),
-            ("hf_gpt2", "tp_sp_pp"), ("tiny_llama_wide", "cp_tp_sp")} <= set(checked), checked
+            ("hf_gpt2", "tp_sp_pp"), ("tiny_llama_wide", "cp_tp_sp"),
+            ("plain_llama", "cp_full")} <= set(checked), checked

@@ -139,3 +139,27 @@ def test_a_rank_passes_the_kv_heads_its_query_heads_read():
         block = next(u for u in _costs(factory).units if u.is_block)
         (sent,), _ = cp_collectives(block, cfg, options, "fp32")
         assert sent == ("send_recv", block.attention_kv_bytes / (2 * split)), factory
+
+
+@pytest.mark.parametrize("pp, every", [(1, 1), (1, 2), (2, 2), (2, 3)])
+def test_full_recompute_runs_again_the_blocks_the_runtime_checkpoints(pp, every):
+    """Gemma 2's two kinds of block alternate (sliding-window, global): the layers whose
+    forward full recompute re-runs on a pipeline rank are the k-th, 2k-th, ... of its blocks
+    in the model's order, as the runtime wraps them (`runtime.apply._apply_recompute`),
+    counted here over the block list itself."""
+    from autopar.estimate.layout import recomputed_layers
+    from autopar.estimate.stages import layer_sequence
+
+    costs = _costs(corpus.hf_gemma2)
+    units = list(costs.units)
+    blocks = [u.name for u, _ in layer_sequence(units) if u.is_block]
+    assert len(set(blocks)) == 2  # two block units, alternating
+    per_rank = len(blocks) // pp
+    for rank in range(pp):
+        cfg = ParallelConfig(pp=pp, recompute="full", recompute_every=every)
+        got = recomputed_layers(units, cfg, None, rank)
+        mine = blocks[rank * per_rank:(rank + 1) * per_rank]
+        want = [sum(name == u.name for name in mine[every - 1::every]) for u in units]
+        assert got == want, (rank, got, want)
+        none = replace(cfg, recompute="per_op", recompute_every=1)
+        assert recomputed_layers(units, none, None, rank) == [0] * len(units)
