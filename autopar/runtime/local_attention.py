@@ -23,7 +23,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from autopar.runtime.tensor_parallel import _to_local_replicated
+from autopar.ir import SEQUENCE_DIM
+from autopar.runtime.tensor_parallel import _to_local_replicated, on_sequence_view
 
 __all__ = ["LocalAttention", "local_heads", "sum_grad_over_tp"]
 
@@ -238,9 +239,7 @@ def _scattered(t: DTensor, to: Any) -> DTensor:
     view."""
     if not isinstance(to, _StridedShard):
         return t.redistribute(t.device_mesh, (to,))
-    batch = to.split_factor
-    split = t.view(batch, t.shape[0] // batch, *t.shape[1:])
-    return split.redistribute(t.device_mesh, (Shard(1),)).view(t.shape)
+    return on_sequence_view(t, to.split_factor, t.device_mesh, (Shard(SEQUENCE_DIM),))
 
 
 def _split_mean(x: Any, dim: Any = None, keepdim: bool = False, *, dtype=None) -> Any:

@@ -81,8 +81,8 @@ from autopar.runtime.tp_moe import install_local_moe, local_moe_sublayers
 if TYPE_CHECKING:
     from autopar.plan.plan import Plan
 
-__all__ = ["TensorParallel", "apply_tensor_parallel", "settle_gradients", "stage_boundaries",
-           "tp_dims"]
+__all__ = ["TensorParallel", "apply_tensor_parallel", "on_sequence_view", "settle_gradients",
+           "stage_boundaries", "tp_dims"]
 
 log = logging.getLogger(__name__)
 
@@ -210,12 +210,17 @@ def _gather_sequence(t: Any, mesh: Any) -> Any:
             t.dim() == 2 and t.placements == (Shard(0),):
         return t.redistribute(mesh, (Replicate(),))
     if t.dim() == 2 and isinstance(t.placements[0], _StridedShard) and t.placements[0].dim == 0:
-        # gathered on the sequence of its [batch, seq, ...] view, so that its gradient is
-        # reduce-scattered back (DTensor would all-reduce a partial sum into this layout)
-        batch = t.placements[0].split_factor
-        split = t.view(batch, t.shape[0] // batch, *t.shape[1:])
-        return split.redistribute(mesh, (Replicate(),)).view(t.shape)
+        return on_sequence_view(t, t.placements[0].split_factor, mesh, (Replicate(),))
     return t
+
+
+def on_sequence_view(t: DTensor, batch: int, mesh: Any, target: tuple) -> DTensor:
+    """``t``, its batch and sequence flattened (``[batch * seq, ...]``, the stream's sequence
+    shard as ``_StridedShard(0, batch)``), redistributed to ``target`` on the sequence of its
+    ``[batch, seq, ...]`` view: gathered, its gradient reduce-scattered back, or a partial sum
+    reduce-scattered into it (DTensor would all-reduce into the strided layout)."""
+    split = t.view(batch, t.shape[0] // batch, *t.shape[1:])
+    return split.redistribute(mesh, target).view(t.shape)
 
 
 def _reduce_gradient(t: Any, mesh: Any) -> Any:
@@ -334,25 +339,26 @@ def apply_tensor_parallel(module: nn.Module, plan: Plan, tp_mesh: Any, *,
                 tree_map(lambda t: enter(t, tp_mesh), kwargs)), with_kwargs=True)
     for name in local_moe:
         install_local_moe(module.get_submodule(name), tp_mesh, sp, SEQUENCE_DIM)
-    settle = lambda _m, _args, out: tree_map(  # noqa: E731
-        lambda t: _settle(t, tp_mesh, seq if t.dim() > SEQUENCE_DIM + 1 else (Replicate(),))
-        if isinstance(t, DTensor) else t, out)
-    # under sequence parallel, a block's GEMM output on flattened tokens stays partial: the
-    # add of the stream's (flattened) shard reduce-scatters it (`LocalAttention`)
-    settle_3d = lambda _m, _args, out: tree_map(  # noqa: E731
-        lambda t: _settle(t, tp_mesh, seq)
-        if isinstance(t, DTensor) and t.dim() > SEQUENCE_DIM + 1 else t, out)
+    def settle(flat_stays: bool):
+        """A forward hook reducing partial outputs; with ``flat_stays`` one on flattened
+        tokens stays partial (a block's GEMM under sequence parallel: the add of the stream's
+        flattened shard reduce-scatters it, `LocalAttention`)."""
+        def reduce(t: Any) -> Any:
+            if not isinstance(t, DTensor) or flat_stays and t.dim() <= SEQUENCE_DIM + 1:
+                return t
+            return _settle(t, tp_mesh, seq if t.dim() > SEQUENCE_DIM + 1 else (Replicate(),))
+        return lambda _m, _args, out: tree_map(reduce, out)
+
     summed = {fqn.rpartition(".")[0] for fqn in plan.model.summed_row_weights or ()}
     for name in sorted(holders - summed):
-        module.get_submodule(name).register_forward_hook(
-            settle_3d if sp and in_block(name) else settle)
+        module.get_submodule(name).register_forward_hook(settle(sp and bool(in_block(name))))
     summing = {b for name in holders & summed for b in in_block(name)}
     for name in layers:
         block = module.get_submodule(name)
         block.register_forward_pre_hook(shared.clear)
         block.register_forward_hook(shared.clear)
         if name in summing:
-            block.register_forward_hook(settle)  # a sum of partial outputs leaving it
+            block.register_forward_hook(settle(False))  # a sum of partial outputs leaving it
     for name in own:
         _local_island(module.get_submodule(name), tp_mesh)
     if not dims:
