@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate.groups import RankGroups
-from autopar.estimate.kv import kv_whole
 from autopar.estimate.units import OpCost, Unit
 from costmodels.compute import (EAGER_GEMM_EXTRA_OPS, SAC_DISPATCH_S,
                                 SCATTER_ADD_TRAFFIC_FACTOR, activation_memory_time_s,
@@ -98,11 +97,10 @@ def fp8_casts(op: OpCost, cluster: Cluster, cfg: ParallelConfig, fp8_recipe: str
               kernels: str) -> tuple[float, float]:
     """Seconds of an fp8 GEMM's operand casts on one rank, forward and backward."""
     inputs, weights, outputs = op.fp8_elements
-    whole = op.tp_whole or kv_whole(op.kv_heads, cfg.tp, op.kv_cut)
-    scale = cfg.cp * (1 if whole else cfg.tp)
+    scale = cfg.cp * op.tp_rows(cfg.tp, cfg.sequence_parallel)
     return fp8_cast_time_s(cluster.hardware.device, fp8_recipe, kernels,
                            inputs=inputs / scale,
-                           weights=weights / (1 if op.tp_replicated or whole else cfg.tp),
+                           weights=weights / (1 if op.whole_on_tp(cfg.tp) else cfg.tp),
                            outputs=outputs / scale)
 
 
@@ -133,10 +131,9 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
     if dtype == "fp8" and not fp8:
         dtype = "bf16"
     if op.kind == "gemm":
-        whole = op.tp_whole or kv_whole(op.kv_heads, tp, op.kv_cut)  # run whole
-        scale = cp * (1 if whole else tp)
+        scale = cp * op.tp_rows(tp, cfg.sequence_parallel)
         nbytes = op.bytes_fwd / scale
-        if op.tp_replicated or whole:  # the rows it runs times the whole weight
+        if op.whole_on_tp(tp):  # the rows it runs times the whole weight
             nbytes = (op.bytes_fwd - op.param_bytes) / scale + op.param_bytes
         fwd = gemm_time_s(device, dtype, op.flops_fwd / scale, nbytes)
         bwd = gemm_time_s(device, dtype, op.flops_bwd / scale, 2 * nbytes)

@@ -29,7 +29,8 @@ from autopar.estimate.kept import per_op_kept, recompute_tail
 from autopar.estimate.kv import KvGemm, kv_whole
 from autopar.estimate.sublayer import SubLayer, sublayer_of
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
-from autopar.ir.reductions import reduction_points
+from autopar.ir.reductions import (is_cross_entropy, loss_reader, reduction_points,
+                                   whole_glue_gemms)
 from autopar.ir.residual import (after_row_ops, bottleneck_gemms, consumers, fused_chunks,
                                  kv_projections, made_of_params, moe_dispatch, router_gemms,
                                  residual_structure, split_statistics, sublayers, tp_split_ops,
@@ -80,8 +81,9 @@ class OpCost:
     # in a block under per-op recompute: its output is kept for backward and it is not re-run
     # (a fused attention kernel, every other matmul; `autopar.config.PER_OP_SAVED`)
     kept: bool = False
-    # a GEMM of a sub-layer the layout replicates over tp (`Unit.replicated`): each tp rank
-    # reads (and under fp8 casts) its whole weight
+    # a GEMM of a sub-layer the layout replicates over tp (`Unit.replicated`) or of the glue
+    # (`whole_glue_gemms`): each tp rank reads (and under fp8 casts) its whole weight, on the
+    # stream's rows (a sequence shard under sequence parallel, else all of them)
     tp_replicated: bool = False
     tp_whole: bool = False  # a low-rank projection every tp rank runs whole (`bottleneck_gemms`)
     # a GEMM that makes an attention's keys or values: its kv heads, and whether tp cannot
@@ -101,6 +103,15 @@ class OpCost:
         """A GEMM every rank of ``tp`` runs whole: in a replicated sub-layer, a low-rank
         projection, or a K/V projection tp does not split (`kv_whole`)."""
         return self.tp_replicated or self.tp_whole or kv_whole(self.kv_heads, tp, self.kv_cut)
+
+    def tp_rows(self, tp: int, sequence_parallel: bool) -> int:
+        """Over how many tp ranks a GEMM's rows are split: none for one run whole on all rows
+        (a low-rank projection, a K/V projection tp does not split, a replicated weight on a
+        stream tp does not split), else tp (split features, or a sequence shard)."""
+        if self.tp_whole or kv_whole(self.kv_heads, tp, self.kv_cut) or \
+                (self.tp_replicated and not sequence_parallel):
+            return 1
+        return tp
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -316,10 +327,6 @@ def _segments(graph: Graph) -> list[tuple[str, list[Node], tuple[str, ...]]]:
     return named
 
 
-def _is_cross_entropy(node: Node) -> bool:
-    return node.kind is OpKind.LOSS and node.target == "F.cross_entropy"
-
-
 def _vocab_sized(node: Node, vocab_dims: set[int]) -> bool:
     return any(p.shape and p.shape[0] in vocab_dims for p in node.params)
 
@@ -348,6 +355,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     tail = recompute_tail(nodes)
     residual = residual_structure(nodes)
     sharded, whole = tp_split_ops(nodes, residual), bottleneck_gemms(nodes, residual)
+    glue = set() if residual.residual_adds else whole_glue_gemms(nodes, vocab_dims)
     kept = per_op_kept(nodes)
     per_op_routed, kept = kept is None, kept or {}
     kv_gemms = kv_projections(nodes)
@@ -397,7 +405,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
                               aligned=_aligned(node), tail=node.name in tail,
                               kv_heads=kv_gemms[node.name].heads if node.name in kv_gemms
                               else 0, kv_cut=node.name in kv_gemms and kv_gemms[node.name].cut,
-                              tp_whole=node.name in whole,
+                              tp_whole=node.name in whole, tp_replicated=node.name in glue,
                               fused_bias=sum(p.numel for p in node.params if p.fqn in fused
                                              and len(p.shape) == 1 and p.requires_grad
                                              and p.fqn in seen_params),
@@ -413,6 +421,8 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
                                       spec.num_bytes if alone and spec is not None else 0))
             if ops[-1].fp8_elements:
                 fp8_delta += int(ops[-1].fp8_elements[0]) - node.saved_bytes
+            if node.name in glue:  # its input is the stream's: whole, or a sequence shard
+                saved_memory += node.saved_bytes
         elif node.kind is OpKind.ATTENTION and node.attention is not None:
             a = node.attention
             score = a.batch * a.num_heads * a.seq_q * a.seq_kv * node.inputs[0].num_bytes \
@@ -426,7 +436,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
             # and output (2 B) when attention dropout is on: 2·a·s²·b or 5·a·s²·b
             scores += int(score * (2.5 if a.dropout_p > 0 else 1.0))
         else:
-            loss = _is_cross_entropy(node)
+            loss = is_cross_entropy(node)
             ops.append(OpCost(kind="memory", flops_fwd=0.0, flops_bwd=0.0, bytes_fwd=io,
                               param_bytes=weights, expert=in_moe,
                               tp_sharded=node.name in sharded,
@@ -453,14 +463,14 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     if not act:  # the hidden state is the largest activation input of the unit
         act = max((t.num_bytes for n in nodes for t, src in zip(n.inputs, n.input_sources)
                    if not src.startswith(("param:", "buffer:", "const"))), default=0)
-    syncs, stream = _tp_syncs(nodes, residual, act, vocab_dims)
+    syncs, stream = _tp_syncs(nodes, residual, act, vocab_dims, glue)
     # {fqn: elements} tp never splits: the stream's, routers', heads' and row GEMMs' biases
     shared = (_params_of(nodes, stream | after_row_ops(nodes, residual), seen_params),
               _router_params(nodes, residual, whole, seen_params),
               _head_params(nodes, sharded, seen_params),
               {p.fqn: p.numel for n in nodes if n.name in residual.row_gemms for p in n.params
                if len(p.shape) == 1 and p.requires_grad and p.fqn in seen_params})
-    losses = [n for n in nodes if _is_cross_entropy(n)]
+    losses = [n for n in nodes if is_cross_entropy(n)]
     subs = tuple(sublayer_of(run, op_index, residual, kept, seen_params)
                  for run in sublayers(nodes, residual)) if residual.residual_adds else ()
     return Unit(
@@ -519,7 +529,7 @@ def _router_params(nodes: list[Node], residual, whole: dict[str, set[str]],
     return found
 
 
-def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]
+def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int], glue: set[str]
               ) -> tuple[tuple[tuple[str, str, float], ...], set[str]]:
     """The unit's tensor-parallel synchronisations under Megatron's layout, per layer, as
     ``(direction, kind, nbytes)`` (`Unit.tp_syncs`), and the nodes on its sequence-sharded
@@ -533,11 +543,11 @@ def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]
     norm statistic over split features each way, all-gathering the gradients of the weights
     scaling them (`split_statistics`); its stream is the residual structure's. In the glue
     each op says what it moves: a vocabulary-parallel lookup reduces its output forward (its
-    table's gradient needs none); a GEMM's weight is split on its outputs, so its input
-    gradient is reduced backward (when the input needs one), and its output is gathered
-    forward unless a cross-entropy reads it (its logits stay sharded for the parallel loss,
-    which reduces three fp32 values per row forward); a convolution's output channels are
-    gathered likewise. The glue's stream is every other op."""
+    table's gradient needs none); a vocabulary projection's weight is split on its outputs,
+    so its input gradient is reduced backward (when the input needs one), and its output is
+    gathered forward unless a cross-entropy reads it (its logits stay sharded for the
+    parallel loss, which reduces three fp32 values per row forward). Every other GEMM
+    (``glue``, `whole_glue_gemms`) runs whole on the stream, which is every op but those."""
     if residual.residual_adds:
         fwd, fwd_sp, bwd = (k + sum(n.kind is OpKind.CONV and bool(n.params) for n in nodes)
                             for k in reduction_points(nodes, residual))
@@ -549,27 +559,16 @@ def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int]
             syncs += [("backward", "weight", p.num_bytes) for p in scales]
         return tuple(syncs), set(residual.stream)
     readers = consumers(nodes)
-
-    def read_by_loss(name: str) -> Node | None:
-        for nxt in readers.get(name, ()):
-            if _is_cross_entropy(nxt):
-                return nxt
-            # views and element-wise ops (a final logit soft-capping) keep the logits split
-            if nxt.kind in (*_FREE_KINDS, OpKind.ELEMENTWISE) and \
-                    (found := read_by_loss(nxt.name)) is not None:
-                return found
-        return None
-
     syncs: list[tuple[str, str, float]] = []
-    stream = set()
+    stream = set(glue)
     for node in nodes:
         if node.kind is OpKind.EMBEDDING and _vocab_sized(node, vocab_dims):
             syncs.append(("forward", "reduce", node.outputs[0].num_bytes))
-        elif node.kind in _GEMM_KINDS and node.params:
+        elif node.kind in _GEMM_KINDS and node.params and node.name not in stream:
             source, spec = _activation_input(node)
             if not source.startswith("input:"):  # the input needs its gradient
                 syncs.append(("backward", "reduce", spec.num_bytes))
-            loss = read_by_loss(node.name) if node.kind is OpKind.MATMUL else None
+            loss = loss_reader(node.name, readers) if node.kind is OpKind.MATMUL else None
             if loss is None:
                 syncs.append(("forward", "gather", node.outputs[0].num_bytes))
             else:

@@ -2,7 +2,8 @@
 row-parallel GEMMs' outputs are summed before one reduction (a parallel attention and MLP),
 and which sub-layers share the reduction of their input's gradient (`reduction_points`).
 The estimate charges these (`autopar.estimate.units`), the plan names the summed GEMMs
-(`autopar.plan.summed_row_weights`) and the runtime reduces so."""
+(`autopar.plan.summed_row_weights`) and the runtime reduces so. Outside the blocks, which
+GEMMs tp splits over the vocabulary and which it keeps whole (`whole_glue_gemms`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from autopar.ir.graph import Node, OpKind
-from autopar.ir.residual import Residual, _activations, moe_dispatch, sublayers
+from autopar.ir.residual import Residual, _activations, consumers, moe_dispatch, sublayers
 
-__all__ = ["Reductions", "dense_row_gemms", "reduction_points", "summed_row_gemms"]
+__all__ = ["Reductions", "dense_row_gemms", "loss_reader", "reduction_points",
+           "summed_row_gemms", "whole_glue_gemms"]
 
 
 class Reductions(NamedTuple):
@@ -132,3 +134,34 @@ def _shared_inputs(nodes: Sequence[Node], residual: Residual, rows: Sequence[str
                 else:
                     stack.append(src)
     return _groups(rows, links)
+
+
+def is_cross_entropy(node: Node) -> bool:
+    return node.kind is OpKind.LOSS and node.target == "F.cross_entropy"
+
+
+def loss_reader(name: str, readers: dict[str, list[Node]]) -> Node | None:
+    """The cross-entropy that reads value ``name`` through views and element-wise ops (a final
+    logit soft-capping keeps the logits split), or None (``readers``: `consumers`)."""
+    for nxt in readers.get(name, ()):
+        if is_cross_entropy(nxt):
+            return nxt
+        if nxt.kind in (OpKind.VIEW, OpKind.ELEMENTWISE) and \
+                (found := loss_reader(nxt.name, readers)) is not None:
+            return found
+    return None
+
+
+def whole_glue_gemms(nodes: Sequence[Node], vocab_dims: set[int]) -> set[str]:
+    """The weight GEMMs of glue (a run outside the blocks with no residual add) Megatron's
+    layout keeps whole on every tp rank: all but the vocabulary projections (a weight with a
+    vocabulary-sized dim 0, or an output a cross-entropy reads), which tp splits over their
+    outputs. A transform before the vocabulary projection (BERT's), a pooler or a patch
+    embedding would gain nothing from a split its next op (a norm, the blocks' stream) gathers
+    at once: whole, it runs on the stream's rows (a sequence shard under sequence parallel),
+    its gradient partial over those rows."""
+    readers = consumers(nodes)
+    return {n.name for n in nodes
+            if n.kind in (OpKind.MATMUL, OpKind.CONV) and n.params
+            and not any(p.shape and p.shape[0] in vocab_dims for p in n.params)
+            and (n.kind is OpKind.CONV or loss_reader(n.name, readers) is None)}

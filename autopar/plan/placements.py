@@ -10,7 +10,8 @@ multi-head latent attention's down-projections) is replicated, and the other GEM
 column-parallel (weight and bias sharded on the output features: dim 0 of
 an ``[out, in]`` weight read transposed as nn.Linear's, dim 1 of an ``[in, out]`` one read as
 it is as GPT-2's Conv1D, told apart by how the GEMM reads it); embeddings and the vocabulary
-head are vocab-parallel; norms stay replicated. Where tp does not divide an attention's key/value
+head are vocab-parallel; other GEMMs outside the blocks (a pooler, a transform before the head,
+a patch embedding: `autopar.ir.reductions.whole_glue_gemms`) and norms stay replicated. Where tp does not divide an attention's key/value
 heads (but is a multiple of them: multi-query or grouped-query attention with fewer kv heads
 than ranks), its K and V projections (`autopar.ir.residual.kv_projections`) are replicated:
 each rank computes them whole and reads the kv heads its query heads use (the gradient of what
@@ -38,7 +39,7 @@ from autopar.estimate.fp8 import fp8_weight
 from autopar.estimate.kv import kv_whole
 from autopar.estimate.units import Unit
 from autopar.ir import Graph, OpKind
-from autopar.ir.reductions import dense_row_gemms, summed_row_gemms
+from autopar.ir.reductions import dense_row_gemms, summed_row_gemms, whole_glue_gemms
 from autopar.ir.residual import (MIXING_KINDS, bottleneck_gemms, consumers, fused_chunks,
                                  kv_projections, moe_dispatch, residual_structure,
                                  router_gemms, sublayers, token_lookup, vocab_sizes)
@@ -60,6 +61,7 @@ def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
     adds = {name for r in structure.values() for name in r.residual_adds}
     rows = {name for r in structure.values() for name in r.row_gemms}
     whole = {name for key, r in structure.items() for name in bottleneck_gemms(runs[key], r)}
+    whole |= _whole_glue(graph, block_of, vocab)
 
     def close(group: list) -> None:
         """One sub-layer (the nodes up to its residual add).  An MoE sub-layer is a replicated
@@ -83,7 +85,7 @@ def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
             row = (fed and not feeds) if experts else node.name in rows
             for p in node.params:
                 features, inputs = _feature_dims(node, p)
-                if node.name in whole:  # a low-rank projection the next GEMM reads whole
+                if node.name in whole:  # a low-rank projection, a GEMM of the glue
                     out.setdefault(p.fqn, "R")
                 elif p.shape and p.shape[features] in vocab and len(p.shape) == 2:
                     out.setdefault(p.fqn, f"S({features})")
@@ -105,6 +107,19 @@ def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
             sublayer = []
     close(sublayer)
     return out
+
+
+def _whole_glue(graph: Graph, block_of: Mapping[str, str], vocab: set[int]) -> set[str]:
+    """`whole_glue_gemms` of each run of nodes outside the blocks with no residual add (the
+    glue the estimate costs so, `autopar.estimate.units`)."""
+    runs: list[list] = [[]]
+    for node in graph.nodes:
+        if node.name in block_of:
+            runs.append([])
+        else:
+            runs[-1].append(node)
+    return {name for run in runs if run and not residual_structure(run).residual_adds
+            for name in whole_glue_gemms(run, vocab)}
 
 
 def replicated_kv(graph: Graph, tp: int) -> dict[str, int]:

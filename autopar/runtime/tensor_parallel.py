@@ -191,6 +191,13 @@ _CHANNEL_PARALLEL = {nn.Conv1d: ChannelParallelConv1d, nn.Conv2d: ChannelParalle
                    nn.Conv3d: ChannelParallelConv3d}
 
 
+def _replicated(t: Any, mesh: Any) -> Any:
+    """A plain floating tensor as a replicated DTensor on ``mesh``; anything else as it is."""
+    if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.is_floating_point():
+        return DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+    return t
+
+
 def _settle(t: Any, mesh: Any, target: tuple) -> Any:
     """A DTensor output reduced to ``target`` if it is a partial sum, behind a ``to_local`` /
     ``from_local`` pair whose backward hands any gradient layout on as ``target``."""
@@ -327,6 +334,11 @@ def apply_tensor_parallel(module: nn.Module, plan: Plan, tp_mesh: Any, *,
                 local_moe=local_moe)
     for mod in convs.values():
         mod.__class__ = _CHANNEL_PARALLEL[type(mod)]
+    for name, mod in module.named_modules():
+        if isinstance(mod, nn.modules.conv._ConvNd) and name not in convs \
+                and not _under(name, own):  # replicated: DTensor's backward wants a DTensor
+            mod.register_forward_pre_hook(lambda _m, args: tree_map(
+                lambda t: _replicated(t, tp_mesh), args))
     seq = (Shard(SEQUENCE_DIM),) if sp else (Replicate(),)
     enter = _gather_sequence if sp else _reduce_gradient
     shared = _SharedEntries(lambda t: enter(t, tp_mesh), first_only=sp)
@@ -427,15 +439,11 @@ def _local_island(mod: nn.Module, mesh: Any) -> None:
     inputs are gathered to replicated local tensors, tensor outputs rejoin as replicated
     DTensors.  Their gradients cross the same boundary as replicated tensors."""
 
-    def rejoin(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.is_floating_point():
-            return DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
-        return t
-
     mod.register_forward_pre_hook(
         lambda _m, args, kwargs: (tree_map(_to_local_replicated, args),
                                   tree_map(_to_local_replicated, kwargs)), with_kwargs=True)
-    mod.register_forward_hook(lambda _m, _args, out: tree_map(rejoin, out))
+    mod.register_forward_hook(lambda _m, _args, out: tree_map(
+        lambda t: _replicated(t, mesh), out))
 
 
 def stage_boundaries(module: nn.Module, mesh: Any, sequence_parallel: bool, *,

@@ -59,7 +59,7 @@ NORMS = [("hf_qwen3", "tp"), ("hf_qwen3", "tp_sp"), ("hf_gemma2", "tp"), ("hf_ol
          ("hf_gemma", "tp_sp")]
 PARALLEL = [(m, p) for m in ("hf_gptj", "hf_gpt_neox", "hf_falcon") for p in ("tp", "tp_sp")]
 LAYOUTS = [("hf_deepseek_v3", "tp"), ("hf_deepseek_v3", "tp_sp"), ("hf_opt", "tp_sp"),
-           ("hf_bloom", "tp"), ("hf_bloom", "tp_sp")]
+           ("hf_bloom", "tp"), ("hf_bloom", "tp_sp"), ("hf_bert", "tp")]
 DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
 DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
 OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op"),
@@ -129,7 +129,8 @@ def layout_cells(matrix):
     flattened to ``[batch * seq, hidden]``, under sequence parallel a strided shard of them:
     gathered and reduce-scattered on the sequence of its unflattened view. BLOOM's attention
     over batch and heads flattened (``baddbmm`` with its ALiBi bias): each rank's rows,
-    its residual handed to each sub-layer left a sequence shard."""
+    its residual handed to each sub-layer left a sequence shard. BERT's MLM head: the dense
+    transform and its norm whole, the vocabulary projection split."""
     return [matrix[k] for k in LAYOUTS]
 
 
@@ -268,7 +269,7 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
     """One layout, three readers: on the dense models (a hand-written Llama, nanoGPT with its
     fused q/k/v and tied head, Hugging Face Llama and GPT-2 with its [in, out] Conv1D weights,
     autopar's own Llama and GPT with q/k/v viewed as (3, heads, head_dim), a ViT with its
-    channel-split patch convolution and class head) under tensor parallel (tp=2, without and
+    replicated patch convolution and class head) under tensor parallel (tp=2, without and
     with sequence parallel, and at one sequence per micro-batch, where the ILP's layout runs
     every MLP replicated on the sequence shard), the collectives the runtime issued in a
     training step (rank 0, each kind with its bytes; less the scalar all-reduce of the
@@ -289,8 +290,8 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
     A parallel attention and MLP (`parallel_cells`) reduce their summed outputs once, and
     their input gradients once where both read one tensor (the plan's
     ``summed_row_weights``). Latent attention's down-projections run whole and reduce
-    nothing in the sub-layer; an MLP on flattened tokens reduces as any other
-    (`layout_cells`)."""
+    nothing in the sub-layer; an MLP on flattened tokens reduces as any other; BERT's
+    transform before its vocabulary projection runs whole, as Megatron-LM's (`layout_cells`)."""
     checked = []
     for cell in (c for c in cells + zoo_cells + mqa_cells + norm_cells + fused_cells
                  + parallel_cells + layout_cells

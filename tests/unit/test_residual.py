@@ -250,3 +250,51 @@ def test_models_written_elsewhere_come_out_megatron_shaped(factory, rows):
             continue
         want = "S(1)" if (local in rows) != conv1d else "S(0)"
         assert tp[name] == want, (name, tp[name])
+
+
+class _EncoderWithHeads(_Net):
+    """An encoder whose glue holds GEMMs beside the vocabulary projection: a projection of
+    the embedding into the stream before the blocks, and BERT's MLM transform (dense,
+    activation, norm) before the head."""
+
+    def __init__(self, dim=16):
+        super().__init__(nn.LayerNorm, dim=dim)
+        self.proj_in = nn.Linear(dim, dim)
+        self.transform, self.norm = nn.Linear(dim, dim), nn.LayerNorm(dim)
+
+    def forward(self, tokens):
+        x = self.proj_in(self.emb(tokens))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(F.gelu(self.transform(x))))
+
+
+def test_gemms_outside_the_blocks_run_whole_but_the_vocabulary_projection():
+    """A GEMM of the glue that no cross-entropy reads (a transform before the head, an input
+    projection) runs whole on every tp rank, as Megatron-LM's BERT head and pooler: the plan
+    replicates it, the estimate charges it no collective (the head's input gradient alone is
+    reduced backward, the loss's per-row values forward) and runs it on the stream's rows --
+    all of them without sequence parallel, a shard with it -- and its gradient joins the
+    partial sums reduced once a step."""
+    from autopar.config import ParallelConfig
+    from autopar.estimate.timing import op_times
+
+    graph = _trace(_EncoderWithHeads())
+    tp = megatron_tp_placements(graph, 2)
+    assert [tp[f"{m}.weight"] for m in ("proj_in", "transform", "head")] == ["R", "R", "S(0)"]
+    assert tp["transform.bias"] == "R"
+    units = {u.name: u for u in units_from_graph(graph)}
+    post, pre = units["post"], units["pre"]
+    assert [(d, k) for d, k, _ in post.tp_syncs] == [("backward", "reduce")] + \
+        [("forward", "loss")] * 3
+    assert [(d, k) for d, k, _ in pre.tp_syncs] == [("forward", "reduce")]  # the lookup
+    (transform,) = [op for op in post.ops if op.kind == "gemm" and not op.vocab]
+    assert transform.tp_replicated
+    cluster = autopar.Cluster.from_profile("dgx-h100")
+    assert (transform.tp_rows(2, False), transform.tp_rows(2, True)) == (1, 2)
+    times = [op_times(transform, cluster, "bf16", ParallelConfig(tp=tp, sequence_parallel=sp),
+                      "flash")[0] for tp, sp in ((1, False), (2, False), (2, True))]
+    assert times[0] == times[1] > times[2]
+    whole = sum(p.numel() for m in ("transform", "norm") for p in
+                getattr(_EncoderWithHeads(), m).parameters())
+    assert sum(post.stream_params) == whole
