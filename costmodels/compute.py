@@ -24,6 +24,8 @@ No torch import.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from costmodels.hardware import DeviceSpec
 
 __all__ = [
@@ -31,7 +33,8 @@ __all__ = [
     "MATH_ATTENTION_SCORE_PASSES", "MATH_ATTENTION_DROPOUT_PASSES",
     "KERNEL_GAP_S", "OPTIMIZER_PASS_BYTES", "OPTIMIZER_BANDWIDTH_FRACTION",
     "optimizer_bytes_per_param", "SUSTAINED_COMPUTE_FRACTION", "sustained_fraction",
-    "op_overhead_s", "peak_flops", "gemm_time_s", "memory_time_s", "attention_time_s", "optimizer_time_s",
+    "op_overhead_s", "peak_flops", "gemm_time_s", "memory_time_s", "AttentionCall",
+    "attention_time_s", "optimizer_time_s",
     "fused_attention_fraction", "ATTENTION_SEQ_HALF", "ATTENTION_CALL_FLOOR_S", "MEMORY_OP_TRAFFIC_FACTOR", "KERNEL_STYLES",
     "UNALIGNED_GEMM_FRACTION", "unaligned_gemm_slowdown", "activation_memory_time_s",
     "LOSS_KERNELS", "loss_traffic_bytes", "loss_time_s",
@@ -378,31 +381,41 @@ def fused_attention_fraction(device: DeviceSpec, kernel: str) -> float:
     return ampere * device.gemm_efficiency.get("bf16", 0.8) / 0.869  # A100 bf16 MAMF fraction
 
 
-def attention_time_s(device: DeviceSpec, dtype: str, *, flops: float, io_bytes: float,
-                     score_bytes: float, causal: bool, kernel: str, backward: bool,
-                     seq_kv: float = 0.0, kernels: str = "eager",
-                     dropout: bool = False, calls: int = 1) -> float:
-    """One attention op. `flops` count the full (non-causal) score matrix, as the IR does;
-    `score_bytes` is the size of the b·a·s_q·s_kv matrix in the compute dtype; `seq_kv` the
-    key/value length one kernel call sees (0: long enough to reach the plateau); `dropout`:
-    dropout on the attention probabilities (its own kernel unless the attention is fused);
-    `calls`: the fused kernel calls the work is split over (a context-parallel ring's blocks),
-    each taking at least ATTENTION_CALL_FLOOR_S."""
+@dataclass(frozen=True, slots=True)
+class AttentionCall:
+    """One attention op's work in one direction on one rank (`attention_time_s`)."""
+
+    flops: float  # the full (non-causal) score matrix's, as the IR counts them
+    io_bytes: float = 0.0  # q, k, v and the output
+    score_bytes: float = 0.0  # the b·a·s_q·s_kv matrix in the compute dtype
+    causal: bool = False
+    seq_kv: float = 0.0  # the key/value length one kernel call sees (0: at the plateau)
+    dropout: bool = False  # on the probabilities: its own kernel unless attention is fused
+    # the fused kernel calls the work is split over (a context-parallel ring's blocks), each
+    # taking at least ATTENTION_CALL_FLOOR_S
+    calls: int = 1
+
+
+def attention_time_s(device: DeviceSpec, dtype: str, call: AttentionCall, *, kernel: str,
+                     backward: bool, kernels: str = "eager") -> float:
+    """Seconds of one attention ``call`` by a fused ``kernel`` (FUSED_ATTENTION_PEAK_FRACTION)
+    or unfused ("math": two GEMMs and the score matrix's passes by ``kernels`` software)."""
+    direction = "bwd" if backward else "fwd"
     if kernel != "math":
-        work = flops * (0.5 if causal else 1.0)
         frac = fused_attention_fraction(device, kernel)
-        half = ATTENTION_SEQ_HALF.get((kernel, "bwd" if backward else "fwd"), 0)
-        if seq_kv > 0 and half:
-            frac *= seq_kv / (seq_kv + half)
+        half = ATTENTION_SEQ_HALF.get((kernel, direction), 0)
+        if call.seq_kv > 0 and half:
+            frac *= call.seq_kv / (call.seq_kv + half)
         rate = device.peak_flops[dtype if dtype in device.peak_flops else "bf16"] \
             * frac * sustained_fraction(device.arch)
-        floor = ATTENTION_CALL_FLOOR_S["bwd" if backward else "fwd"] if device.arch != "cpu" \
-            else 0.0
-        return max(work / rate, memory_time_s(device, io_bytes), calls * floor)
-    passes = MATH_ATTENTION_SCORE_PASSES[(kernels, causal, "bwd" if backward else "fwd")]
-    if dropout:
+        floor = ATTENTION_CALL_FLOOR_S[direction] if device.arch != "cpu" else 0.0
+        work = call.flops * (0.5 if call.causal else 1.0)
+        return max(work / rate, memory_time_s(device, call.io_bytes), call.calls * floor)
+    passes = MATH_ATTENTION_SCORE_PASSES[(kernels, call.causal, direction)]
+    if call.dropout:
         passes += MATH_ATTENTION_DROPOUT_PASSES
-    return gemm_time_s(device, dtype, flops, io_bytes) + memory_time_s(device, passes * score_bytes)
+    return gemm_time_s(device, dtype, call.flops, call.io_bytes) \
+        + memory_time_s(device, passes * call.score_bytes)
 
 
 def optimizer_bytes_per_param(dtype: str, *, grad_clip: bool = True) -> float:

@@ -54,10 +54,10 @@ def _gemm_params(hw: HardwareProfile, dtype: str) -> tuple[float, float, float]:
 def _attention_s(hw: HardwareProfile, batch: int, heads: int, seq: int, dim: int,
                  causal: bool) -> float:
     """The compute model's fused (flash) attention forward, at a microbenchmark's rate."""
-    t = compute.attention_time_s(
-        hw.device, "bf16", flops=4.0 * batch * heads * seq * seq * dim,
-        io_bytes=4.0 * batch * heads * seq * dim * 2, score_bytes=2.0 * batch * heads * seq * seq,
-        causal=causal, kernel="flash", backward=False, seq_kv=seq)
+    t = compute.attention_time_s(hw.device, "bf16", compute.AttentionCall(
+        flops=4.0 * batch * heads * seq * seq * dim, io_bytes=4.0 * batch * heads * seq * dim * 2,
+        score_bytes=2.0 * batch * heads * seq * seq, causal=causal, seq_kv=seq),
+        kernel="flash", backward=False)
     return t * compute.sustained_fraction(hw.device.arch)
 
 

@@ -30,7 +30,7 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate.groups import RankGroups
 from autopar.estimate.units import OpCost, Unit
-from costmodels.compute import (EAGER_GEMM_EXTRA_OPS, SAC_DISPATCH_S,
+from costmodels.compute import (EAGER_GEMM_EXTRA_OPS, SAC_DISPATCH_S, AttentionCall,
                                 SCATTER_ADD_TRAFFIC_FACTOR, activation_memory_time_s,
                                 attention_time_s, fp8_cast_time_s, gemm_time_s, loss_time_s,
                                 memory_time_s, op_overhead_s, unaligned_gemm_slowdown)
@@ -149,12 +149,12 @@ def op_times(op: OpCost, cluster: Cluster, dtype: str, cfg: ParallelConfig,
         scale = tp * cp / cp_attention_load(cp, causal=op.causal, balanced=op.cp_balanced)
         calls, block = cp_attention_blocks(cp, op.seq_kv, balanced=op.cp_balanced,
                                            causal=op.causal)
-        common = dict(io_bytes=op.bytes_fwd / scale, score_bytes=op.score_bytes / scale,
-                      causal=op.causal, kernel=kernel, seq_kv=block, kernels=kernels,
-                      dropout=op.dropout, calls=calls)
-        fwd = attention_time_s(device, dtype, flops=op.flops_fwd / scale, backward=False, **common)
-        bwd = attention_time_s(device, dtype, flops=op.flops_bwd / scale, backward=True, **common)
-        return fwd, bwd, 0.0
+        work = dict(io_bytes=op.bytes_fwd / scale, score_bytes=op.score_bytes / scale,
+                    causal=op.causal, seq_kv=block, dropout=op.dropout, calls=calls)
+        return tuple(attention_time_s(device, dtype, AttentionCall(flops=flops / scale, **work),
+                                      kernel=kernel, kernels=kernels, backward=backward)
+                     for flops, backward in ((op.flops_fwd, False), (op.flops_bwd, True))) \
+            + (0.0,)
     if op.logits:
         fwd, bwd = loss_time_s(device, op.logits / (tp * cp), op.logit_bytes, loss_kernel)
         return fwd, bwd, 0.0

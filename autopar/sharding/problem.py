@@ -54,8 +54,8 @@ from autopar.sharding.rules import on_sequence_shard
 from autopar.sharding.rules import signature as rule_signature
 from autopar.sharding.rules import strategies as rule_strategies
 from autopar.sharding.strategy import Collective, Strategy, default_input_grads
-from costmodels.compute import (activation_memory_time_s, attention_time_s, gemm_time_s,
-                                op_overhead_s)
+from costmodels.compute import (AttentionCall, activation_memory_time_s, attention_time_s,
+                                gemm_time_s, op_overhead_s)
 from costmodels.collectives import LayoutTimer
 from costmodels.memory import weight_bytes
 
@@ -215,12 +215,11 @@ def _node_work_s(node: Node, device, dtype: str, divisor: int) -> float:
     if node.kind is OpKind.ATTENTION and node.attention is not None and node.flops_fwd:
         a = node.attention
         score = a.batch * a.num_heads * a.seq_q * a.seq_kv * dtype_num_bytes(node.outputs[0].dtype)
-        common = dict(io_bytes=nbytes, score_bytes=score / divisor, causal=a.causal,
-                      kernel="flash", seq_kv=a.seq_kv)
-        return (attention_time_s(device, dtype, flops=node.flops_fwd / divisor, backward=False,
-                                 **common)
-                + attention_time_s(device, dtype, flops=node.flops_bwd / divisor, backward=True,
-                                   **common))
+        work = dict(io_bytes=nbytes, score_bytes=score / divisor, causal=a.causal,
+                    seq_kv=a.seq_kv)
+        return sum(attention_time_s(device, dtype, AttentionCall(flops=flops / divisor, **work),
+                                    kernel="flash", backward=backward)
+                   for flops, backward in ((node.flops_fwd, False), (node.flops_bwd, True)))
     return activation_memory_time_s(device, nbytes) * (1 + BACKWARD_MEMORY_RATIO)
 
 

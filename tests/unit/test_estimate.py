@@ -461,20 +461,20 @@ def test_full_recompute_reruns_the_blocks_not_the_head():
 def test_unfused_attention_dropout_adds_its_own_passes_and_a_fused_kernel_none():
     """Dropout on the probabilities of a materialized score matrix is a kernel of its own
     (MATH_ATTENTION_DROPOUT_PASSES passes of the scores each way); flash applies it inside."""
-    from costmodels.compute import (MATH_ATTENTION_DROPOUT_PASSES, attention_time_s,
+    from costmodels.compute import (MATH_ATTENTION_DROPOUT_PASSES, AttentionCall, attention_time_s,
                                     memory_time_s)
 
     device = autopar.Cluster.from_profile("dgx-a100-80g", num_nodes=1).hardware.device
     common = dict(flops=1e12, io_bytes=1e8, score_bytes=3e9, causal=True, seq_kv=2048)
     for backward in (False, True):
         for kernels in ("fused", "eager"):
-            with_, without = (attention_time_s(device, "fp16", kernel="math", kernels=kernels,
-                                               backward=backward, dropout=d, **common)
+            with_, without = (attention_time_s(device, "fp16", AttentionCall(dropout=d, **common),
+                                               kernel="math", kernels=kernels, backward=backward)
                               for d in (True, False))
             assert with_ - without == pytest.approx(
                 memory_time_s(device, MATH_ATTENTION_DROPOUT_PASSES * 3e9))
-        flash = [attention_time_s(device, "fp16", kernel="flash", backward=backward,
-                                  dropout=d, **common) for d in (True, False)]
+        flash = [attention_time_s(device, "fp16", AttentionCall(dropout=d, **common),
+                                  kernel="flash", backward=backward) for d in (True, False)]
         assert flash[0] == flash[1]
 
 
@@ -486,7 +486,7 @@ def test_triton_flash_attention_runs_at_its_ampere_plateau_at_every_key_length()
     import dataclasses
 
     from costmodels.compute import (ATTENTION_SEQ_HALF, FUSED_ATTENTION_PEAK_FRACTION,
-                                    attention_time_s, fused_attention_fraction,
+                                    AttentionCall, attention_time_s, fused_attention_fraction,
                                     sustained_fraction)
 
     device = autopar.Cluster.from_profile("dgx-a100-80g", num_nodes=1).hardware.device
@@ -495,9 +495,9 @@ def test_triton_flash_attention_runs_at_its_ampere_plateau_at_every_key_length()
     rate = device.peak_flops["bf16"] * frac * sustained_fraction("ampere")
     for seq_kv in (1024, 65536):
         for backward in (False, True):
-            t = attention_time_s(device, "bf16", flops=4e12, io_bytes=1e6, score_bytes=0.0,
-                                 causal=True, kernel="triton", backward=backward,
-                                 seq_kv=seq_kv)
+            t = attention_time_s(device, "bf16", AttentionCall(flops=4e12, io_bytes=1e6,
+                                                               causal=True, seq_kv=seq_kv),
+                                 kernel="triton", backward=backward)
             assert t == pytest.approx(2e12 / rate)
     other = dataclasses.replace(device, arch="future", gemm_efficiency={"bf16": 0.869 / 2})
     assert fused_attention_fraction(other, "triton") == pytest.approx(frac / 2)

@@ -20,7 +20,8 @@ from autopar.config import ParallelConfig
 from autopar.estimate.timing import op_times, unit_compute
 from autopar.estimate.units import units_from_graph
 from costmodels.compute import (ATTENTION_CALL_FLOOR_S, FP8_CAST_TRAFFIC_FACTOR,
-                                SUSTAINED_COMPUTE_FRACTION, attention_time_s, gemm_time_s)
+                                SUSTAINED_COMPUTE_FRACTION, AttentionCall, attention_time_s,
+                                gemm_time_s)
 
 DATA = json.loads((Path(__file__).parents[1] / "data" / "h200_kernels.json").read_text())
 H200 = autopar.Cluster.from_profile("dgx-h200", num_nodes=1, gpus_per_node=1)
@@ -168,10 +169,9 @@ def test_ring_step_attention_at_every_measured_chunk_length(monkeypatch):
     ratios = []
     for r in DATA["cp_attention"]:
         c, h = r["chunk"], r["heads"]
-        modelled = attention_time_s(device, "bf16", flops=4.0 * h * c * c * 128,
-                                    io_bytes=4 * h * c * 128 * 2, score_bytes=0,
-                                    causal=r["causal"], kernel="flash", backward=False,
-                                    seq_kv=c)
+        modelled = attention_time_s(device, "bf16", AttentionCall(
+            flops=4.0 * h * c * c * 128, io_bytes=4 * h * c * 128 * 2, causal=r["causal"],
+            seq_kv=c), kernel="flash", backward=False)
         ratios.append(modelled * 1e3 / r["fwd_ms"])
     assert 0.6 <= min(ratios) and max(ratios) <= 1.6, sorted(ratios)
 

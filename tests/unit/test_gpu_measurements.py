@@ -20,8 +20,8 @@ from benchmarks.gpu_check import DEFAULT_FILE, _model, check_file, traffic_facto
 from costmodels.compute import (ATTENTION_SEQ_HALF, FUSED_ATTENTION_PEAK_FRACTION,
                                 MEMORY_OP_TRAFFIC_FACTOR, OPTIMIZER_BANDWIDTH_FRACTION,
                                 OPTIMIZER_PASS_BYTES, UNALIGNED_GEMM_FRACTION,
-                                attention_time_s, loss_traffic_bytes, memory_time_s,
-                                sustained_fraction)
+                                AttentionCall, attention_time_s, loss_traffic_bytes,
+                                memory_time_s, sustained_fraction)
 import autopar
 
 DATA = json.loads(Path(DEFAULT_FILE).read_text())
@@ -38,22 +38,24 @@ def checks():
 def test_fused_attention_forward_matches_the_measured_kernel(backend, seq):
     row = next(r for r in DATA["attention"] if r["backend"] == backend and r["d"] == 128
                and r["s"] == seq and r["causal"])
-    predicted = attention_time_s(H100, "bf16", flops=row["flops_fwd"], io_bytes=0.0,
-                                 score_bytes=0.0, causal=True, kernel=backend, backward=False,
-                                 seq_kv=seq)
+    predicted = attention_time_s(H100, "bf16", AttentionCall(flops=row["flops_fwd"],
+                                                             causal=True, seq_kv=seq),
+                                 kernel=backend, backward=False)
     measured = row["fwd_ms"] / 1e3
     assert predicted * sustained_fraction("hopper") == pytest.approx(measured, rel=0.04)
 
 
 def test_attention_curve_is_monotone_and_saturates_at_the_peak_fraction():
-    common = dict(flops=1e12, io_bytes=0.0, score_bytes=0.0, causal=False, kernel="cudnn")
-    times = [attention_time_s(H100, "bf16", backward=True, seq_kv=s, **common)
-             for s in (512, 2048, 8192, 10**9)]
+    def at(seq_kv):
+        return attention_time_s(H100, "bf16", AttentionCall(flops=1e12, seq_kv=seq_kv),
+                                kernel="cudnn", backward=True)
+
+    times = [at(s) for s in (512, 2048, 8192, 10**9)]
     assert times == sorted(times, reverse=True)
-    plateau = attention_time_s(H100, "bf16", backward=True, seq_kv=0, **common)
+    plateau = at(0)
     assert times[-1] == pytest.approx(plateau, rel=1e-5)
     half = ATTENTION_SEQ_HALF[("cudnn", "bwd")]
-    at_half = attention_time_s(H100, "bf16", backward=True, seq_kv=half, **common)
+    at_half = at(half)
     assert at_half == pytest.approx(2 * plateau)
     assert FUSED_ATTENTION_PEAK_FRACTION[("cudnn", "hopper")] > \
         FUSED_ATTENTION_PEAK_FRACTION[("flash", "hopper")]
@@ -184,11 +186,12 @@ def test_eager_unfused_attention_matches_the_measured_bf16_path(causal, monkeypa
     assert len(rows) == 8
     ratios = []
     for r in rows:
-        common = dict(io_bytes=0.0, score_bytes=r["b"] * r["heads"] * r["s"] ** 2 * 2,
-                      causal=causal, kernel="math", kernels="eager")
+        scores = r["b"] * r["heads"] * r["s"] ** 2 * 2
         for backward, measured in ((False, r["fwd_ms"]), (True, r["bwd_ms"])):
             flops = r["flops_fwd"] * (2 if backward else 1)
-            predicted = attention_time_s(H100, "bf16", flops=flops, backward=backward, **common)
+            call = AttentionCall(flops=flops, score_bytes=scores, causal=causal)
+            predicted = attention_time_s(H100, "bf16", call, kernel="math", kernels="eager",
+                                         backward=backward)
             ratios.append(measured / 1e3 / predicted)
     assert statistics.median(ratios) == pytest.approx(1.0, abs=0.05)
     assert all(0.75 <= x <= 1.30 for x in ratios), " ".join(f"{x:.2f}" for x in ratios)
