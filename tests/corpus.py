@@ -40,8 +40,9 @@ TOKEN_MODELS = ["plain_llama", "plain_mqa", "nano_gpt", "litgpt_style", "moe_loo
                 "hf_gptj", "hf_stablelm", "hf_cohere", "hf_granite", "hf_starcoder2",
                 "hf_persimmon", "hf_mpt", "hf_codegen", "hf_nemotron", "hf_glm", "hf_exaone4",
                 "hf_smollm3", "hf_granitemoe", "hf_qwen2_moe", "hf_phimoe", "hf_dbrx",
-                "hf_gpt2_odd_vocab", "titan_llama"]
-BIDIRECTIONAL = ("hf_bert",)  # token models whose attention is not causal
+                "hf_gpt2_odd_vocab", "titan_llama", "hf_modernbert", "hf_llama4", "hf_gpt_oss",
+                "hf_openai_gpt", "hf_apertus"]
+BIDIRECTIONAL = ("hf_bert", "hf_modernbert")  # token models whose attention is not causal
 IMAGE_MODELS = ["vit_encoder"]
 
 
@@ -1147,3 +1148,49 @@ def titan_llama():
     index, ``nn.RMSNorm``, GQA 4/2 heads by ``repeat_interleave``, untied head."""
     torch.manual_seed(151)
     return _TitanTransformer(vocab=VOCAB, max_seq=MAX_SEQ)
+
+
+def hf_modernbert():
+    """``transformers.ModernBertForMaskedLM``: a bidirectional encoder with rotary positions,
+    GeGLU, pre-norm blocks without biases, global attention every second layer and a
+    16-token local window in the others (the model reads each layer's ``attention_type``
+    off the layer), a dense + norm head before the tied decoder."""
+    return _hf("ModernBertConfig", "ModernBertForMaskedLM", 203, vocab_size=VOCAB,
+               hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, max_position_embeddings=MAX_SEQ, pad_token_id=0,
+               bos_token_id=0, eos_token_id=0, cls_token_id=0, sep_token_id=0,
+               global_attn_every_n_layers=2, local_attention=16, embedding_dropout=0.0,
+               mlp_dropout=0.0, attention_dropout=0.0)
+
+
+def hf_llama4():
+    """``transformers.Llama4ForCausalLM``: MoE every second layer (4 fused experts, top-1,
+    sigmoid-gated, a shared expert beside them), dense MLPs between, rotary in three layers
+    of four and none in the fourth, q/k L2-norm; the model reads its embedding's weight
+    device."""
+    return _hf("Llama4TextConfig", "Llama4ForCausalLM", 202, **_HF_DECODER, head_dim=16,
+               intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1,
+               interleave_moe_layer_step=2, attention_chunk_size=MAX_SEQ)
+
+
+def hf_gpt_oss():
+    """``transformers.GptOssForCausalLM``: MoE in every layer (4 fused experts with a bias
+    per expert, top-2, a clamped SwiGLU on interleaved gate/up features), attention with a
+    learned sink per head (eager), YaRN rotary."""
+    return _hf("GptOssConfig", "GptOssForCausalLM", 201, attn_implementation="eager",
+               **_HF_DECODER, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+               sliding_window=64, layer_types=["full_attention"] * 4)
+
+
+def hf_openai_gpt():
+    """``transformers.OpenAIGPTLMHeadModel``: GPT-1, post-norm blocks (LayerNorm after each
+    residual add), learned positions, a tied head, eager attention."""
+    return _hf("OpenAIGPTConfig", "OpenAIGPTLMHeadModel", 214, attn_implementation="eager",
+               vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=MAX_SEQ,
+               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def hf_apertus():
+    """``transformers.ApertusForCausalLM``: an MLP without a gate whose xIELU activation has
+    trainable parameters of its own, q/k RMSNorm, GQA 4/2."""
+    return _hf("ApertusConfig", "ApertusForCausalLM", 209, **_HF_DECODER, head_dim=16)

@@ -20,7 +20,9 @@ the model's structure or its traced forward, never module names:
   autopar's own router/experts/top-k layers run with all-to-all dispatch; others on their own
   forward with all-gathered tokens (``expert_gather``). Experts are split over tp as the dense
   layers are: expert parallel folded over tp (``ParallelConfig.etp`` = 1) is Megatron-Core's
-  and torchtitan's, not this runtime's (``RuntimeLimits.fields``);
+  and torchtitan's, not this runtime's (``RuntimeLimits.fields``); fused experts with a bias
+  per expert (GPT-OSS's) run split over ep or over tp, not both (their tp shards' partial sums
+  would each add the bias);
 * tensor parallel splits a vocabulary it does not divide unevenly, which FSDP cannot shard
   again: ZeRO stays at 0 unless tp divides it (``RuntimeLimits.one_of``).
 """
@@ -36,6 +38,7 @@ from autopar.ir import Graph, OpKind
 from autopar.ir.residual import vocab_sizes
 from autopar.runtime.pipeline import tied_parameters
 from autopar.runtime.structure import block_names
+from autopar.trace.moe import moe_experts
 
 __all__ = ["RuntimeLimits", "runtime_limits"]
 
@@ -117,6 +120,12 @@ def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool, one_inp
     elif (num_experts or OpKind.MOE_DISPATCH in kinds) and not find_moe_modules(model):
         if gathered:
             ep_dispatch = "all_gather"
+            biased = [n for n in gathered if _expert_biases(model.get_submodule(n))]
+            if biased:
+                exclusive.append((frozenset({"ep"}), frozenset({"tp"}), (
+                    f"this model's fused experts ({biased[0]}{', ...' if len(biased) > 1 else ''}"
+                    f") add a bias per expert; with experts split over ep and tp each tp rank "
+                    f"runs its shard of them as a partial sum, which would add it tp times")))
         else:
             limits["ep"] = ("expert parallel in this runtime splits MoE layers that hold a list "
                             "of alike experts with a router or a top-k, or parameters with a "
@@ -129,6 +138,14 @@ def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool, one_inp
     return RuntimeLimits(axes=limits, fields=fields, exclusive=tuple(exclusive),
                          one_of=_uneven_vocabulary(graph), cp_layout=cp_layout,
                          ep_dispatch=ep_dispatch)
+
+
+def _expert_biases(module: nn.Module) -> bool:
+    """Whether a fused MoE layer (`moe_experts`) holds per-expert biases: 2-D parameters
+    ``[experts, features]`` beside its 3-D weights."""
+    layout = moe_experts(module)
+    return layout is not None and layout[0] == "fused" and any(
+        getattr(module, n).dim() == 2 for n in layout[1])
 
 
 def _uneven_vocabulary(graph: Graph) -> tuple[tuple[tuple[dict[str, Any], ...], str], ...]:

@@ -246,29 +246,47 @@ def _hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor:
     raise ValueError("a block was called without a hidden-state tensor argument")
 
 
+def _keep_attributes(stand_in: nn.Module, module: nn.Module) -> None:
+    """Copy ``module``'s plain attributes (not its parameters, buffers or sub-modules) onto
+    the module standing in for it: a model's forward may read them."""
+    for name, value in vars(module).items():
+        if not name.startswith("_") and name != "training":
+            setattr(stand_in, name, value)
+
+
 class _PassBlock(nn.Module):
     """Stands in for a block this stage does not own: returns its hidden input, in the block's
-    output structure (a tensor, or a tuple holding it at ``index``)."""
+    output structure (a tensor, or a tuple holding it at ``index``). It keeps the block's
+    plain attributes, which a model's forward may read off its blocks (Hugging Face's
+    ``layer.attention_type`` picks each layer's mask)."""
 
     stands_in_for_block = True  # structure.block_slots: still a slot of the block list
 
-    def __init__(self, index: int | None):
+    def __init__(self, index: int | None, block: nn.Module):
         super().__init__()
-        self.index = index
+        _keep_attributes(self, block)
+        self._hidden_index = index
 
     def forward(self, *args, **kwargs):
         hidden = _hidden_arg(args, kwargs)
-        if self.index is None:
+        index = self._hidden_index
+        if index is None:
             return hidden
-        return tuple(hidden if i == self.index else None for i in range(self.index + 1))
+        return tuple(hidden if i == index else None for i in range(index + 1))
 
 
 class _ZeroOutput(nn.Module):
     """Stands in for a module outside the blocks whose parameters this stage does not own:
-    returns zeros shaped like its output in the probe, as expanded scalars."""
+    returns zeros shaped like its output in the probe, as expanded scalars. It keeps the
+    module's plain attributes, and its parameters as expanded zero buffers (Llama 4 reads
+    ``embed_tokens.weight.device``)."""
 
-    def __init__(self, spec: Any):
+    def __init__(self, spec: Any, module: nn.Module):
         super().__init__()
+        _keep_attributes(self, module)
+        for name, p in module.named_parameters(recurse=False):
+            self.register_buffer(name, torch.zeros((), dtype=p.dtype, device=p.device)
+                                 .expand(p.shape), persistent=False)
         self.spec = spec
 
     def forward(self, *args, **kwargs):
@@ -359,11 +377,12 @@ def _trim(mod: nn.Module, layout: ModelLayout, keep: set[str]) -> None:
     for block in layout.blocks:
         if not any(first[n] in keep for n, _ in mod.get_submodule(block).named_parameters(
                 prefix=block, remove_duplicate=False)):
-            setattr(*_slot(mod, block), _PassBlock(layout.hidden_index))
+            setattr(*_slot(mod, block), _PassBlock(layout.hidden_index,
+                                                   mod.get_submodule(block)))
     for name, spec in layout.outputs.items():
         module = mod.get_submodule(name)
         if not any(first[f"{name}.{k}"] in keep for k, _ in module.named_parameters(recurse=False)):
-            setattr(*_slot(mod, name), _ZeroOutput(spec))
+            setattr(*_slot(mod, name), _ZeroOutput(spec, module))
     for name, p in list(mod.named_parameters(remove_duplicate=False)):
         if first[name] not in keep:
             owner, _, pname = name.rpartition(".")

@@ -64,7 +64,9 @@ DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_m
 DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
 OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op"),
           ("hf_qwen2_moe", "ep_tp"), ("hf_gpt2_odd_vocab", "tp_sp"), ("hf_gpt2_odd_vocab", "tp_pp"),
-          ("titan_llama", "tp_sp"), ("titan_llama", "cp"), ("plain_llama", "cp_full")]
+          ("titan_llama", "tp_sp"), ("titan_llama", "cp"), ("plain_llama", "cp_full"),
+          ("hf_modernbert", "pp_1f1b"), ("hf_llama4", "pp_1f1b"), ("hf_gpt_oss", "ep"),
+          ("hf_gpt_oss", "ep_tp")]
 # autopar's own Llama and Mixtral under the plans no other cell trains for several steps:
 # GPipe with one micro-batch (fewer than stages), interleaved 1F1B, ZeRO-2 with full
 # recompute, ZeRO-1 in a pipeline, dp x pp and dp x tp + SP without ZeRO, FSDP2 under tp in
@@ -202,6 +204,24 @@ def test_alternating_blocks_run_in_order_in_a_pipeline(matrix, plan_dir):
     layers = [int(n.rsplit(".", 1)[1]) for stage in stages for n in stage
               if n.startswith("model.layers.")]
     assert layers == list(range(4)) and all(stages), stages
+
+
+def test_stages_keep_what_the_model_reads_off_the_modules_they_do_not_own(matrix):
+    """A pipeline stage stands in for the blocks and glue it does not own, and a model's own
+    forward may read them: ModernBERT each layer's ``attention_type`` (its mask), Llama 4 its
+    embedding's weight device. Both train in a 1F1B pipeline to the reference's losses and
+    gradients."""
+    for model in ("hf_modernbert", "hf_llama4"):
+        assert matrix[model, "pp_1f1b"].ok, matrix[model, "pp_1f1b"].text()
+
+
+def test_experts_with_biases_split_over_ep_or_tp_not_both(matrix):
+    """GPT-OSS's fused experts add a bias per expert: expert parallel trains them (dp2 ep2),
+    and with ep and tp together compile refuses the plan, saying why (each tp rank's partial
+    sum would add the bias), where the runtime would fail at launch."""
+    assert matrix["hf_gpt_oss", "ep"].ok, matrix["hf_gpt_oss", "ep"].text()
+    refused = matrix["hf_gpt_oss", "ep_tp"].text()
+    assert refused.startswith("refused") and "add a bias per expert" in refused, refused
 
 
 def test_per_op_recompute_runs_blocks_that_keep_no_op(matrix):
