@@ -122,7 +122,7 @@ EXPERT_PLANS = ("ep", "ep_zero3", "ep_zero3_per_op", "ep_pp", "ep_tp", "ep_tp_ze
                 "ep_cp_outer")
 MOE_MODELS = ("moe_loop", "moe_batched", "hf_mixtral", "hf_qwen3_moe", "hf_deepseek_v3", "hf_olmoe",
               "tiny_mixtral", "hf_granitemoe", "hf_qwen2_moe", "hf_phimoe", "hf_dbrx",
-              "hf_llama4", "hf_gpt_oss")
+              "hf_llama4", "hf_gpt_oss", "hf_deepseek_v2", "hf_flexolmo")
 
 
 @dataclass

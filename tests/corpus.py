@@ -41,8 +41,12 @@ TOKEN_MODELS = ["plain_llama", "plain_mqa", "nano_gpt", "litgpt_style", "moe_loo
                 "hf_persimmon", "hf_mpt", "hf_codegen", "hf_nemotron", "hf_glm", "hf_exaone4",
                 "hf_smollm3", "hf_granitemoe", "hf_qwen2_moe", "hf_phimoe", "hf_dbrx",
                 "hf_gpt2_odd_vocab", "titan_llama", "hf_modernbert", "hf_llama4", "hf_gpt_oss",
-                "hf_openai_gpt", "hf_apertus"]
-BIDIRECTIONAL = ("hf_bert", "hf_modernbert")  # token models whose attention is not causal
+                "hf_openai_gpt", "hf_apertus", "hf_olmo3", "hf_ernie", "hf_glm4",
+                "hf_seed_oss", "hf_arcee", "hf_hunyuan", "hf_cohere2", "hf_helium", "hf_gptneo",
+                "hf_xglm", "hf_biogpt", "hf_deepseek_v2", "hf_roberta", "hf_distilbert",
+                "hf_vaultgemma", "hf_flexolmo"]
+# token models whose attention is not causal
+BIDIRECTIONAL = ("hf_bert", "hf_modernbert", "hf_roberta", "hf_distilbert")
 IMAGE_MODELS = ["vit_encoder"]
 
 
@@ -1194,3 +1198,122 @@ def hf_apertus():
     """``transformers.ApertusForCausalLM``: an MLP without a gate whose xIELU activation has
     trainable parameters of its own, q/k RMSNorm, GQA 4/2."""
     return _hf("ApertusConfig", "ApertusForCausalLM", 209, **_HF_DECODER, head_dim=16)
+
+
+def hf_olmo3():
+    """``transformers.Olmo3ForCausalLM``: post-norm sub-layers (RMSNorm on each branch's
+    output before the residual add), q/k RMSNorm over the whole projections."""
+    return _hf("Olmo3Config", "Olmo3ForCausalLM", 204, **_HF_DECODER,
+               layer_types=["full_attention"] * 4)
+
+
+def hf_ernie():
+    """``transformers.Ernie4_5ForCausalLM``: Llama-shaped, interleaved rotary, no biases."""
+    return _hf("Ernie4_5Config", "Ernie4_5ForCausalLM", 205, **_HF_DECODER, head_dim=16)
+
+
+def hf_glm4():
+    """``transformers.Glm4ForCausalLM``: four norms a block (before and after each sub-layer),
+    a fused gate/up projection, partial rotary, q/k/v biases."""
+    return _hf("Glm4Config", "Glm4ForCausalLM", 206, **_HF_DECODER, head_dim=16)
+
+
+def hf_seed_oss():
+    """``transformers.SeedOssForCausalLM``: Llama-shaped with q/k/v biases."""
+    return _hf("SeedOssConfig", "SeedOssForCausalLM", 207, **_HF_DECODER, head_dim=16,
+               residual_dropout=0.0)
+
+
+def hf_arcee():
+    """``transformers.ArceeForCausalLM``: an MLP without a gate, ReLU squared."""
+    return _hf("ArceeConfig", "ArceeForCausalLM", 208, **_HF_DECODER, head_dim=16)
+
+
+def hf_hunyuan():
+    """``transformers.HunYuanDenseV1ForCausalLM``: q/k RMSNorm per head after rotary."""
+    return _hf("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", 210, **_HF_DECODER,
+               head_dim=16)
+
+
+def hf_cohere2():
+    """``transformers.Cohere2ForCausalLM``: Cohere's parallel attention and MLP with the
+    layer-type machinery of sliding and global layers (all global here), tied head."""
+    return _hf("Cohere2Config", "Cohere2ForCausalLM", 211, **_HF_DECODER, head_dim=16,
+               layer_types=["full_attention"] * 4, sliding_window=64)
+
+
+def hf_helium():
+    """``transformers.HeliumForCausalLM``: Llama-shaped, an untied head."""
+    return _hf("HeliumConfig", "HeliumForCausalLM", 212, **_HF_DECODER, head_dim=16)
+
+
+def hf_gptneo():
+    """``transformers.GPTNeoForCausalLM``: learned positions, unscaled attention scores in
+    fp32 (eager), q/k/v without biases, tied head."""
+    return _hf("GPTNeoConfig", "GPTNeoForCausalLM", 213, attn_implementation="eager",
+               vocab_size=VOCAB, hidden_size=64, num_layers=4, num_heads=4,
+               intermediate_size=128, max_position_embeddings=MAX_SEQ,
+               attention_types=[[["global"], 4]], resid_dropout=0.0, embed_dropout=0.0,
+               attention_dropout=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+
+
+def hf_xglm():
+    """``transformers.XGLMForCausalLM``: sinusoidal positions offset by the padding index,
+    scaled embeddings, eager attention, tied head."""
+    return _hf("XGLMConfig", "XGLMForCausalLM", 215, attn_implementation="eager",
+               vocab_size=VOCAB, d_model=64, ffn_dim=128, num_layers=4, attention_heads=4,
+               max_position_embeddings=MAX_SEQ, dropout=0.0, attention_dropout=0.0,
+               activation_dropout=0.0, use_cache=False, pad_token_id=1)
+
+
+def hf_biogpt():
+    """``transformers.BioGptForCausalLM``: learned positions offset by two, scaled
+    embeddings, pre-norm with biases."""
+    return _hf("BioGptConfig", "BioGptForCausalLM", 216, vocab_size=VOCAB, hidden_size=64,
+               intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               max_position_embeddings=MAX_SEQ, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, use_cache=False, pad_token_id=1)
+
+
+def hf_deepseek_v2():
+    """``transformers.DeepseekV2ForCausalLM``: latent attention, a dense first layer, then MoE
+    with greedy softmax routing and a shared expert."""
+    return _hf("DeepseekV2Config", "DeepseekV2ForCausalLM", 217, vocab_size=VOCAB,
+               hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+               n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+               first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+               v_head_dim=16, qk_nope_head_dim=8, max_position_embeddings=MAX_SEQ,
+               use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def hf_roberta():
+    """``transformers.RobertaForMaskedLM``: BERT's post-norm encoder with positions offset by
+    the padding index, a dense + norm head before the tied decoder."""
+    return _hf("RobertaConfig", "RobertaForMaskedLM", 218, vocab_size=VOCAB, hidden_size=64,
+               num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+               max_position_embeddings=MAX_SEQ + 2, pad_token_id=1)
+
+
+def hf_distilbert():
+    """``transformers.DistilBertForMaskedLM``: a post-norm encoder without token types, a
+    projector + norm before the tied vocabulary projection."""
+    return _hf("DistilBertConfig", "DistilBertForMaskedLM", 219, vocab_size=VOCAB, dim=64,
+               n_layers=4, n_heads=4, hidden_dim=128, dropout=0.0, attention_dropout=0.0,
+               max_position_embeddings=MAX_SEQ, pad_token_id=0)
+
+
+def hf_vaultgemma():
+    """``transformers.VaultGemmaForCausalLM``: Gemma's scaled embeddings and soft-capping
+    machinery with one norm per sub-layer (eager attention)."""
+    return _hf("VaultGemmaConfig", "VaultGemmaForCausalLM", 220, attn_implementation="eager",
+               **_HF_DECODER, head_dim=16, layer_types=["full_attention"] * 4,
+               sliding_window=64)
+
+
+def hf_flexolmo():
+    """``transformers.FlexOlmoForCausalLM``: OLMo 2's post-norm blocks with fused MoE
+    experts in every layer, top-2."""
+    return _hf("FlexOlmoConfig", "FlexOlmoForCausalLM", 221, **_HF_DECODER, num_experts=4,
+               num_experts_per_tok=2)

@@ -390,12 +390,13 @@ def token_lookup(graph: Graph, node: Node) -> bool:
 
 
 def after_row_ops(nodes: Sequence[Node], residual: Residual) -> set[str]:
-    """The ops of a block after a row GEMM and before its residual add (a post-norm): they
-    mix no features and are off the stream; under sequence parallel they run on the sequence
-    shard the row GEMM's output is reduce-scattered to."""
+    """The ops of a block after a row GEMM or an MoE combine and before its residual add (a
+    post-norm): they mix no features and are off the stream; under sequence parallel they
+    run on the sequence shard the sub-layer's output is reduce-scattered to."""
     readers = consumers(nodes)
     after: set[str] = set()
-    frontier = list(residual.row_gemms)
+    frontier = list(residual.row_gemms) + [n.name for n in nodes
+                                           if n.kind is OpKind.MOE_COMBINE]
     while frontier:
         for nxt in readers.get(frontier.pop(), ()):
             if nxt.name not in after and nxt.kind not in MIXING_KINDS \

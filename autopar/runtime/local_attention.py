@@ -276,14 +276,17 @@ class _SumForward(torch.autograd.Function):
 
 
 def _scaled_partial(a: Any, b: Any) -> DTensor | None:
-    """A partial sum times a one-element tensor (an embedding scaled by a buffer inside its
-    module, as Gemma's is), kept a partial sum: scaling is linear, where DTensor would
-    all-reduce it first and the module's reduction (a reduce-scatter under sequence parallel)
-    would find nothing to reduce. None for any other product."""
+    """A partial sum times a number or a one-element tensor (an embedding scaled inside its
+    module, by a buffer as Gemma's or a float as BioGPT's and XGLM's), kept a partial sum:
+    scaling is linear, where DTensor would all-reduce it first and the module's reduction (a
+    reduce-scatter under sequence parallel) would find nothing to reduce. None for any other
+    product."""
     for x, c in ((a, b), (b, a)):
-        if isinstance(x, DTensor) and all(p.is_partial("sum") for p in x.placements) and \
-                isinstance(c, torch.Tensor) and c.numel() == 1 and not c.requires_grad and \
-                (not isinstance(c, DTensor) or c.placements == (Replicate(),)):
+        number = isinstance(c, (int, float)) and not isinstance(c, bool)
+        if isinstance(x, DTensor) and all(p.is_partial("sum") for p in x.placements) and (
+                number or isinstance(c, torch.Tensor) and c.numel() == 1
+                and not c.requires_grad
+                and (not isinstance(c, DTensor) or c.placements == (Replicate(),))):
             scale = c.to_local() if isinstance(c, DTensor) else c
             local = x.to_local(grad_placements=(Replicate(),)) * scale
             return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)

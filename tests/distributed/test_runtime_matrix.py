@@ -38,13 +38,13 @@ SLICE = {
 # StarCoder's and Phi-3's fused q/k/v projections run whole: on gloo's latencies the ILP
 # executes them with one all-reduce of the whole projection's output gradient, where the
 # runtime and the estimate gather the queries' and reduce K's and V's (three collectives)
-# OLMo 2's norms over the whole q and k projections: on gloo's latencies the ILP gathers
-# the projections (two collectives), where the runtime and the estimate all-reduce each
-# norm's per-row statistic each way and gather its weight's gradient (three; the ILP's
-# choice too at Llama-7B widths on H100)
+# OLMo 2's (and FlexOlmo's) norms over the whole q and k projections: on gloo's latencies
+# the ILP gathers the projections (two collectives), where the runtime and the estimate
+# all-reduce each norm's per-row statistic each way and gather its weight's gradient (three;
+# the ILP's choice too at Llama-7B widths on H100)
 # BLOOM's attention over batch and heads flattened: the ILP has no placement for heads split
 # inside a flattened dim (DTensor's _StridedShard), so it re-lays them
-ILP_EXECUTES_OTHERWISE = ("hf_gpt_bigcode", "hf_phi3", "hf_olmo2", "hf_bloom")
+ILP_EXECUTES_OTHERWISE = ("hf_gpt_bigcode", "hf_phi3", "hf_olmo2", "hf_bloom", "hf_flexolmo")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,8 @@ NORMS = [("hf_qwen3", "tp"), ("hf_qwen3", "tp_sp"), ("hf_gemma2", "tp"), ("hf_ol
          ("hf_gemma", "tp_sp")]
 PARALLEL = [(m, p) for m in ("hf_gptj", "hf_gpt_neox", "hf_falcon") for p in ("tp", "tp_sp")]
 LAYOUTS = [("hf_deepseek_v3", "tp"), ("hf_deepseek_v3", "tp_sp"), ("hf_opt", "tp_sp"),
-           ("hf_bloom", "tp"), ("hf_bloom", "tp_sp"), ("hf_bert", "tp")]
+           ("hf_bloom", "tp"), ("hf_bloom", "tp_sp"), ("hf_bert", "tp"), ("hf_biogpt", "tp_sp"),
+           ("hf_flexolmo", "tp_sp")]
 DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
 DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
 OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op"),
@@ -132,7 +133,10 @@ def layout_cells(matrix):
     gathered and reduce-scattered on the sequence of its unflattened view. BLOOM's attention
     over batch and heads flattened (``baddbmm`` with its ALiBi bias): each rank's rows,
     its residual handed to each sub-layer left a sequence shard. BERT's MLM head: the dense
-    transform and its norm whole, the vocabulary projection split."""
+    transform and its norm whole, the vocabulary projection split. BioGPT's embedding scaled
+    by a float inside its module: still a partial sum, reduce-scattered once. FlexOlmo's
+    norms after its MoE sub-layers: on the sequence shard, their gradients in the
+    once-a-step all-reduce."""
     return [matrix[k] for k in LAYOUTS]
 
 
