@@ -418,7 +418,8 @@ def _sublayer_entries(module: nn.Module, holders: set[str]) -> set[str]:
     """Where sequence parallel gathers the sequence: in each block, the children that hold
     (at any depth) a tp-sharded parameter (attention, MLP, MoE: the sub-layers, while the norms
     between them stay sequence-sharded); outside the blocks, the holders themselves (the LM
-    head)."""
+    head), but not one whose parameters a holder inside it holds too (BERT's head holds the
+    bias its decoder uses: the transform before the decoder stays on the shard)."""
     prefix = {id(m): n for n, m in module.named_modules()}
     entries, inside = set(), set()
     for container, key in block_slots(module):
@@ -431,7 +432,16 @@ def _sublayer_entries(module: nn.Module, holders: set[str]) -> set[str]:
                 entries.add(path)
         if name in holders:
             entries.add(name)
-    return entries | (holders - inside)
+    return entries | {h for h in holders - inside if not _lent(module, h, holders)}
+
+
+def _lent(module: nn.Module, holder: str, holders: set[str]) -> bool:
+    """Whether every parameter ``holder`` holds directly is the same object as one a holder
+    inside it holds (a tied alias the inner module runs)."""
+    own = list(module.get_submodule(holder).parameters(recurse=False))
+    inner = {id(p) for h in holders if h.startswith(holder + ".")
+             for p in module.get_submodule(h).parameters(recurse=False)}
+    return bool(own) and all(id(p) in inner for p in own)
 
 
 def _local_island(mod: nn.Module, mesh: Any) -> None:

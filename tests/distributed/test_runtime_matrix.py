@@ -60,7 +60,7 @@ NORMS = [("hf_qwen3", "tp"), ("hf_qwen3", "tp_sp"), ("hf_gemma2", "tp"), ("hf_ol
 PARALLEL = [(m, p) for m in ("hf_gptj", "hf_gpt_neox", "hf_falcon") for p in ("tp", "tp_sp")]
 LAYOUTS = [("hf_deepseek_v3", "tp"), ("hf_deepseek_v3", "tp_sp"), ("hf_opt", "tp_sp"),
            ("hf_bloom", "tp"), ("hf_bloom", "tp_sp"), ("hf_bert", "tp"), ("hf_biogpt", "tp_sp"),
-           ("hf_flexolmo", "tp_sp")]
+           ("hf_flexolmo", "tp_sp"), ("hf_distilbert", "tp_sp")]
 DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
 DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
 OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op"),
@@ -136,7 +136,9 @@ def layout_cells(matrix):
     transform and its norm whole, the vocabulary projection split. BioGPT's embedding scaled
     by a float inside its module: still a partial sum, reduce-scattered once. FlexOlmo's
     norms after its MoE sub-layers: on the sequence shard, their gradients in the
-    once-a-step all-reduce."""
+    once-a-step all-reduce. DistilBERT's head (a transform and a norm, then the tied
+    vocabulary projection): under sequence parallel the transform and the norm run whole on
+    the shard, and the sequence is gathered at the projection."""
     return [matrix[k] for k in LAYOUTS]
 
 

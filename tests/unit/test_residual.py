@@ -298,3 +298,17 @@ def test_gemms_outside_the_blocks_run_whole_but_the_vocabulary_projection():
     whole = sum(p.numel() for m in ("transform", "norm") for p in
                 getattr(_EncoderWithHeads(), m).parameters())
     assert sum(post.stream_params) == whole
+
+
+def test_sequence_parallel_gathers_a_head_where_its_vocabulary_projection_runs():
+    """BERT's MLM head module holds the bias its decoder (the tied vocabulary projection)
+    adds: under sequence parallel the runtime gathers the sequence at the decoder, not at the
+    head, so the transform and its norm before it run on the shard, as the estimate costs
+    them (`autopar.runtime.tensor_parallel._sublayer_entries`)."""
+    from autopar.runtime.tensor_parallel import _sublayer_entries
+
+    model = corpus.hf_bert()
+    holders = {"bert.embeddings.word_embeddings", "cls.predictions", "cls.predictions.decoder"}
+    assert model.cls.predictions.bias is model.cls.predictions.decoder.bias
+    glue = {e for e in _sublayer_entries(model, holders) if ".layer." not in e}
+    assert glue == {"bert.embeddings.word_embeddings", "cls.predictions.decoder"}
