@@ -543,11 +543,12 @@ def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int], glue:
     norm statistic over split features each way, all-gathering the gradients of the weights
     scaling them (`split_statistics`); its stream is the residual structure's. In the glue
     each op says what it moves: a vocabulary-parallel lookup reduces its output forward (its
-    table's gradient needs none); a vocabulary projection's weight is split on its outputs,
-    so its input gradient is reduced backward (when the input needs one), and its output is
-    gathered forward unless a cross-entropy reads it (its logits stay sharded for the
-    parallel loss, which reduces three fp32 values per row forward). Every other GEMM
-    (``glue``, `whole_glue_gemms`) runs whole on the stream, which is every op but those."""
+    table's gradient needs none); a vocabulary projection's or a convolution's weight is
+    split on its outputs, so its input gradient is reduced backward (when the input needs
+    one), and its output is gathered forward unless a cross-entropy reads it (its logits stay
+    sharded for the parallel loss, which reduces three fp32 values per row forward). Every
+    other matmul (``glue``, `whole_glue_gemms`) runs whole on the stream, which is every op
+    but those."""
     if residual.residual_adds:
         fwd, fwd_sp, bwd = (k + sum(n.kind is OpKind.CONV and bool(n.params) for n in nodes)
                             for k in reduction_points(nodes, residual))

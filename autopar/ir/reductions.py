@@ -153,15 +153,16 @@ def loss_reader(name: str, readers: dict[str, list[Node]]) -> Node | None:
 
 
 def whole_glue_gemms(nodes: Sequence[Node], vocab_dims: set[int]) -> set[str]:
-    """The weight GEMMs of glue (a run outside the blocks with no residual add) Megatron's
+    """The weight matmuls of glue (a run outside the blocks with no residual add) Megatron's
     layout keeps whole on every tp rank: all but the vocabulary projections (a weight with a
     vocabulary-sized dim 0, or an output a cross-entropy reads), which tp splits over their
-    outputs. A transform before the vocabulary projection (BERT's), a pooler or a patch
-    embedding would gain nothing from a split its next op (a norm, the blocks' stream) gathers
-    at once: whole, it runs on the stream's rows (a sequence shard under sequence parallel),
-    its gradient partial over those rows."""
+    outputs. A transform before the vocabulary projection (BERT's) or a pooler would gain
+    nothing from a split its next op (a norm, the blocks' stream) gathers at once: whole, it
+    runs on the stream's rows (a sequence shard under sequence parallel), its gradient partial
+    over those rows. Convolutions keep their output channels split (a CNN's layers are its
+    glue)."""
     readers = consumers(nodes)
     return {n.name for n in nodes
-            if n.kind in (OpKind.MATMUL, OpKind.CONV) and n.params
+            if n.kind is OpKind.MATMUL and n.params
             and not any(p.shape and p.shape[0] in vocab_dims for p in n.params)
-            and (n.kind is OpKind.CONV or loss_reader(n.name, readers) is None)}
+            and loss_reader(n.name, readers) is None}

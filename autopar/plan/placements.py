@@ -10,11 +10,12 @@ multi-head latent attention's down-projections) is replicated, and the other GEM
 column-parallel (weight and bias sharded on the output features: dim 0 of
 an ``[out, in]`` weight read transposed as nn.Linear's, dim 1 of an ``[in, out]`` one read as
 it is as GPT-2's Conv1D, told apart by how the GEMM reads it); embeddings and the vocabulary
-head are vocab-parallel; other GEMMs outside the blocks (a pooler, a transform before the head,
-a patch embedding: `autopar.ir.reductions.whole_glue_gemms`) and norms stay replicated. Where tp does not divide an attention's key/value
-heads (but is a multiple of them: multi-query or grouped-query attention with fewer kv heads
-than ranks), its K and V projections (`autopar.ir.residual.kv_projections`) are replicated:
-each rank computes them whole and reads the kv heads its query heads use (the gradient of what
+head are vocab-parallel; other matmuls outside the blocks (a pooler, a transform before the
+head: `autopar.ir.reductions.whole_glue_gemms`) and norms stay replicated. Where
+tp does not divide an attention's key/value heads (but is a multiple of them: multi-query or
+grouped-query attention with fewer kv heads than ranks), its K and V projections
+(`autopar.ir.residual.kv_projections`) are replicated: each rank computes them whole and reads
+the kv heads its query heads use (the gradient of what
 it read is gathered or reduced at the attention's input, as `tp_collectives` charges it, so
 their weight gradients are whole). So is a fused q/k/v projection tp cannot split by head (its
 output cut into q, k and v of unequal widths, or its kv heads fewer than tp): each rank slices

@@ -295,7 +295,7 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
     """One layout, three readers: on the dense models (a hand-written Llama, nanoGPT with its
     fused q/k/v and tied head, Hugging Face Llama and GPT-2 with its [in, out] Conv1D weights,
     autopar's own Llama and GPT with q/k/v viewed as (3, heads, head_dim), a ViT with its
-    replicated patch convolution and class head) under tensor parallel (tp=2, without and
+    channel-split patch convolution and class head) under tensor parallel (tp=2, without and
     with sequence parallel, and at one sequence per micro-batch, where the ILP's layout runs
     every MLP replicated on the sequence shard), the collectives the runtime issued in a
     training step (rank 0, each kind with its bytes; less the scalar all-reduce of the
