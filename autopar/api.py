@@ -15,7 +15,7 @@ from autopar.cluster import Cluster
 from autopar.estimate.bounds import BOUND_MARGIN, exact_step_lower_bound
 from autopar.estimate.core import (Estimate, EstimateOptions, EvalCache, ModelCosts, evaluate,
                                    layer_costs)
-from autopar.estimate.software import SOFTWARE, preset_of
+from autopar.estimate.software import preset_of, software_options
 from autopar.errors import NoPlanFitsError, PlanningError, RuntimeLimitError, StageMemoryError
 from autopar.search.context import SearchContext
 from autopar.search.inter_op import LayerCosts, partition_stages
@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
             seq_len: int | None = None, example_inputs: Any = None, dtype: str = "bf16",
             constraints: dict[str, Any] | None = None,
-            options: EstimateOptions | str | None = None,
-            settings: SearchSettings = SearchSettings(), target: str = "autopar") -> Plan:
+            options: EstimateOptions = EstimateOptions(),
+            settings: SearchSettings = SearchSettings(),
+            software: str | None = None, target: str = "autopar") -> Plan:
     """The fastest plan that fits for `model` on `cluster` at this training shape.
 
     Token models take `global_batch_size` (sequences) and `seq_len`; other models take
@@ -47,10 +48,9 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
     other mesh orders than the default. `target` names the engine that will run the plan
     (`autopar.targets`): "autopar" (its own runtime), "megatron", "torchtitan" or
     "deepspeed"; the search then keeps to what that engine runs, and a pin, precision or
-    option outside it is refused with the engine's rule. `options` is what the plans are
-    costed with: a software preset's name (`autopar.SOFTWARE`, e.g. "torchtitan-compile"),
-    or an EstimateOptions that sets each field; by default the target's own preset. A target
-    other than autopar also costs the best plan for
+    option outside it is refused with the engine's rule. `software` names the preset the
+    plans are costed with (`autopar.SOFTWARE`), or `options` sets each field; with neither,
+    the target's own preset. A target other than autopar also costs the best plan for
     autopar's runtime with the same software (`plan.training.unrestricted`: what the
     engine's rules cost). Raises NoPlanFitsError when nothing fits, saying by how much.
     """
@@ -58,17 +58,9 @@ def compile(model: nn.Module, cluster: Cluster, *, global_batch_size: int,
 
     constraints = check_constraints(constraints)  # as the plan records them
     engine = get_target(target)
-    if options is None:
-        options = engine.software  # the target's preset unless the caller chose the costs
-    software = options if isinstance(options, str) else None
-    if software is not None:
-        if software not in SOFTWARE:
-            raise ValueError(f"options={software!r} is not a software preset; presets: "
-                             f"{', '.join(SOFTWARE)} (or pass an autopar.EstimateOptions)")
-        options = SOFTWARE[software].options
-    elif not isinstance(options, EstimateOptions):
-        raise ValueError(f"options must be an autopar.EstimateOptions or a software preset's "
-                         f"name (autopar.SOFTWARE), got {type(options).__name__}")
+    if software is None and options == EstimateOptions():
+        software = engine.software  # the target's preset unless the caller chose the costs
+    options = software_options(software, options)
     if options.pipeline_balance != "layers":
         raise ValueError(f"EstimateOptions.pipeline_balance={options.pipeline_balance!r} says "
                          f"how an engine cuts the stages of a configuration it runs "

@@ -131,7 +131,7 @@ def _plan(console: Console, args: argparse.Namespace) -> None:
     cluster = _cluster(args)
     plan = autopar.compile(model, cluster, global_batch_size=args.global_batch,
                            seq_len=args.seq_len, dtype=args.dtype,
-                           constraints=_parse_pins(args.pin), options=args.software,
+                           constraints=_parse_pins(args.pin), software=args.software,
                            target=args.target,
                            settings=autopar.SearchSettings(mesh_orders=args.mesh_orders))
     phases = plan.search["phase_seconds"]

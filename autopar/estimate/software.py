@@ -4,7 +4,7 @@ An estimate describes hardware, model and parallel configuration, and also the s
 runs them: its attention kernel, fused kernels, overlap of communication, cross-entropy, the
 recompute it does and its fp8 scaling. Each preset below is one engine as its own sources set
 it up, named as `compile`'s targets are; `estimate(..., software=NAME)` and
-`compile(..., options=NAME)` cost with it, and the report names it. A preset is a documented
+`compile(..., software=NAME)` cost with it, and the report names it. A preset is a documented
 choice per engine, never a fitted correction.
 """
 

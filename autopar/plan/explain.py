@@ -215,17 +215,17 @@ def explain(plan: Plan, model: Any, cluster: Cluster, *, example_inputs: Any = N
     constraints = {**_recorded_pins(plan, pins), **pins}
     training = plan.training
     options = training.estimate_options
-    # the plan's preset by name, so that the plan records the same name again
+    # the plan's preset by name, so that a target's own preset does not replace it
     software = training.software
-    if software in SOFTWARE and SOFTWARE[software].options == options:
-        options = software
+    costs = ({"software": software} if software in SOFTWARE
+             and SOFTWARE[software].options == options else {"options": options})
     try:
         alternative = compile_plan(
             model, cluster, global_batch_size=training.global_batch_size,
             seq_len=None if example_inputs is not None else training.seq_len,
             example_inputs=example_inputs, dtype=training.dtype, constraints=constraints,
             settings=settings or SearchSettings(progress=False), target=training.target,
-            options=options)
+            **costs)
     except PlanningError as exc:
         check_plan(plan, model=model)  # another model would be the real reason
         return Explanation(plan=plan, pins=dict(pins), constraints=constraints,

@@ -47,14 +47,14 @@ def test_a_preset_and_options_together_are_refused_with_the_way_to_change_one_fi
         autopar.estimate(small_gpt(), H100, DP8, global_batch_size=64, seq_len=1024,
                          software="megatron",
                          options=autopar.EstimateOptions(attention_kernel="math"))
-    with pytest.raises(ValueError, match=r"options='nemo' is not a software preset; presets: "
-                                         r"autopar, megatron"):
-        autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024, options="nemo")
+    with pytest.raises(ValueError, match=r"software='nemo' is not a preset; presets: autopar, "
+                                         r"megatron"):
+        autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024, software="nemo")
 
 
 def test_a_plan_names_its_software_and_costs_with_it():
     plan = autopar.compile(small_gpt(), H100, global_batch_size=64, seq_len=1024,
-                           options="megatron", settings=autopar.SearchSettings(progress=False))
+                           software="megatron", settings=autopar.SearchSettings(progress=False))
     assert plan.training.software == "megatron"
     assert plan.training.options == dataclasses.asdict(autopar.SOFTWARE["megatron"].options)
     again = autopar.estimate(small_gpt(), H100, plan.config, global_batch_size=64,

@@ -176,7 +176,7 @@ def test_the_restriction_cost_is_the_best_plan_for_autopars_runtime_with_the_sam
     model, cluster = _model("gpt3-1.3b"), autopar.Cluster.from_profile("dgx-h100", num_nodes=2)
     kw = dict(global_batch_size=64, seq_len=2048, settings=SETTINGS)
     plan = autopar.compile(model, cluster, target="deepspeed", **kw)
-    free = autopar.compile(model, cluster, options="deepspeed", **kw)
+    free = autopar.compile(model, cluster, software="deepspeed", **kw)
     assert plan.training.unrestricted == {"step_time_s": free.estimate.step_time_s,
                                              "config": free.config.short()}
     assert free.training.target == "autopar" and "unrestricted" not in free.training
@@ -188,7 +188,7 @@ def test_the_restriction_cost_is_the_best_plan_for_autopars_runtime_with_the_sam
             f"{fmt_seconds(plan.estimate.step_time_s)}") in report
     assert f"(autopar's runtime: {free.config.short()}, same pins and software)" in report
     # software chosen by the caller costs the plan; the target still restricts it
-    mine = autopar.compile(model, cluster, target="deepspeed", options="autopar", **kw)
+    mine = autopar.compile(model, cluster, target="deepspeed", software="autopar", **kw)
     assert mine.training.software == "autopar" and mine.config.tp == mine.config.cp == 1
 
 
@@ -243,7 +243,7 @@ def test_the_autopar_target_restricts_nothing_and_exports_are_named_alike():
 def test_explain_re_plans_for_the_plans_own_engine():
     model, cluster = _model("gpt2"), autopar.Cluster.from_profile("dgx-h100", num_nodes=1)
     plan = autopar.compile(model, cluster, global_batch_size=64, seq_len=1024,
-                           target="torchtitan", options="torchtitan-compile",
+                           target="torchtitan", software="torchtitan-compile",
                            settings=SETTINGS)
     why = plan.explain(model, cluster, tp=2)
     assert why.alternative.training.target == "torchtitan"
