@@ -81,9 +81,8 @@ class OpCost:
     # in a block under per-op recompute: its output is kept for backward and it is not re-run
     # (a fused attention kernel, every other matmul; `autopar.config.PER_OP_SAVED`)
     kept: bool = False
-    # a GEMM of a sub-layer the layout replicates over tp (`Unit.replicated`) or of the glue
-    # (`whole_glue_gemms`): each tp rank reads (and under fp8 casts) its whole weight, on the
-    # stream's rows (a sequence shard under sequence parallel, else all of them)
+    # a GEMM the layout replicates over tp (`Unit.replicated`, `whole_glue_gemms`): each tp rank
+    # reads (and under fp8 casts) its whole weight, on the stream's rows (a shard under SP)
     tp_replicated: bool = False
     tp_whole: bool = False  # a low-rank projection every tp rank runs whole (`bottleneck_gemms`)
     # a GEMM that makes an attention's keys or values: its kv heads, and whether tp cannot
@@ -342,9 +341,10 @@ def _fixed_bytes(node: Node, derived: dict[str, bool]) -> int:
 
 
 def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: set[int],
-               counted: dict[str, str], derived: dict[str, bool]) -> Unit:
+               counted: dict[str, str], derived: dict[str, bool], around: bool) -> Unit:
     """`counted` maps the parameters earlier units own to their unit (tied weights count
-    once); `derived` says which nodes derive from the model's inputs (`Graph.from_inputs`)."""
+    once); `derived` says which nodes derive from the model's inputs (`Graph.from_inputs`);
+    `around`, whether it is glue around blocks (whose matmuls run whole: `whole_glue_gemms`)."""
     ops: list[OpCost] = []
     dense = expert = 0
     in_moe = False
@@ -355,7 +355,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     tail = recompute_tail(nodes)
     residual = residual_structure(nodes)
     sharded, whole = tp_split_ops(nodes, residual), bottleneck_gemms(nodes, residual)
-    glue = set() if residual.residual_adds else whole_glue_gemms(nodes, vocab_dims)
+    glue = whole_glue_gemms(nodes, vocab_dims) if around and not residual.residual_adds else set()
     kept = per_op_kept(nodes)
     per_op_routed, kept = kept is None, kept or {}
     kv_gemms = kv_projections(nodes)
@@ -546,9 +546,8 @@ def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int], glue:
     table's gradient needs none); a vocabulary projection's or a convolution's weight is
     split on its outputs, so its input gradient is reduced backward (when the input needs
     one), and its output is gathered forward unless a cross-entropy reads it (its logits stay
-    sharded for the parallel loss, which reduces three fp32 values per row forward). Every
-    other matmul (``glue``, `whole_glue_gemms`) runs whole on the stream, which is every op
-    but those."""
+    sharded for the parallel loss, which reduces three fp32 values per row forward). Other
+    matmuls (``glue``, `whole_glue_gemms`) run whole on the stream, every op but those."""
     if residual.residual_adds:
         fwd, fwd_sp, bwd = (k + sum(n.kind is OpKind.CONV and bool(n.params) for n in nodes)
                             for k in reduction_points(nodes, residual))
@@ -593,7 +592,8 @@ def units_from_graph(graph: Graph) -> tuple[Unit, ...]:
     index = {b.representative: b.layer_indices for b in graph.blocks}
     units, last = [], -1.0  # glue sits after the blocks run before it
     for name, nodes, fqns in _segments(graph):
-        unit = _make_unit(name, nodes, fqns, vocab_dims, counted, graph.from_inputs)
+        unit = _make_unit(name, nodes, fqns, vocab_dims, counted, graph.from_inputs,
+                          name not in index and bool(index))
         places = tuple(map(float, index.get(name, ()))) or (last + 0.5,)
         last = max(last, *places) if name in index else last
         units.append(replace(unit, positions=places))

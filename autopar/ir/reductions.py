@@ -160,7 +160,7 @@ def whole_glue_gemms(nodes: Sequence[Node], vocab_dims: set[int]) -> set[str]:
     nothing from a split its next op (a norm, the blocks' stream) gathers at once: whole, it
     runs on the stream's rows (a sequence shard under sequence parallel), its gradient partial
     over those rows. Convolutions keep their output channels split (a CNN's layers are its
-    glue)."""
+    glue), and a graph without blocks has no glue: its matmuls stay column-parallel."""
     readers = consumers(nodes)
     return {n.name for n in nodes
             if n.kind is OpKind.MATMUL and n.params

@@ -112,7 +112,9 @@ def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
 
 def _whole_glue(graph: Graph, block_of: Mapping[str, str], vocab: set[int]) -> set[str]:
     """`whole_glue_gemms` of each run of nodes outside the blocks with no residual add (the
-    glue the estimate costs so, `autopar.estimate.units`)."""
+    glue the estimate costs so, `autopar.estimate.units`); none in a graph without blocks."""
+    if not graph.blocks:
+        return set()
     runs: list[list] = [[]]
     for node in graph.nodes:
         if node.name in block_of:

@@ -312,3 +312,32 @@ def test_sequence_parallel_gathers_a_head_where_its_vocabulary_projection_runs()
     assert model.cls.predictions.bias is model.cls.predictions.decoder.bias
     glue = {e for e in _sublayer_entries(model, holders) if ".layer." not in e}
     assert glue == {"bert.embeddings.word_embeddings", "cls.predictions.decoder"}
+
+
+class _BareMLP(nn.Module):
+    """Weights held directly, no sub-modules: the trace finds no block."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Parameter(torch.randn(64, 16))
+        self.w1, self.w2 = nn.Parameter(torch.randn(48, 16)), nn.Parameter(torch.randn(64, 48))
+
+    def forward(self, tokens):
+        return F.linear(torch.relu(F.linear(F.embedding(tokens, self.emb), self.w1)), self.w2)
+
+
+def test_matmuls_are_glue_only_around_blocks():
+    """Glue is what lies around blocks: a model of one-layer blocks without residual adds (an
+    MLP as an ``nn.Sequential``) and one the trace finds no block in keep their matmuls
+    column-parallel, each output gathered but the logits a cross-entropy reads, in the plan and
+    in the estimate alike."""
+    mlp = nn.Sequential(nn.Embedding(64, 16), nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 32),
+                        nn.ReLU(), nn.Linear(32, 64))
+    for model, weights in ((mlp, ("1.weight", "3.weight", "5.weight")), (_BareMLP(), ("w1",))):
+        graph = _trace(model)
+        tp = megatron_tp_placements(graph, 2)
+        assert [tp[w] for w in weights] == ["S(0)"] * len(weights), (weights, tp)
+        units = units_from_graph(graph)
+        assert not any(op.tp_replicated for u in units for op in u.ops)
+        assert sum(k == "gather" for u in units for _, k, _ in u.tp_syncs) == len(weights)
+    assert not _trace(_BareMLP()).blocks
