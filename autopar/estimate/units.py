@@ -354,7 +354,8 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     act = 0
     tail = recompute_tail(nodes)
     residual = residual_structure(nodes)
-    sharded, whole = tp_split_ops(nodes, residual), bottleneck_gemms(nodes, residual)
+    whole = bottleneck_gemms(nodes, residual)
+    sharded = tp_split_ops(nodes, residual, whole)
     glue = whole_glue_gemms(nodes, vocab_dims) if around and not residual.residual_adds else set()
     kept = per_op_kept(nodes)
     per_op_routed, kept = kept is None, kept or {}
@@ -463,7 +464,7 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     if not act:  # the hidden state is the largest activation input of the unit
         act = max((t.num_bytes for n in nodes for t, src in zip(n.inputs, n.input_sources)
                    if not src.startswith(("param:", "buffer:", "const"))), default=0)
-    syncs, stream = _tp_syncs(nodes, residual, act, vocab_dims, glue)
+    syncs, stream = _tp_syncs(nodes, residual, act, vocab_dims, glue, whole)
     # {fqn: elements} tp never splits: the stream's, routers', heads' and row GEMMs' biases
     shared = (_params_of(nodes, stream | after_row_ops(nodes, residual), seen_params),
               _router_params(nodes, residual, whole, seen_params),
@@ -529,19 +530,18 @@ def _router_params(nodes: list[Node], residual, whole: dict[str, set[str]],
     return found
 
 
-def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int], glue: set[str]
-              ) -> tuple[tuple[tuple[str, str, float], ...], set[str]]:
+def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int], glue: set[str],
+              whole: dict) -> tuple[tuple[tuple[str, str, float], ...], set[str]]:
     """The unit's tensor-parallel synchronisations under Megatron's layout, per layer, as
-    ``(direction, kind, nbytes)`` (`Unit.tp_syncs`), and the nodes on its sequence-sharded
-    stream under sequence parallel.
+    ``(direction, kind, nbytes)`` (`Unit.tp_syncs`), and its sequence-sharded stream's nodes.
 
     A block (a run with residual adds) reduces the hidden state per partial sum
     (`reduction_points`: row-parallel GEMMs' outputs forward, once per sum they join; the
     column-parallel GEMMs' input gradients backward, once per tensor they read; an MoE
     sub-layer's once each way with its shared expert's) and per output-channel parallel
-    convolution each way, and all-reduces each
-    norm statistic over split features each way, all-gathering the gradients of the weights
-    scaling them (`split_statistics`); its stream is the residual structure's. In the glue
+    convolution each way, and all-reduces each norm statistic over split features each way,
+    all-gathering the gradients of the weights scaling them (`split_statistics`, the block's
+    low-rank projections ``whole``); its stream is the residual structure's. In the glue
     each op says what it moves: a vocabulary-parallel lookup reduces its output forward (its
     table's gradient needs none); a vocabulary projection's or a convolution's weight is
     split on its outputs, so its input gradient is reduced backward (when the input needs
@@ -553,7 +553,7 @@ def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int], glue:
                             for k in reduction_points(nodes, residual))
         syncs = [("forward", "reduce", act)] * fwd + [("forward", "reduce_sp", act)] * max(
             0, fwd_sp - fwd) + [("backward", "reduce", act)] * bwd
-        for stat, scales in split_statistics(nodes, residual):
+        for stat, scales in split_statistics(nodes, residual, whole):
             n = stat.outputs[0].num_bytes
             syncs += [("forward", "stat", n), ("backward", "stat", n)]
             syncs += [("backward", "weight", p.num_bytes) for p in scales]

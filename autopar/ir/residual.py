@@ -21,7 +21,7 @@ made of parameters alone (`made_of_params`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 from typing import NamedTuple
@@ -406,19 +406,22 @@ def after_row_ops(nodes: Sequence[Node], residual: Residual) -> set[str]:
     return after
 
 
-def split_statistics(nodes: Sequence[Node], residual: Residual) -> list[tuple[Node, list]]:
+def split_statistics(nodes: Sequence[Node], residual: Residual,
+                     whole: Mapping[str, set[str]] | None = None) -> list[tuple[Node, list]]:
     """The reductions over the features a column-parallel GEMM of a block splits over tp,
     each with the parameters that scale those features: a norm over a whole projection
     (OLMo 2's q and k norms), whose per-row statistic each rank sums over its share of the
     features and all-reduces (and its gradient backward), and whose weight's gradient each
     rank holds for its share. Found from the dataflow: from a weight GEMM that is not a row
     GEMM nor a router, through element-wise ops and views that keep its output features as
-    the last dim, a reduction of that dim to one."""
+    the last dim, a reduction of that dim to one. ``whole``: the block's `bottleneck_gemms`,
+    if already found."""
     if not residual.residual_adds:
         return []
     readers = consumers(nodes)
     # a router and a low-rank projection every rank runs whole
-    whole = routing_nodes(nodes, residual) | set(bottleneck_gemms(nodes, residual))
+    whole = routing_nodes(nodes, residual) | set(
+        bottleneck_gemms(nodes, residual) if whole is None else whole)
     found: list[tuple[Node, list]] = []
     for gemm in nodes:
         if gemm.kind is not OpKind.MATMUL or not gemm.params or not gemm.outputs or \
@@ -477,16 +480,17 @@ def bottleneck_gemms(nodes: Sequence[Node], residual: Residual) -> dict[str, set
     return found
 
 
-def tp_split_ops(nodes: Sequence[Node], residual: Residual) -> set[str]:
+def tp_split_ops(nodes: Sequence[Node], residual: Residual,
+                 whole: Mapping[str, set[str]] | None = None) -> set[str]:
     """The memory-bound ops of a block on features Megatron's layout splits over tp: those
     computed from a sub-layer's mixing ops (its column-parallel GEMMs, attention; not the
     `bottleneck_gemms` every rank runs whole) that are not on the residual stream and not
     after its row-parallel GEMM (whose reduced output, like the stream, is whole on every rank
-    without sequence parallel)."""
+    without sequence parallel). ``whole``: the block's `bottleneck_gemms`, if already found."""
     if not residual.residual_adds:
         return set()
     after_row = after_row_ops(nodes, residual)
-    whole = bottleneck_gemms(nodes, residual)
+    whole = bottleneck_gemms(nodes, residual) if whole is None else whole
     mixed: set[str] = set()
     for node in nodes:
         if node.kind in MIXING_KINDS and node.name not in whole:

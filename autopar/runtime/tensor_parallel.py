@@ -163,10 +163,8 @@ class _ChannelParallelConv:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mesh = self.weight.device_mesh
-        if isinstance(x, DTensor):
-            x = x.redistribute(mesh, (Replicate(),))
-        else:
-            x = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+        x = x.redistribute(mesh, (Replicate(),)) if isinstance(x, DTensor) else \
+            _replicated(x, mesh)
         # the local input gradient covers only this rank's channels: Partial, summed in backward
         x = x.to_local(grad_placements=(Partial(),))
         bias = None if self.bias is None else self.bias.to_local()
