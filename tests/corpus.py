@@ -32,7 +32,8 @@ MAX_SEQ = 128
 NUM_CLASSES = 10
 IMAGE_SHAPE = (3, 16, 16)
 
-TOKEN_MODELS = ["plain_llama", "plain_mqa", "nano_gpt", "litgpt_style", "moe_loop", "moe_batched",
+TOKEN_MODELS = ["plain_llama", "plain_mqa", "nano_gpt", "torch_transformer", "litgpt_style",
+                "moe_loop", "moe_batched",
                 "hf_llama", "hf_mistral", "hf_qwen2", "hf_mixtral", "hf_gpt2", "hf_qwen3",
                 "hf_phi3", "hf_gpt_neox", "hf_gemma2", "hf_gemma3", "hf_olmo2",
                 "hf_gpt_bigcode", "hf_gemma", "hf_opt", "hf_falcon", "hf_bloom", "hf_phi", "hf_bert",
@@ -309,6 +310,36 @@ def nano_gpt():
     returns ``(logits, None)``."""
     torch.manual_seed(102)
     return NanoGPT()
+
+
+# =============================================================================================
+# torch_transformer: a GPT written with PyTorch's own nn.TransformerEncoder
+# =============================================================================================
+class TorchTransformerLM(nn.Module):
+    """Learned positions, pre-norm ``nn.TransformerEncoderLayer`` blocks (``nn.MultiheadAttention``
+    with its packed ``in_proj_weight``, a causal mask), GELU MLP, untied head."""
+
+    def __init__(self, dim=64, heads=4, layers=2, ffn=128):
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, dim)
+        self.pos = nn.Embedding(MAX_SEQ, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, ffn, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+
+    def forward(self, idx):
+        seq = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(seq, device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(seq, device=idx.device)
+        return self.head(self.norm(self.encoder(x, mask=mask, is_causal=True)))
+
+
+def torch_transformer():
+    """PyTorch's nn.TransformerEncoder as a causal language model."""
+    torch.manual_seed(110)
+    return TorchTransformerLM()
 
 
 # =============================================================================================

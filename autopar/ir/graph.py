@@ -169,13 +169,14 @@ class Node:
     transposed: tuple[int, ...] = ()
 
     def reads_transposed(self, i: int) -> bool:
-        """Whether input ``i`` is a 2-D parameter this node reads transposed: recorded by the
-        trace (``transposed``), or told by its shape when the weight is not square (a graph
-        built by hand records nothing)."""
+        """Whether input ``i`` is a 2-D parameter this node reads transposed (expanded along
+        leading dims or not): recorded by the trace (``transposed``), or told by its shape when
+        the weight is not square (a graph built by hand records nothing)."""
         src = self.input_sources[i]
         spec = next((p for p in self.params if src == f"param:{p.fqn}"), None)
-        shape = self.inputs[i].shape
-        if spec is None or len(shape) != 2 or tuple(reversed(shape)) != tuple(spec.shape):
+        shape = self.inputs[i].shape[-2:]  # after any dims the weight is expanded along
+        if spec is None or len(spec.shape) != 2 or len(shape) != 2 or \
+                tuple(reversed(shape)) != tuple(spec.shape):
             return False
         return i in self.transposed or shape[0] != shape[1]
 

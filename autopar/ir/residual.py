@@ -30,7 +30,7 @@ from autopar.ir.graph import Graph, Node, OpKind
 
 __all__ = ["KvProjection", "MIXING_KINDS", "Residual", "after_row_ops", "bottleneck_gemms",
            "consumers", "fused_chunks", "fused_splits", "kv_projections", "made_of_params",
-           "moe_dispatch", "residual_structure", "router_gemms", "routing_nodes",
+           "moe_dispatch", "output_biases", "residual_structure", "router_gemms", "routing_nodes",
            "split_statistics", "sublayers", "token_lookup", "tp_split_ops", "vocab_sizes"]
 
 MIXING_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
@@ -216,8 +216,10 @@ def fused_splits(nodes: Sequence[Node]) -> dict[str, int]:
 
 def _fused(nodes: Sequence[Node]) -> dict[str, tuple[int, str]]:
     """``{parameter FQN: (k, the node that cuts the projection's output into k chunks)}``."""
-    heads = {n.attention.num_heads for n in nodes if n.attention is not None}
+    heads = {(n.attention.num_heads, n.attention.head_dim) for n in nodes
+             if n.attention is not None}
     readers = consumers(nodes)
+    biases = output_biases(nodes)
     out = {}
     for node in nodes:
         if node.kind is not OpKind.MATMUL or not node.params or not node.outputs:
@@ -227,14 +229,42 @@ def _fused(nodes: Sequence[Node]) -> dict[str, tuple[int, str]]:
         # a weight laid out [out_features, in_features] (nn.Linear) or [in, out] (GPT-2's
         # Conv1D), and its bias
         if k > 1 and any(len(p.shape) == 2 and width in p.shape for p in node.params):
-            out.update({p.fqn: (k, cut) for p in node.params if width in p.shape[:2]})
+            out.update({p.fqn: (k, cut) for p in (*node.params, *biases.get(node.name, ()))
+                        if width in p.shape[:2]})
     return out
 
 
-def _chunks(name: str, width: int, readers: dict[str, list[Node]], heads: set[int]
-            ) -> tuple[int, str | None]:
+def output_biases(nodes: Sequence[Node]) -> dict[str, list]:
+    """``{GEMM node name: [parameter]}``: the 1-D parameters added to a weight GEMM's output by
+    an op of their own (``linear(x, W) + b`` written apart, as ``nn.MultiheadAttention``'s
+    packed projection runs on 3-D inputs), after views that keep its features whole. They are
+    the GEMM's bias: tensor parallelism splits them as it splits the output features."""
+    readers = consumers(nodes)
+    found: dict[str, list] = {}
+    for node in nodes:
+        if node.kind is not OpKind.MATMUL or not node.params or not node.outputs:
+            continue
+        width, frontier = node.outputs[0].shape[-1], [node.name]
+        while frontier:
+            for nxt in readers.get(frontier.pop(), ()):
+                if nxt.target.startswith(_RESHAPES) and nxt.outputs and \
+                        nxt.outputs[0].shape[-1] == width:
+                    frontier.append(nxt.name)
+                elif _is_add(nxt):
+                    found.setdefault(node.name, []).extend(
+                        p for p in nxt.params if tuple(p.shape) == (width,))
+    return found
+
+
+def _chunks(name: str, width: int, readers: dict[str, list[Node]],
+            heads: set[tuple[int, int]]) -> tuple[int, str | None]:
     """The chunk count of ``width`` features seen by the first op after ``name`` that splits
-    them (views that keep the features whole are followed) and that op, or ``(1, None)``."""
+    them (views that keep the features whole and elementwise ops on them, a bias add, are
+    followed) and that op, or ``(1, None)``. A view cuts them into k chunks as ``(k, heads,
+    head_dim)`` with an attention's heads (not cut along the heads: then the k are groups, as
+    Falcon's kv groups), or as ``(k, heads · head_dim)`` (``nn.MultiheadAttention``'s packed
+    projection), each chunk an attention's heads."""
+    counts, widths = {h for h, _ in heads}, {h * d for h, d in heads}
     for nxt in readers.get(name, ()):
         out = nxt.outputs[0].shape if nxt.outputs else ()
         if nxt.target.startswith(_SPLITS) and len(nxt.outputs) > 1:
@@ -242,14 +272,19 @@ def _chunks(name: str, width: int, readers: dict[str, list[Node]], heads: set[in
             if len(sizes) == 1 and sizes.pop() * len(nxt.outputs) == width:
                 return len(nxt.outputs), nxt.name
             return 1, None
+        if nxt.kind is OpKind.ELEMENTWISE and len(nxt.outputs) == 1 and out and \
+                out[-1] == width:
+            return _chunks(nxt.name, width, readers, heads)
         if nxt.target.startswith(_RESHAPES) and out:
             if out[-1] == width:
                 return _chunks(nxt.name, width, readers, heads)
-            if len(out) >= 3 and out[-3] * out[-2] * out[-1] == width and out[-2] in heads \
+            if len(out) >= 3 and out[-3] * out[-2] * out[-1] == width and out[-2] in counts \
                     and out[-3] > 1 and not _feature_axis(nxt.name, tuple(out), len(out) - 2,
                                                           readers)[0]:
-                # (not cut along the heads: then the k are groups, as Falcon's kv groups)
                 return out[-3], nxt.name
+            if len(out) >= 2 and out[-2] * out[-1] == width and out[-2] > 1 and \
+                    out[-1] in widths:
+                return out[-2], nxt.name
     return 1, None
 
 

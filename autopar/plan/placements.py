@@ -42,7 +42,7 @@ from autopar.estimate.units import Unit
 from autopar.ir import Graph, OpKind
 from autopar.ir.reductions import dense_row_gemms, summed_row_gemms, whole_glue_gemms
 from autopar.ir.residual import (MIXING_KINDS, bottleneck_gemms, consumers, fused_chunks,
-                                 kv_projections, moe_dispatch, residual_structure,
+                                 kv_projections, moe_dispatch, output_biases, residual_structure,
                                  router_gemms, sublayers, token_lookup, vocab_sizes)
 
 __all__ = ["fp8_weights", "fused_projections", "megatron_tp_placements", "param_placements",
@@ -81,10 +81,11 @@ def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
         ``experts`` each expert's last GEMM (one that another GEMM feeds and that feeds none)."""
         gemms = [n for n in group if n.kind in (OpKind.MATMUL, OpKind.CONV) and n.params]
         chained = _gemm_chains(group) if experts else {}
+        biases = output_biases(group)
         for node in gemms:
             feeds, fed = chained.get(node.name, (True, False))
             row = (fed and not feeds) if experts else node.name in rows
-            for p in node.params:
+            for p in (*node.params, *biases.get(node.name, ())):
                 features, inputs = _feature_dims(node, p)
                 if node.name in whole:  # a low-rank projection, a GEMM of the glue
                     out.setdefault(p.fqn, "R")

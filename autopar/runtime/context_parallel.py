@@ -45,6 +45,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from autopar.ir import SEQUENCE_DIM
 from autopar.runtime.local_attention import LocalAttention, _replicated_call, local_heads
+from autopar.trace.nested import NESTED, run_nested
 
 if TYPE_CHECKING:
     from autopar.plan.plan import Plan
@@ -489,6 +490,8 @@ class RingAttentionMode(LocalAttention):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in NESTED:
+            return run_nested(self, func, args, kwargs)
         if not _has_dtensor((args, kwargs)):
             return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:

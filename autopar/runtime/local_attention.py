@@ -11,7 +11,10 @@ projection the plan replicates), and gathers them otherwise.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
+import operator
 from typing import Any
 
 import torch
@@ -25,6 +28,7 @@ from torch.utils._pytree import tree_map
 
 from autopar.ir import SEQUENCE_DIM
 from autopar.runtime.tensor_parallel import _to_local_replicated, on_sequence_view
+from autopar.trace.nested import NESTED, run_nested
 
 __all__ = ["LocalAttention", "local_heads", "sum_grad_over_tp"]
 
@@ -93,6 +97,8 @@ class LocalAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in NESTED:
+            return run_nested(self, func, args, kwargs)
         if func in _PASSED or not any(isinstance(t, DTensor)
                                       for t in (*args, *kwargs.values())):
             return func(*args, **kwargs)
@@ -120,10 +126,12 @@ class LocalAttention(TorchFunctionMode):
             pieces = _split_chunks(func, *args, **kwargs)
             if pieces is not None:
                 return pieces
-        if func in _VIEWS and isinstance(args[0], DTensor) and not kwargs:
-            heads = _view_chunks(args[0], args[1:])
-            if heads is not None:
-                return heads
+        if func in _VIEWS and isinstance(args[0], DTensor):
+            shape = _view_shape(func, args[0], args[1:], kwargs)
+            for view in (_view_chunks, _view_in_steps):
+                viewed = None if shape is None else view(args[0], shape)
+                if viewed is not None:
+                    return viewed
         if func in self._replicated or (
                 self._refused and _layout_key(func, args, kwargs) in self._refused):
             return _replicated_call(func, args, kwargs)
@@ -319,32 +327,80 @@ def _split_chunks(func, t: DTensor, size_or_chunks=None, dim: int = 0, **named) 
                  for piece in t.to_local().chunk(k, dim=dim))
 
 
-_VIEWS = (torch.Tensor.view, torch.Tensor.reshape)
+_VIEWS = (torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.unflatten)
 
 
-def _view_chunks(t: DTensor, shape: tuple) -> DTensor | None:
+def _view_shape(func, t: DTensor, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
+    """The shape a ``view``, ``reshape`` or ``unflatten`` call gives ``t`` (a -1 resolved), or
+    None for a call of another form."""
+    if func is torch.Tensor.unflatten:
+        given = {**dict(zip(("dim", "sizes"), args)), **kwargs}
+        if set(given) != {"dim", "sizes"}:
+            return None
+        dim = given["dim"] % t.dim()
+        shape = (*t.shape[:dim], *given["sizes"], *t.shape[dim + 1:])
+    elif kwargs:
+        return None
+    else:
+        shape = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) \
+            else args
+    if not all(isinstance(n, int) for n in shape) or list(shape).count(-1) > 1:
+        return None
+    known = math.prod(n for n in shape if n != -1)
+    if -1 in shape:
+        if not known or t.numel() % known:
+            return None
+        shape = tuple(t.numel() // known if n == -1 else n for n in shape)
+    return tuple(shape)
+
+
+def _view_chunks(t: DTensor, shape: tuple[int, ...]) -> DTensor | None:
     """A fused projection's output (``_StridedShard`` of its last dim into k chunks) viewed as
-    ``(..., k, heads, head_dim)``: this rank's piece viewed as ``(..., k, heads / tp,
-    head_dim)``, sharded on the heads (DTensor would gather the whole output first).  None for
-    any other view."""
+    ``(..., k, heads, head_dim)`` or ``(..., k, features)``: this rank's piece viewed as
+    ``(..., k, heads / tp, head_dim)`` or ``(..., k, features / tp)``, sharded on the heads or
+    the features (DTensor would gather the whole output first).  None for any other view."""
     if len(t.placements) != 1 or not isinstance(t.placements[0], _StridedShard):
         return None
     placement, last = t.placements[0], t.dim() - 1
-    shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list,
-                                                                          torch.Size)) else shape
-    if placement.dim != last or len(shape) != t.dim() + 2 or \
-            tuple(shape[:last]) != tuple(t.shape[:last]) or shape[last] != placement.split_factor:
+    k, inner = placement.split_factor, shape[last + 1:]
+    if placement.dim != last or len(shape) not in (t.dim() + 1, t.dim() + 2) or \
+            tuple(shape[:last]) != tuple(t.shape[:last]) or shape[last] != k or \
+            k * math.prod(inner) != t.shape[last] or inner[0] % t.device_mesh.size():
         return None
-    n = t.device_mesh.size()
-    k, heads, head_dim = shape[last], shape[last + 1], shape[last + 2]
-    if head_dim == -1:
-        head_dim = t.shape[last] // (k * heads)
-    if heads == -1:
-        heads = t.shape[last] // (k * head_dim)
-    if k * heads * head_dim != t.shape[last] or heads % n:
-        return None
-    local = t.to_local().view(*t.to_local().shape[:last], k, heads // n, head_dim)
+    local = t.to_local()
+    local = local.view(*local.shape[:last], k, inner[0] // t.device_mesh.size(), *inner[1:])
     return DTensor.from_local(local, t.device_mesh, (Shard(last + 1),), run_check=False)
+
+
+def _view_in_steps(t: DTensor, shape: tuple[int, ...]) -> DTensor | None:
+    """A view of a sharded tensor that both splits and merges dims (``[s, b, heads · d]`` as
+    ``[s, b · heads, d]``, as ``nn.MultiheadAttention`` writes it), run as the split and then
+    the merge: DTensor keeps each of those sharded (a merge of a sharded inner dim as a
+    ``_StridedShard``), where it gathers the tensor for the view in one step. None for a view
+    that only splits or only merges dims, or of a tensor not sharded."""
+    if not any(p.is_shard() for p in t.placements):
+        return None
+    finest = _refinement(tuple(t.shape), shape)
+    if finest is None or finest in (tuple(t.shape), shape):
+        return None
+    return t.view(finest).view(shape)
+
+
+def _refinement(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The coarsest shape that both ``a`` and ``b`` are merges of (dims of 1 left out), or
+    None where there is none (a dim of one straddles two of the other's)."""
+    if math.prod(a) != math.prod(b) or not math.prod(a):
+        return None
+    cuts = sorted(set(itertools.accumulate(a, operator.mul))
+                  | set(itertools.accumulate(b, operator.mul)))
+    found, before = [], 1
+    for cut in cuts:
+        if cut % before:
+            return None
+        if cut > before:
+            found.append(cut // before)
+        before = cut
+    return tuple(found)
 
 
 def _layout_key(func, args: tuple, kwargs: dict) -> tuple:

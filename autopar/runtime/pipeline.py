@@ -49,6 +49,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from autopar.config import FEW_MICROBATCHES
+from autopar.runtime.stand_ins import PassBlock, ZeroOutput, hidden_arg
 from autopar.runtime.structure import block_slots
 
 if TYPE_CHECKING:
@@ -174,7 +175,7 @@ def probe_layout(model: nn.Module, example: torch.Tensor) -> ModelLayout:
     def enter(mod, args, kwargs):
         state["phase"] = block_fqn[id(mod)]
         state["order"].append(block_fqn[id(mod)])
-        state["hidden_shape"] = _hidden_arg(args, kwargs).shape
+        state["hidden_shape"] = hidden_arg(args, kwargs).shape
 
     def leave(mod, args, kwargs, out):
         state["phase"] = "after " + block_fqn[id(mod)]
@@ -233,72 +234,6 @@ def probe_layout(model: nn.Module, example: torch.Tensor) -> ModelLayout:
             owner[name] = "+".join(sorted(phases))
     return ModelLayout(blocks=state["order"], param_owner=owner, outputs=outputs,
                        hidden_index=state["index"])
-
-
-def _hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor:
-    """A block's hidden-state input: its first positional argument, else its first
-    floating-point keyword argument."""
-    if args:
-        return args[0]
-    for value in kwargs.values():
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value
-    raise ValueError("a block was called without a hidden-state tensor argument")
-
-
-def _keep_attributes(stand_in: nn.Module, module: nn.Module) -> None:
-    """Copy ``module``'s plain attributes (not its parameters, buffers or sub-modules) onto
-    the module standing in for it: a model's forward may read them."""
-    for name, value in vars(module).items():
-        if not name.startswith("_") and name != "training":
-            setattr(stand_in, name, value)
-
-
-class _PassBlock(nn.Module):
-    """Stands in for a block this stage does not own: returns its hidden input, in the block's
-    output structure (a tensor, or a tuple holding it at ``index``). It keeps the block's
-    plain attributes, which a model's forward may read off its blocks (Hugging Face's
-    ``layer.attention_type`` picks each layer's mask)."""
-
-    stands_in_for_block = True  # structure.block_slots: still a slot of the block list
-
-    def __init__(self, index: int | None, block: nn.Module):
-        super().__init__()
-        _keep_attributes(self, block)
-        self._hidden_index = index
-
-    def forward(self, *args, **kwargs):
-        hidden = _hidden_arg(args, kwargs)
-        index = self._hidden_index
-        if index is None:
-            return hidden
-        return tuple(hidden if i == index else None for i in range(index + 1))
-
-
-class _ZeroOutput(nn.Module):
-    """Stands in for a module outside the blocks whose parameters this stage does not own:
-    returns zeros shaped like its output in the probe, as expanded scalars. It keeps the
-    module's plain attributes, and its parameters as expanded zero buffers (Llama 4 reads
-    ``embed_tokens.weight.device``)."""
-
-    def __init__(self, spec: Any, module: nn.Module):
-        super().__init__()
-        _keep_attributes(self, module)
-        for name, p in module.named_parameters(recurse=False):
-            self.register_buffer(name, torch.zeros((), dtype=p.dtype, device=p.device)
-                                 .expand(p.shape), persistent=False)
-        self.spec = spec
-
-    def forward(self, *args, **kwargs):
-        device = next((t.device for t in (*args, *kwargs.values())
-                       if isinstance(t, torch.Tensor)), torch.device("cpu"))
-        return tree_map(lambda s: torch.zeros((), dtype=s[1], device=device).expand(s[0])
-                        if _is_spec(s) else s, self.spec, is_leaf=_is_spec)
-
-
-def _is_spec(s: Any) -> bool:
-    """A tensor's ``(shape, dtype)`` in a probed output (``_spec``)."""
-    return isinstance(s, tuple) and len(s) == 2 and isinstance(s[1], torch.dtype)
 
 
 def _stage_owner(layout: ModelLayout, stages: list[list[str]]) -> dict[str, set[int]]:
@@ -377,12 +312,12 @@ def _trim(mod: nn.Module, layout: ModelLayout, keep: set[str]) -> None:
     for block in layout.blocks:
         if not any(first[n] in keep for n, _ in mod.get_submodule(block).named_parameters(
                 prefix=block, remove_duplicate=False)):
-            setattr(*_slot(mod, block), _PassBlock(layout.hidden_index,
+            setattr(*_slot(mod, block), PassBlock(layout.hidden_index,
                                                    mod.get_submodule(block)))
     for name, spec in layout.outputs.items():
         module = mod.get_submodule(name)
         if not any(first[f"{name}.{k}"] in keep for k, _ in module.named_parameters(recurse=False)):
-            setattr(*_slot(mod, name), _ZeroOutput(spec, module))
+            setattr(*_slot(mod, name), ZeroOutput(spec, module))
     for name, p in list(mod.named_parameters(remove_duplicate=False)):
         if first[name] not in keep:
             owner, _, pname = name.rpartition(".")

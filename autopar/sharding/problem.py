@@ -50,10 +50,10 @@ from autopar.ir.residual import (bottleneck_gemms, fused_splits, residual_struct
                                  routing_nodes)
 from autopar.sharding.placement import (PARTIAL, REPLICATE, is_shard, reshard_collective,
                                         shard, shard_dim)
-from autopar.sharding.rules import on_sequence_shard
+from autopar.sharding.rules import on_sequence_shard, per_chunk
 from autopar.sharding.rules import signature as rule_signature
 from autopar.sharding.rules import strategies as rule_strategies
-from autopar.sharding.strategy import Collective, Strategy, default_input_grads
+from autopar.sharding.strategy import Collective, Strategy
 from costmodels.compute import (AttentionCall, activation_memory_time_s, attention_time_s,
                                 gemm_time_s, op_overhead_s)
 from costmodels.collectives import LayoutTimer
@@ -90,6 +90,7 @@ class ParamUse:
     transposed: bool
     numel: int
     first_use: bool
+    broadcast: int = 0  # dims the operand adds before the parameter's own (an expanded weight)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,7 +126,12 @@ class BlockProblem:
         if p == PARTIAL:
             return REPLICATE
         d = shard_dim(p)
-        return shard(1 - d) if d is not None and use.transposed else p
+        if d is None:
+            return p
+        d -= use.broadcast
+        if d < 0:  # a dim the weight is expanded along: every rank reads it whole
+            return REPLICATE
+        return shard(1 - d if use.transposed else d)
 
     def out_grad_placement(self, tensor: TensorUse, s: int) -> str:
         return self.strategies[tensor.producer][s].grad_outputs[tensor.output]
@@ -246,25 +252,6 @@ def _activation_shares(node: Node, sts: Sequence[Strategy], n: int) -> list[floa
             part += sharded if is_shard(st.outputs[j]) else whole
         shares.append(part / full)
     return shares
-
-
-def _per_chunk(node: Node, n: int) -> tuple[Strategy, ...]:
-    """The op that cuts a fused projection's output into its chunks (``fused_splits``) with
-    the features sharded by chunk, as the projection's column-parallel weight laid out by
-    chunk gives them: a split hands each chunk on sharded on its features, a view as
-    ``(k, heads, head_dim)`` on its heads."""
-    last = len(node.inputs[0].shape) - 1
-    if len(node.outputs) > 1:  # a split
-        outs = tuple((len(t.shape) - 1, t.shape[-1]) for t in node.outputs)
-    else:  # [..., k * heads * head_dim] -> [..., k, heads, head_dim]
-        shape = node.outputs[0].shape
-        outs = ((len(shape) - 2, shape[-2]),)
-    if last < 0 or not all(size % n == 0 for _, size in outs):
-        return ()
-    ins = (shard(last),) + (REPLICATE,) * (len(node.inputs) - 1)
-    return (Strategy(name=f"S({last}) by chunk", inputs=ins,
-                     outputs=tuple(shard(d) for d, _ in outs),
-                     input_grads=default_input_grads(ins, True), work_divisor=n),)
 
 
 _FLAT_MATMULS = ("aten.mm.", "aten.addmm.")
@@ -439,7 +426,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], setting: BlockSetting
             shared[key] = rule_strategies(node, axis_size, defers_gradients=name in routing)
         strategies[name] = shared[key]
         if name in fused:
-            strategies[name] += _per_chunk(node, axis_size)
+            strategies[name] += per_chunk(node, axis_size)
         if is_shard(boundary) and name in residual.stream and node.params:
             strategies[name] = on_sequence_shard(strategies[name], node, boundary)
         for i, spec in enumerate(node.inputs):
@@ -524,7 +511,8 @@ def build_problem(graph: Graph, node_names: Sequence[str], setting: BlockSetting
             spec = next(p for p in node.params if p.fqn == src[6:])
             transposed = node.kind is OpKind.MATMUL and node.reads_transposed(i)
             use = ParamUse(fqn=spec.fqn, node=name, input_index=i, transposed=transposed,
-                           numel=spec.numel, first_use=spec.fqn not in charged)
+                           numel=spec.numel, first_use=spec.fqn not in charged,
+                           broadcast=max(0, len(node.inputs[i].shape) - len(spec.shape)))
             charged.add(spec.fqn)
             uses.append((use, spec.requires_grad))
             params.append(use)

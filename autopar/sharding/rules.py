@@ -60,7 +60,7 @@ from autopar.sharding.placement import PARTIAL, REPLICATE, shard
 from autopar.sharding.strategy import Strategy, default_input_grads
 from autopar.sharding.views import op_name, view_dim_map
 
-__all__ = ["on_sequence_shard", "op_name", "signature", "strategies"]
+__all__ = ["on_sequence_shard", "op_name", "per_chunk", "signature", "strategies"]
 
 _LINEAR = {"add", "add_", "sub", "sub_", "neg", "cat", "clone", "copy", "copy_", "sum"}
 _BINARY = {"add", "add_", "sub", "sub_"}
@@ -355,6 +355,25 @@ def _moe_combine(node: Node, n: int) -> list[Strategy]:
     return [Strategy(name="P", inputs=tuple(PARTIAL if e else REPLICATE for e in experts),
                      outputs=(PARTIAL,),
                      input_grads=tuple(REPLICATE if e else PARTIAL for e in experts))]
+
+
+def per_chunk(node: Node, n: int) -> tuple[Strategy, ...]:
+    """The op that cuts a fused projection's output into its chunks (``fused_splits``) with
+    the features sharded by chunk, as the projection's column-parallel weight laid out by
+    chunk gives them: a split hands each chunk on sharded on its features, a view as
+    ``(k, heads, head_dim)`` on its heads, one as ``(k, features)`` on its features."""
+    last = len(node.inputs[0].shape) - 1
+    if len(node.outputs) > 1:  # a split
+        outs = tuple((len(t.shape) - 1, t.shape[-1]) for t in node.outputs)
+    else:  # [..., k * heads * head_dim] -> [..., k, heads, head_dim] or [..., k, features]
+        shape = node.outputs[0].shape
+        outs = ((last + 1, shape[last + 1]),)
+    if last < 0 or not all(size % n == 0 for _, size in outs):
+        return ()
+    ins = (shard(last),) + (REPLICATE,) * (len(node.inputs) - 1)
+    return (Strategy(name=f"S({last}) by chunk", inputs=ins,
+                     outputs=tuple(shard(d) for d, _ in outs),
+                     input_grads=default_input_grads(ins, True), work_divisor=n),)
 
 
 _RULES = {

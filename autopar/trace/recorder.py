@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.ir import AttentionSpec, Node, OpKind, ParamSpec, TensorSpec
 from autopar.trace import ops
+from autopar.trace.nested import NESTED, run_nested
 
 log = logging.getLogger(__name__)
 
@@ -254,8 +255,9 @@ class Recorder:
                                   | ({name} if extra_saved_bytes else set()))) if grad else ()
         params = tuple(v.param for v in ins if v.param is not None)
         transposed = tuple(i for i, (t, v) in enumerate(zip(in_tensors, ins))
-                           if v.param is not None and t.dim() == 2 and t.shape[0] > 1
-                           and t.stride() == (1, t.shape[0]))  # W.T of a contiguous W
+                           if v.param is not None and t.dim() >= 2 and t.shape[-2] > 1
+                           and t.stride()[-2:] == (1, t.shape[-2])
+                           and not any(t.stride()[:-2]))  # W.T of a contiguous W, expanded
         moves = kind is not OpKind.VIEW
         node = Node(
             name=name, kind=kind, target=target,
@@ -485,6 +487,8 @@ class _FunctionMode(TorchFunctionMode):
         try:
             if handler is not None and not self._rec.is_paused:
                 return handler(*args, **kwargs)
+            if func in NESTED:
+                return run_nested(self, func, args, kwargs)
             return func(*args, **kwargs)
         except Exception as error:
             self._rec.note_failure(getattr(func, "__name__", str(func)), error)

@@ -42,9 +42,11 @@ SLICE = {
 # the ILP gathers the projections (two collectives), where the runtime and the estimate
 # all-reduce each norm's per-row statistic each way and gather its weight's gradient (three;
 # the ILP's choice too at Llama-7B widths on H100)
-# BLOOM's attention over batch and heads flattened: the ILP has no placement for heads split
-# inside a flattened dim (DTensor's _StridedShard), so it re-lays them
-ILP_EXECUTES_OTHERWISE = ("hf_gpt_bigcode", "hf_phi3", "hf_olmo2", "hf_bloom", "hf_flexolmo")
+# BLOOM's attention over batch and heads flattened, and nn.MultiheadAttention's heads viewed
+# as ``[seq, batch * heads, head_dim]``: the ILP has no placement for heads split inside a
+# flattened dim (DTensor's _StridedShard), so it re-lays them
+ILP_EXECUTES_OTHERWISE = ("hf_gpt_bigcode", "hf_phi3", "hf_olmo2", "hf_bloom", "hf_flexolmo",
+                          "torch_transformer")
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +62,15 @@ NORMS = [("hf_qwen3", "tp"), ("hf_qwen3", "tp_sp"), ("hf_gemma2", "tp"), ("hf_ol
 PARALLEL = [(m, p) for m in ("hf_gptj", "hf_gpt_neox", "hf_falcon") for p in ("tp", "tp_sp")]
 LAYOUTS = [("hf_deepseek_v3", "tp"), ("hf_deepseek_v3", "tp_sp"), ("hf_opt", "tp_sp"),
            ("hf_bloom", "tp"), ("hf_bloom", "tp_sp"), ("hf_bert", "tp"), ("hf_biogpt", "tp_sp"),
-           ("hf_flexolmo", "tp_sp"), ("hf_distilbert", "tp_sp")]
+           ("hf_flexolmo", "tp_sp"), ("hf_distilbert", "tp_sp"), ("torch_transformer", "tp"),
+           ("torch_transformer", "tp_sp")]
 DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
 DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
 OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op"),
           ("hf_qwen2_moe", "ep_tp"), ("hf_gpt2_odd_vocab", "tp_sp"), ("hf_gpt2_odd_vocab", "tp_pp"),
           ("titan_llama", "tp_sp"), ("titan_llama", "cp"), ("plain_llama", "cp_full"),
           ("hf_modernbert", "pp_1f1b"), ("hf_llama4", "pp_1f1b"), ("hf_gpt_oss", "ep"),
-          ("hf_gpt_oss", "ep_tp")]
+          ("hf_gpt_oss", "ep_tp"), ("torch_transformer", "pp_1f1b"), ("torch_transformer", "cp")]
 # autopar's own Llama and Mixtral under the plans no other cell trains for several steps:
 # GPipe with one micro-batch (fewer than stages), interleaved 1F1B, ZeRO-2 with full
 # recompute, ZeRO-1 in a pipeline, dp x pp and dp x tp + SP without ZeRO, FSDP2 under tp in
@@ -219,6 +222,26 @@ def test_stages_keep_what_the_model_reads_off_the_modules_they_do_not_own(matrix
     gradients."""
     for model in ("hf_modernbert", "hf_llama4"):
         assert matrix[model, "pp_1f1b"].ok, matrix[model, "pp_1f1b"].text()
+
+
+def test_pytorchs_own_transformer_layers_run_every_parallelism(matrix, plan_dir):
+    """A language model built from ``nn.TransformerEncoder`` (``nn.MultiheadAttention`` with
+    its packed ``in_proj_weight`` and separately added bias, heads viewed as ``[seq,
+    batch * heads, head_dim]``): tensor parallel splits the packed projection by chunk, weight
+    and bias alike (so each rank holds whole heads of q, k and v) with and without sequence
+    parallel; context parallel runs its attention as a ring; a 1F1B pipeline runs the
+    encoder's own forward, which reads the first layer's ``self_attn.batch_first`` on stages
+    that do not own it. All train to the reference's losses and gradients."""
+    from autopar.plan import load_plan
+
+    for plan_name in ("tp", "tp_sp", "cp", "pp_1f1b"):
+        cell = matrix["torch_transformer", plan_name]
+        assert cell.ok, cell.text()
+    plan = load_plan(plan_dir / "torch_transformer.tp.json")
+    attn = "encoder.layers.0.self_attn."
+    assert [plan.tp_placements[attn + n] for n in ("in_proj_weight", "in_proj_bias",
+                                                   "out_proj.weight")] == ["S(0)", "S(0)",
+                                                                          "S(1)"]
 
 
 def test_experts_with_biases_split_over_ep_or_tp_not_both(matrix):

@@ -1,0 +1,152 @@
+"""PyTorch's own transformer modules (``nn.MultiheadAttention``, ``nn.TransformerEncoder``) in
+the trace, the layout and the runtime's helpers.
+
+Oracles: the module's own structure (4 heads of 16 over a packed ``[3·64, 64]`` projection),
+a torch-function mode that records what it sees, a brute-force check of shape refinements,
+and the encoder's own forward run with a stand-in for one layer.
+"""
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import autopar
+from autopar.ir import OpKind
+from autopar.ir.residual import fused_chunks, output_biases
+from autopar.plan.placements import megatron_tp_placements
+from autopar.runtime.local_attention import _refinement, _view_shape
+from autopar.runtime.stand_ins import PassBlock
+from autopar.trace.nested import NESTED, run_nested
+
+
+class EncoderLM(nn.Module):
+    def __init__(self, dim=64, heads=4, layers=2):
+        super().__init__()
+        self.tok = nn.Embedding(256, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, 256, bias=False)
+
+    def forward(self, idx):
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], device=idx.device)
+        return self.head(self.encoder(self.tok(idx), mask=mask, is_causal=True))
+
+
+@pytest.fixture(scope="module")
+def graph():
+    with torch.device("meta"):
+        model = EncoderLM()
+    return autopar.trace(model, global_batch_size=2, seq_len=32)
+
+
+def test_multihead_attention_is_one_attention_over_its_heads(graph):
+    """``F.multi_head_attention_forward`` calls SDPA inside: the trace sees that call (one
+    causal ATTENTION node over 4 heads of 16 in the block both layers repeat), not the meta
+    device's decomposition."""
+    attention = [n for n in graph.nodes if n.kind is OpKind.ATTENTION]
+    assert len(attention) == 1 and [b.layer_indices for b in graph.blocks] == [(0, 1)]
+    spec = attention[0].attention
+    assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.causal) == (4, 4, 16, True)
+    assert not any(n.kind is OpKind.SOFTMAX for n in graph.nodes)
+
+
+def test_the_packed_projection_splits_by_chunk_weight_and_bias_alike(graph):
+    """The packed q/k/v projection (``linear`` on a sequence-first input, its bias added
+    apart, the output viewed as ``(3, embed_dim)``) is three chunks of the heads: tp splits
+    its weight and its bias by chunk, column-parallel; the output projection and the MLP are
+    Megatron's."""
+    chunks = fused_chunks(graph.nodes)
+    attn = "encoder.layers.0.self_attn."
+    assert chunks[attn + "in_proj_weight"] == chunks[attn + "in_proj_bias"] == 3
+    assert [p.fqn for ps in output_biases(graph.nodes).values() for p in ps] == \
+        [attn + "in_proj_bias"]
+    placed = megatron_tp_placements(graph, 2)
+    assert [placed[attn + n] for n in ("in_proj_weight", "in_proj_bias", "out_proj.weight",
+                                       "out_proj.bias")] == ["S(0)", "S(0)", "S(1)", "R"]
+    layer = "encoder.layers.0."
+    assert [placed[layer + n] for n in ("linear1.weight", "linear2.weight")] == ["S(0)", "S(1)"]
+
+
+def test_a_mode_sees_the_calls_inside_a_nested_function():
+    """A torch-function mode is off while it handles a call; `run_nested` runs
+    ``F.multi_head_attention_forward`` with the mode on inside it, so the mode sees its SDPA,
+    the numbers are the function's own, and the function's module is left as it was."""
+    seen = []
+
+    class Recording(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            if func in NESTED:
+                return run_nested(self, func, args, kwargs or {})
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    expected, _ = mha(x, x, x, need_weights=False)
+    check = F.has_torch_function
+    with Recording():
+        got, _ = mha(x, x, x, need_weights=False)
+    assert F.scaled_dot_product_attention in seen
+    assert F.has_torch_function is check
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_shape_refinement_against_brute_force():
+    """`_refinement(a, b)`: the coarsest shape both are merges of. On shapes made by grouping
+    one factor list two ways it is a shape both group into, and no coarser one is (each of its
+    cuts is a cut of a or of b); shapes with no common refinement give None."""
+    rng = random.Random(0)
+
+    def groups(factors):
+        cuts = sorted(rng.sample(range(1, len(factors)), rng.randint(0, len(factors) - 1)))
+        bounds = [0, *cuts, len(factors)]
+        return tuple(math.prod(factors[i:j]) for i, j in zip(bounds, bounds[1:]))
+
+    def prefix_products(shape):
+        return set(itertools.accumulate(shape, lambda x, y: x * y))
+
+    for _ in range(300):
+        factors = [rng.choice([2, 3, 4, 5, 8]) for _ in range(rng.randint(1, 6))]
+        a, b = groups(factors), groups(factors)
+        finest = _refinement(a, b)
+        assert math.prod(finest) == math.prod(a)
+        assert prefix_products(a) | prefix_products(b) == prefix_products(finest)
+    assert _refinement((6, 4), (4, 6)) is None
+    assert _refinement((64, 2, 64), (64, 8, 16)) == (64, 2, 4, 16)
+
+
+def test_view_shapes_of_view_reshape_and_unflatten():
+    t = torch.empty(4, 6, 8, device="meta")
+    assert _view_shape(torch.Tensor.view, t, (4, -1, 2), {}) == (4, 24, 2)
+    assert _view_shape(torch.Tensor.reshape, t, ((24, 8),), {}) == (24, 8)
+    assert _view_shape(torch.Tensor.unflatten, t, (-1, (2, 4)), {}) == (4, 6, 2, 4)
+    assert _view_shape(torch.Tensor.unflatten, t, (), {"dim": 1, "sizes": (3, -1)}) == \
+        (4, 3, 2, 8)
+
+
+def test_a_stand_in_keeps_what_the_encoder_reads_off_its_first_layer():
+    """A pipeline stage stands in for a layer it does not own: the stand-in holds no
+    parameters or sub-modules a module walk would find, yet answers what
+    ``nn.TransformerEncoder.forward`` reads off its first layer (``self_attn.batch_first``,
+    the weights' shapes), and the encoder runs with it, its output the other layer's."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    original = encoder.layers[0]
+    encoder.layers[0] = stand_in = PassBlock(None, original)
+    assert not list(stand_in.parameters()) and list(stand_in.named_modules()) == \
+        [("", stand_in)]
+    assert stand_in.self_attn.batch_first is True
+    assert stand_in.self_attn.in_proj_weight.shape == original.self_attn.in_proj_weight.shape
+    assert stand_in.norm1.eps == original.norm1.eps
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(encoder(x), encoder.layers[1](x))
+
