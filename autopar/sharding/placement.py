@@ -4,6 +4,8 @@ A placement is a short string, the same spelling plans use:
 
 * ``"R"``    -- replicate: every rank of the axis holds the whole tensor;
 * ``"S(d)"`` -- shard: dim ``d`` (non-negative) is split into equal contiguous blocks;
+* ``"S(d)/f"`` -- strided shard: dim ``d`` seen as ``(f, size / f)``, the second split into
+  blocks (heads split inside a dim that merges batch and heads: DTensor's ``_StridedShard``);
 * ``"P"``    -- partial sum: every rank holds a full-size tensor and the true value is their sum.
 
 Resharding ``src -> dst`` of a tensor of ``nbytes`` (its full, unsharded size) is one collective
@@ -19,6 +21,7 @@ S(d) -> R             gather the blocks                      all_gather(nbytes)
 P -> R                sum                                    all_reduce(nbytes)
 P -> S(d)             sum and keep one block                 reduce_scatter(nbytes)
 S(i) -> S(j)          exchange blocks                        all_to_all(nbytes / n)
+                      (strided shards likewise)
 ====================  =====================================  =========================
 
 ``nbytes`` follows ``Cluster.collective_time`` (nccl-tests' convention: the whole buffer; for
@@ -35,26 +38,33 @@ from __future__ import annotations
 import functools
 import re
 
-__all__ = ["REPLICATE", "PARTIAL", "shard", "shard_dim", "is_shard", "grad_placement",
-           "reshard_collective"]
+__all__ = ["REPLICATE", "PARTIAL", "shard", "shard_dim", "shard_stride", "is_shard",
+           "grad_placement", "reshard_collective"]
 
 REPLICATE = "R"
 PARTIAL = "P"
-_SHARD_RE = re.compile(r"^S\((\d+)\)$")
+_SHARD_RE = re.compile(r"^S\((\d+)\)(?:/(\d+))?$")
 
 
 @functools.cache  # a handful of dims
-def shard(dim: int) -> str:
-    """The placement sharding non-negative tensor dim ``dim``."""
+def shard(dim: int, stride: int = 1) -> str:
+    """The placement sharding non-negative tensor dim ``dim`` (in strides of ``stride``)."""
     assert dim >= 0, "shard dims are normalised to be non-negative"
-    return f"S({dim})"
+    return f"S({dim})" if stride == 1 else f"S({dim})/{stride}"
 
 
 @functools.cache  # a handful of placements, asked about again and again
 def shard_dim(placement: str) -> int | None:
-    """The dim a ``"S(d)"`` placement shards, else ``None``."""
+    """The dim a ``"S(d)"`` or ``"S(d)/f"`` placement shards, else ``None``."""
     match = _SHARD_RE.match(placement)
     return int(match.group(1)) if match else None
+
+
+@functools.cache
+def shard_stride(placement: str) -> int:
+    """The stride ``f`` of a ``"S(d)/f"`` placement; 1 for any other."""
+    match = _SHARD_RE.match(placement)
+    return int(match.group(2)) if match and match.group(2) else 1
 
 
 @functools.cache

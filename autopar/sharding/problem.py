@@ -52,6 +52,7 @@ from autopar.sharding.placement import (PARTIAL, REPLICATE, is_shard, reshard_co
                                         shard, shard_dim)
 from autopar.sharding.rules import on_sequence_shard, per_chunk
 from autopar.sharding.rules import signature as rule_signature
+from autopar.sharding.strided import strided_strategies
 from autopar.sharding.rules import strategies as rule_strategies
 from autopar.sharding.strategy import Collective, Strategy
 from costmodels.compute import (AttentionCall, activation_memory_time_s, attention_time_s,
@@ -410,6 +411,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], setting: BlockSetting
     shared: dict[tuple, tuple[Strategy, ...]] = {}  # nodes the rules cannot tell apart
     block_nodes = [by_name[n] for n in names]
     fused = fused_splits(block_nodes)
+    strided = strided_strategies(block_nodes, axis_size) if axis_size > 1 else {}
     residual = residual_structure(block_nodes)
     # the runtime runs an MoE sub-layer on local tensors, its gradients partial sums
     # (`autopar.runtime.tp_moe`): its routing may defer them ("R~P"), the router's weight
@@ -427,6 +429,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], setting: BlockSetting
         strategies[name] = shared[key]
         if name in fused:
             strategies[name] += per_chunk(node, axis_size)
+        strategies[name] += strided.get(name, ())
         if is_shard(boundary) and name in residual.stream and node.params:
             strategies[name] = on_sequence_shard(strategies[name], node, boundary)
         for i, spec in enumerate(node.inputs):

@@ -42,11 +42,7 @@ SLICE = {
 # the ILP gathers the projections (two collectives), where the runtime and the estimate
 # all-reduce each norm's per-row statistic each way and gather its weight's gradient (three;
 # the ILP's choice too at Llama-7B widths on H100)
-# BLOOM's attention over batch and heads flattened, and nn.MultiheadAttention's heads viewed
-# as ``[seq, batch * heads, head_dim]``: the ILP has no placement for heads split inside a
-# flattened dim (DTensor's _StridedShard), so it re-lays them
-ILP_EXECUTES_OTHERWISE = ("hf_gpt_bigcode", "hf_phi3", "hf_olmo2", "hf_bloom", "hf_flexolmo",
-                          "torch_transformer")
+ILP_EXECUTES_OTHERWISE = ("hf_gpt_bigcode", "hf_phi3", "hf_olmo2", "hf_flexolmo")
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +137,9 @@ def layout_cells(matrix):
     norms after its MoE sub-layers: on the sequence shard, their gradients in the
     once-a-step all-reduce. DistilBERT's head (a transform and a norm, then the tied
     vocabulary projection): under sequence parallel the transform and the norm run whole on
-    the shard, and the sequence is gathered at the projection."""
+    the shard, and the sequence is gathered at the projection. PyTorch's own
+    ``nn.TransformerEncoder``: its packed q/k/v projection split by chunk, its heads viewed
+    inside ``[seq, batch * heads, head_dim]``."""
     return [matrix[k] for k in LAYOUTS]
 
 
@@ -340,7 +338,9 @@ def test_the_estimate_and_the_plan_charge_the_collectives_the_runtime_issues(
     their input gradients once where both read one tensor (the plan's
     ``summed_row_weights``). Latent attention's down-projections run whole and reduce
     nothing in the sub-layer; an MLP on flattened tokens reduces as any other; BERT's
-    transform before its vocabulary projection runs whole, as Megatron-LM's (`layout_cells`)."""
+    transform before its vocabulary projection runs whole, as Megatron-LM's; heads split
+    inside a dim that merges them with the batch (BLOOM, ``nn.MultiheadAttention``) stay split
+    in the ILP's execution as strided shards (`layout_cells`)."""
     checked = []
     for cell in (c for c in cells + zoo_cells + mqa_cells + norm_cells + fused_cells
                  + parallel_cells + layout_cells

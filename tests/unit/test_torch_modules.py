@@ -150,3 +150,62 @@ def test_a_stand_in_keeps_what_the_encoder_reads_off_its_first_layer():
     x = torch.randn(2, 5, 16)
     torch.testing.assert_close(encoder(x), encoder.layers[1](x))
 
+
+def _held(shape, dim, stride, n, rank):
+    """The flat indices rank ``rank`` of ``n`` holds of a row-major tensor of ``shape``
+    sharded ``S(dim)/stride``: dim seen as (stride, size / stride), the second in blocks."""
+    size = shape[dim]
+    idx = torch.arange(math.prod(shape)).view(*shape[:dim], stride, size // stride,
+                                              *shape[dim + 1:])
+    block = size // stride // n
+    return set(idx.narrow(dim + 1, rank * block, block).flatten().tolist())
+
+
+def test_a_reshaped_strided_shard_holds_the_same_elements_on_every_rank():
+    """`reshaped_shard` against brute force: for views that split and merge dims (as
+    ``nn.MultiheadAttention`` and BLOOM view their heads), a block or strided shard of an
+    input dim, where it names an output dim and stride, is the very same set of elements on
+    each rank as that output placement."""
+    from autopar.sharding.strided import reshaped_shard
+
+    rng = random.Random(1)
+    n, checked = 2, 0
+    for _ in range(400):
+        factors = [rng.choice([1, 2, 3, 4]) for _ in range(rng.randint(2, 5))]
+        cuts_a = sorted(rng.sample(range(1, len(factors)), rng.randint(0, len(factors) - 1)))
+        cuts_b = sorted(rng.sample(range(1, len(factors)), rng.randint(0, len(factors) - 1)))
+        a = tuple(math.prod(factors[i:j]) for i, j in zip([0, *cuts_a], [*cuts_a, None]))
+        b = tuple(math.prod(factors[i:j]) for i, j in zip([0, *cuts_b], [*cuts_b, None]))
+        for dim, stride in itertools.product(range(len(a)), (1, 2, 3, 4)):
+            if a[dim] % stride or (a[dim] // stride) % n:
+                continue
+            where = reshaped_shard(a, b, dim, stride, n)
+            if where is None:
+                continue
+            e, g = where
+            assert b[e] % g == 0 and (b[e] // g) % n == 0
+            for rank in range(n):
+                assert _held(a, dim, stride, n, rank) == _held(b, e, g, n, rank), \
+                    (a, b, dim, stride)
+            checked += 1
+    assert checked > 100
+    assert reshaped_shard((64, 2, 64), (64, 8, 16), 2, 1, 2) == (1, 2)  # heads inside b*heads
+    assert reshaped_shard((8, 64, 16), (2, 4, 64, 16), 0, 2, 2) == (1, 1)  # back out: heads
+
+
+def test_the_ilp_runs_megatrons_layout_through_heads_inside_a_flattened_dim(graph):
+    """Pinned to Megatron's layout, the intra-op ILP executes the encoder layer with
+    Megatron's collectives alone (one all-reduce per sub-layer each way): the q/k/v heads stay
+    split through ``[s, b · heads, d]`` as strided shards, where without them it would gather
+    the packed projection."""
+    from autopar.search.intra_op import solve_block
+    from autopar.sharding.problem import BlockSetting
+
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=1)
+    block = graph.blocks[0]
+    solved = solve_block(graph, block.node_names,
+                         BlockSetting(tp=2, cluster=cluster, dtype="bf16", boundary="replicated"),
+                         pinned_params=megatron_tp_placements(graph, 2))
+    assert [k for k, _ in solved.forward_collectives] == ["all_reduce"] * 2
+    assert [k for k, _ in solved.backward_collectives] == ["all_reduce"] * 2
+    assert any(s.endswith("strided") for s in solved.node_strategies.values())
