@@ -32,6 +32,40 @@ _PERMUTE = {"transpose", "t", "permute", "swapaxes", "movedim"}
 _BATCHED = {"bmm", "baddbmm"}
 
 
+_ROW_WISE = {OpKind.ELEMENTWISE, OpKind.SOFTMAX, OpKind.DROPOUT}
+
+
+def _row_wise(node: Node, carried: dict[str, set[tuple[int, int]]], n: int
+              ) -> tuple[tuple[Strategy, ...], set[tuple[int, int]]] | None:
+    """An elementwise op, a softmax or a dropout on a strided shard of a dim it does not
+    reduce (a softmax's last): its output sharded alike, operands of its shape alike, others
+    (broadcast along that dim) replicated."""
+    out = tuple(node.outputs[0].shape)
+    given = {placed for src in node.input_sources for placed in carried.get(src, ())
+             if placed[0] < len(out) and not (node.kind is OpKind.SOFTMAX
+                                              and placed[0] == len(out) - 1)}
+    if not given:
+        return None
+    made, kept = [], set()
+    for dim, stride in sorted(given):
+        ins = []
+        for t in node.inputs:
+            shape = tuple(t.shape)
+            if shape == out:
+                ins.append(shard(dim, stride))
+            elif len(shape) < len(out) - dim or shape[dim - len(out) + len(shape)] == 1:
+                ins.append(REPLICATE)  # broadcast along the sharded dim
+            else:
+                break
+        else:
+            made.append(Strategy(name=f"{shard(dim, stride)} strided", inputs=tuple(ins),
+                                 outputs=(shard(dim, stride),),
+                                 input_grads=default_input_grads(tuple(ins), True),
+                                 work_divisor=n))
+            kept.add((dim, stride))
+    return (tuple(made), kept) if made else None
+
+
 def _batched(node: Node, stride: int, n: int) -> Strategy:
     """A batched product over a dim merging batch and heads, sharded ``S(0)/stride``: each
     rank multiplies its own rows; every operand batched alike takes them, others replicated."""
@@ -88,6 +122,11 @@ def strided_strategies(nodes: Sequence[Node], n: int) -> dict[str, tuple[Strateg
             if strides:
                 found[node.name] = tuple(_batched(node, f, n) for f in sorted(strides))
                 carried[node.name] = {(0, f) for f in strides}
+            continue
+        if node.kind in _ROW_WISE:
+            carry = _row_wise(node, carried, n)
+            if carry:
+                found[node.name], carried[node.name] = carry
             continue
         if node.kind is not OpKind.VIEW:
             continue

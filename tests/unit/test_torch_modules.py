@@ -209,3 +209,56 @@ def test_the_ilp_runs_megatrons_layout_through_heads_inside_a_flattened_dim(grap
     assert [k for k, _ in solved.forward_collectives] == ["all_reduce"] * 2
     assert [k for k, _ in solved.backward_collectives] == ["all_reduce"] * 2
     assert any(s.endswith("strided") for s in solved.node_strategies.values())
+
+
+class FlatHeadsAttention(nn.Module):
+    """Attention written over batch and heads flattened, as Megatron-LM's unfused attention
+    and XGLM's eager one: ``[b * heads, s, d]`` products, the softmax on them."""
+
+    def __init__(self, dim=64, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        b, s, dim = x.shape
+        q, k, v = (lin(x).view(b, s, self.heads, -1).transpose(1, 2).reshape(
+            b * self.heads, s, -1) for lin in (self.q, self.k, self.v))
+        scores = torch.bmm(q, k.transpose(1, 2)) / math.sqrt(dim // self.heads)
+        out = torch.bmm(torch.softmax(scores, dim=-1), v)
+        return x + self.o(out.view(b, self.heads, s, -1).transpose(1, 2).reshape(b, s, dim))
+
+
+class FlatHeadsModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(256, 64)
+        self.layers = nn.ModuleList(FlatHeadsAttention() for _ in range(2))
+        self.head = nn.Linear(64, 256)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_the_ilp_keeps_heads_split_through_products_and_softmax_over_flattened_heads():
+    """Products and the softmax over ``[b * heads, s, s]`` carry the strided shard of their
+    rows: Megatron's layout runs with one all-reduce each way, as the estimate charges."""
+    from autopar.search.intra_op import solve_block
+    from autopar.sharding.problem import BlockSetting
+
+    with torch.device("meta"):
+        model = FlatHeadsModel()
+    graph = autopar.trace(model, global_batch_size=2, seq_len=32)
+    block = graph.blocks[0]
+    solved = solve_block(graph, block.node_names,
+                         BlockSetting(tp=2, cluster=autopar.Cluster.from_profile(
+                             "dgx-h100", num_nodes=1), dtype="bf16", boundary="replicated"),
+                         pinned_params=megatron_tp_placements(graph, 2))
+    assert [k for k, _ in solved.forward_collectives] == ["all_reduce"]
+    assert [k for k, _ in solved.backward_collectives] == ["all_reduce"]
+    by_name = {n.name: n for n in graph.nodes}
+    assert {by_name[v].kind for v, s in solved.node_strategies.items()
+            if s.endswith("strided")} >= {OpKind.MATMUL, OpKind.SOFTMAX, OpKind.VIEW}
