@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate.groups import RankGroups
-from autopar.estimate.units import OpCost, Unit
+from autopar.estimate.units import FIXED_SYNCS, OpCost, Unit
 from costmodels.compute import (EAGER_GEMM_EXTRA_OPS, SAC_DISPATCH_S, AttentionCall,
                                 SCATTER_ADD_TRAFFIC_FACTOR, activation_memory_time_s,
                                 attention_time_s, fp8_cast_time_s, gemm_time_s, loss_time_s,
@@ -193,7 +193,7 @@ def tp_collectives(unit: Unit, cfg: ParallelConfig
             skip[direction] -= 1
             continue
         here, other = (fwd, bwd) if direction == "forward" else (bwd, fwd)
-        n = nbytes if kind == "weight" else nbytes / cfg.cp
+        n = nbytes if kind in FIXED_SYNCS else nbytes / cfg.cp
         if kind == "reduce" and cfg.sequence_parallel:
             here.append(("reduce_scatter", n))
             other.append(("all_gather", n))

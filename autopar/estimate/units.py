@@ -29,18 +29,19 @@ from autopar.estimate.kept import per_op_kept, recompute_tail
 from autopar.estimate.kv import KvGemm, kv_whole
 from autopar.estimate.sublayer import SubLayer, sublayer_of
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
-from autopar.ir.reductions import (is_cross_entropy, loss_reader, reduction_points,
-                                   whole_glue_gemms)
-from autopar.ir.residual import (after_row_ops, bottleneck_gemms, consumers, fused_chunks,
-                                 kv_projections, made_of_params, moe_dispatch, router_gemms,
+from autopar.estimate.shared_params import shared_params
+from autopar.ir.reductions import (broadcast_param_values, is_cross_entropy, loss_reader,
+                                   reduction_points, whole_glue_gemms)
+from autopar.ir.residual import (bottleneck_gemms, consumers, fused_chunks, kv_projections,
                                  residual_structure, split_statistics, sublayers, tp_split_ops,
                                  vocab_sizes)
 
+FIXED_SYNCS = ("weight", "param")  # `Unit.tp_syncs` kinds whose bytes the batch does not scale
 LOSS_REDUCTIONS = 3  # a vocabulary-parallel cross-entropy all-reduces max, sum and target
 LOSS_REDUCTION_BYTES = 4  # fp32 per row each
 
-__all__ = ["LOSS_REDUCTIONS", "LOSS_REDUCTION_BYTES", "OpCost", "SubLayer", "Unit",
-           "units_from_graph"]
+__all__ = ["FIXED_SYNCS", "LOSS_REDUCTIONS", "LOSS_REDUCTION_BYTES", "OpCost", "SubLayer",
+           "Unit", "units_from_graph"]
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV)
 _FREE_KINDS = (OpKind.VIEW,)
@@ -140,8 +141,10 @@ class Unit:
     # an all-reduce, or with sequence parallel a reduce-scatter and an all-gather the other
     # way; "reduce_sp" one under sequence parallel only), "gather" (a split output gathered),
     # "loss" (a parallel cross-entropy's per-row all-reduce), "stat" (a norm's per-row
-    # statistic over split features, all-reduced) or "weight" (a replicated weight's gradient
-    # over split features, all-gathered from the ranks' shares: bytes fixed by the batch)
+    # statistic over split features, all-reduced), "weight" (a replicated weight's gradient
+    # over split features, all-gathered from the ranks' shares) or "param" (a value made of
+    # parameters alone read broadcast over split features: its partial gradient all-reduced,
+    # `broadcast_param_values`); the last two of bytes fixed by the batch (`FIXED_SYNCS`)
     tp_syncs: tuple[tuple[str, str, float], ...]
     moe_dispatch_bytes: int  # tokens x top-k x hidden, per MoE layer of the unit
     # of `tp_syncs`' reductions per direction, those of its MoE sub-layers (one per dispatch:
@@ -276,7 +279,7 @@ class Unit:
                        attention_score_bytes=self.attention_score_bytes * factor,
                        loss_logits=self.loss_logits * factor,
                        loss_logit_bytes=self.loss_logit_bytes * factor,
-                       tp_syncs=tuple((d, k, n if k == "weight" else n * factor)
+                       tp_syncs=tuple((d, k, n if k in FIXED_SYNCS else n * factor)
                                       for d, k, n in self.tp_syncs),
                        kv_projections=tuple(
                            kv._replace(reads=tuple(n * factor for n in kv.reads),
@@ -465,12 +468,9 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         act = max((t.num_bytes for n in nodes for t, src in zip(n.inputs, n.input_sources)
                    if not src.startswith(("param:", "buffer:", "const"))), default=0)
     syncs, stream = _tp_syncs(nodes, residual, act, vocab_dims, glue, whole)
-    # {fqn: elements} tp never splits: the stream's, routers', heads' and row GEMMs' biases
-    shared = (_params_of(nodes, stream | after_row_ops(nodes, residual), seen_params),
-              _router_params(nodes, residual, whole, seen_params),
-              _head_params(nodes, sharded, seen_params),
-              {p.fqn: p.numel for n in nodes if n.name in residual.row_gemms for p in n.params
-               if len(p.shape) == 1 and p.requires_grad and p.fqn in seen_params})
+    syncs += tuple(("backward", "param", n.outputs[0].num_bytes)
+                   for n in broadcast_param_values(nodes, sharded))
+    shared = shared_params(nodes, residual, stream, sharded, whole, seen_params)
     losses = [n for n in nodes if is_cross_entropy(n)]
     subs = tuple(sublayer_of(run, op_index, residual, kept, seen_params)
                  for run in sublayers(nodes, residual)) if residual.residual_adds else ()
@@ -494,40 +494,6 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         router_params=tuple(shared[1].values()), head_params=tuple(shared[2].values()),
         tp_shared_params=sum({k: v for d in shared for k, v in d.items()}.values()),
         kv_projections=tuple(kv_made), tied_params=tuple(tied.values()))
-
-
-def _params_of(nodes: list[Node], users: set[str], owned: dict[str, int]) -> dict[str, int]:
-    """{fqn: trainable elements} of the parameters, owned by this unit, the nodes ``users``
-    read, directly or through ops made of parameters alone (`made_of_params`)."""
-    users = users | made_of_params(nodes, users)
-    return {p.fqn: p.numel for n in nodes if n.name in users for p in n.params
-            if p.requires_grad and p.fqn in owned}
-
-
-def _head_params(nodes: list[Node], sharded: set[str], owned: dict[str, int]
-                 ) -> dict[str, int]:
-    """Trainable elements of the parameters, owned by this unit, of the ops on split features
-    (``sharded``, `tp_split_ops`) that read them as heads (a 4-D ``[..., heads, head_dim]``
-    input: tp splits the heads, not what the op normalises or scales), and of the ops made of
-    parameters alone that only those read (`made_of_params`)."""
-    return _params_of(nodes, {n.name for n in nodes if n.name in sharded and any(
-        len(t.shape) >= 4 for t, src in zip(n.inputs, n.input_sources)
-        if not src.startswith(("param:", "buffer:", "const")))}, owned)
-
-
-def _router_params(nodes: list[Node], residual, whole: dict[str, set[str]],
-                   owned: dict[str, int]) -> dict[str, int]:
-    """{fqn: trainable elements} of the parameters, owned by this unit, that every tp rank holds
-    whole before split features: an MoE sub-layer's routers (`router_gemms`) and gate of one
-    output feature (Qwen2-MoE's on its shared expert), which tp cannot split, and the low-rank
-    projections ``whole`` with the ops after them (`bottleneck_gemms`)."""
-    found = _params_of(nodes, set(whole).union(*whole.values()), owned)
-    for run in (r for r in sublayers(nodes, residual) if moe_dispatch(r) is not None):
-        for node in router_gemms(run) + [n for n in run if n.kind is OpKind.MATMUL and n.params
-                                         and n.outputs and n.outputs[0].shape[-1] == 1]:
-            found.update({p.fqn: p.numel for p in node.params
-                          if p.requires_grad and p.fqn in owned})
-    return found
 
 
 def _tp_syncs(nodes: list[Node], residual, act: int, vocab_dims: set[int], glue: set[str],

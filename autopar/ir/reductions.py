@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from autopar.ir.graph import Node, OpKind
-from autopar.ir.residual import Residual, _activations, consumers, moe_dispatch, sublayers
+from autopar.ir.residual import (Residual, _activations, consumers, moe_dispatch,
+                                 parameter_values, sublayers)
 
-__all__ = ["Reductions", "dense_row_gemms", "loss_reader", "reduction_points",
-           "summed_row_gemms", "whole_glue_gemms"]
+__all__ = ["Reductions", "broadcast_param_values", "dense_row_gemms", "loss_reader",
+           "reduction_points", "summed_row_gemms", "whole_glue_gemms"]
 
 
 class Reductions(NamedTuple):
@@ -166,3 +167,33 @@ def whole_glue_gemms(nodes: Sequence[Node], vocab_dims: set[int]) -> set[str]:
             if n.kind is OpKind.MATMUL and n.params
             and not any(p.shape and p.shape[0] in vocab_dims for p in n.params)
             and loss_reader(n.name, readers) is None}
+
+
+def broadcast_param_values(nodes: Sequence[Node], split: set[str]) -> list[Node]:
+    """The nodes making values of trainable parameters alone (not the parameters: xIELU's
+    ``softplus(alpha)``) that an op of ``split`` (ops on features tp splits) reads broadcast
+    along those features (one element there): each tp rank's gradient of such a value is a
+    partial sum, which DTensor reduces at the value in every backward, since the op that made
+    it need not be linear in its output's gradient."""
+    made = parameter_values(nodes)
+    by_name = {n.name: n for n in nodes}
+    trainable = _trainable(nodes, made)
+    found: dict[str, Node] = {}
+    for node in nodes:
+        if node.name not in split or not node.outputs or not node.outputs[0].shape or \
+                node.outputs[0].shape[-1] <= 1:
+            continue
+        for src, spec in zip(node.input_sources, node.inputs):
+            if src in trainable and (not spec.shape or spec.shape[-1] == 1):
+                found.setdefault(src, by_name[src])
+    return list(found.values())
+
+
+def _trainable(nodes: Sequence[Node], made: set[str]) -> set[str]:
+    """Of the values ``made`` of parameters alone, those made from a trainable one."""
+    out: set[str] = set()
+    for node in nodes:
+        if node.name in made and (any(p.requires_grad for p in node.params)
+                                  or any(src in out for src in node.input_sources)):
+            out.add(node.name)
+    return out

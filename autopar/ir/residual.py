@@ -30,7 +30,7 @@ from autopar.ir.graph import Graph, Node, OpKind
 
 __all__ = ["KvProjection", "MIXING_KINDS", "Residual", "after_row_ops", "bottleneck_gemms",
            "consumers", "fused_chunks", "fused_splits", "kv_projections", "made_of_params",
-           "moe_dispatch", "output_biases", "residual_structure", "router_gemms", "routing_nodes",
+           "moe_dispatch", "output_biases", "parameter_values", "residual_structure", "router_gemms", "routing_nodes",
            "split_statistics", "sublayers", "token_lookup", "tp_split_ops", "vocab_sizes"]
 
 MIXING_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
@@ -65,7 +65,7 @@ def _activations(node: Node) -> list[tuple[str, tuple[int, ...]]]:
             if not src.startswith(_NOT_ACTIVATION)]
 
 
-def _parameter_values(nodes: Sequence[Node]) -> set[str]:
+def parameter_values(nodes: Sequence[Node]) -> set[str]:
     """The nodes of ``nodes`` computed from parameters, buffers and constants alone."""
     made: set[str] = set()
     for node in nodes:
@@ -83,7 +83,7 @@ def residual_structure(nodes: Sequence[Node]) -> Residual:
     stream: set[str] = set()
     mixed: set[str] = set()  # values computed through a mixing op of the run
     adds: list[str] = []
-    weights = _parameter_values(nodes)  # a norm's ``1 + w`` is no activation
+    weights = parameter_values(nodes)  # a norm's ``1 + w`` is no activation
     for node in nodes:
         acts = [(src, shape) for src, shape in _activations(node) if src not in weights]
         on_stream = [src in stream or (src not in names and shape == hidden)
@@ -393,7 +393,7 @@ def made_of_params(nodes: list[Node], readers_in: set[str]) -> set[str]:
     """The nodes computed from parameters, buffers and constants alone (Gemma's norm scale
     ``1 + w``, a weight's cast) whose outputs only nodes of ``readers_in`` read, directly or
     through other such nodes: their parameters' gradients are those of the ops reading them."""
-    made = _parameter_values(nodes)
+    made = parameter_values(nodes)
     readers = consumers(nodes)
     out: set[str] = set()
     for node in reversed(nodes):

@@ -46,11 +46,11 @@ from typing import Any, Callable, Mapping, Sequence
 from autopar.errors import ShardingInfeasibleError
 from autopar.estimate.timing import BACKWARD_MEMORY_RATIO
 from autopar.ir import Graph, Node, OpKind, TensorSpec, dtype_num_bytes
-from autopar.ir.residual import (bottleneck_gemms, fused_splits, residual_structure,
-                                 routing_nodes)
+from autopar.ir.residual import (bottleneck_gemms, fused_splits, parameter_values,
+                                 residual_structure, routing_nodes)
 from autopar.sharding.placement import (PARTIAL, REPLICATE, is_shard, reshard_collective,
                                         shard, shard_dim)
-from autopar.sharding.rules import on_sequence_shard, per_chunk
+from autopar.sharding.rules import hands_on_partial_gradients, on_sequence_shard, per_chunk
 from autopar.sharding.rules import signature as rule_signature
 from autopar.sharding.strided import strided_strategies
 from autopar.sharding.rules import strategies as rule_strategies
@@ -412,6 +412,7 @@ def build_problem(graph: Graph, node_names: Sequence[str], setting: BlockSetting
     block_nodes = [by_name[n] for n in names]
     fused = fused_splits(block_nodes)
     strided = strided_strategies(block_nodes, axis_size) if axis_size > 1 else {}
+    made = parameter_values(block_nodes)  # DTensor reduces their gradients as they run
     residual = residual_structure(block_nodes)
     # the runtime runs an MoE sub-layer on local tensors, its gradients partial sums
     # (`autopar.runtime.tp_moe`): its routing may defer them ("R~P"), the router's weight
@@ -427,6 +428,8 @@ def build_problem(graph: Graph, node_names: Sequence[str], setting: BlockSetting
         if key not in shared:
             shared[key] = rule_strategies(node, axis_size, defers_gradients=name in routing)
         strategies[name] = shared[key]
+        if name in made and not hands_on_partial_gradients(node):
+            strategies[name] = tuple(s for s in strategies[name] if s.name != "R~P")
         if name in fused:
             strategies[name] += per_chunk(node, axis_size)
         strategies[name] += strided.get(name, ())

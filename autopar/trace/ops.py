@@ -44,9 +44,14 @@ _LOSS = {"nll_loss_forward", "nll_loss2d_forward", "mse_loss", "binary_cross_ent
          "binary_cross_entropy_with_logits", "cross_entropy_loss"}
 # backward needs the input
 _SAVE_INPUT = {"gelu", "silu", "pow", "log", "sin", "cos", "abs", "erf", "mish", "softplus",
-               "hardswish", "leaky_relu", "hardtanh", "log1p", "square", "elu", "gelu_"}
+               "hardswish", "leaky_relu", "hardtanh", "log1p", "square", "elu", "gelu_", "polar",
+               "log2", "log10", "erfc", "atan", "asin", "acos", "asinh", "acosh", "atanh",
+               "sinh", "cosh", "tan", "xlogy", "logit", "hardsigmoid", "selu", "celu",
+               "softshrink", "hardshrink", "erfinv", "lgamma", "digamma", "sinc", "relu6",
+               "threshold", "silu_", "prelu", "_prelu_kernel", "rrelu_with_noise"}
 # backward needs the output
-_SAVE_OUTPUT = {"relu", "relu_", "sigmoid", "tanh", "exp", "sqrt", "rsqrt", "reciprocal"}
+_SAVE_OUTPUT = {"relu", "relu_", "sigmoid", "tanh", "exp", "sqrt", "rsqrt", "reciprocal",
+                "expm1", "exp2", "sigmoid_", "tanh_", "exp_"}
 # backward needs the partner operand
 _PRODUCT = {"mul", "mul_", "div", "div_"}
 _ELEMENTWISE_NO_SAVE = {

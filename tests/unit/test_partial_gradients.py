@@ -159,3 +159,29 @@ def test_a_fused_bias_is_whole_on_each_tp_rank_under_fsdp2():
     megatron = unit_gathers(autopar.EstimateOptions(fsdp2=False))
     per_layer = block.dense_on_tp_rank(2) * 4
     assert per_layer in megatron and per_layer + 4 * bias / 2 in unit_gathers(fsdp2)
+
+
+def test_values_made_of_parameters_on_split_features_reduce_their_gradients_per_layer():
+    """Apertus's xIELU activation scales the split MLP features by ``softplus(alpha)`` (one
+    element, made of a parameter alone, two per layer): each tp rank's gradient of it is a
+    partial sum, which DTensor all-reduces at the softplus in every backward. The estimate
+    charges those two fp32 all-reduces per layer, whatever the batch, and the intra-op ILP's
+    execution of Megatron's layout runs them too (it does not defer them to the parameter)."""
+    from autopar.plan.placements import megatron_tp_placements
+    from autopar.search.intra_op import solve_block
+    from autopar.sharding.problem import BlockSetting
+
+    (block,), _ = _units(corpus.hf_apertus)
+    scalar = [s for s in block.tp_syncs if s[1] == "param"]
+    assert scalar == [("backward", "param", 4)] * 2
+    cfg = ParallelConfig(tp=2)
+    _, bwd = tp_collectives(block.scaled(8.0), cfg)
+    assert bwd.count(("all_reduce", 4)) == 2
+    with torch.device("meta"):
+        model = corpus.hf_apertus()
+    graph = autopar.trace(model, global_batch_size=2, seq_len=32)
+    cluster = autopar.Cluster.from_profile("dgx-h100", num_nodes=1)
+    solved = solve_block(graph, graph.blocks[0].node_names,
+                         BlockSetting(tp=2, cluster=cluster, dtype="bf16", boundary="replicated"),
+                         pinned_params=megatron_tp_placements(graph, 2))
+    assert [c for c in solved.backward_collectives if c[1] < 16] == [("all_reduce", 4.0)] * 2
