@@ -229,11 +229,28 @@ def _settled_on_shard(a: Any, b: Any, *, in_place: bool) -> tuple[Any, Any]:
     pa, pb = layout(a), layout(b)
     if pa is None or pb is None or len(pa) != 1 or len(pb) != 1:
         return a, b
+    if not in_place:  # a gathered sub-layer input added to a shard: the shard it came from
+        a, b = (_shard_of(x, other) for x, other in ((a, b), (b, a)))
+        pa, pb = layout(a), layout(b)
     if pa[0].is_partial("sum") and _sharded(pb[0]) and not in_place:
         return _scattered(a, pb[0]), b
     if pb[0].is_partial("sum") and _sharded(pa[0]):
         return a, _scattered(b, pa[0])
     return a, b
+
+
+def _shard_of(t: DTensor, other: DTensor) -> DTensor:
+    """``t``, or where ``t`` is a sub-layer's input gathered from the sequence shard
+    (``gathered_from``, `tensor_parallel._gather_sequence`) and ``other`` a tensor laid out
+    as that shard, the shard
+    itself: a residual add inside the sub-layer (BERT's post-norm ``norm(out + input)``)
+    then sends its gradient to the shard, and the gathered input's readers sum theirs as
+    partial sums, reduce-scattered once (DTensor would reduce each to the shard apart)."""
+    shard = getattr(t, "gathered_from", None)
+    if shard is not None and shard.placements == other.placements and \
+            shard.shape == other.shape:
+        return shard
+    return t
 
 
 def _sharded(p: Any) -> bool:

@@ -213,7 +213,11 @@ def _gather_sequence(t: Any, mesh: Any) -> Any:
         return t
     if t.dim() > SEQUENCE_DIM + 1 and t.placements == (Shard(SEQUENCE_DIM),) or \
             t.dim() == 2 and t.placements == (Shard(0),):
-        return t.redistribute(mesh, (Replicate(),))
+        whole = t.redistribute(mesh, (Replicate(),))
+        # the shard it was gathered from: a residual add inside the sub-layer reads that
+        # instead (BERT's post-norm output; `local_attention._shard_of`)
+        whole.gathered_from = t
+        return whole
     if t.dim() == 2 and isinstance(t.placements[0], _StridedShard) and t.placements[0].dim == 0:
         return on_sequence_view(t, t.placements[0].split_factor, mesh, (Replicate(),))
     return t

@@ -57,7 +57,8 @@ NORMS = [("hf_qwen3", "tp"), ("hf_qwen3", "tp_sp"), ("hf_gemma2", "tp"), ("hf_ol
          ("hf_gemma", "tp_sp")]
 PARALLEL = [(m, p) for m in ("hf_gptj", "hf_gpt_neox", "hf_falcon") for p in ("tp", "tp_sp")]
 LAYOUTS = [("hf_deepseek_v3", "tp"), ("hf_deepseek_v3", "tp_sp"), ("hf_opt", "tp_sp"),
-           ("hf_bloom", "tp"), ("hf_bloom", "tp_sp"), ("hf_bert", "tp"), ("hf_biogpt", "tp_sp"),
+           ("hf_bloom", "tp"), ("hf_bloom", "tp_sp"), ("hf_bert", "tp"), ("hf_bert", "tp_sp"),
+           ("hf_biogpt", "tp_sp"),
            ("hf_flexolmo", "tp_sp"), ("hf_distilbert", "tp_sp"), ("torch_transformer", "tp"),
            ("torch_transformer", "tp_sp")]
 DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
@@ -132,8 +133,11 @@ def layout_cells(matrix):
     gathered and reduce-scattered on the sequence of its unflattened view. BLOOM's attention
     over batch and heads flattened (``baddbmm`` with its ALiBi bias): each rank's rows,
     its residual handed to each sub-layer left a sequence shard. BERT's MLM head: the dense
-    transform and its norm whole, the vocabulary projection split. BioGPT's embedding scaled
-    by a float inside its module: still a partial sum, reduce-scattered once. FlexOlmo's
+    transform and its norm whole, the vocabulary projection split; under sequence parallel
+    its post-norm sub-layers add their gathered input back inside them (the residual add
+    reads the shard it was gathered from, so q, k and v reduce their gradients once).
+    BioGPT's embedding scaled by a float inside its module: still a partial sum,
+    reduce-scattered once. FlexOlmo's
     norms after its MoE sub-layers: on the sequence shard, their gradients in the
     once-a-step all-reduce. DistilBERT's head (a transform and a norm, then the tied
     vocabulary projection): under sequence parallel the transform and the norm run whole on
