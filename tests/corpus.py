@@ -48,7 +48,7 @@ TOKEN_MODELS = ["plain_llama", "plain_mqa", "nano_gpt", "torch_transformer", "li
                 "hf_vaultgemma", "hf_flexolmo"]
 # token models whose attention is not causal
 BIDIRECTIONAL = ("hf_bert", "hf_modernbert", "hf_roberta", "hf_distilbert")
-IMAGE_MODELS = ["vit_encoder"]
+IMAGE_MODELS = ["vit_encoder", "torchvision_vit"]
 
 
 def logits_of(output) -> torch.Tensor:
@@ -773,6 +773,57 @@ def vit_encoder():
     """timm-style ViT: 3x16x16 images in 4x4 patches, class token, 2 blocks, 10 classes."""
     torch.manual_seed(106)
     return VitEncoder()
+
+
+class _TorchvisionBlock(nn.Module):
+    """torchvision's EncoderBlock: ``nn.MultiheadAttention`` (packed q/k/v projection) and
+    an MLP ``nn.Sequential``, pre-norm residuals."""
+
+    def __init__(self, dim, heads, mlp_dim):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim, eps=1e-6)
+        self.self_attention = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln_2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(dim, mlp_dim), nn.GELU(), nn.Dropout(0.0),
+                                 nn.Linear(mlp_dim, dim), nn.Dropout(0.0))
+
+    def forward(self, x):
+        h = self.ln_1(x)
+        h, _ = self.self_attention(h, h, h, need_weights=False)
+        x = x + h
+        return x + self.mlp(self.ln_2(x))
+
+
+class TorchvisionVit(nn.Module):
+    """A ViT as torchvision writes it (torchvision/models/vision_transformer.py): a
+    ``conv_proj`` patch convolution, a ``class_token``, an encoder holding the position
+    embedding and its blocks in an ``nn.Sequential`` of ``nn.MultiheadAttention`` layers, a
+    ``heads`` classifier on the class token."""
+
+    def __init__(self, img_size=16, patch_size=4, dim=64, depth=2, heads=4,
+                 num_classes=NUM_CLASSES):
+        super().__init__()
+        self.patch_size = patch_size
+        self.conv_proj = nn.Conv2d(3, dim, kernel_size=patch_size, stride=patch_size)
+        self.class_token = nn.Parameter(torch.zeros(1, 1, dim))
+        seq = (img_size // patch_size) ** 2 + 1
+        self.pos_embedding = nn.Parameter(torch.empty(1, seq, dim).normal_(std=0.02))
+        self.layers = nn.Sequential(*[_TorchvisionBlock(dim, heads, 2 * dim)
+                                      for _ in range(depth)])
+        self.ln = nn.LayerNorm(dim, eps=1e-6)
+        self.heads = nn.Linear(dim, num_classes)
+
+    def forward(self, x):
+        x = self.conv_proj(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = self.ln(self.layers(x + self.pos_embedding))
+        return self.heads(x[:, 0])
+
+
+def torchvision_vit():
+    """torchvision-style ViT: 3x16x16 images in 4x4 patches, ``nn.MultiheadAttention``."""
+    torch.manual_seed(111)
+    return TorchvisionVit()
 
 
 # =============================================================================================
