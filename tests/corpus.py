@@ -33,7 +33,7 @@ NUM_CLASSES = 10
 IMAGE_SHAPE = (3, 16, 16)
 
 TOKEN_MODELS = ["plain_llama", "plain_mqa", "nano_gpt", "torch_transformer", "litgpt_style",
-                "moe_loop", "moe_batched",
+                "scaled_mlp", "moe_loop", "moe_batched",
                 "hf_llama", "hf_mistral", "hf_qwen2", "hf_mixtral", "hf_gpt2", "hf_qwen3",
                 "hf_phi3", "hf_gpt_neox", "hf_gemma2", "hf_gemma3", "hf_olmo2",
                 "hf_gpt_bigcode", "hf_gemma", "hf_opt", "hf_falcon", "hf_bloom", "hf_phi", "hf_bert",
@@ -340,6 +340,44 @@ def torch_transformer():
     """PyTorch's nn.TransformerEncoder as a causal language model."""
     torch.manual_seed(110)
     return TorchTransformerLM()
+
+
+# =============================================================================================
+# scaled_mlp: an MLP that scales its hidden features by a learned scalar
+# =============================================================================================
+class _ScaledMlpBlock(nn.Module):
+    """Pre-norm MLP block whose activation is scaled by one trainable element (a learned
+    temperature, as xIELU's or LayerScale-like gates write it, here read directly)."""
+
+    def __init__(self, dim=64):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim)
+        self.alpha = nn.Parameter(torch.full((1,), 0.7))
+
+    def forward(self, x):
+        return x + self.down(self.alpha * F.gelu(self.up(self.norm(x))))
+
+
+class ScaledMlp(nn.Module):
+    def __init__(self, layers=2, dim=64):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList(_ScaledMlpBlock(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def scaled_mlp():
+    """MLP blocks scaling their split hidden features by a learned scalar (no attention)."""
+    torch.manual_seed(112)
+    return ScaledMlp()
 
 
 # =============================================================================================

@@ -13,16 +13,19 @@ __all__ = ["shared_params"]
 
 
 def shared_params(nodes: list[Node], residual: Residual, stream: set[str], sharded: set[str],
-                  whole: dict[str, set[str]], owned: dict[str, int]
+                  whole: dict[str, set[str]], owned: dict[str, int], broadcast: set[str]
                   ) -> tuple[dict[str, int], ...]:
     """{fqn: trainable elements} of the parameters, owned by this unit, that tp never splits
     and ops on split data read: those on the sequence-sharded ``stream`` (and after row
     GEMMs), routers' and low-rank projections' (`_router_params`), those of ops on split
-    features (``sharded``) that read them as heads or broadcast (`_head_params`), and
-    row-parallel GEMMs' biases."""
+    features (``sharded``) that read them as heads (`_head_params`) or ``broadcast`` along
+    the split features (`autopar.ir.reductions.broadcast_params`), and row-parallel GEMMs'
+    biases."""
+    scales = {p.fqn: p.numel for n in nodes for p in n.params
+              if p.fqn in broadcast and p.requires_grad and p.fqn in owned}
     return (_params_of(nodes, stream | after_row_ops(nodes, residual), owned),
             _router_params(nodes, residual, whole, owned),
-            _head_params(nodes, sharded, owned),
+            _head_params(nodes, sharded, owned) | scales,
             {p.fqn: p.numel for n in nodes if n.name in residual.row_gemms for p in n.params
              if len(p.shape) == 1 and p.requires_grad and p.fqn in owned})
 

@@ -30,7 +30,7 @@ from autopar.estimate.kv import KvGemm, kv_whole
 from autopar.estimate.sublayer import SubLayer, sublayer_of
 from autopar.ir import Graph, Node, OpKind, dtype_num_bytes
 from autopar.estimate.shared_params import shared_params
-from autopar.ir.reductions import (broadcast_param_values, is_cross_entropy, loss_reader,
+from autopar.ir.reductions import (broadcast_params, is_cross_entropy, loss_reader,
                                    reduction_points, whole_glue_gemms)
 from autopar.ir.residual import (bottleneck_gemms, consumers, fused_chunks, kv_projections,
                                  residual_structure, split_statistics, sublayers, tp_split_ops,
@@ -144,7 +144,7 @@ class Unit:
     # statistic over split features, all-reduced), "weight" (a replicated weight's gradient
     # over split features, all-gathered from the ranks' shares) or "param" (a value made of
     # parameters alone read broadcast over split features: its partial gradient all-reduced,
-    # `broadcast_param_values`); the last two of bytes fixed by the batch (`FIXED_SYNCS`)
+    # `broadcast_params`); the last two of bytes fixed by the batch (`FIXED_SYNCS`)
     tp_syncs: tuple[tuple[str, str, float], ...]
     moe_dispatch_bytes: int  # tokens x top-k x hidden, per MoE layer of the unit
     # of `tp_syncs`' reductions per direction, those of its MoE sub-layers (one per dispatch:
@@ -468,9 +468,10 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
         act = max((t.num_bytes for n in nodes for t, src in zip(n.inputs, n.input_sources)
                    if not src.startswith(("param:", "buffer:", "const"))), default=0)
     syncs, stream = _tp_syncs(nodes, residual, act, vocab_dims, glue, whole)
-    syncs += tuple(("backward", "param", n.outputs[0].num_bytes)
-                   for n in broadcast_param_values(nodes, sharded))
-    shared = shared_params(nodes, residual, stream, sharded, whole, seen_params)
+    broadcast = broadcast_params(nodes, sharded)
+    syncs += tuple(("backward", "param", n.outputs[0].num_bytes) for n in broadcast.reduced)
+    shared = shared_params(nodes, residual, stream, sharded, whole, seen_params,
+                           broadcast.params)
     losses = [n for n in nodes if is_cross_entropy(n)]
     subs = tuple(sublayer_of(run, op_index, residual, kept, seen_params)
                  for run in sublayers(nodes, residual)) if residual.residual_adds else ()

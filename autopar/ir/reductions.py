@@ -14,8 +14,9 @@ from autopar.ir.graph import Node, OpKind
 from autopar.ir.residual import (Residual, _activations, consumers, moe_dispatch,
                                  parameter_values, sublayers)
 
-__all__ = ["Reductions", "broadcast_param_values", "dense_row_gemms", "loss_reader",
-           "reduction_points", "summed_row_gemms", "whole_glue_gemms"]
+__all__ = ["BroadcastParams", "Reductions", "broadcast_params", "dense_row_gemms",
+           "hands_on_partial_gradients", "loss_reader", "reduction_points", "summed_row_gemms",
+           "whole_glue_gemms"]
 
 
 class Reductions(NamedTuple):
@@ -169,24 +170,56 @@ def whole_glue_gemms(nodes: Sequence[Node], vocab_dims: set[int]) -> set[str]:
             and loss_reader(n.name, readers) is None}
 
 
-def broadcast_param_values(nodes: Sequence[Node], split: set[str]) -> list[Node]:
-    """The nodes making values of trainable parameters alone (not the parameters: xIELU's
-    ``softplus(alpha)``) that an op of ``split`` (ops on features tp splits) reads broadcast
-    along those features (one element there): each tp rank's gradient of such a value is a
-    partial sum, which DTensor reduces at the value in every backward, since the op that made
-    it need not be linear in its output's gradient."""
+# elementwise ops linear in their input, whose backward DTensor runs on a partial output
+# gradient (sums, products with another operand, casts); on others (softplus) it reduces it
+_LINEAR_IN_INPUT = {"add", "add_", "sub", "sub_", "neg", "cat", "clone", "copy", "copy_", "sum",
+                    "mul", "mul_", "div", "div_", "_to_copy", "to", "type_as"}
+
+
+def hands_on_partial_gradients(node: Node) -> bool:
+    """Whether a partial gradient passes back through ``node`` as DTensor runs it: a view, or
+    an op linear in its input."""
+    return node.kind is OpKind.VIEW or node.target.split(".")[1 if node.target.startswith(
+        "aten.") else -1] in _LINEAR_IN_INPUT
+
+
+class BroadcastParams(NamedTuple):
+    """Trainable parameters that ops on split features read broadcast along them (one
+    element there), whose gradients are partial sums over tp (`broadcast_params`)."""
+
+    reduced: list[Node]  # the ops where DTensor reduces such a gradient, every backward
+    params: set[str]  # parameters whose gradients stay partial until the step's reduction
+
+
+def broadcast_params(nodes: Sequence[Node], split: set[str]) -> BroadcastParams:
+    """The parameters an op of ``split`` (ops on features tp splits) reads broadcast along those
+    features, directly or through ops on parameters alone: a partial gradient passes back
+    through views and ops linear in their input to the parameter, reduced with the step's
+    other partial gradients (a learned scale ``alpha * x``); at an op that is not (xIELU's
+    ``softplus(alpha)``) DTensor reduces it in every backward."""
     made = parameter_values(nodes)
     by_name = {n.name: n for n in nodes}
     trainable = _trainable(nodes, made)
-    found: dict[str, Node] = {}
-    for node in nodes:
-        if node.name not in split or not node.outputs or not node.outputs[0].shape or \
-                node.outputs[0].shape[-1] <= 1:
+    reduced: dict[str, Node] = {}
+    params: set[str] = set()
+    stack = [src for node in nodes if node.name in split and node.outputs
+             and node.outputs[0].shape and node.outputs[0].shape[-1] > 1
+             for src, spec in zip(node.input_sources, node.inputs)
+             if (src in trainable or src.startswith("param:"))
+             and (not spec.shape or spec.shape[-1] == 1)]
+    seen: set[str] = set()
+    while stack:
+        src = stack.pop()
+        if src in seen:
             continue
-        for src, spec in zip(node.input_sources, node.inputs):
-            if src in trainable and (not spec.shape or spec.shape[-1] == 1):
-                found.setdefault(src, by_name[src])
-    return list(found.values())
+        seen.add(src)
+        if src.startswith("param:"):
+            params.add(src[len("param:"):])
+        elif src in trainable and not hands_on_partial_gradients(by_name[src]):
+            reduced.setdefault(src, by_name[src])
+        elif src in trainable:
+            stack += by_name[src].input_sources
+    return BroadcastParams(list(reduced.values()), params)
 
 
 def _trainable(nodes: Sequence[Node], made: set[str]) -> set[str]:

@@ -46,11 +46,12 @@ from typing import Any, Callable, Mapping, Sequence
 from autopar.errors import ShardingInfeasibleError
 from autopar.estimate.timing import BACKWARD_MEMORY_RATIO
 from autopar.ir import Graph, Node, OpKind, TensorSpec, dtype_num_bytes
+from autopar.ir.reductions import hands_on_partial_gradients
 from autopar.ir.residual import (bottleneck_gemms, fused_splits, parameter_values,
                                  residual_structure, routing_nodes)
 from autopar.sharding.placement import (PARTIAL, REPLICATE, is_shard, reshard_collective,
                                         shard, shard_dim)
-from autopar.sharding.rules import hands_on_partial_gradients, on_sequence_shard, per_chunk
+from autopar.sharding.rules import on_sequence_shard, per_chunk
 from autopar.sharding.rules import signature as rule_signature
 from autopar.sharding.strided import strided_strategies
 from autopar.sharding.rules import strategies as rule_strategies

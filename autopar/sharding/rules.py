@@ -60,8 +60,7 @@ from autopar.sharding.placement import PARTIAL, REPLICATE, shard
 from autopar.sharding.strategy import Strategy, default_input_grads
 from autopar.sharding.views import op_name, view_dim_map
 
-__all__ = ["hands_on_partial_gradients", "on_sequence_shard", "op_name", "per_chunk",
-           "signature", "strategies"]
+__all__ = ["on_sequence_shard", "op_name", "per_chunk", "signature", "strategies"]
 
 _LINEAR = {"add", "add_", "sub", "sub_", "neg", "cat", "clone", "copy", "copy_", "sum"}
 _BINARY = {"add", "add_", "sub", "sub_"}
@@ -387,15 +386,6 @@ _RULES = {
 
 # Ops without parameters whose replicated strategy may also defer partial gradients.
 _PARTIAL_GRAD_KINDS = {OpKind.VIEW, OpKind.ELEMENTWISE, OpKind.DROPOUT, OpKind.MOE_DISPATCH}
-# elementwise ops whose backward DTensor runs on a partial output gradient (linear in their
-# input: sums, products with another operand, casts); on others (softplus) it reduces it first
-_LINEAR_IN_INPUT = _LINEAR | {"mul", "mul_", "div", "div_", "_to_copy", "to", "type_as"}
-
-
-def hands_on_partial_gradients(node: Node) -> bool:
-    """Whether the runtime passes a partial gradient back through ``node`` ("R~P" as it runs
-    on values made of parameters alone): a view, or an op linear in its input."""
-    return node.kind is OpKind.VIEW or op_name(node.target) in _LINEAR_IN_INPUT
 
 
 def signature(node: Node) -> tuple:

@@ -60,7 +60,8 @@ LAYOUTS = [("hf_deepseek_v3", "tp"), ("hf_deepseek_v3", "tp_sp"), ("hf_opt", "tp
            ("hf_bloom", "tp"), ("hf_bloom", "tp_sp"), ("hf_bert", "tp"), ("hf_bert", "tp_sp"),
            ("hf_biogpt", "tp_sp"),
            ("hf_flexolmo", "tp_sp"), ("hf_distilbert", "tp_sp"), ("torch_transformer", "tp"),
-           ("torch_transformer", "tp_sp"), ("torchvision_vit", "tp")]
+           ("torch_transformer", "tp_sp"), ("torchvision_vit", "tp"), ("scaled_mlp", "tp"),
+           ("scaled_mlp", "tp_sp")]
 DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
 DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
 OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op"),
@@ -144,7 +145,8 @@ def layout_cells(matrix):
     vocabulary projection): under sequence parallel the transform and the norm run whole on
     the shard, and the sequence is gathered at the projection. PyTorch's own
     ``nn.TransformerEncoder``: its packed q/k/v projection split by chunk, its heads viewed
-    inside ``[seq, batch * heads, head_dim]``."""
+    inside ``[seq, batch * heads, head_dim]``. A learned scalar scaling the split MLP
+    features: its partial gradient in the once-a-step all-reduce."""
     return [matrix[k] for k in LAYOUTS]
 
 

@@ -185,3 +185,13 @@ def test_values_made_of_parameters_on_split_features_reduce_their_gradients_per_
                          BlockSetting(tp=2, cluster=cluster, dtype="bf16", boundary="replicated"),
                          pinned_params=megatron_tp_placements(graph, 2))
     assert [c for c in solved.backward_collectives if c[1] < 16] == [("all_reduce", 4.0)] * 2
+
+
+def test_a_learned_scalar_read_directly_joins_the_steps_partial_gradients():
+    """A scalar parameter multiplying the split MLP features directly (``alpha * gelu(h)``):
+    the product is linear in it, so DTensor hands its partial gradient back to the parameter,
+    reduced with the step's other partial gradients (once a step), not at every layer."""
+    (block,), _ = _units(corpus.scaled_mlp)
+    assert block.head_params == (1,)
+    assert not [s for s in block.tp_syncs if s[1] == "param"]
+    assert partial_gradient_bytes(block, False) == 4
