@@ -32,8 +32,9 @@ MAX_SEQ = 128
 NUM_CLASSES = 10
 IMAGE_SHAPE = (3, 16, 16)
 
-TOKEN_MODELS = ["plain_llama", "plain_mqa", "nano_gpt", "torch_transformer", "litgpt_style",
-                "scaled_mlp", "moe_loop", "moe_batched",
+TOKEN_MODELS = ["plain_llama", "plain_mqa", "nano_gpt", "torch_transformer",
+                "torch_transformer_seq_first", "litgpt_style", "scaled_mlp", "moe_loop",
+                "moe_batched",
                 "hf_llama", "hf_mistral", "hf_qwen2", "hf_mixtral", "hf_gpt2", "hf_qwen3",
                 "hf_phi3", "hf_gpt_neox", "hf_gemma2", "hf_gemma3", "hf_olmo2",
                 "hf_gpt_bigcode", "hf_gemma", "hf_opt", "hf_falcon", "hf_bloom", "hf_phi", "hf_bert",
@@ -317,14 +318,17 @@ def nano_gpt():
 # =============================================================================================
 class TorchTransformerLM(nn.Module):
     """Learned positions, pre-norm ``nn.TransformerEncoderLayer`` blocks (``nn.MultiheadAttention``
-    with its packed ``in_proj_weight``, a causal mask), GELU MLP, untied head."""
+    with its packed ``in_proj_weight``, a causal mask), GELU MLP, untied head. With
+    ``batch_first=False`` (PyTorch's default) the blocks run on ``[seq, batch, dim]``,
+    transposed in and out."""
 
-    def __init__(self, dim=64, heads=4, layers=2, ffn=128):
+    def __init__(self, dim=64, heads=4, layers=2, ffn=128, batch_first=True):
         super().__init__()
+        self.batch_first = batch_first
         self.tok = nn.Embedding(VOCAB, dim)
         self.pos = nn.Embedding(MAX_SEQ, dim)
         layer = nn.TransformerEncoderLayer(dim, heads, ffn, dropout=0.0, activation="gelu",
-                                           batch_first=True, norm_first=True)
+                                           batch_first=batch_first, norm_first=True)
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, VOCAB, bias=False)
@@ -333,13 +337,22 @@ class TorchTransformerLM(nn.Module):
         seq = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(seq, device=idx.device))
         mask = nn.Transformer.generate_square_subsequent_mask(seq, device=idx.device)
-        return self.head(self.norm(self.encoder(x, mask=mask, is_causal=True)))
+        if self.batch_first:
+            return self.head(self.norm(self.encoder(x, mask=mask, is_causal=True)))
+        x = self.encoder(x.transpose(0, 1), mask=mask, is_causal=True).transpose(0, 1)
+        return self.head(self.norm(x))
 
 
 def torch_transformer():
     """PyTorch's nn.TransformerEncoder as a causal language model."""
     torch.manual_seed(110)
     return TorchTransformerLM()
+
+
+def torch_transformer_seq_first():
+    """The same on sequence-first tensors (``batch_first=False``, PyTorch's default)."""
+    torch.manual_seed(113)
+    return TorchTransformerLM(batch_first=False)
 
 
 # =============================================================================================

@@ -327,6 +327,20 @@ def _trim(mod: nn.Module, layout: ModelLayout, keep: set[str]) -> None:
                                    .expand(p.shape), persistent=False)
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: the gradient of a stage's
+    input is sent to the stage before as it is laid out (a sequence-first encoder's blocks
+    leave it transposed), and a transposed tensor cannot be sent."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
 def install_stage_io(module: nn.Module) -> None:
     """Hook the stage's first and last owned block slots (as they are now: after recompute
     wrapping, before data-parallel wrapping) and make ``module``'s forward run the stage."""
@@ -362,7 +376,7 @@ def install_stage_io(module: nn.Module) -> None:
         if io.is_first:
             tokens, io.received = args[0], None
         else:
-            io.received = args[0]
+            io.received = _ContiguousGrad.apply(args[0])
             tokens = io.tokens[io.chunk] if io.tokens else None
             if tokens is None:
                 raise RuntimeError("a later pipeline stage ran without its token micro-batches "
@@ -377,7 +391,7 @@ def install_stage_io(module: nn.Module) -> None:
             return model_logits(out)
         if io.captured is None:
             raise RuntimeError("the stage's last block did not run")
-        return io.captured
+        return io.captured.contiguous()  # sent as laid out: a transposed view is not
 
     module.forward = forward
 

@@ -61,7 +61,7 @@ LAYOUTS = [("hf_deepseek_v3", "tp"), ("hf_deepseek_v3", "tp_sp"), ("hf_opt", "tp
            ("hf_biogpt", "tp_sp"),
            ("hf_flexolmo", "tp_sp"), ("hf_distilbert", "tp_sp"), ("torch_transformer", "tp"),
            ("torch_transformer", "tp_sp"), ("torchvision_vit", "tp"), ("scaled_mlp", "tp"),
-           ("scaled_mlp", "tp_sp")]
+           ("scaled_mlp", "tp_sp"), ("torch_transformer_seq_first", "tp")]
 DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
 DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
 OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op"),
@@ -69,7 +69,8 @@ OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_
           ("titan_llama", "tp_sp"), ("titan_llama", "cp"), ("plain_llama", "cp_full"),
           ("hf_modernbert", "pp_1f1b"), ("hf_llama4", "pp_1f1b"), ("hf_gpt_oss", "ep"),
           ("hf_gpt_oss", "ep_tp"), ("torch_transformer", "pp_1f1b"), ("torch_transformer", "cp"),
-          ("torchvision_vit", "pp_1f1b")]
+          ("torchvision_vit", "pp_1f1b"), ("torch_transformer_seq_first", "pp_1f1b"),
+          ("torch_transformer_seq_first", "cp")]
 # autopar's own Llama and Mixtral under the plans no other cell trains for several steps:
 # GPipe with one micro-batch (fewer than stages), interleaved 1F1B, ZeRO-2 with full
 # recompute, ZeRO-1 in a pipeline, dp x pp and dp x tp + SP without ZeRO, FSDP2 under tp in
@@ -236,12 +237,15 @@ def test_pytorchs_own_transformer_layers_run_every_parallelism(matrix, plan_dir)
     and bias alike (so each rank holds whole heads of q, k and v) with and without sequence
     parallel; context parallel runs its attention as a ring; a 1F1B pipeline runs the
     encoder's own forward, which reads the first layer's ``self_attn.batch_first`` on stages
-    that do not own it. A ViT written as torchvision writes it (``nn.MultiheadAttention``
-    blocks in an ``nn.Sequential``) trains under tp and in a pipeline. All train to the
-    reference's losses and gradients."""
+    that do not own it. The same on sequence-first tensors (``batch_first=False``) under tp,
+    cp and in a pipeline, whose stages send a transposed hidden state and its gradient. A
+    ViT written as torchvision writes it (``nn.MultiheadAttention`` blocks in an
+    ``nn.Sequential``) trains under tp and in a pipeline. All train to the reference's
+    losses and gradients."""
     from autopar.plan import load_plan
 
     for cell in [matrix["torch_transformer", p] for p in ("tp", "tp_sp", "cp", "pp_1f1b")] + \
+            [matrix["torch_transformer_seq_first", p] for p in ("tp", "cp", "pp_1f1b")] + \
             [matrix["torchvision_vit", p] for p in ("tp", "pp_1f1b")]:
         assert cell.ok, cell.text()
     plan = load_plan(plan_dir / "torch_transformer.tp.json")
