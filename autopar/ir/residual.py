@@ -30,8 +30,9 @@ from autopar.ir.graph import Graph, Node, OpKind
 
 __all__ = ["KvProjection", "MIXING_KINDS", "Residual", "after_row_ops", "bottleneck_gemms",
            "consumers", "fused_chunks", "fused_splits", "kv_projections", "made_of_params",
-           "moe_dispatch", "output_biases", "parameter_values", "residual_structure", "router_gemms", "routing_nodes",
-           "split_statistics", "sublayers", "token_lookup", "tp_split_ops", "vocab_sizes"]
+           "moe_dispatch", "output_biases", "parameter_values", "residual_structure",
+           "router_gemms", "routing_nodes", "split_statistics", "sublayers", "token_lookup",
+           "tp_split_ops", "vocab_sizes"]
 
 MIXING_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.EMBEDDING,
                      OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE})

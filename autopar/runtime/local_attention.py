@@ -11,10 +11,8 @@ projection the plan replicates), and gathers them otherwise.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-import operator
 from typing import Any
 
 import torch
@@ -28,6 +26,7 @@ from torch.utils._pytree import tree_map
 
 from autopar.ir import SEQUENCE_DIM
 from autopar.runtime.tensor_parallel import _to_local_replicated, on_sequence_view
+from autopar.sharding.strided import refinement
 from autopar.trace.nested import NESTED, run_nested
 
 __all__ = ["LocalAttention", "local_heads", "sum_grad_over_tp"]
@@ -242,10 +241,10 @@ def _settled_on_shard(a: Any, b: Any, *, in_place: bool) -> tuple[Any, Any]:
 def _shard_of(t: DTensor, other: DTensor) -> DTensor:
     """``t``, or where ``t`` is a sub-layer's input gathered from the sequence shard
     (``gathered_from``, `tensor_parallel._gather_sequence`) and ``other`` a tensor laid out
-    as that shard, the shard
-    itself: a residual add inside the sub-layer (BERT's post-norm ``norm(out + input)``)
-    then sends its gradient to the shard, and the gathered input's readers sum theirs as
-    partial sums, reduce-scattered once (DTensor would reduce each to the shard apart)."""
+    as that shard, the shard itself: a residual add inside the sub-layer (BERT's post-norm
+    ``norm(out + input)``) then sends its gradient to the shard, and the gathered input's
+    readers sum theirs as partial sums, reduce-scattered once (DTensor would reduce each to
+    the shard apart)."""
     shard = getattr(t, "gathered_from", None)
     if shard is not None and shard.placements == other.placements and \
             shard.shape == other.shape:
@@ -397,27 +396,10 @@ def _view_in_steps(t: DTensor, shape: tuple[int, ...]) -> DTensor | None:
     that only splits or only merges dims, or of a tensor not sharded."""
     if not any(p.is_shard() for p in t.placements):
         return None
-    finest = _refinement(tuple(t.shape), shape)
+    finest = refinement(tuple(t.shape), shape)
     if finest is None or finest in (tuple(t.shape), shape):
         return None
     return t.view(finest).view(shape)
-
-
-def _refinement(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The coarsest shape that both ``a`` and ``b`` are merges of (dims of 1 left out), or
-    None where there is none (a dim of one straddles two of the other's)."""
-    if math.prod(a) != math.prod(b) or not math.prod(a):
-        return None
-    cuts = sorted(set(itertools.accumulate(a, operator.mul))
-                  | set(itertools.accumulate(b, operator.mul)))
-    found, before = [], 1
-    for cut in cuts:
-        if cut % before:
-            return None
-        if cut > before:
-            found.append(cut // before)
-        before = cut
-    return tuple(found)
 
 
 def _layout_key(func, args: tuple, kwargs: dict) -> tuple:

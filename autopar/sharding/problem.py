@@ -53,9 +53,9 @@ from autopar.sharding.placement import (PARTIAL, REPLICATE, is_shard, reshard_co
                                         shard, shard_dim)
 from autopar.sharding.rules import on_sequence_shard, per_chunk
 from autopar.sharding.rules import signature as rule_signature
-from autopar.sharding.strided import strided_strategies
 from autopar.sharding.rules import strategies as rule_strategies
 from autopar.sharding.strategy import Collective, Strategy
+from autopar.sharding.strided import strided_strategies
 from costmodels.compute import (AttentionCall, activation_memory_time_s, attention_time_s,
                                 gemm_time_s, op_overhead_s)
 from costmodels.collectives import LayoutTimer

@@ -24,7 +24,7 @@ from autopar.sharding.placement import REPLICATE, shard
 from autopar.sharding.strategy import Strategy, default_input_grads
 from autopar.sharding.views import op_name, view_dim_map
 
-__all__ = ["reshaped_shard", "strided_strategies"]
+__all__ = ["refinement", "reshaped_shard", "strided_strategies"]
 
 _RESHAPE = {"view", "_unsafe_view", "reshape", "flatten", "unflatten", "_reshape_alias",
             "clone", "contiguous", "alias"}
@@ -81,24 +81,39 @@ def _prefixes(shape: Sequence[int]) -> set[int]:
     return set(itertools.accumulate(shape, operator.mul))
 
 
+def refinement(a: Sequence[int], b: Sequence[int], cuts: Sequence[int] = ()
+               ) -> tuple[int, ...] | None:
+    """The coarsest shape that both ``a`` and ``b`` are merges of (dims of 1 left out), cut
+    also after each of ``cuts`` elements, or None where there is none (a dim of one
+    straddles two of the other's)."""
+    if math.prod(a) != math.prod(b) or not math.prod(a):
+        return None
+    found, before = [], 1
+    for cut in sorted(_prefixes(a) | _prefixes(b) | set(cuts)):
+        if cut % before:
+            return None
+        if cut > before:
+            found.append(cut // before)
+        before = cut
+    return tuple(found)
+
+
 def reshaped_shard(a: Sequence[int], b: Sequence[int], dim: int, stride: int, n: int
                    ) -> tuple[int, int] | None:
     """Where a reshape of ``a`` into ``b`` puts a shard of ``a``'s dim ``dim`` in strides of
     ``stride`` (1: blocks) over ``n`` ranks: ``(output dim, its stride)``, or None where the
     shard is no block of any output dim's pieces (its leading piece does not divide by n)."""
     size = a[dim]
-    if size % stride or (size // stride) % n or math.prod(a) != math.prod(b) or not size:
+    if size % stride or (size // stride) % n:
         return None
     start = math.prod(a[:dim]) * stride  # elements before the sharded run, in row-major order
-    before, lead = 1, None
-    for cut in sorted(_prefixes(a) | _prefixes(b) | {start}):
-        if cut % before:
-            return None  # no common refinement: a piece straddles two dims
-        if before == start:
-            lead = cut // before  # the sharded run's leading piece
-        before = cut
-    if lead is None or lead % n:
+    pieces = refinement(a, b, (start,))
+    if pieces is None:
         return None
+    offsets = itertools.accumulate(pieces, operator.mul, initial=1)
+    lead = next((piece for piece, at in zip(pieces, offsets) if at == start), None)
+    if lead is None or lead % n:
+        return None  # the sharded run's leading piece
     outer = 1
     for e, length in enumerate(b):
         if outer <= start < outer * length:

@@ -20,8 +20,9 @@ import autopar
 from autopar.ir import OpKind
 from autopar.ir.residual import fused_chunks, output_biases
 from autopar.plan.placements import megatron_tp_placements
-from autopar.runtime.local_attention import _refinement, _view_shape
+from autopar.runtime.local_attention import _view_shape
 from autopar.runtime.stand_ins import PassBlock
+from autopar.sharding.strided import refinement
 from autopar.trace.nested import NESTED, run_nested
 
 
@@ -100,7 +101,7 @@ def test_a_mode_sees_the_calls_inside_a_nested_function():
 
 
 def test_shape_refinement_against_brute_force():
-    """`_refinement(a, b)`: the coarsest shape both are merges of. On shapes made by grouping
+    """`refinement(a, b)`: the coarsest shape both are merges of. On shapes made by grouping
     one factor list two ways it is a shape both group into, and no coarser one is (each of its
     cuts is a cut of a or of b); shapes with no common refinement give None."""
     rng = random.Random(0)
@@ -116,11 +117,11 @@ def test_shape_refinement_against_brute_force():
     for _ in range(300):
         factors = [rng.choice([2, 3, 4, 5, 8]) for _ in range(rng.randint(1, 6))]
         a, b = groups(factors), groups(factors)
-        finest = _refinement(a, b)
+        finest = refinement(a, b)
         assert math.prod(finest) == math.prod(a)
         assert prefix_products(a) | prefix_products(b) == prefix_products(finest)
-    assert _refinement((6, 4), (4, 6)) is None
-    assert _refinement((64, 2, 64), (64, 8, 16)) == (64, 2, 4, 16)
+    assert refinement((6, 4), (4, 6)) is None
+    assert refinement((64, 2, 64), (64, 8, 16)) == (64, 2, 4, 16)
 
 
 def test_view_shapes_of_view_reshape_and_unflatten():
