@@ -205,13 +205,20 @@ def _settle(t: Any, mesh: Any, target: tuple) -> Any:
     return DTensor.from_local(t.to_local(), mesh, target, run_check=False)
 
 
+def _token_shard(t: DTensor) -> bool:
+    """Whether ``t`` (``[batch, seq, ...]`` or ``[seq, batch, ...]``) is sharded on one of its
+    token dims (the sequence, dim 0 of a sequence-first block's stream), not its features."""
+    (p,) = t.placements
+    return type(p) is Shard and p.dim in (0, SEQUENCE_DIM) and p.dim < t.dim() - 1
+
+
 def _gather_sequence(t: Any, mesh: Any) -> Any:
     """``t`` gathered if it is the stream's sequence shard: ``[batch, seq, ...]`` sharded on
-    the sequence, or its tokens flattened to ``[batch * seq, ...]`` (OPT's MLP), sharded on
-    them."""
+    the sequence (``[seq, batch, ...]`` of a sequence-first block on dim 0), or its tokens
+    flattened to ``[batch * seq, ...]`` (OPT's MLP), sharded on them."""
     if not isinstance(t, DTensor) or len(t.placements) != 1:
         return t
-    if t.dim() > SEQUENCE_DIM + 1 and t.placements == (Shard(SEQUENCE_DIM),) or \
+    if t.dim() > SEQUENCE_DIM + 1 and _token_shard(t) or \
             t.dim() == 2 and t.placements == (Shard(0),):
         whole = t.redistribute(mesh, (Replicate(),))
         # the shard it was gathered from: a residual add inside the sub-layer reads that
@@ -353,14 +360,23 @@ def apply_tensor_parallel(module: nn.Module, plan: Plan, tp_mesh: Any, *,
                 tree_map(lambda t: enter(t, tp_mesh), kwargs)), with_kwargs=True)
     for name in local_moe:
         install_local_moe(module.get_submodule(name), tp_mesh, sp, SEQUENCE_DIM)
+    stream = {"placements": seq}  # the block's stream as it entered (sequence-first: dim 0)
+
+    def enter_block(_m, args, kwargs):
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, DTensor)), None)
+        stream["placements"] = first.placements if first is not None and sp and \
+            first.dim() > SEQUENCE_DIM + 1 and _token_shard(first) else seq
+
     def settle(flat_stays: bool):
-        """A forward hook reducing partial outputs; with ``flat_stays`` one on flattened
-        tokens stays partial (a block's GEMM under sequence parallel: the add of the stream's
-        flattened shard reduce-scatters it, `LocalAttention`)."""
+        """A forward hook reducing partial outputs (under sequence parallel in a block, to the
+        block's stream shard); with ``flat_stays`` one on flattened tokens stays partial (a
+        block's GEMM under sequence parallel: the add of the stream's flattened shard
+        reduce-scatters it, `LocalAttention`)."""
         def reduce(t: Any) -> Any:
             if not isinstance(t, DTensor) or flat_stays and t.dim() <= SEQUENCE_DIM + 1:
                 return t
-            return _settle(t, tp_mesh, seq if t.dim() > SEQUENCE_DIM + 1 else (Replicate(),))
+            target = stream["placements"] if flat_stays else seq
+            return _settle(t, tp_mesh, target if t.dim() > SEQUENCE_DIM + 1 else (Replicate(),))
         return lambda _m, _args, out: tree_map(reduce, out)
 
     summed = {fqn.rpartition(".")[0] for fqn in plan.model.summed_row_weights or ()}
@@ -369,6 +385,7 @@ def apply_tensor_parallel(module: nn.Module, plan: Plan, tp_mesh: Any, *,
     summing = {b for name in holders & summed for b in in_block(name)}
     for name in layers:
         block = module.get_submodule(name)
+        block.register_forward_pre_hook(enter_block, with_kwargs=True)
         block.register_forward_pre_hook(shared.clear)
         block.register_forward_hook(shared.clear)
         if name in summing:

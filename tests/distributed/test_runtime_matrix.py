@@ -61,7 +61,8 @@ LAYOUTS = [("hf_deepseek_v3", "tp"), ("hf_deepseek_v3", "tp_sp"), ("hf_opt", "tp
            ("hf_biogpt", "tp_sp"),
            ("hf_flexolmo", "tp_sp"), ("hf_distilbert", "tp_sp"), ("torch_transformer", "tp"),
            ("torch_transformer", "tp_sp"), ("torchvision_vit", "tp"), ("scaled_mlp", "tp"),
-           ("scaled_mlp", "tp_sp"), ("torch_transformer_seq_first", "tp")]
+           ("scaled_mlp", "tp_sp"), ("torch_transformer_seq_first", "tp"),
+           ("torch_transformer_seq_first", "tp_sp")]
 DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
 DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
 OTHERS = [("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op"),
@@ -146,8 +147,10 @@ def layout_cells(matrix):
     vocabulary projection): under sequence parallel the transform and the norm run whole on
     the shard, and the sequence is gathered at the projection. PyTorch's own
     ``nn.TransformerEncoder``: its packed q/k/v projection split by chunk, its heads viewed
-    inside ``[seq, batch * heads, head_dim]``. A learned scalar scaling the split MLP
-    features: its partial gradient in the once-a-step all-reduce."""
+    inside ``[seq, batch * heads, head_dim]``; on sequence-first tensors under sequence
+    parallel its stream sharded on dim 0, where its sub-layers gather and reduce-scatter. A
+    learned scalar scaling the split MLP features: its partial gradient in the once-a-step
+    all-reduce."""
     return [matrix[k] for k in LAYOUTS]
 
 
@@ -238,14 +241,15 @@ def test_pytorchs_own_transformer_layers_run_every_parallelism(matrix, plan_dir)
     parallel; context parallel runs its attention as a ring; a 1F1B pipeline runs the
     encoder's own forward, which reads the first layer's ``self_attn.batch_first`` on stages
     that do not own it. The same on sequence-first tensors (``batch_first=False``) under tp,
-    cp and in a pipeline, whose stages send a transposed hidden state and its gradient. A
+    tp+sp, cp and in a pipeline, whose stages send a transposed hidden state and its gradient. A
     ViT written as torchvision writes it (``nn.MultiheadAttention`` blocks in an
     ``nn.Sequential``) trains under tp and in a pipeline. All train to the reference's
     losses and gradients."""
     from autopar.plan import load_plan
 
     for cell in [matrix["torch_transformer", p] for p in ("tp", "tp_sp", "cp", "pp_1f1b")] + \
-            [matrix["torch_transformer_seq_first", p] for p in ("tp", "cp", "pp_1f1b")] + \
+            [matrix["torch_transformer_seq_first", p] for p in ("tp", "tp_sp", "cp",
+                                                                 "pp_1f1b")] + \
             [matrix["torchvision_vit", p] for p in ("tp", "pp_1f1b")]:
         assert cell.ok, cell.text()
     plan = load_plan(plan_dir / "torch_transformer.tp.json")
