@@ -58,12 +58,15 @@ def _row_wise(node: Node, carried: dict[str, set[tuple[int, int]]], n: int
             else:
                 break
         else:
-            made.append(Strategy(name=f"{shard(dim, stride)} strided", inputs=tuple(ins),
-                                 outputs=(shard(dim, stride),),
-                                 input_grads=default_input_grads(tuple(ins), True),
-                                 work_divisor=n))
+            made.append(_strided(shard(dim, stride), ins, shard(dim, stride), n))
             kept.add((dim, stride))
     return (tuple(made), kept) if made else None
+
+
+def _strided(named: str, ins: Sequence[str], out: str, n: int) -> Strategy:
+    """A strategy of one output that strided shards pass through, named by ``named``."""
+    return Strategy(name=f"{named} strided", inputs=tuple(ins), outputs=(out,),
+                    input_grads=default_input_grads(tuple(ins), True), work_divisor=n)
 
 
 def _batched(node: Node, stride: int, n: int) -> Strategy:
@@ -72,9 +75,7 @@ def _batched(node: Node, stride: int, n: int) -> Strategy:
     rows = node.outputs[0].shape[0]
     ins = tuple(shard(0, stride) if t.shape and t.shape[0] == rows else REPLICATE
                 for t in node.inputs)
-    return Strategy(name=f"{shard(0, stride)} strided", inputs=ins,
-                    outputs=(shard(0, stride),), input_grads=default_input_grads(ins, True),
-                    work_divisor=n)
+    return _strided(shard(0, stride), ins, shard(0, stride), n)
 
 
 def _prefixes(shape: Sequence[int]) -> set[int]:
@@ -162,10 +163,6 @@ def strided_strategies(nodes: Sequence[Node], n: int) -> dict[str, tuple[Strateg
             continue
         extra = [REPLICATE] * (len(node.inputs) - 1)
         found[node.name] = tuple(
-            Strategy(name=f"{shard(*src)} strided", inputs=(shard(*src), *extra),
-                     outputs=(shard(*dst),),
-                     input_grads=default_input_grads((shard(*src), *extra), True),
-                     work_divisor=n)
-            for src, dst in made)
+            _strided(shard(*src), (shard(*src), *extra), shard(*dst), n) for src, dst in made)
         carried[node.name] = {dst for _, dst in made if dst[1] > 1}
     return found
