@@ -108,7 +108,15 @@ PLANS: dict[str, tuple[int, dict]] = {
     # another mesh order: dp innermost, the tp groups 2 ranks apart
     "tp_zero3_dp_inner": (4, {"dp": 2, "tp": 2, "zero_stage": 3, "sequence_parallel": True,
                               "mesh_order": ("pp", "tp", "cp", "dp")}),
+    "cp_tp": (4, {"cp": 2, "tp": 2, "sequence_parallel": False}),
     "cp_tp_sp": (4, {"cp": 2, "tp": 2, "sequence_parallel": True}),
+    # tp outside cp: the (tp, cp) activations' sequence split over tp first
+    "cp_tp_sp_tp_outer": (4, {"cp": 2, "tp": 2, "sequence_parallel": True,
+                              "mesh_order": ("pp", "tp", "cp", "dp")}),
+    # FSDP2 shards the tp DTensors again over dp x cp; a pipeline of (cp, tp) activations
+    "cp_tp_zero3": (4, {"cp": 2, "tp": 2, "zero_stage": 3, "sequence_parallel": True}),
+    "cp_tp_sp_pp": (8, {"cp": 2, "tp": 2, "pp": 2, "pp_schedule": "1f1b",
+                        "sequence_parallel": True, **MB2}),
     # cp outside dp: the gradients average over a (dp, cp) mesh sliced out of order, and the
     # expert groups come from it
     "cp_zero2_cp_outer": (4, {"dp": 2, "cp": 2, "zero_stage": 2,

@@ -9,7 +9,8 @@ Data parallel and the ZeRO stages: ``autopar.runtime.data_parallel``.  Context p
 (``autopar.runtime.context_parallel``): each rank trains on its share of every sequence, with
 ring attention over ``cp``: its zigzag chunks for models whose attention and positions go
 through autopar's hook (``plan.model.cp_layout == "zigzag"``), one contiguous chunk held as
-sequence-sharded DTensors through the model's own forward otherwise (``"contiguous"``);
+sequence-sharded DTensors through the model's own forward otherwise (``"contiguous"``,
+``autopar.runtime.sharded_sequence``, on a (cp, tp) mesh under tensor parallel);
 gradients are averaged over dp × cp.  Expert parallel
 (``autopar.runtime.expert_parallel``, ep > 1): right after the stage modules are built, each
 MoE layer keeps its ep rank's experts (tp-sharded by the layer itself) and exchanges tokens by
@@ -51,7 +52,6 @@ from autopar.config import PER_OP_ALTERNATED, PER_OP_SAVED
 from autopar.models.common import recompute_attention_core, sequence_shard
 from autopar.runtime.context_parallel import (
     ContextParallel,
-    ShardedSequence,
     check_context_parallel,
     data_parallel_mesh,
 )
@@ -78,6 +78,7 @@ from autopar.runtime.pipeline import (
     stage_ids_for_rank,
 )
 from autopar.runtime.local_attention import LocalAttention
+from autopar.runtime.sharded_sequence import RingAttentionMode, ShardedSequence
 from autopar.runtime.structure import block_slots
 from autopar.runtime.tensor_parallel import (
     apply_tensor_parallel,
@@ -363,17 +364,17 @@ class RuntimeModel:
         return float(total)
 
     def _dtensor_context(self):
-        """Under tensor parallel: plain tensors the model makes join DTensors as replicated,
-        attention runs on local heads, and vocab-sharded logits take the parallel loss.  Under
-        context parallel of the model's own forward: ``ShardedSequence.context``."""
-        if self.sequence is not None:
-            return self.sequence.context()
-        if not self.tensor_parallel:
+        """Under tensor parallel or context parallel of the model's own forward: plain tensors
+        the model makes join DTensors as replicated, attention runs on local heads (and as
+        ring attention over cp: `RingAttentionMode`), and vocab-sharded logits take the
+        parallel loss."""
+        if self.sequence is None and not self.tensor_parallel:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         stack.enter_context(implicit_replication())
-        stack.enter_context(LocalAttention())
-        if self.default_loss:
+        stack.enter_context(LocalAttention() if self.sequence is None
+                            else RingAttentionMode(self.sequence.mesh))
+        if self.tensor_parallel and self.default_loss:
             stack.enter_context(loss_parallel())
         return stack
 
@@ -519,15 +520,18 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: torch.device | str = "cp
             example = _example_microbatch(plan, cp if layout == "zigzag" else 1)
             expert_params = apply_gathered_experts(
                 modules, model, ep_groups, example.to(next(model.parameters()).device))
+    # context parallel of the model's own forward: activations on the cp (and tp) mesh
+    sequence = ShardedSequence(mesh[tuple(a for a in axes if a in ("cp", "tp") and deg[a] > 1)]) \
+        if cp > 1 and layout == "contiguous" else None
     if tp > 1:
         for m, sid in zip(modules, ids):
             applied = apply_tensor_parallel(m, plan, mesh["tp"], exact_moe=exact_moe)
             if pp > 1:
-                stage_boundaries(m, mesh["tp"], applied.sequence_parallel, first=sid == 0,
+                stage_boundaries(m, mesh["tp"] if sequence is None else sequence.mesh,
+                                 applied.sequence_parallel, first=sid == 0,
                                  last=sid == len(plan.stages) - 1)
         if cfg.ep > 1 and not own_moe:  # tp made the experts' DTensors
             expert_params = [p for m in modules for _, ps in expert_holders(m) for p in ps]
-    sequence = ShardedSequence(mesh["cp"]) if cp > 1 and layout == "contiguous" else None
     _apply_recompute(modules, cfg.recompute, cfg.recompute_every)
     for m, sid in zip(modules, ids):
         if pp > 1:

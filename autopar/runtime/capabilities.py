@@ -13,8 +13,9 @@ the model's structure or its traced forward, never module names:
   attention goes through the ``SequenceShard`` hook of ``autopar.models.common.attention``
   runs it load-balanced (zigzag chunks); any other runs it through its own forward on
   sequence-sharded DTensors (one contiguous chunk per rank: causal attention loads the last
-  rank most, as the estimate charges), which excludes tensor and expert parallel in the same
-  plan (``exclusive``);
+  rank most, as the estimate charges), on the (cp, tp) mesh under tensor parallel, which
+  excludes expert parallel in the same plan, and tensor parallel for a model with MoE layers
+  (``exclusive``);
 * expert parallel: the model's MoE layers hold a list of alike experts with a router or a
   top-k, or parameters with a leading expert dim (``autopar.trace.moe.moe_experts``).
   autopar's own router/experts/top-k layers run with all-to-all dispatch; others on their own
@@ -102,14 +103,16 @@ def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool, one_inp
                         "this model's attention has dropout; set it to 0 to plan with cp")
     exclusive = []
     cp_layout, ep_dispatch = "zigzag", "all_to_all"
+    gathered = gathered_moe_modules(model)
     if not attention_hook_calls and "cp" not in limits:
         cp_layout = "contiguous"
-        exclusive.append((frozenset({"cp"}), frozenset({"tp", "ep"}),
-                          "this model's attention does not go through "
-                          "autopar.models.common.attention, so context parallel runs through its "
-                          "own forward on sequence-sharded DTensors, which this runtime does not "
-                          "combine with tensor or expert parallel"))
-    gathered = gathered_moe_modules(model)
+        moe = bool(gathered or find_moe_modules(model) or OpKind.MOE_DISPATCH in kinds)
+        apart = "tensor or expert parallel in a model with MoE layers" if moe \
+            else "expert parallel"
+        exclusive.append((frozenset({"cp"}), frozenset({"tp", "ep"} if moe else {"ep"}), (
+            f"this model's attention does not go through autopar.models.common.attention, so "
+            f"context parallel runs through its own forward on sequence-sharded DTensors, "
+            f"which this runtime does not combine with {apart}")))
     if gathered and not (num_experts or OpKind.MOE_DISPATCH in kinds):
         limits["ep"] = (f"expert parallel splits the tokens each expert computes on, and this "
                         f"model's MoE layers ({gathered[0]}{', ...' if len(gathered) > 1 else ''})"
@@ -135,9 +138,31 @@ def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool, one_inp
         fields["etp"] = (0, "this runtime splits experts over tp as the dense layers (etp=0); "
                             "expert parallel folded over tp (etp=1) runs on Megatron-Core and "
                             "torchtitan: compile with target='megatron' or 'torchtitan'")
+    one_of = _uneven_vocabulary(graph)
+    if cp_layout == "contiguous" and _sequence_first(graph, attention):
+        one_of += ((({"pp": 1}, {"cp": 1}, {"tp": 1}), (
+            "its blocks take sequence-first streams ([seq, batch, ...]), and pipeline stages "
+            "of this runtime send activations split on dim 1 (their batch) over cp and tp "
+            "together; plan with one of pp, cp and tp at 1")),)
     return RuntimeLimits(axes=limits, fields=fields, exclusive=tuple(exclusive),
-                         one_of=_uneven_vocabulary(graph), cp_layout=cp_layout,
-                         ep_dispatch=ep_dispatch)
+                         one_of=one_of, cp_layout=cp_layout, ep_dispatch=ep_dispatch)
+
+
+def _sequence_first(graph: Graph, attention: list) -> bool:
+    """Whether the first block reads its stream as ``[seq, batch, ...]`` (PyTorch's
+    ``nn.TransformerEncoder`` by default): the first 3-D tensor a node of layer 0 reads from
+    outside the layer has the attention's sequence length first and its batch second."""
+    if not attention:
+        return False
+    spec = attention[0].attention
+    layer = {n.name: n.layer_index for n in graph.nodes}
+    for node in graph.nodes:
+        if node.layer_index != 0:
+            continue
+        for t, src in zip(node.inputs, node.input_sources):
+            if layer.get(src, -1) != 0 and len(t.shape) == 3:
+                return t.shape[0] == spec.seq_q != spec.batch and t.shape[1] == spec.batch
+    return False
 
 
 def _expert_biases(module: nn.Module) -> bool:

@@ -28,7 +28,6 @@ runtime activates around each training step with a :class:`ContextParallel`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -36,16 +35,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.experimental import implicit_replication
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.distributed.tensor import DTensor
 
-from autopar.ir import SEQUENCE_DIM
-from autopar.runtime.local_attention import LocalAttention, _replicated_call, local_heads
-from autopar.trace.nested import NESTED, run_nested
+from autopar.runtime.local_attention import local_heads
 
 if TYPE_CHECKING:
     from autopar.plan.plan import Plan
@@ -381,8 +373,8 @@ class ContextParallel:
 
 def check_context_parallel(plan: Plan) -> None:
     """ValueError, before any collective, for a cp > 1 plan this runtime cannot run: its
-    sequence must cut into ``2·cp`` equal zigzag chunks, or ``cp`` contiguous ones with tp = 1
-    and ep = 1 (``autopar.compile`` keeps to the same; this guards hand-edited plans)."""
+    sequence must cut into ``2·cp`` equal zigzag chunks, or ``cp`` contiguous ones with ep = 1
+    (``autopar.compile`` keeps to the same; this guards hand-edited plans)."""
     cfg, seq = plan.config, int(plan.training.seq_len)
     if plan.model.cp_layout == "zigzag":
         _chunk_len(seq, cfg.cp)
@@ -391,10 +383,10 @@ def check_context_parallel(plan: Plan) -> None:
         raise ValueError(f"context parallel cuts each sequence into cp = {cfg.cp} equal chunks, "
                          f"but seq_len={seq} is not divisible by {cfg.cp}; use a seq_len that "
                          f"is a multiple of {cfg.cp} or a smaller cp")
-    if cfg.tp > 1 or cfg.ep > 1:
+    if cfg.ep > 1:
         raise ValueError(f"context parallel of a model's own forward (cp_layout 'contiguous') "
-                         f"runs with tp = 1 and ep = 1, and this plan has tp={cfg.tp}, "
-                         f"ep={cfg.ep}; re-plan with autopar.compile, which keeps to that")
+                         f"runs with ep = 1, and this plan has ep={cfg.ep}; re-plan with "
+                         f"autopar.compile, which keeps to that")
 
 
 def data_parallel_mesh(mesh: Any) -> Any:
@@ -409,169 +401,3 @@ def replica_dims(mesh: Any) -> tuple[str, ...]:
     """The mesh's dp and cp dimensions in mesh order (DeviceMesh slices no other order), so
     the outer of the two is major when flattened, as the estimate's `replica_axes`."""
     return tuple(a for a in mesh.mesh_dim_names if a in ("dp", "cp"))
-
-
-# ---------------------------------------------------------------------------------------------
-# Context parallel of a model's own forward (no hook in the model): DTensor activations.
-
-
-class _GradientShare(torch.autograd.Function):
-    """A plain tensor that requires grad (a parameter, or a tensor made from parameters only)
-    joining sequence-sharded DTensors as replicated; its gradient comes back as a plain tensor:
-    this rank's share of the gradient, so that the shares summed over the cp ranks are the
-    gradient (the data-parallel reduction over dp × cp sums them), with no traffic here."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, mesh: Any) -> DTensor:
-        return DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
-
-    @staticmethod
-    def backward(ctx, grad: Any):
-        return gradient_share(grad), None
-
-
-def gradient_share(grad: Any) -> torch.Tensor:
-    """This rank's share of a DTensor gradient on a 1-D mesh, as a plain tensor of the full
-    shape: the local partial sum (``Partial``), the local copy over the mesh size
-    (``Replicate``), or the local shard in place with zeros elsewhere (``Shard``)."""
-    if not isinstance(grad, DTensor):
-        return grad
-    (placement,), local = grad.placements, grad.to_local()
-    if placement.is_partial() and getattr(placement, "reduce_op", "sum") == "sum":
-        return local
-    if placement.is_replicate():
-        return local / grad.device_mesh.size()
-    if placement.is_shard() and type(placement) is Shard:
-        _, offset = compute_local_shape_and_global_offset(grad.shape, grad.device_mesh,
-                                                          grad.placements)
-        full = local.new_zeros(grad.shape)
-        full[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))] = local
-        return full
-    return grad.full_tensor() / grad.device_mesh.size()
-
-
-def _mixed_in_place(func, args: tuple, kwargs: dict) -> bool:
-    """An in-place op on a DTensor whose DTensor operands are laid out differently (a scatter of
-    token rows into a sequence-sharded buffer): DTensor may run it on mismatched shards."""
-    name = getattr(func, "__name__", "")
-    if not (name.endswith("_") and not name.endswith("__") and args
-            and isinstance(args[0], DTensor)):
-        return False
-    return len({t.placements for t in tree_leaves((args, kwargs)) if isinstance(t, DTensor)}) > 1
-
-
-def _in_place_replicated(func, args: tuple, kwargs: dict) -> DTensor:
-    """An in-place op run on replicated copies of its operands, its result copied back into
-    the first operand in that operand's layout (differentiably: the copy is recorded)."""
-    target = args[0]
-    whole = tree_map(lambda t: t.redistribute(t.device_mesh, (Replicate(),))
-                     if isinstance(t, DTensor) else t, (args, kwargs))
-    result = func(*whole[0], **whole[1])
-    target.copy_(result.redistribute(target.device_mesh, target.placements))
-    return target
-
-
-def _has_dtensor(tree: Any) -> bool:
-    return any(isinstance(t, DTensor) for t in tree_leaves(tree))
-
-
-class RingAttentionMode(LocalAttention):
-    """The step's torch-function mode under context parallel of a model's own forward: its
-    activations are DTensors sharded on the sequence (dim 1) over cp, so positions, tables and
-    masks it makes from the sequence length are global.  ``F.scaled_dot_product_attention``
-    on sequence-sharded q/k/v runs as ring attention (contiguous layout; causal, unmasked or
-    with the model's own mask); plain tensors that require grad join as replicated with
-    ``_GradientShare``; an op without a sharding strategy runs replicated
-    (``LocalAttention``)."""
-
-    def __init__(self, mesh: Any):
-        super().__init__()
-        self.mesh = mesh
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in NESTED:
-            return run_nested(self, func, args, kwargs)
-        if not _has_dtensor((args, kwargs)):
-            return func(*args, **kwargs)
-        if func is F.scaled_dot_product_attention:
-            return self._attention(*args, **kwargs)
-        if torch.is_grad_enabled():
-            args, kwargs = tree_map(self._join_replicated, (args, kwargs))
-        if _mixed_in_place(func, args, kwargs):
-            return _in_place_replicated(func, args, kwargs)
-        return super().__torch_function__(func, types, args, kwargs)
-
-    def _join_replicated(self, t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.requires_grad:
-            return _GradientShare.apply(t, self.mesh)
-        return t
-
-    def _sequence_shard(self, t: Any, dim: int) -> DTensor:
-        if not isinstance(t, DTensor):
-            t = _GradientShare.apply(t, self.mesh) if t.requires_grad else \
-                DTensor.from_local(t, self.mesh, (Replicate(),), run_check=False)
-        return t.redistribute(self.mesh, (Shard(dim),))
-
-    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                   scale=None, enable_gqa=False):
-        if dropout_p:
-            raise NotImplementedError(
-                f"context parallel runs attention without dropout (dropout_p={dropout_p}); set "
-                f"the model's attention dropout to 0 or plan with cp=1")
-        if query.dim() != 4:
-            return _replicated_call(F.scaled_dot_product_attention,
-                                    (query, key, value, attn_mask, dropout_p, is_causal),
-                                    {"scale": scale, "enable_gqa": enable_gqa})
-        q, k, v = (self._sequence_shard(t, 2) for t in (query, key, value))
-        if isinstance(attn_mask, DTensor):
-            attn_mask = attn_mask.full_tensor()
-        out = ring_attention(q.to_local(), k.to_local(), v.to_local(), self.mesh.get_group(),
-                             scale, layout="contiguous", causal=is_causal, mask=attn_mask)
-        return DTensor.from_local(out, self.mesh, (Shard(2),), run_check=False)
-
-
-@dataclass
-class ShardedSequence:
-    """This rank's role in context parallel of a model's own forward: the model's inputs join
-    as DTensors sharded on the sequence (dim 1) over the ``cp`` mesh, each rank holding one
-    contiguous chunk; the step runs under ``RingAttentionMode`` and ``implicit_replication``;
-    the logits leave as the local chunk, which the loss reads with the local labels.  Pipeline
-    stages send and receive their local chunk."""
-
-    mesh: Any
-
-    @property
-    def size(self) -> int:
-        return self.mesh.size()
-
-    def split(self, x: torch.Tensor, dim: int = SEQUENCE_DIM) -> torch.Tensor:
-        """This rank's contiguous chunk of a ``[batch, seq, ...]`` tensor (tokens, labels)."""
-        return x.tensor_split(self.size, dim=dim)[self.mesh.get_local_rank()]
-
-    def join(self, t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.dim() >= 2:
-            return DTensor.from_local(t, self.mesh, (Shard(SEQUENCE_DIM),), run_check=False)
-        return t
-
-    def local(self, t: Any) -> Any:
-        if isinstance(t, DTensor) and t.device_mesh == self.mesh:
-            if t.dim() < 2:
-                return t.full_tensor()
-            return t.redistribute(self.mesh, (Shard(SEQUENCE_DIM),)).to_local()
-        return t
-
-    def install(self, module: nn.Module, *, last: bool = True) -> None:
-        """Inputs of ``module`` (the model, or a pipeline stage) join sequence-sharded; a stage
-        that is not the last sends its local chunk."""
-        module.register_forward_pre_hook(
-            lambda _m, args, kwargs: (tree_map(self.join, args), tree_map(self.join, kwargs)),
-            with_kwargs=True)
-        if not last:
-            module.register_forward_hook(lambda _m, _args, out: tree_map(self.local, out))
-
-    def context(self) -> contextlib.ExitStack:
-        stack = contextlib.ExitStack()
-        stack.enter_context(implicit_replication())
-        stack.enter_context(RingAttentionMode(self.mesh))
-        return stack

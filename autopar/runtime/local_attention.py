@@ -25,7 +25,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from autopar.ir import SEQUENCE_DIM
-from autopar.runtime.tensor_parallel import _to_local_replicated, on_sequence_view
+from autopar.runtime.tensor_parallel import (
+    _to_local_replicated,
+    on_sequence_view,
+    tp_axis,
+    tp_placement,
+    with_tp,
+)
 from autopar.sharding.strided import refinement
 from autopar.trace.nested import NESTED, run_nested
 
@@ -263,7 +269,7 @@ def _scattered(t: DTensor, to: Any) -> DTensor:
     view."""
     if not isinstance(to, _StridedShard):
         return t.redistribute(t.device_mesh, (to,))
-    return on_sequence_view(t, to.split_factor, t.device_mesh, (Shard(SEQUENCE_DIM),))
+    return on_sequence_view(t, to.split_factor, Shard(SEQUENCE_DIM))
 
 
 def _split_mean(x: Any, dim: Any = None, keepdim: bool = False, *, dtype=None) -> Any:
@@ -307,12 +313,12 @@ def _scaled_partial(a: Any, b: Any) -> DTensor | None:
     product."""
     for x, c in ((a, b), (b, a)):
         number = isinstance(c, (int, float)) and not isinstance(c, bool)
-        if isinstance(x, DTensor) and all(p.is_partial("sum") for p in x.placements) and (
+        if isinstance(x, DTensor) and tp_placement(x).is_partial("sum") and (
                 number or isinstance(c, torch.Tensor) and c.numel() == 1
                 and not c.requires_grad
-                and (not isinstance(c, DTensor) or c.placements == (Replicate(),))):
+                and (not isinstance(c, DTensor) or all(p.is_replicate() for p in c.placements))):
             scale = c.to_local() if isinstance(c, DTensor) else c
-            local = x.to_local(grad_placements=(Replicate(),)) * scale
+            local = x.to_local(grad_placements=with_tp(x, Replicate())) * scale
             return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False)
     return None
 
@@ -326,11 +332,11 @@ def _split_chunks(func, t: DTensor, size_or_chunks=None, dim: int = 0, **named) 
     """A fused projection's output (``_StridedShard(d, k)``: k chunks, each sharded over tp)
     split into its k chunks along d: each chunk is this rank's local piece, sharded ``Shard(d)``
     (DTensor would gather the whole output first).  None for any other split."""
-    if len(t.placements) != 1 or not isinstance(t.placements[0], _StridedShard):
+    placement, dim = tp_placement(t), dim % t.dim()
+    if not isinstance(placement, _StridedShard) or _split_elsewhere(t, dim):
         return None
     if size_or_chunks is None:  # given by name
         size_or_chunks = next(iter(named.values()), None)
-    placement, dim = t.placements[0], dim % t.dim()
     k = placement.split_factor
     if placement.dim != dim:
         return None
@@ -339,8 +345,15 @@ def _split_chunks(func, t: DTensor, size_or_chunks=None, dim: int = 0, **named) 
     if (by_size and size_or_chunks not in (chunk, [chunk] * k)) or \
             (not by_size and size_or_chunks != k):
         return None
-    return tuple(DTensor.from_local(piece, t.device_mesh, (Shard(dim),), run_check=False)
+    return tuple(DTensor.from_local(piece, t.device_mesh, with_tp(t, Shard(dim)),
+                                    run_check=False)
                  for piece in t.to_local().chunk(k, dim=dim))
+
+
+def _split_elsewhere(t: DTensor, dim: int) -> bool:
+    """Whether a mesh dim other than tp (cp) shards ``t`` on ``dim`` too."""
+    axis = tp_axis(t)
+    return any(p.is_shard(dim) for i, p in enumerate(t.placements) if i != axis)
 
 
 _VIEWS = (torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.unflatten)
@@ -375,17 +388,18 @@ def _view_chunks(t: DTensor, shape: tuple[int, ...]) -> DTensor | None:
     ``(..., k, heads, head_dim)`` or ``(..., k, features)``: this rank's piece viewed as
     ``(..., k, heads / tp, head_dim)`` or ``(..., k, features / tp)``, sharded on the heads or
     the features (DTensor would gather the whole output first).  None for any other view."""
-    if len(t.placements) != 1 or not isinstance(t.placements[0], _StridedShard):
+    placement, last = tp_placement(t), t.dim() - 1
+    if not isinstance(placement, _StridedShard) or _split_elsewhere(t, last):
         return None
-    placement, last = t.placements[0], t.dim() - 1
-    k, inner = placement.split_factor, shape[last + 1:]
+    k, inner, tp = placement.split_factor, shape[last + 1:], t.device_mesh.size(tp_axis(t))
     if placement.dim != last or len(shape) not in (t.dim() + 1, t.dim() + 2) or \
             tuple(shape[:last]) != tuple(t.shape[:last]) or shape[last] != k or \
-            k * math.prod(inner) != t.shape[last] or inner[0] % t.device_mesh.size():
+            k * math.prod(inner) != t.shape[last] or inner[0] % tp:
         return None
     local = t.to_local()
-    local = local.view(*local.shape[:last], k, inner[0] // t.device_mesh.size(), *inner[1:])
-    return DTensor.from_local(local, t.device_mesh, (Shard(last + 1),), run_check=False)
+    local = local.view(*local.shape[:last], k, inner[0] // tp, *inner[1:])
+    return DTensor.from_local(local, t.device_mesh, with_tp(t, Shard(last + 1)), run_check=False,
+                              shape=shape, stride=torch.empty(shape, device="meta").stride())
 
 
 def _view_in_steps(t: DTensor, shape: tuple[int, ...]) -> DTensor | None:
@@ -421,7 +435,8 @@ def _replicated_call(func, args: tuple, kwargs: dict) -> Any:
     replicated DTensors (every rank computes the same numbers)."""
     mesh = next(t.device_mesh for t in (*args, *kwargs.values()) if isinstance(t, DTensor))
     out = func(*tree_map(_to_local_replicated, args), **tree_map(_to_local_replicated, kwargs))
-    return tree_map(lambda t: DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+    whole = (Replicate(),) * mesh.ndim
+    return tree_map(lambda t: DTensor.from_local(t, mesh, whole, run_check=False)
                     if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t, out)
 
 

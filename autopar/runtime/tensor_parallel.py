@@ -189,6 +189,26 @@ _CHANNEL_PARALLEL = {nn.Conv1d: ChannelParallelConv1d, nn.Conv2d: ChannelParalle
                    nn.Conv3d: ChannelParallelConv3d}
 
 
+def tp_axis(t: DTensor) -> int:
+    """The dim of ``t``'s mesh that is tp: the one named "tp" (activations under context
+    parallel of a model's own forward lie on a (cp, tp) mesh, `sharded_sequence`), else the
+    last."""
+    names = t.device_mesh.mesh_dim_names or ()
+    return names.index("tp") if "tp" in names else t.device_mesh.ndim - 1
+
+
+def tp_placement(t: DTensor) -> Any:
+    """``t``'s placement on the tp dim of its mesh."""
+    return t.placements[tp_axis(t)]
+
+
+def with_tp(t: DTensor, placement: Any) -> tuple:
+    """``t``'s placements with the one on the tp dim replaced by ``placement``."""
+    out = list(t.placements)
+    out[tp_axis(t)] = placement
+    return tuple(out)
+
+
 def _replicated(t: Any, mesh: Any) -> Any:
     """A plain floating tensor as a replicated DTensor on ``mesh``; anything else as it is."""
     if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.is_floating_point():
@@ -196,60 +216,63 @@ def _replicated(t: Any, mesh: Any) -> Any:
     return t
 
 
-def _settle(t: Any, mesh: Any, target: tuple) -> Any:
-    """A DTensor output reduced to ``target`` if it is a partial sum, behind a ``to_local`` /
-    ``from_local`` pair whose backward hands any gradient layout on as ``target``."""
+def _settle(t: Any, target: Any) -> Any:
+    """A DTensor output reduced to placement ``target`` on tp if it is a partial sum, behind a
+    ``to_local`` / ``from_local`` pair whose backward hands any gradient layout on as
+    ``target``."""
     if not isinstance(t, DTensor) or not any(p.is_partial() for p in t.placements):
         return t
-    t = t.redistribute(mesh, target)
-    return DTensor.from_local(t.to_local(), mesh, target, run_check=False)
+    placements = with_tp(t, target)
+    t = t.redistribute(t.device_mesh, placements)
+    return DTensor.from_local(t.to_local(), t.device_mesh, placements, run_check=False)
 
 
 def _token_shard(t: DTensor) -> bool:
     """Whether ``t`` (``[batch, seq, ...]`` or ``[seq, batch, ...]``) is sharded on one of its
     token dims (the sequence, dim 0 of a sequence-first block's stream), not its features."""
-    (p,) = t.placements
+    p = tp_placement(t)
     return type(p) is Shard and p.dim in (0, SEQUENCE_DIM) and p.dim < t.dim() - 1
 
 
-def _gather_sequence(t: Any, mesh: Any) -> Any:
-    """``t`` gathered if it is the stream's sequence shard: ``[batch, seq, ...]`` sharded on
-    the sequence (``[seq, batch, ...]`` of a sequence-first block on dim 0), or its tokens
-    flattened to ``[batch * seq, ...]`` (OPT's MLP), sharded on them."""
-    if not isinstance(t, DTensor) or len(t.placements) != 1:
+def _gather_sequence(t: Any) -> Any:
+    """``t`` gathered over tp if it is the stream's sequence shard: ``[batch, seq, ...]``
+    sharded on the sequence (``[seq, batch, ...]`` of a sequence-first block on dim 0), or its
+    tokens flattened to ``[batch * seq, ...]`` (OPT's MLP), sharded on them."""
+    if not isinstance(t, DTensor):
         return t
-    if t.dim() > SEQUENCE_DIM + 1 and _token_shard(t) or \
-            t.dim() == 2 and t.placements == (Shard(0),):
-        whole = t.redistribute(mesh, (Replicate(),))
+    p = tp_placement(t)
+    if t.dim() > SEQUENCE_DIM + 1 and _token_shard(t) or t.dim() == 2 and p == Shard(0):
+        whole = t.redistribute(t.device_mesh, with_tp(t, Replicate()))
         # the shard it was gathered from: a residual add inside the sub-layer reads that
         # instead (BERT's post-norm output; `local_attention._shard_of`)
         whole.gathered_from = t
         return whole
-    if t.dim() == 2 and isinstance(t.placements[0], _StridedShard) and t.placements[0].dim == 0:
-        return on_sequence_view(t, t.placements[0].split_factor, mesh, (Replicate(),))
+    if t.dim() == 2 and isinstance(p, _StridedShard) and p.dim == 0 and t.device_mesh.ndim == 1:
+        return on_sequence_view(t, p.split_factor, Replicate())
     return t
 
 
-def on_sequence_view(t: DTensor, batch: int, mesh: Any, target: tuple) -> DTensor:
-    """``t``, its batch and sequence flattened (``[batch * seq, ...]``, the stream's sequence
-    shard as ``_StridedShard(0, batch)``), redistributed to ``target`` on the sequence of its
-    ``[batch, seq, ...]`` view: gathered, its gradient reduce-scattered back, or a partial sum
-    reduce-scattered into it (DTensor would all-reduce into the strided layout)."""
+def on_sequence_view(t: DTensor, batch: int, target: Any) -> DTensor:
+    """``t`` (on a 1-D tp mesh), its batch and sequence flattened (``[batch * seq, ...]``, the
+    stream's sequence shard as ``_StridedShard(0, batch)``), redistributed to placement
+    ``target`` on the sequence of its ``[batch, seq, ...]`` view: gathered, its gradient
+    reduce-scattered back, or a partial sum reduce-scattered into it (DTensor would all-reduce
+    into the strided layout)."""
     split = t.view(batch, t.shape[0] // batch, *t.shape[1:])
-    return split.redistribute(mesh, target).view(t.shape)
+    return split.redistribute(t.device_mesh, (target,)).view(t.shape)
 
 
-def _reduce_gradient(t: Any, mesh: Any) -> Any:
-    """A replicated DTensor input behind a ``to_local`` / ``from_local`` pair: its gradient,
-    partial sums from the sub-layer's column-parallel GEMMs, is all-reduced there."""
-    if isinstance(t, DTensor) and t.requires_grad and t.placements == (Replicate(),):
-        return DTensor.from_local(t.to_local(), mesh, (Replicate(),), run_check=False)
+def _reduce_gradient(t: Any) -> Any:
+    """A DTensor input replicated over tp behind a ``to_local`` / ``from_local`` pair: its
+    gradient, partial sums from the sub-layer's column-parallel GEMMs, is all-reduced there."""
+    if isinstance(t, DTensor) and t.requires_grad and tp_placement(t) == Replicate():
+        return DTensor.from_local(t.to_local(), t.device_mesh, t.placements, run_check=False)
     return t
 
 
 def _to_local_replicated(t: Any) -> Any:
     if isinstance(t, DTensor):
-        return t.redistribute(t.device_mesh, (Replicate(),)).to_local()
+        return t.redistribute(t.device_mesh, (Replicate(),) * t.device_mesh.ndim).to_local()
     return t
 
 
@@ -348,23 +371,22 @@ def apply_tensor_parallel(module: nn.Module, plan: Plan, tp_mesh: Any, *,
                 and not _under(name, own):  # replicated: DTensor's backward wants a DTensor
             mod.register_forward_pre_hook(lambda _m, args: tree_map(
                 lambda t: _replicated(t, tp_mesh), args))
-    seq = (Shard(SEQUENCE_DIM),) if sp else (Replicate(),)
+    seq = Shard(SEQUENCE_DIM) if sp else Replicate()
     enter = _gather_sequence if sp else _reduce_gradient
-    shared = _SharedEntries(lambda t: enter(t, tp_mesh), first_only=sp)
+    shared = _SharedEntries(enter, first_only=sp)
     layers = block_names(module)
     in_block = lambda name: [b for b in layers if name.startswith(b + ".")]  # noqa: E731
     for name in sorted(entries):
         module.get_submodule(name).register_forward_pre_hook(
             shared.enter if in_block(name) else lambda _m, args, kwargs: (
-                tree_map(lambda t: enter(t, tp_mesh), args),
-                tree_map(lambda t: enter(t, tp_mesh), kwargs)), with_kwargs=True)
+                tree_map(enter, args), tree_map(enter, kwargs)), with_kwargs=True)
     for name in local_moe:
         install_local_moe(module.get_submodule(name), tp_mesh, sp, SEQUENCE_DIM)
-    stream = {"placements": seq}  # the block's stream as it entered (sequence-first: dim 0)
+    stream = {"placement": seq}  # the block's stream as it entered (sequence-first: dim 0)
 
     def enter_block(_m, args, kwargs):
         first = next((t for t in (*args, *kwargs.values()) if isinstance(t, DTensor)), None)
-        stream["placements"] = first.placements if first is not None and sp and \
+        stream["placement"] = tp_placement(first) if first is not None and sp and \
             first.dim() > SEQUENCE_DIM + 1 and _token_shard(first) else seq
 
     def settle(flat_stays: bool):
@@ -375,8 +397,8 @@ def apply_tensor_parallel(module: nn.Module, plan: Plan, tp_mesh: Any, *,
         def reduce(t: Any) -> Any:
             if not isinstance(t, DTensor) or flat_stays and t.dim() <= SEQUENCE_DIM + 1:
                 return t
-            target = stream["placements"] if flat_stays else seq
-            return _settle(t, tp_mesh, target if t.dim() > SEQUENCE_DIM + 1 else (Replicate(),))
+            target = stream["placement"] if flat_stays else seq
+            return _settle(t, target if t.dim() > SEQUENCE_DIM + 1 else Replicate())
         return lambda _m, _args, out: tree_map(reduce, out)
 
     summed = {fqn.rpartition(".")[0] for fqn in plan.model.summed_row_weights or ()}
@@ -479,19 +501,24 @@ def stage_boundaries(module: nn.Module, mesh: Any, sequence_parallel: bool, *,
                      first: bool, last: bool) -> None:
     """Pipeline stages send plain tensors: a stage's DTensor outputs leave as their local
     shards (the sequence shard under sequence parallel, the full tensor otherwise), and a
-    later stage's floating-point inputs rejoin with that placement."""
-    seq = (Shard(SEQUENCE_DIM),) if sequence_parallel else (Replicate(),)
+    later stage's floating-point inputs rejoin with that placement.  ``mesh``: the
+    activations' mesh, tp, or (cp, tp) under context parallel of a model's own forward, whose
+    cp dim shards the sequence."""
+    shard_on = {"cp", "tp"} if sequence_parallel else {"cp"}
+    stream = tuple(Shard(SEQUENCE_DIM) if n in shard_on else Replicate()
+                   for n in mesh.mesh_dim_names)
+
+    def placements(t: torch.Tensor) -> tuple:
+        return stream if t.dim() > SEQUENCE_DIM + 1 else (Replicate(),) * mesh.ndim
 
     def leave(t: Any) -> Any:
         if not isinstance(t, DTensor):
             return t
-        target = seq if t.dim() > SEQUENCE_DIM + 1 else (Replicate(),)
-        return t.redistribute(mesh, target).to_local()
+        return t.redistribute(mesh, placements(t)).to_local()
 
     def join(t: Any) -> Any:
         if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.is_floating_point():
-            target = seq if t.dim() > SEQUENCE_DIM + 1 else (Replicate(),)
-            return DTensor.from_local(t, mesh, target, run_check=False)
+            return DTensor.from_local(t, mesh, placements(t), run_check=False)
         return t
 
     if not first:

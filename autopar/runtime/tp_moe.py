@@ -227,10 +227,9 @@ def install_local_moe(sublayer: nn.Module, mesh: Any, sequence_parallel: bool,
         if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or \
                 not t.is_floating_point():
             return t
-        target = (Shard(sequence_dim),) if sequence_parallel and \
-            t.dim() > sequence_dim + 1 else (Replicate(),)
-        return _settle(DTensor.from_local(t, mesh, (Partial(),), run_check=False), mesh,
-                       target)
+        target = Shard(sequence_dim) if sequence_parallel and t.dim() > sequence_dim + 1 \
+            else Replicate()
+        return _settle(DTensor.from_local(t, mesh, (Partial(),), run_check=False), target)
 
     slots = _param_slots(sublayer)
 

@@ -1,7 +1,9 @@
 """Context parallel of models whose attention does not go through autopar's hook: compile
-chooses the contiguous layout, keeps it apart from tensor and expert parallel, and the estimate
-charges the busiest rank's share of causal attention; the gradient shares the runtime hands
-to the data-parallel reduction sum to the gradient."""
+chooses the contiguous layout, keeps it apart from expert parallel (and from tensor parallel
+in a model with MoE layers), and the estimate charges the busiest rank's share of causal
+attention; the gradient shares the runtime hands to the data-parallel reduction sum to the
+gradient, and the GEMMs it runs on local shards of (cp, tp) activations lay their outputs
+and gradients out as DTensor would."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from autopar.api import _within_limits
 from autopar.estimate import ModelCosts, evaluate
 from autopar.estimate.timing import cp_attention_load
 from autopar.runtime.capabilities import RuntimeLimits
-from autopar.runtime.context_parallel import gradient_share
+from autopar.runtime.sharded_sequence import gradient_share
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import corpus  # noqa: E402
@@ -41,16 +43,17 @@ def test_exclusive_axes_split_the_search_into_regions():
         _within_limits({"pp": 2}, EXCLUSIVE)
 
 
-def test_compile_runs_cp_of_a_model_without_the_hook_apart_from_tp():
+def test_compile_runs_cp_of_a_model_without_the_hook_apart_from_ep():
     cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=4)
     kw = dict(global_batch_size=8, seq_len=64, dtype="fp32")
     plan = autopar.compile(corpus.plain_llama(), cluster, constraints={"cp": 2}, **kw)
     assert plan.model.cp_layout == "contiguous"
     assert (plan.config.cp, plan.config.tp, plan.config.ep) == (2, 1, 1)
-    with pytest.raises(ValueError, match="cannot run together on this model"):
-        autopar.compile(corpus.plain_llama(), cluster, constraints={"cp": 2, "tp": 2}, **kw)
-    free = autopar.compile(corpus.plain_llama(), cluster, **kw)
-    assert free.config.cp == 1 or free.config.tp == 1
+    both = autopar.compile(corpus.plain_llama(), cluster, constraints={"cp": 2, "tp": 2}, **kw)
+    assert (both.model.cp_layout, both.config.cp, both.config.tp) == ("contiguous", 2, 2)
+    for pins in ({"cp": 2, "ep": 2}, {"cp": 2, "tp": 2}):  # an MoE model: neither
+        with pytest.raises(ValueError, match="cannot run together on this model"):
+            autopar.compile(corpus.moe_loop(), cluster, constraints=pins, **kw)
     with pytest.raises(ValueError, match="shards token sequences"):
         autopar.compile(corpus.vit_encoder(), cluster, constraints={"cp": 2},
                         global_batch_size=8,
@@ -108,3 +111,65 @@ def test_gradient_shares_sum_to_the_gradient(fake_world):
     assert torch.equal(share[2:4], local) and share.sum() == local.sum()
     plain = torch.ones(2)
     assert gradient_share(plain) is plain
+
+
+@pytest.fixture
+def cp_tp_mesh(fake_world):
+    """A (cp, tp) mesh of 2 x 2 on which this process is rank 1: cp rank 0, tp rank 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+
+
+def test_a_tp_parameter_lifted_to_cp_tp_gets_its_cp_share_on_tp(cp_tp_mesh):
+    from types import SimpleNamespace
+
+    from autopar.runtime.sharded_sequence import _GradientShare
+
+    mesh, tp = cp_tp_mesh, cp_tp_mesh["tp"]
+    weight = DTensor.from_local(torch.ones(2, 3), tp, (Shard(0),), run_check=False)
+    ctx = SimpleNamespace()
+    lifted = _GradientShare.forward(ctx, weight, mesh)
+    assert lifted.placements == (Replicate(), Shard(0)) and lifted.shape == (4, 3)
+    local = torch.arange(6.0).reshape(2, 3)
+    for cp_placement, share in ((Partial(), local), (Replicate(), local / 2)):
+        grad = DTensor.from_local(local, mesh, (cp_placement, Shard(0)), run_check=False)
+        got, _ = _GradientShare.backward(ctx, grad)
+        assert got.device_mesh == tp and got.placements == (Shard(0),)
+        assert got.shape == (4, 3) and torch.equal(got.to_local(), share)
+    # a tp partial sum stays one: the step's gradient settling reduces it over tp
+    grad = DTensor.from_local(local, mesh, (Partial(), Partial()), run_check=False)
+    got, _ = _GradientShare.backward(ctx, grad)
+    assert got.placements == (Partial(),) and torch.equal(got.to_local(), local)
+
+
+def test_gemms_on_local_shards_lay_out_their_outputs_as_the_math_says(cp_tp_mesh):
+    from autopar.runtime.sharded_sequence import _gemm_on_rows
+
+    mesh = cp_tp_mesh
+    torch.manual_seed(0)
+    x_local, w_local, b_local = torch.randn(2, 3, 4), torch.randn(5, 4), torch.randn(5)
+
+    def on(local, *placements):
+        return DTensor.from_local(local, mesh, placements, run_check=False)
+
+    # rows over cp, output features over tp (column parallel): this rank's block
+    out = _gemm_on_rows(on(x_local, Shard(1), Replicate()), on(w_local, Replicate(), Shard(0)),
+                        on(b_local, Replicate(), Shard(0)), 0)
+    assert out.placements == (Shard(1), Shard(2)) and out.shape == (2, 6, 10)
+    torch.testing.assert_close(out.to_local(), torch.nn.functional.linear(x_local, w_local,
+                                                                          b_local))
+    # input features over tp (row parallel): a partial sum, the bias added as a share
+    out = _gemm_on_rows(on(x_local, Shard(1), Shard(2)), on(w_local, Replicate(), Shard(1)),
+                        on(b_local, Replicate(), Replicate()), 0)
+    assert out.placements == (Shard(1), Partial()) and out.shape == (2, 6, 5)
+    torch.testing.assert_close(out.to_local(), x_local @ w_local.T + b_local / 2)
+    # torch.addmm's [in, out] weight; replicated over both: DTensor's own
+    assert _gemm_on_rows(on(x_local[0], Shard(0), Replicate()),
+                         on(w_local.T, Replicate(), Shard(1)), None, 1).placements == \
+        (Shard(0), Shard(1))
+    assert _gemm_on_rows(on(x_local, Replicate(), Replicate()),
+                         on(w_local, Replicate(), Replicate()), None, 0) is None
+    # the input split on its features where the weight is not: not a local GEMM
+    assert _gemm_on_rows(on(x_local, Shard(1), Shard(2)), on(w_local, Replicate(), Shard(0)),
+                         None, 0) is None
