@@ -497,9 +497,12 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: torch.device | str = "cp
     # MoE sub-layers that run exactly on local tp shards, checked on the whole model
     exact_moe = exact_moe_classes(model, plan, lambda: _example_microbatch(
         plan, cp if layout == "zigzag" else 1)) if tp > 1 else set()
-    # MoE sub-layers that run exactly on each cp rank's own tokens, checked likewise
+    # MoE sub-layers that run exactly on each cp rank's own tokens, checked likewise; with tp
+    # too, those that run on both run on local shards of this rank's tokens
     token_local = token_local_classes(model, cp, lambda: _example_microbatch(plan, 1)) \
-        if cp > 1 and layout == "contiguous" and tp == 1 and cfg.ep == 1 else set()
+        if cp > 1 and layout == "contiguous" and cfg.ep == 1 else set()
+    if tp > 1 and cp > 1 and layout == "contiguous":
+        exact_moe &= token_local
     own_moe = bool(find_moe_modules(model))  # autopar's MoE layers, before ep replaces them
     # before any module is copied or sharded: stage copies keep the hooks
     fp8 = float8_gemms(model, plan) if plan.training.dtype == "fp8" else None
@@ -538,7 +541,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: torch.device | str = "cp
             install_stage_io(m)
         if sequence is not None:
             sequence.install(m, last=pp == 1 or sid == len(plan.stages) - 1)
-            install_token_local(m, mesh["cp"], token_local)
+            if tp == 1:
+                install_token_local(m, mesh["cp"], token_local)
     if ep_groups is not None:  # experts: reduced over their replicas, before the dense wrapper
         for m in modules:
             shard_expert_params(m, plan, ep_groups)

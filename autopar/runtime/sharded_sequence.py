@@ -149,8 +149,16 @@ def _mixed_in_place(func, args: tuple, kwargs: dict) -> bool:
 
 def _in_place_replicated(func, args: tuple, kwargs: dict) -> DTensor:
     """An in-place op run on replicated copies of its operands, its result copied back into
-    the first operand in that operand's layout (differentiably: the copy is recorded)."""
+    the first operand in that operand's layout (differentiably: the copy is recorded); an
+    elementwise one whose target is a partial sum (a row-parallel output a sum is added into,
+    as Llama 4's MoE does) instead with its other operand laid out as the target."""
     target = args[0]
+    other = args[1] if len(args) == 2 and not kwargs else None
+    if getattr(func, "__name__", "") in ("add_", "sub_") and isinstance(other, DTensor) and \
+            other.shape == target.shape and any(p.is_partial() for p in target.placements) \
+            and all(not p.is_partial() or q.is_partial()
+                    for p, q in zip(target.placements, other.placements)):
+        return func(target, other.redistribute(other.device_mesh, target.placements))
     whole = tree_map(lambda t: t.redistribute(t.device_mesh, (Replicate(),) * t.device_mesh.ndim)
                      if isinstance(t, DTensor) else t, (args, kwargs))
     result = func(*whole[0], **whole[1])

@@ -210,17 +210,23 @@ def install_local_moe(sublayer: nn.Module, mesh: Any, sequence_parallel: bool,
     one reduction of its output (see the module docstring), inside its forward: after its
     hooks (the entry's gather of the sequence shard), and with its parameters restored
     however the forward ends (a recompute that stops early)."""
-    from autopar.runtime.tensor_parallel import _settle
+    from autopar.runtime.tensor_parallel import _settle, with_tp
 
     forward = sublayer.forward
+    # the first DTensor input's layout: on a (cp, tp) mesh (context parallel of the model's own
+    # forward) its cp shard, this rank's tokens, stays split, and outputs shaped like it
+    # rejoin so
+    entered: list[DTensor] = []
 
     def local_input(t: Any) -> Any:
         if not isinstance(t, DTensor):
             return t
+        entered.append(t)
         # (a redistribute of a replicated input would all-reduce its gradient here)
-        whole = t if t.placements == (Replicate(),) else t.redistribute(mesh, (Replicate(),))
+        whole = with_tp(t, Replicate())
+        whole = t if t.placements == whole else t.redistribute(t.device_mesh, whole)
         # this rank's share of the input gradient is a partial sum, reduced by the entry
-        return whole.to_local(grad_placements=(Partial(),)) if whole.requires_grad \
+        return whole.to_local(grad_placements=with_tp(whole, Partial())) if whole.requires_grad \
             else whole.to_local()
 
     def reduce(t: Any) -> Any:
@@ -229,12 +235,19 @@ def install_local_moe(sublayer: nn.Module, mesh: Any, sequence_parallel: bool,
             return t
         target = Shard(sequence_dim) if sequence_parallel and t.dim() > sequence_dim + 1 \
             else Replicate()
-        return _settle(DTensor.from_local(t, mesh, (Partial(),), run_check=False), target)
+        x = entered[0] if entered else None
+        if x is not None and x.device_mesh.ndim > 1 and t.dim() == x.dim():
+            partial = DTensor.from_local(t, x.device_mesh, with_tp(x, Partial()),
+                                         run_check=False)
+        else:
+            partial = DTensor.from_local(t, mesh, (Partial(),), run_check=False)
+        return _settle(partial, target)
 
     slots = _param_slots(sublayer)
 
     def local_forward(*args, **kwargs):
         local = [_local(m._parameters[n]) for _, m, n in slots]  # as FSDP put them in place
+        entered.clear()
         args, kwargs = tree_map(local_input, args), tree_map(local_input, kwargs)
         with _LocalParams(slots, local), _LocalWeights():
             out = forward(*args, **kwargs)
