@@ -456,6 +456,21 @@ def _example_microbatch(plan: Plan, cp: int) -> torch.Tensor:
                      "or with pp=1 and ep=1")
 
 
+def _activation_mesh(mesh: Any, names: list[str]) -> Any:
+    """The mesh of activations under context parallel of the model's own forward: cp, or
+    (cp, tp) in that order whatever the device mesh's (with tp outside cp, DTensor's reduction
+    of a vocab-parallel embedding's masked partial sum fails on sequence-sharded token ids),
+    on the device mesh's groups."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    sub = mesh[tuple(names)]
+    if names != ["tp", "cp"]:
+        return sub
+    return DeviceMesh.from_group([sub["cp"].get_group(), sub["tp"].get_group()],
+                                 sub.device_type, mesh=sub.mesh.transpose(0, 1),
+                                 mesh_dim_names=("cp", "tp"))
+
+
 def apply_plan(model: nn.Module, plan: Plan, *, device: torch.device | str = "cpu",
                loss_fn: Callable | None = None) -> RuntimeModel:
     """Shard ``model`` (the full model with its weights, identical on every rank) as ``plan``
@@ -524,7 +539,8 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: torch.device | str = "cp
             expert_params = apply_gathered_experts(
                 modules, model, ep_groups, example.to(next(model.parameters()).device))
     # context parallel of the model's own forward: activations on the cp (and tp) mesh
-    sequence = ShardedSequence(mesh[tuple(a for a in axes if a in ("cp", "tp") and deg[a] > 1)]) \
+    sequence = ShardedSequence(_activation_mesh(mesh, [a for a in axes if a in ("cp", "tp")
+                                                       and deg[a] > 1])) \
         if cp > 1 and layout == "contiguous" else None
     if tp > 1:
         for m, sid in zip(modules, ids):

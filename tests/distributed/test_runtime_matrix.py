@@ -89,10 +89,12 @@ OWN = [("tiny_llama", p) for p in ("pp_gpipe_mb8", "pp_interleaved", "zero2_full
 # (cp, tp) activations through a hand-written Llama, Hugging Face Llama, GPT-2 (Conv1D GEMMs
 # on flattened tokens, fused q/k/v), Phi-3 (a fused projection run whole) and OPT (MLPs on
 # flattened tokens beside a residual of them) and Mixtral (its MoE sub-layers on local shards
-# of each rank's tokens), with sequence parallel, FSDP2 over dp x cp and in a pipeline
+# of each rank's tokens), with sequence parallel, FSDP2 over dp x cp, in a pipeline and with
+# tp outside cp in the device mesh
 CP_TP = [("plain_llama", "cp_tp"), ("hf_llama", "cp_tp_sp"), ("hf_gpt2", "cp_tp"),
          ("hf_phi3", "cp_tp"), ("hf_opt", "cp_tp_sp"), ("hf_llama", "cp_tp_zero3"),
-         ("plain_llama", "cp_tp_sp_pp"), ("hf_mixtral", "cp_tp_sp")]
+         ("plain_llama", "cp_tp_sp_pp"), ("hf_mixtral", "cp_tp_sp"),
+         ("plain_llama", "cp_tp_sp_tp_outer")]
 # OPT flattens its tokens for the MLP under sequence parallel: a sequence split over cp and tp
 # cannot be flattened by DTensor, so the runtime gathers it over tp first (8 all-gathers a
 # step the estimate does not charge), and the MLP's partial output meets the flattened
