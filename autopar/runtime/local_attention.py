@@ -227,20 +227,21 @@ def _settled_on_shard(a: Any, b: Any, *, in_place: bool) -> tuple[Any, Any]:
     reduction, meeting the stream's sequence shard under sequence parallel): the partial
     operand reduce-scattered to the shard by a redistribute of its own, whose backward
     gathers the gradient once; DTensor would reduce it inside the add, whose backward hands
-    the sharded gradient on to each summand's GEMM. An in-place add's target stays."""
-    def layout(t: Any):
-        return t.placements if isinstance(t, DTensor) else None
+    the sharded gradient on to each summand's GEMM. An in-place add's target stays. On a (cp,
+    tp) mesh, for operands laid out alike over cp."""
+    def beside_tp(t: DTensor) -> tuple:
+        return tuple(p for i, p in enumerate(t.placements) if i != tp_axis(t))
 
-    pa, pb = layout(a), layout(b)
-    if pa is None or pb is None or len(pa) != 1 or len(pb) != 1:
+    if not (isinstance(a, DTensor) and isinstance(b, DTensor)) or \
+            a.device_mesh != b.device_mesh or beside_tp(a) != beside_tp(b):
         return a, b
     if not in_place:  # a gathered sub-layer input added to a shard: the shard it came from
         a, b = (_shard_of(x, other) for x, other in ((a, b), (b, a)))
-        pa, pb = layout(a), layout(b)
-    if pa[0].is_partial("sum") and _sharded(pb[0]) and not in_place:
-        return _scattered(a, pb[0]), b
-    if pb[0].is_partial("sum") and _sharded(pa[0]):
-        return a, _scattered(b, pa[0])
+    pa, pb = tp_placement(a), tp_placement(b)
+    if pa.is_partial("sum") and _sharded(pb) and not in_place:
+        return _scattered(a, pb), b
+    if pb.is_partial("sum") and _sharded(pa):
+        return a, _scattered(b, pa)
     return a, b
 
 
@@ -268,7 +269,9 @@ def _scattered(t: DTensor, to: Any) -> DTensor:
     MLP), which DTensor would all-reduce into; scattered on the sequence of its unflattened
     view."""
     if not isinstance(to, _StridedShard):
-        return t.redistribute(t.device_mesh, (to,))
+        return t.redistribute(t.device_mesh, with_tp(t, to))
+    if t.device_mesh.ndim > 1:
+        return t  # DTensor's own
     return on_sequence_view(t, to.split_factor, Shard(SEQUENCE_DIM))
 
 
