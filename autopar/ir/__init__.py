@@ -11,6 +11,7 @@ from autopar.ir.graph import (
     SEQUENCE_DIM,
     TensorSpec,
     dtype_num_bytes,
+    op_name,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "SEQUENCE_DIM",
     "TensorSpec",
     "dtype_num_bytes",
+    "op_name",
 ]

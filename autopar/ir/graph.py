@@ -39,6 +39,7 @@ __all__ = [
     "SEQUENCE_DIM",
     "TensorSpec",
     "dtype_num_bytes",
+    "op_name",
 ]
 
 IR_VERSION = 1
@@ -51,6 +52,13 @@ _DTYPE_BYTES = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
     "complex64": 8, "complex128": 16,
 }
+
+
+def op_name(target: str) -> str:
+    """A node's op from its target: ``"aten.view.default" -> "view"``,
+    ``"F.rms_norm" -> "rms_norm"``."""
+    parts = target.split(".")
+    return parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[-1]
 
 
 def dtype_num_bytes(dtype: str) -> int:

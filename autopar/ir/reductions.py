@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from autopar.ir.graph import Node, OpKind
+from autopar.ir.graph import Node, OpKind, op_name
 from autopar.ir.residual import (Residual, _activations, consumers, moe_dispatch,
                                  parameter_values, sublayers)
 
@@ -179,8 +179,7 @@ _LINEAR_IN_INPUT = {"add", "add_", "sub", "sub_", "neg", "cat", "clone", "copy",
 def hands_on_partial_gradients(node: Node) -> bool:
     """Whether a partial gradient passes back through ``node`` as DTensor runs it: a view, or
     an op linear in its input."""
-    return node.kind is OpKind.VIEW or node.target.split(".")[1 if node.target.startswith(
-        "aten.") else -1] in _LINEAR_IN_INPUT
+    return node.kind is OpKind.VIEW or op_name(node.target) in _LINEAR_IN_INPUT
 
 
 class BroadcastParams(NamedTuple):

@@ -11,8 +11,10 @@ projection the plan replicates), and gathers them otherwise.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import operator
 from typing import Any
 
 import torch
@@ -35,7 +37,7 @@ from autopar.runtime.tensor_parallel import (
 from autopar.sharding.strided import refinement
 from autopar.trace.nested import NESTED, run_nested
 
-__all__ = ["LocalAttention", "local_heads", "sum_grad_over_tp"]
+__all__ = ["LocalAttention", "contiguous_stride", "local_heads", "sum_grad_over_tp"]
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +201,14 @@ def _bmm_on_local_rows(func, *args, **kwargs) -> DTensor | None:
         out = beta * added.reshape(-1, *added.shape[2:]) + alpha * out
     shape = (a.shape[0], a.shape[1], b.shape[2])
     return DTensor.from_local(out, a.device_mesh, a.placements, run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())
+                              stride=contiguous_stride(shape))
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    if not shape:
+        return ()
+    return tuple(itertools.accumulate(reversed(shape[1:]), operator.mul, initial=1))[::-1]
 
 
 def _new_like_shard(func, t: DTensor, args: tuple, kwargs: dict) -> DTensor | None:
@@ -402,7 +411,7 @@ def _view_chunks(t: DTensor, shape: tuple[int, ...]) -> DTensor | None:
     local = t.to_local()
     local = local.view(*local.shape[:last], k, inner[0] // tp, *inner[1:])
     return DTensor.from_local(local, t.device_mesh, with_tp(t, Shard(last + 1)), run_check=False,
-                              shape=shape, stride=torch.empty(shape, device="meta").stride())
+                              shape=shape, stride=contiguous_stride(shape))
 
 
 def _view_in_steps(t: DTensor, shape: tuple[int, ...]) -> DTensor | None:

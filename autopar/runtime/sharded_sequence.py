@@ -33,6 +33,7 @@ from autopar.runtime.local_attention import (
     LocalAttention,
     _replicated_call,
     _view_shape,
+    contiguous_stride,
     local_heads,
 )
 from autopar.runtime.tensor_parallel import tp_placement, with_tp
@@ -41,15 +42,8 @@ from autopar.trace.nested import NESTED, run_nested
 __all__ = ["RingAttentionMode", "ShardedSequence", "gradient_share"]
 
 
-def _axis(mesh: Any, name: str) -> int | None:
-    names = mesh.mesh_dim_names or ()
-    return names.index(name) if name in names else None
-
-
-def _cp_axis(mesh: Any) -> int:
-    """The dim of an activation mesh (cp, or cp and tp) that is cp."""
-    axis = _axis(mesh, "cp")
-    return 0 if axis is None else axis
+# an activation mesh is cp, or (cp, tp) in that order (`apply._activation_mesh`): cp is its
+# dim 0, tp its dim 1
 
 
 def _cp_mesh(mesh: Any) -> Any:
@@ -71,7 +65,7 @@ class _GradientShare(torch.autograd.Function):
         ctx.source = t.device_mesh if isinstance(t, DTensor) else None
         shape, stride = t.shape, t.stride()
         if ctx.source is not None:
-            placements[_axis(mesh, "tp")] = t.placements[0]
+            placements[1] = t.placements[0]
             t = t.to_local()
         return DTensor.from_local(t, mesh, tuple(placements), run_check=False, shape=shape,
                                   stride=stride)
@@ -82,7 +76,7 @@ class _GradientShare(torch.autograd.Function):
             return grad, None
         if grad.device_mesh.ndim == 1:
             return gradient_share(grad), None
-        cp = grad.placements[_cp_axis(grad.device_mesh)]
+        cp = grad.placements[0]
         tp = tp_placement(grad)
         if ctx.source is not None and cp.is_shard() and tp.is_shard() and cp.dim == tp.dim:
             # split twice on one dim (a position table's rows): the local rows in place, with
@@ -98,16 +92,12 @@ class _GradientShare(torch.autograd.Function):
         if cp.is_shard():  # the cp view: this rank's tp piece, whole along the cp shard
             shape[cp.dim] = grad.shape[cp.dim]
         cp_view = DTensor.from_local(local, _cp_mesh(grad.device_mesh), (cp,), run_check=False,
-                                     shape=torch.Size(shape), stride=_stride(shape))
+                                     shape=torch.Size(shape), stride=contiguous_stride(shape))
         share = gradient_share(cp_view)
         if ctx.source is None:
             return share, None
         return DTensor.from_local(share, ctx.source, (tp,), run_check=False, shape=grad.shape,
                                   stride=grad.stride()), None
-
-
-def _stride(shape: Any) -> tuple[int, ...]:
-    return torch.empty(shape, device="meta").stride()
 
 
 def _in_place(grad: DTensor) -> torch.Tensor:
@@ -208,7 +198,7 @@ def _gemm_on_rows(x: Any, weight: Any, bias: Any, out_dim: int) -> DTensor | Non
         (rows @ w if b is None else torch.addmm(b, rows, w))
     shape = (*x.shape[:-1], weight.shape[out_dim])
     return DTensor.from_local(local, x.device_mesh, tuple(out), run_check=False, shape=shape,
-                              stride=_stride(shape))
+                              stride=contiguous_stride(shape))
 
 
 class _BiasShare(torch.autograd.Function):
@@ -320,7 +310,6 @@ class RingAttentionMode(LocalAttention):
     def __init__(self, mesh: Any):
         super().__init__()
         self.mesh = mesh
-        self.cp_axis = _cp_axis(mesh)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -366,9 +355,7 @@ class RingAttentionMode(LocalAttention):
         if not isinstance(t, DTensor):
             t = DTensor.from_local(t, self.mesh, (Replicate(),) * self.mesh.ndim,
                                    run_check=False)
-        placements = list(t.placements)
-        placements[self.cp_axis] = Shard(dim)
-        return t.redistribute(self.mesh, tuple(placements))
+        return t.redistribute(self.mesh, (Shard(dim), *t.placements[1:]))
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                    scale=None, enable_gqa=False):
@@ -391,12 +378,10 @@ class RingAttentionMode(LocalAttention):
         ql, kl, vl, wrap = local_heads(*(self._on_tp(t) for t in (q, k, v)))
         out = wrap(ring_attention(ql, kl, vl, group, scale, layout="contiguous",
                                   causal=is_causal, mask=attn_mask))
-        placements = [Shard(2)] * 2
-        placements[1 - self.cp_axis] = out.placements[0]
         shape = (*out.shape[:2], q.shape[2], *out.shape[3:])
-        return DTensor.from_local(out.to_local(), self.mesh, tuple(placements),
+        return DTensor.from_local(out.to_local(), self.mesh, (Shard(2), out.placements[0]),
                                   run_check=False, shape=shape,
-                                  stride=_stride(shape))
+                                  stride=contiguous_stride(shape))
 
     def _on_tp(self, t: DTensor) -> DTensor:
         """A (cp, tp) DTensor sharded on its dim 2 over cp as the DTensor of its cp chunk on
@@ -406,13 +391,13 @@ class RingAttentionMode(LocalAttention):
         local = t.to_local()
         shape = (*t.shape[:2], local.shape[2], *t.shape[3:])
         return DTensor.from_local(local, self.mesh["tp"], (tp_placement(t),), run_check=False,
-                                  shape=shape, stride=_stride(shape))
+                                  shape=shape, stride=contiguous_stride(shape))
 
 
 @dataclass
 class ShardedSequence:
     """This rank's role in context parallel of a model's own forward: the model's inputs join
-    as DTensors on ``mesh`` (cp, or (cp, tp) in the device mesh's order under tensor parallel)
+    as DTensors on ``mesh`` (cp, or (cp, tp) in that order under tensor parallel)
     sharded on the sequence (dim 1) over cp, each rank holding one contiguous chunk; the step
     runs under ``RingAttentionMode`` and ``implicit_replication``; the logits leave as the
     local chunk (on the tp mesh under tensor parallel), which the loss reads with the local
@@ -425,9 +410,7 @@ class ShardedSequence:
         return _cp_mesh(self.mesh).size()
 
     def _placements(self, dim: int) -> tuple:
-        placements = [Replicate()] * self.mesh.ndim
-        placements[_cp_axis(self.mesh)] = Shard(dim)
-        return tuple(placements)
+        return (Shard(dim), *[Replicate()] * (self.mesh.ndim - 1))
 
     def split(self, x: torch.Tensor, dim: int = SEQUENCE_DIM) -> torch.Tensor:
         """This rank's contiguous chunk of a ``[batch, seq, ...]`` tensor (tokens, labels)."""
@@ -446,16 +429,14 @@ class ShardedSequence:
             return t
         if t.dim() < 2:
             return t.full_tensor()
-        placements = list(self._placements(SEQUENCE_DIM))
         if self.mesh.ndim == 1:
-            return t.redistribute(self.mesh, tuple(placements)).to_local()
+            return t.redistribute(self.mesh, self._placements(SEQUENCE_DIM)).to_local()
         tp = tp_placement(t)
         tp = Replicate() if tp.is_shard(SEQUENCE_DIM) or tp.is_partial() else tp
-        placements[1 - _cp_axis(self.mesh)] = tp
-        local = t.redistribute(self.mesh, tuple(placements)).to_local()
+        local = t.redistribute(self.mesh, (Shard(SEQUENCE_DIM), tp)).to_local()
         shape = (t.shape[0], local.shape[1], *t.shape[2:])
         return DTensor.from_local(local, self.mesh["tp"], (tp,), run_check=False, shape=shape,
-                                  stride=_stride(shape))
+                                  stride=contiguous_stride(shape))
 
     def install(self, module: nn.Module, *, last: bool = True) -> None:
         """Inputs of ``module`` (the model, or a pipeline stage) join sequence-sharded; a stage

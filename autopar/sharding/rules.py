@@ -54,13 +54,13 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
-from autopar.ir import Node, OpKind
+from autopar.ir import Node, OpKind, op_name
 from autopar.sharding.einsum import einsum_strategies, matmul_equation
 from autopar.sharding.placement import PARTIAL, REPLICATE, shard
 from autopar.sharding.strategy import Strategy, default_input_grads
-from autopar.sharding.views import op_name, view_dim_map
+from autopar.sharding.views import view_dim_map
 
-__all__ = ["on_sequence_shard", "op_name", "per_chunk", "signature", "strategies"]
+__all__ = ["on_sequence_shard", "per_chunk", "signature", "strategies"]
 
 _LINEAR = {"add", "add_", "sub", "sub_", "neg", "cat", "clone", "copy", "copy_", "sum"}
 _BINARY = {"add", "add_", "sub", "sub_"}

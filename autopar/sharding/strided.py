@@ -19,10 +19,10 @@ import math
 import operator
 from typing import Sequence
 
-from autopar.ir import Node, OpKind
+from autopar.ir import Node, OpKind, op_name
 from autopar.sharding.placement import REPLICATE, shard
 from autopar.sharding.strategy import Strategy, default_input_grads
-from autopar.sharding.views import op_name, view_dim_map
+from autopar.sharding.views import view_dim_map
 
 __all__ = ["refinement", "reshaped_shard", "strided_strategies"]
 

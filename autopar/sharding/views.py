@@ -25,7 +25,9 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-__all__ = ["op_name", "view_dim_map"]
+from autopar.ir import op_name
+
+__all__ = ["view_dim_map"]
 
 _RESHAPE = {"view", "_unsafe_view", "reshape", "flatten", "unflatten", "_reshape_alias",
             "squeeze", "unsqueeze", "contiguous", "alias", "detach", "lift_fresh", "clone",
@@ -34,12 +36,6 @@ _PERMUTE = {"transpose", "t", "permute", "swapaxes", "movedim", "mT"}
 _SAME_RANK = {"slice", "narrow", "split", "split_with_sizes", "chunk", "expand", "expand_as"}
 _DROP = {"select", "unbind"}
 _COMPLEX = {"view_as_complex", "view_as_real"}
-
-
-def op_name(target: str) -> str:
-    """``"aten.view.default" -> "view"``, ``"F.rms_norm" -> "rms_norm"``."""
-    parts = target.split(".")
-    return parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[-1]
 
 
 def _agree(candidates: Sequence[dict[int, int]]) -> dict[int, int]:
