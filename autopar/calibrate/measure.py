@@ -10,8 +10,10 @@ Collectives (`measure_collectives`): all_reduce, all_gather, reduce_scatter and 
 fp32 buffers over the groups a plan uses -- "intra" (the ranks of one node; every node's group
 at once), "inter" (one rank per node; every such rail at once, as data parallelism runs them)
 and "world" (all ranks, several nodes only) -- and send/recv between two ranks of a node and
-of two nodes (a ping-pong, half the round trip). A size is rounded up to a whole fp32 element
-per rank. Each (collective, group, size) is one item. A warm-up pass times one call of each
+of two nodes (a ping-pong, half the round trip). A size is rounded up to whole fp32 elements
+per rank, at least `_MIN_ELEMENTS`: with one element per rank gloo's all-reduce and
+reduce-scatter run a shorter path than at any larger size (4 ranks: 16 B in 1-3 ms, 32-512 B in
+4-7 ms), which would pull the fitted latency below every size a plan sends. Each (collective, group, size) is one item. A warm-up pass times one call of each
 (after an untimed one that sets up connections and communicators); from it each item gets the
 back-to-back calls that make a sample of about `Schedule.sample_s` (at most `_MAX_CALLS`, the
 same count on every rank) and the rounds that fit its time budget `Schedule.item_s` (within
@@ -49,6 +51,7 @@ Progress = Callable[[str, int, int], None]  # (phase, done, total), called on ra
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 _MAX_CALLS = 10  # back-to-back calls in one sample at most
 _LEAD_IN_S = 0.01  # calls shorter than this are timed after an untimed one
+_MIN_ELEMENTS = 2  # fp32 elements per rank in the smallest buffer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -224,7 +227,7 @@ def _items(world: World, sizes: Sequence[int]) -> list[_Item]:
         for group in pairs if kind == "send_recv" else groups:
             n = len(group.ranks)
             for size in sizes:
-                count = -(-size // (4 * n)) * n  # whole fp32 elements, a multiple of n
+                count = max(_MIN_ELEMENTS, -(-size // (4 * n))) * n
                 if items and (items[-1].kind, items[-1].group, items[-1].nbytes) == \
                         (kind, group, 4 * count):
                     continue  # a smaller grid size rounded up to this one already
