@@ -1,11 +1,11 @@
 """Does the estimate charge the collectives the runtime issues?  For each corpus model
 (``tests/corpus.py``) under plans of ``benchmarks/runtime_matrix.py`` (tp and tp + sequence
-parallel on 2 gloo ranks by default; ZeRO plans, pipelines, context parallel and their
-combinations too; not expert parallel), the plan is compiled, trained for 3 steps next to the
+parallel on 2 gloo ranks by default; ZeRO plans, pipelines, context and expert parallel and
+their combinations too), the plan is compiled, trained for 3 steps next to the
 one-process reference, and the collectives rank 0 issued in one training step are compared
 with the estimate's for rank 0's pipeline stage in the plan's layout
 (`autopar.estimate.tp_comm.tp_step_collectives`, `cp_step_collectives`,
-`autopar.estimate.pipeline_comm.pp_step_collectives`,
+`ep_step_collectives`, `autopar.estimate.pipeline_comm.pp_step_collectives`,
 `autopar.estimate.data_parallel.dp_step_collectives`): each kind with its bytes, a cp ring's
 hops and a pipeline's transfers as ``send_recv`` of what the rank sends, less the scalar
 all-reduce of the reported loss and DDP's one-off broadcasts when it rebuilds its buckets in
@@ -73,8 +73,8 @@ def compare(cell, plan_dir: Path) -> Comparison:
     from autopar.estimate.pipeline_comm import pp_step_collectives
     from autopar.estimate.stages import layer_sequence
     from autopar.estimate.timing import tp_collectives
-    from autopar.estimate.tp_comm import (cp_step_collectives, primitive_collectives,
-                                          tp_step_collectives)
+    from autopar.estimate.tp_comm import (cp_step_collectives, ep_step_collectives,
+                                          primitive_collectives, tp_step_collectives)
     from autopar.plan import load_plan
 
     corpus = rm._corpus()
@@ -89,10 +89,8 @@ def compare(cell, plan_dir: Path) -> Comparison:
                  "seq_len": plan.training.seq_len}
     costs = costs_of_layout(autopar.trace(model, dtype=plan.training.dtype, **shape),
                             plan.config, plan.tp_placements)
+    costs = costs.with_ep_dispatch(plan.model.ep_dispatch)
     cfg = plan.config
-    if cfg.ep > 1:
-        raise ValueError(f"{cell.model} {cell.plan}: the estimate lists no expert-parallel "
-                         f"collectives to compare")
     issued = Counter((kind, int(n)) for kind, n in cell.detail["collective_bytes"]
                      if kind != "broadcast" or cfg.zero_stage)  # DDP's bucket rebuild
     if not issued[("all_reduce", 4)]:
@@ -107,6 +105,8 @@ def compare(cell, plan_dir: Path) -> Comparison:
     charged = Counter((kind, round(n)) for kind, n in
                       tp_step_collectives(costs, cfg, options=options, **where)
                       + cp_step_collectives(costs, cfg, options=options, **where)
+                      + ep_step_collectives(costs, cfg, **{k: v for k, v in where.items()
+                                                          if k != "dtype"})
                       + pp_step_collectives(costs, cfg, options=options, **where)
                       + dp_step_collectives(costs, cfg, options, **where))
     units = {u.name: u for u in costs.units}

@@ -121,13 +121,15 @@ PLANS: dict[str, tuple[int, dict]] = {
     # expert groups come from it
     "cp_zero2_cp_outer": (4, {"dp": 2, "cp": 2, "zero_stage": 2,
                               "mesh_order": ("cp", "pp", "dp", "tp")}),
+    "ep_cp": (2, {"cp": 2, "ep": 2}),
+    "ep_cp_tp": (4, {"cp": 2, "tp": 2, "ep": 2, "sequence_parallel": True}),
     "ep_cp_outer": (4, {"dp": 2, "ep": 2, "cp": 2, "zero_stage": 0,
                         "mesh_order": ("cp", "tp", "pp", "dp")}),
     "zero3_tp_pp": (8, {"dp": 2, "tp": 2, "pp": 2, "zero_stage": 3, "pp_schedule": "1f1b",
                         "sequence_parallel": False, **MB2}),
 }
 EXPERT_PLANS = ("ep", "ep_zero3", "ep_zero3_per_op", "ep_pp", "ep_tp", "ep_tp_zero1",
-                "ep_cp_outer")
+                "ep_cp", "ep_cp_tp", "ep_cp_outer")
 MOE_MODELS = ("moe_loop", "moe_batched", "hf_mixtral", "hf_qwen3_moe", "hf_deepseek_v3", "hf_olmoe",
               "tiny_mixtral", "hf_granitemoe", "hf_qwen2_moe", "hf_phimoe", "hf_dbrx",
               "hf_llama4", "hf_gpt_oss", "hf_deepseek_v2", "hf_flexolmo")

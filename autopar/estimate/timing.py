@@ -289,6 +289,25 @@ def cp_collectives(unit: Unit, cfg: ParallelConfig, options: EstimateOptions, dt
     return gather, gather + [("all_to_all", dkv)] * cp
 
 
+def ep_collectives(unit: Unit, cfg: ParallelConfig
+                   ) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """(forward, backward) expert-parallel collectives of one layer of `unit` on an ep rank
+    for one micro-batch, as (kind, bytes): all-to-all dispatch and combine of the rank's
+    routed tokens (1/cp of the sequence, and 1/tp of it under sequence parallel), or, where
+    the MoE layer runs on its own forward (``ep_dispatch`` "all_gather"), its input gathered
+    over the ep group and its output reduce-scattered back, by each tp rank (the MoE
+    sub-layer's input is whole there, as it runs on local shards); backward the reverse."""
+    if cfg.ep == 1 or not unit.moe_dispatch_bytes:
+        return [], []
+    if unit.ep_dispatch == "all_gather":
+        gathered = unit.act_bytes * cfg.ep / cfg.cp
+        return ([("all_gather", gathered), ("reduce_scatter", gathered)],
+                [("reduce_scatter", gathered), ("all_gather", gathered)])
+    split = cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)
+    return [("all_to_all", unit.moe_dispatch_bytes / split)] * 2, \
+        [("all_to_all", unit.moe_dispatch_bytes / split)] * 2
+
+
 def _cp_shares(unit: Unit, cfg: ParallelConfig, dtype: str) -> tuple[float, float]:
     """(bytes of a cp rank's K/V share, of its fp32 dK/dV accumulators) (`cp_collectives`)."""
     heads = min((kv.read_heads for kv in unit.kv_projections), default=cfg.tp)
@@ -348,27 +367,17 @@ def unit_times(unit: Unit, *, cluster: Cluster, dtype: str, cfg: ParallelConfig,
 
     cp_fwd, cp_bwd = _cp_times(unit, cluster, cfg, groups, options, dtype, attn_fwd, attn_bwd)
 
-    ep = 0.0
-    if cfg.ep > 1 and unit.moe_dispatch_bytes and groups is not None:
-        split = cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)
-        if unit.ep_dispatch == "all_gather":  # the layer's input gathered, its output scattered
-            # (by each tp rank: the MoE sub-layer's input is whole there, as it runs on local
-            # shards)
-            gathered = unit.act_bytes * cfg.ep / cfg.cp
-            ep = (cluster.collective_time("all_gather", gathered, groups.ep)
-                  + cluster.collective_time("reduce_scatter", gathered, groups.ep))
-        else:
-            ep = 2 * cluster.collective_time("all_to_all", unit.moe_dispatch_bytes / split,
-                                             groups.ep)
+    ep = sum(cluster.collective_time(kind, nbytes, groups.ep)
+             for kind, nbytes in ep_collectives(unit, cfg)[0]) if groups is not None else 0.0
 
     if cfg.recompute in ("full", "per_op") and not unit.is_block:
         recompute = 0.0  # checkpointing wraps the blocks (Megatron's layers, the runtime's)
     elif cfg.recompute == "full" and options.recompute_early_stop:
         points = unit.tp_reductions[0]
         kept = (points - min(c.tail_gemms, points)) / points if points else 1.0
-        recompute = fwd - c.tail_fwd - unit.tail_kernels * gap + tp_fwd * kept + cp_fwd
+        recompute = fwd - c.tail_fwd - unit.tail_kernels * gap + tp_fwd * kept + cp_fwd + ep
     elif cfg.recompute == "full":
-        recompute = fwd + tp_fwd + cp_fwd
+        recompute = fwd + tp_fwd + cp_fwd + ep
     elif cfg.recompute == "per_op":
         points = unit.tp_reductions[0]
         if cfg.sequence_parallel:  # the reduce-scatters' outputs are kept, the gathers re-run

@@ -15,7 +15,7 @@ from autopar.estimate.groups import RankGroups
 from autopar.estimate.layout import Layout, recomputed_layers, step_layers
 from autopar.estimate.options import EstimateOptions
 from autopar.estimate.stages import Boundaries
-from autopar.estimate.timing import cp_collectives, tp_collectives
+from autopar.estimate.timing import cp_collectives, ep_collectives, tp_collectives
 from autopar.estimate.units import Unit
 
 if TYPE_CHECKING:
@@ -140,6 +140,24 @@ def cp_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_b
     out: list[tuple[str, float]] = []
     for unit, n, r in zip(units, counts[pipeline_rank], again):
         fwd, bwd = cp_collectives(unit, config, options, dtype)
+        out += (fwd + bwd) * (n * m) + fwd * (r * m)
+    return out
+
+
+def ep_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_batch_size: int,
+                        pipeline_rank: int = 0, boundaries: Boundaries | None = None
+                        ) -> list[tuple[str, float]]:
+    """Every expert-parallel collective the estimate charges a rank for one step of pipeline
+    rank `pipeline_rank`'s layers, as ``(kind, nbytes)``: each MoE layer's `ep_collectives`
+    forward and backward per micro-batch, the forward's again in the layers full recompute
+    re-runs."""
+    if config.ep == 1:
+        return []
+    m, units, counts = step_layers(costs, config, global_batch_size, boundaries)
+    again = recomputed_layers(units, config, boundaries, pipeline_rank)
+    out: list[tuple[str, float]] = []
+    for unit, n, r in zip(units, counts[pipeline_rank], again):
+        fwd, bwd = ep_collectives(unit, config)
         out += (fwd + bwd) * (n * m) + fwd * (r * m)
     return out
 

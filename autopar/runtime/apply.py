@@ -515,7 +515,7 @@ def apply_plan(model: nn.Module, plan: Plan, *, device: torch.device | str = "cp
     # MoE sub-layers that run exactly on each cp rank's own tokens, checked likewise; with tp
     # too, those that run on both run on local shards of this rank's tokens
     token_local = token_local_classes(model, cp, lambda: _example_microbatch(plan, 1)) \
-        if cp > 1 and layout == "contiguous" and cfg.ep == 1 else set()
+        if cp > 1 and layout == "contiguous" else set()
     if tp > 1 and cp > 1 and layout == "contiguous":
         exact_moe &= token_local
     own_moe = bool(find_moe_modules(model))  # autopar's MoE layers, before ep replaces them

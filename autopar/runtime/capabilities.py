@@ -13,8 +13,9 @@ the model's structure or its traced forward, never module names:
   attention goes through the ``SequenceShard`` hook of ``autopar.models.common.attention``
   runs it load-balanced (zigzag chunks); any other runs it through its own forward on
   sequence-sharded DTensors (one contiguous chunk per rank: causal attention loads the last
-  rank most, as the estimate charges), on the (cp, tp) mesh under tensor parallel, which
-  excludes expert parallel in the same plan (``exclusive``), and with a pipeline and tensor
+  rank most, as the estimate charges), on the (cp, tp) mesh under tensor parallel, its MoE
+  layers on each rank's own tokens (``cp_moe``; under expert parallel those tokens are
+  gathered over the ep group, which may hold cp ranks), and with a pipeline and tensor
   parallel too only for streams ``[batch, seq, ...]`` (``one_of``);
 * expert parallel: the model's MoE layers hold a list of alike experts with a router or a
   top-k, or parameters with a leading expert dim (``autopar.trace.moe.moe_experts``).
@@ -106,10 +107,6 @@ def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool, one_inp
     gathered = gathered_moe_modules(model)
     if not attention_hook_calls and "cp" not in limits:
         cp_layout = "contiguous"
-        exclusive.append((frozenset({"cp"}), frozenset({"ep"}), (
-            "this model's attention does not go through autopar.models.common.attention, so "
-            "context parallel runs through its own forward on sequence-sharded DTensors, "
-            "which this runtime does not combine with expert parallel")))
     if gathered and not (num_experts or OpKind.MOE_DISPATCH in kinds):
         limits["ep"] = (f"expert parallel splits the tokens each expert computes on, and this "
                         f"model's MoE layers ({gathered[0]}{', ...' if len(gathered) > 1 else ''})"

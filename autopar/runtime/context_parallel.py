@@ -373,7 +373,7 @@ class ContextParallel:
 
 def check_context_parallel(plan: Plan) -> None:
     """ValueError, before any collective, for a cp > 1 plan this runtime cannot run: its
-    sequence must cut into ``2·cp`` equal zigzag chunks, or ``cp`` contiguous ones with ep = 1
+    sequence must cut into ``2·cp`` equal zigzag chunks, or ``cp`` contiguous ones
     (``autopar.compile`` keeps to the same; this guards hand-edited plans)."""
     cfg, seq = plan.config, int(plan.training.seq_len)
     if plan.model.cp_layout == "zigzag":
@@ -383,10 +383,6 @@ def check_context_parallel(plan: Plan) -> None:
         raise ValueError(f"context parallel cuts each sequence into cp = {cfg.cp} equal chunks, "
                          f"but seq_len={seq} is not divisible by {cfg.cp}; use a seq_len that "
                          f"is a multiple of {cfg.cp} or a smaller cp")
-    if cfg.ep > 1:
-        raise ValueError(f"context parallel of a model's own forward (cp_layout 'contiguous') "
-                         f"runs with ep = 1, and this plan has ep={cfg.ep}; re-plan with "
-                         f"autopar.compile, which keeps to that")
 
 
 def data_parallel_mesh(mesh: Any) -> Any:

@@ -100,13 +100,17 @@ CP_TP = [("plain_llama", "cp_tp"), ("hf_llama", "cp_tp_sp"), ("hf_gpt2", "cp_tp"
 # step the estimate does not charge), and the MLP's partial output meets the flattened
 # residual with an all-reduce where the estimate charges a reduce-scatter
 CP_TP_OTHERWISE = (("hf_opt", "cp_tp_sp"),)
+# context parallel with expert parallel of models that compute attention themselves: each MoE
+# layer gathers its cp rank's own tokens over an ep group made of cp ranks, with tensor
+# parallel too
+EP_CP = [("moe_loop", "ep_cp"), ("hf_mixtral", "ep_cp"), ("hf_qwen3_moe", "ep_cp_tp")]
 
 
 @pytest.fixture(scope="module")
 def matrix(plan_dir):
     """Every cell the tests read, trained in one launch per rank count."""
     pairs = [(m, p) for p, models in SLICE.items() for m in models] + ZOO + MQA + FUSED \
-        + NORMS + PARALLEL + LAYOUTS + DP + OTHERS + OWN + CP_TP
+        + NORMS + PARALLEL + LAYOUTS + DP + OTHERS + OWN + CP_TP + EP_CP
     return {(c.model, c.plan): c for c in rm.run_pairs(list(dict.fromkeys(pairs)), plan_dir)}
 
 
@@ -239,6 +243,37 @@ def test_context_parallel_of_a_models_own_forward_runs_with_tensor_parallel(matr
         plan = load_plan(plan_dir / f"{model}.{plan_name}.json")
         assert plan.model.cp_layout == "contiguous"
         assert (plan.config.cp, plan.config.tp) == (2, 2)
+
+
+def test_context_parallel_of_a_models_own_forward_runs_with_expert_parallel(matrix, plan_dir):
+    """`EP_CP`: each MoE model trains like the reference with its experts split over the cp
+    ranks, the plan's contiguous layout as pinned."""
+    from autopar.plan import load_plan
+
+    for model, plan_name in EP_CP:
+        cell = matrix[model, plan_name]
+        assert cell.ok, (model, plan_name, cell.text())
+        plan = load_plan(plan_dir / f"{model}.{plan_name}.json")
+        assert plan.model.cp_layout == "contiguous" and plan.model.ep_dispatch == "all_gather"
+        assert (plan.config.dp, plan.config.cp, plan.config.ep) == (1, 2, 2)
+
+
+def test_expert_parallel_collectives_are_the_ones_the_estimate_charges(matrix, plan_dir):
+    """`EP_CP`: each MoE layer's input all-gathered over the ep group and its output
+    reduce-scattered, forward and backward (`timing.ep_collectives`, all-gather dispatch),
+    with the experts' gradients reduced over their replicas and the dense ones over dp x cp,
+    are the estimate's. Hugging Face's fused experts take the router's top-k indices and
+    weights as inputs, so those are gathered too (and the weights' gradient reduce-scattered):
+    12 bytes per token and choice that the estimate does not charge, a 16th of the hidden
+    state's here."""
+    for key in EP_CP:
+        got = ca.compare(matrix[key], plan_dir)
+        assert not got.charged - got.issued, (key, ca._difference(got.issued, got.charged))
+        hidden = max(n for (kind, n) in got.charged if kind == "all_gather")
+        routing = got.issued - got.charged
+        assert {kind for kind, _ in routing} <= {"all_gather", "reduce_scatter"}, key
+        assert all(16 * n <= hidden for _, n in routing), (key, routing)
+        assert bool(routing) == (key[0] != "moe_loop"), (key, routing)
 
 
 def test_alternating_blocks_run_in_order_in_a_pipeline(matrix, plan_dir):

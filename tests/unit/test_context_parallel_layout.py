@@ -42,7 +42,7 @@ def test_exclusive_axes_split_the_search_into_regions():
         _within_limits({"pp": 2}, EXCLUSIVE)
 
 
-def test_compile_runs_cp_of_a_model_without_the_hook_apart_from_ep():
+def test_compile_runs_cp_of_a_model_without_the_hook_with_tp_and_ep():
     cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=4)
     kw = dict(global_batch_size=8, seq_len=64, dtype="fp32")
     plan = autopar.compile(corpus.plain_llama(), cluster, constraints={"cp": 2}, **kw)
@@ -50,8 +50,9 @@ def test_compile_runs_cp_of_a_model_without_the_hook_apart_from_ep():
     assert (plan.config.cp, plan.config.tp, plan.config.ep) == (2, 1, 1)
     both = autopar.compile(corpus.plain_llama(), cluster, constraints={"cp": 2, "tp": 2}, **kw)
     assert (both.model.cp_layout, both.config.cp, both.config.tp) == ("contiguous", 2, 2)
-    with pytest.raises(ValueError, match="cannot run together on this model"):
-        autopar.compile(corpus.moe_loop(), cluster, constraints={"cp": 2, "ep": 2}, **kw)
+    ep = autopar.compile(corpus.moe_loop(), cluster, constraints={"cp": 2, "ep": 2}, **kw)
+    assert (ep.model.cp_layout, ep.model.ep_dispatch) == ("contiguous", "all_gather")
+    assert (ep.config.cp, ep.config.ep) == (2, 2)
     moe = autopar.compile(corpus.moe_loop(), cluster, constraints={"cp": 2, "tp": 2}, **kw)
     assert (moe.config.cp, moe.config.tp) == (2, 2)
     with pytest.raises(ValueError, match="shards token sequences"):

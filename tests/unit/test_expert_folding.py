@@ -238,3 +238,30 @@ def test_torchtitan_export_names_the_expert_tensor_parallel_degree():
     assert toml["parallelism"]["expert_tensor_parallel_degree"] == 1
     assert toml["parallelism"]["expert_parallel_degree"] == 4
     assert np.isfinite(plan.estimate.step_time_s)
+
+
+def test_full_recompute_runs_the_expert_dispatch_again():
+    """A recomputed MoE block dispatches its tokens again (its forward's all-to-alls, or
+    all-gather and reduce-scatter on the layer's own forward): full recompute's time grows by
+    the forward's expert-parallel collectives, the step's listed collectives by their count."""
+    from autopar.estimate.options import EstimateOptions
+    from autopar.estimate.timing import ep_collectives, unit_times
+    from autopar.estimate.tp_comm import ep_step_collectives
+
+    graph, cluster = _graph(), _cluster(2)
+    base = ParallelConfig(dp=8, tp=2, ep=4, sequence_parallel=True)
+    full = ParallelConfig(dp=8, tp=2, ep=4, sequence_parallel=True, recompute="full")
+    for dispatch, kinds in (("all_to_all", ["all_to_all"] * 2),
+                            ("all_gather", ["all_gather", "reduce_scatter"])):
+        costs = ModelCosts.from_graph(graph).with_ep_dispatch(dispatch)
+        moe = next(u for u in costs.units if u.moe_dispatch_bytes)
+        fwd, bwd = ep_collectives(moe, base)
+        assert [k for k, _ in fwd] == kinds and sorted(bwd) == sorted(fwd)
+        charged = sum(cluster.collective_time(k, n, rank_groups(base).ep) for k, n in fwd)
+        kw = dict(cluster=cluster, dtype="bf16", groups=rank_groups(base),
+                  options=EstimateOptions(recompute_early_stop=False))
+        kept, again = unit_times(moe, cfg=base, **kw), unit_times(moe, cfg=full, **kw)
+        assert kept.ep_fwd == pytest.approx(charged) and charged > 0
+        assert again.recompute == pytest.approx(again.compute_fwd + again.tp_fwd + charged)
+        listed = [ep_step_collectives(costs, cfg, global_batch_size=32) for cfg in (base, full)]
+        assert len(listed[1]) == len(listed[0]) * 3 // 2 > 0
