@@ -18,7 +18,7 @@ class SubLayer:
 
     ops: tuple[int, ...]  # indices into `Unit.ops`
     reductions: int  # its row-parallel GEMMs: tp reductions per direction under Megatron's
-    params: int  # elements of its GEMMs' parameters this unit owns
+    params: int  # elements of its GEMMs' parameters this unit owns that tp splits otherwise
     trainable: tuple[int, ...]  # elements of each of those parameters that trains
     per_op_partial: int  # of `Unit.saved_bytes_per_op_partial`: its row GEMMs' kept outputs
     # whether a runtime can run it replicated on the sequence shard: GEMMs (matmuls) with
@@ -32,14 +32,15 @@ _NOT_REPLICABLE = frozenset({OpKind.ATTENTION, OpKind.MOE_DISPATCH, OpKind.MOE_C
 
 
 def sublayer_of(run: list[Node], op_index: dict[str, int], residual, kept: dict[str, int],
-                owned: dict[str, int]) -> SubLayer:
-    """`SubLayer` of one run of a block's nodes (``owned``: the parameters the unit counts)."""
+                owned: dict[str, int], whole: set[str]) -> SubLayer:
+    """`SubLayer` of one run of a block's nodes (``owned``: the parameters the unit counts;
+    ``whole``: those of them tp never splits, `Unit.tp_shared_params`)."""
     gemm_params = {p.fqn: p for n in run if n.kind is OpKind.MATMUL for p in n.params
                    if p.fqn in owned}
     return SubLayer(
         ops=tuple(op_index[n.name] for n in run if n.name in op_index),
         reductions=sum(n.name in residual.row_gemms for n in run),
-        params=sum(p.numel for p in gemm_params.values()),
+        params=sum(p.numel for p in gemm_params.values() if p.fqn not in whole),
         trainable=tuple(p.numel for p in gemm_params.values() if p.requires_grad),
         per_op_partial=sum(kept.get(n.name, 0) for n in run
                            if n.name in residual.row_gemms and n.kind is not OpKind.ATTENTION),

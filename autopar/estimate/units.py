@@ -473,7 +473,8 @@ def _make_unit(name: str, nodes: list[Node], fqns: tuple[str, ...], vocab_dims: 
     shared = shared_params(nodes, residual, stream, sharded, whole, seen_params,
                            broadcast.params)
     losses = [n for n in nodes if is_cross_entropy(n)]
-    subs = tuple(sublayer_of(run, op_index, residual, kept, seen_params)
+    whole_params = {fqn for d in shared for fqn in d}
+    subs = tuple(sublayer_of(run, op_index, residual, kept, seen_params, whole_params)
                  for run in sublayers(nodes, residual)) if residual.residual_adds else ()
     return Unit(
         name=name, layer_fqns=fqns, ops=tuple(ops), num_kernels=kernels, num_ops=len(nodes),
