@@ -1,11 +1,12 @@
 """Does every plan run on every model? Models written independently of autopar (the corpus in
 ``tests/corpus.py``: hand-written and library norms, rotary (torchtitan's as complex products
 too) and learned positions, fused and separate q/k/v, tied and untied heads, MoE layers written
-as a loop and as batched experts, a ViT, and 36 Hugging Face architectures built from small
-configs: Llama, Mistral, Qwen2/3, Mixtral, GPT-2, Phi-2/3, GPT-NeoX, Gemma 2/3, OLMo 2,
-StarCoder, OPT, Falcon, BLOOM, BERT, Qwen3-MoE, OLMoE, DeepSeek-V3, GPT-J, StableLM, Cohere,
+as a loop and as batched experts, a ViT, and 70 Hugging Face architectures built from small
+configs: Llama, Mistral, Qwen2/3, Mixtral, GPT-2, Phi-2/3, GPT-NeoX, Gemma 2/3, OLMo 1/2/3,
+StarCoder, OPT, Falcon, BLOOM, BERT, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, GPT-J, StableLM, Cohere,
 Granite, StarCoder2, Persimmon, MPT, CodeGen, Nemotron, GLM, EXAONE 4, SmolLM3, GraniteMoE,
-Qwen2-MoE, PhiMoE, DBRX) times
+Qwen2-MoE, PhiMoE, DBRX, Llama 4, GPT-OSS, Ministral, Doge, LFM2, Ernie 4.5 MoE, GLM-4 MoE,
+Qwen3-Next, MiniMax, Falcon-H1, BitNet, Jamba and more: ``tests/corpus.py``) times
 plans pinned at compile time (dp, ZeRO-1/2/3, tp, tp+sp, pp with each schedule, cp, ep, and
 their 3-D/4-D combinations on 2-8 CPU ranks with gloo). autopar's own models run too, by their
 names in ``tests/distributed/tiny_models.py`` (``--models tiny_llama,tiny_gpt``).
@@ -132,7 +133,8 @@ EXPERT_PLANS = ("ep", "ep_zero3", "ep_zero3_per_op", "ep_pp", "ep_tp", "ep_tp_ze
                 "ep_cp", "ep_cp_tp", "ep_cp_outer")
 MOE_MODELS = ("moe_loop", "moe_batched", "hf_mixtral", "hf_qwen3_moe", "hf_deepseek_v3", "hf_olmoe",
               "tiny_mixtral", "hf_granitemoe", "hf_qwen2_moe", "hf_phimoe", "hf_dbrx",
-              "hf_llama4", "hf_gpt_oss", "hf_deepseek_v2", "hf_flexolmo")
+              "hf_llama4", "hf_gpt_oss", "hf_deepseek_v2", "hf_flexolmo", "hf_ernie45_moe",
+              "hf_glm4_moe", "hf_qwen3_next", "hf_minimax", "hf_jamba")
 
 
 @dataclass

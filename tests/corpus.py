@@ -46,7 +46,9 @@ TOKEN_MODELS = ["plain_llama", "plain_mqa", "nano_gpt", "torch_transformer",
                 "hf_openai_gpt", "hf_apertus", "hf_olmo3", "hf_ernie", "hf_glm4",
                 "hf_seed_oss", "hf_arcee", "hf_hunyuan", "hf_cohere2", "hf_helium", "hf_gptneo",
                 "hf_xglm", "hf_biogpt", "hf_deepseek_v2", "hf_roberta", "hf_distilbert",
-                "hf_vaultgemma", "hf_flexolmo"]
+                "hf_vaultgemma", "hf_flexolmo", "hf_olmo", "hf_ministral", "hf_doge", "hf_lfm2",
+                "hf_ernie45_moe", "hf_glm4_moe", "hf_qwen3_next", "hf_minimax",
+                "hf_falcon_h1", "hf_bitnet", "hf_jamba"]
 # token models whose attention is not causal
 BIDIRECTIONAL = ("hf_bert", "hf_modernbert", "hf_roberta", "hf_distilbert")
 IMAGE_MODELS = ["vit_encoder", "torchvision_vit"]
@@ -1450,3 +1452,77 @@ def hf_flexolmo():
     experts in every layer, top-2."""
     return _hf("FlexOlmoConfig", "FlexOlmoForCausalLM", 221, **_HF_DECODER, num_experts=4,
                num_experts_per_tok=2)
+
+
+def hf_olmo():
+    """``transformers.OlmoForCausalLM``: non-parametric layer norms (no weight, no bias)."""
+    return _hf("OlmoConfig", "OlmoForCausalLM", 222, **_HF_DECODER)
+
+
+def hf_ministral():
+    """``transformers.MinistralForCausalLM``: Mistral's blocks, an explicit head_dim."""
+    return _hf("MinistralConfig", "MinistralForCausalLM", 223, **_HF_DECODER, head_dim=16)
+
+
+def hf_doge():
+    """``transformers.DogeForCausalLM``: dynamic-mask attention (a learned per-head mask from
+    the values) and residuals scaled by learned vectors (eager attention)."""
+    return _hf("DogeConfig", "DogeForCausalLM", 224, attn_implementation="eager",
+               **_HF_DECODER)
+
+
+def hf_lfm2():
+    """``transformers.Lfm2ForCausalLM``: short causal convolutions in most layers, attention
+    in the others."""
+    return _hf("Lfm2Config", "Lfm2ForCausalLM", 225, **_HF_DECODER)
+
+
+def hf_ernie45_moe():
+    """``transformers.Ernie4_5_MoeForCausalLM``: fused experts behind a dense first layer,
+    a router bias used for selection only."""
+    return _hf("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", 226, **_HF_DECODER,
+               moe_num_experts=4, moe_k=2, moe_intermediate_size=64)
+
+
+def hf_glm4_moe():
+    """``transformers.Glm4MoeForCausalLM``: partial rotary, a dense first layer, grouped
+    top-k routing with a shared expert."""
+    return _hf("Glm4MoeConfig", "Glm4MoeForCausalLM", 227, **_HF_DECODER, n_routed_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1,
+               head_dim=16)
+
+
+def hf_qwen3_next():
+    """``transformers.Qwen3NextForCausalLM``: gated delta-net linear attention in three
+    layers of four, gated full attention in the fourth, MoE with a gated shared expert."""
+    return _hf("Qwen3NextConfig", "Qwen3NextForCausalLM", 228, **_HF_DECODER, num_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16)
+
+
+def hf_minimax():
+    """``transformers.MiniMaxForCausalLM``: lightning (linear) attention layers between full
+    attention ones, Mixtral-style experts."""
+    return _hf("MiniMaxConfig", "MiniMaxForCausalLM", 229, **_HF_DECODER, num_local_experts=4,
+               num_experts_per_tok=2, head_dim=16)
+
+
+def hf_falcon_h1():
+    """``transformers.FalconH1ForCausalLM``: attention and a Mamba-2 mixer side by side in
+    every layer (torch's reference scan: no CUDA kernels)."""
+    return _hf("FalconH1Config", "FalconH1ForCausalLM", 231, **_HF_DECODER, head_dim=16,
+               mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8)
+
+
+def hf_bitnet():
+    """``transformers.BitNetForCausalLM``: a sub-norm before each output projection, squared
+    ReLU gated MLP."""
+    return _hf("BitNetConfig", "BitNetForCausalLM", 232, **_HF_DECODER)
+
+
+def hf_jamba():
+    """``transformers.JambaForCausalLM``: Mamba layers with attention every second layer and
+    Mixtral-style experts every second layer (torch's reference scan)."""
+    return _hf("JambaConfig", "JambaForCausalLM", 233, **_HF_DECODER, num_experts=4,
+               num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+               attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8,
+               use_mamba_kernels=False)

@@ -87,7 +87,9 @@ def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
             row = (fed and not feeds) if experts else node.name in rows
             for p in (*node.params, *biases.get(node.name, ())):
                 features, inputs = _feature_dims(node, p)
-                if node.name in whole:  # a low-rank projection, a GEMM of the glue
+                if node.name in whole or _grouped(node):
+                    # a low-rank projection, a GEMM of the glue, a grouped convolution (each
+                    # group reads its own input channels: tp splits none, `sharding.rules`)
                     out.setdefault(p.fqn, "R")
                 elif p.shape and p.shape[features] in vocab and len(p.shape) == 2:
                     out.setdefault(p.fqn, f"S({features})")
@@ -109,6 +111,12 @@ def megatron_tp_placements(graph: Graph, tp: int = 1) -> dict[str, str]:
             sublayer = []
     close(sublayer)
     return out
+
+
+def _grouped(node) -> bool:
+    """A convolution whose weight reads fewer input channels than its input has (grouped or
+    depthwise, as a Mamba mixer's)."""
+    return node.kind is OpKind.CONV and node.inputs[1].shape[1] != node.inputs[0].shape[1]
 
 
 def _whole_glue(graph: Graph, block_of: Mapping[str, str], vocab: set[int]) -> set[str]:

@@ -111,7 +111,8 @@ def apply_data_parallel(module: nn.Module, plan: Plan, dp_mesh: Any, *, pure_dp:
 
             return DistributedDataParallel(module, process_group=dp_mesh.get_group(),
                                            broadcast_buffers=False)
-        _SYNCS[module] = _GradientAllReduce(params, dp_mesh.get_group(), dp_mesh.size())
+        _SYNCS[module] = _GradientAllReduce([p for p in params if p.requires_grad],
+                                            dp_mesh.get_group(), dp_mesh.size())
         return module
     from torch.distributed.fsdp import fully_shard
 

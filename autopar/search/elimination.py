@@ -22,7 +22,8 @@ minimum is the optimum, and a backward pass over the remembered choices recovers
 assignment. The cost is exponential only in the induced width of the elimination order (the
 largest table built): nodes are eliminated greedily, the one whose new table is smallest
 first (ties: the earlier node in problem order), and the solver gives up -- returning None,
-so the caller uses CP-SAT -- if a table would exceed `max_table_entries`. Transformer blocks
+so the caller uses CP-SAT -- if a table would exceed `max_table_entries` or span more than
+`_MAX_SCOPE` nodes (a tensor a long unrolled loop reads at every step). Transformer blocks
 are nearly chains (residual branches and shared inputs add a few nodes to a table), so their
 tables stay small and the exact optimum costs milliseconds instead of CP-SAT's ~0.1 s.
 
@@ -51,6 +52,7 @@ __all__ = ["solve_by_elimination", "MAX_TABLE_ENTRIES"]
 
 MAX_TABLE_ENTRIES = 1 << 18  # a table larger than this hands the problem to CP-SAT
 _EXACT_LIMIT = 2.0 ** 53  # float64 adds integers exactly below this
+_MAX_SCOPE = 32  # nodes of one table at most (numpy arrays have at most 64 dims)
 
 
 class _Factor(NamedTuple):
@@ -68,6 +70,11 @@ def solve_by_elimination(problem: BlockProblem, *,
     sizes = [len(problem.strategies[v]) for v in nodes]
     weight = 1 + sum(n - 1 for n in sizes)
     index = {v: i for i, v in enumerate(nodes)}
+    for t in problem.tensors:  # a tensor many nodes read (a scan's state) is one wide table
+        scope = {t.producer} | {v for v, _ in t.consumers}
+        if len(scope) > _MAX_SCOPE or math.prod(sizes[index[v]] for v in scope) \
+                > max_table_entries:
+            return None
     reshards = _reshards(problem, weight)
     soft = _node_factors(problem, weight, sizes)
     soft += [_tensor_factor(problem, t, index, reshards) for t in problem.tensors]

@@ -56,6 +56,8 @@ def _expert_list(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
 
 
 def _fused_params(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(module, nn.modules.conv._ConvNd):  # [out, in / groups, kernel], no experts
+        return []
     params = [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() == 3]
     if params and len({p.shape[0] for _, p in params}) == 1 and params[0][1].shape[0] >= 2:
         return params

@@ -51,6 +51,12 @@ def test_finds_list_and_fused_moe_layers_by_structure():
     assert mixtral == [f"model.layers.{i}.mlp.experts" for i in range(4)], mixtral
     assert gathered_moe_modules(corpus.plain_llama()) == []
     assert gathered_moe_modules(_LoopMoE(shared=True)) == [""]
+    # a convolution's 3-D weight [out, in / groups, kernel] holds no experts (Mamba mixers)
+    assert gathered_moe_modules(nn.Conv1d(8, 8, 4, groups=8)) == []
+    with torch.device("meta"):
+        jamba = gathered_moe_modules(corpus.hf_jamba())
+    assert jamba == ["model.layers.1.feed_forward.experts",
+                     "model.layers.3.feed_forward.experts"], jamba
 
 
 @pytest.mark.parametrize("ep", [2, 4])

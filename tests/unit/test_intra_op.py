@@ -300,6 +300,22 @@ def test_elimination_hands_wide_or_budgeted_problems_to_cp_sat(cluster):
         solve_problem(problem, method="simplex")
 
 
+def test_a_tensor_read_at_every_step_of_a_long_loop_goes_to_cp_sat(cluster):
+    """An unrolled scan (a Mamba layer's reference loop) reads one tensor at each of its 70
+    steps: one table over 71 nodes, beyond what variable elimination (and numpy) can hold;
+    the solve hands it to CP-SAT and gets a layout."""
+    m, h = 256, 64
+    steps = [_pointwise(f"step{i}", "aten.mul.Tensor", ["inp", f"step{i - 1}" if i else "inp"],
+                        (m, h)) for i in range(70)]
+    g = _graph([_mm("inp", "input:0", (m, h), h, "inp.weight"), *steps,
+                _mm("out", "step69", (m, h), h, "out.weight")])
+    problem = build_problem(g, [n.name for n in g.nodes],
+                            BlockSetting(tp=2, cluster=cluster, dtype="bf16"))
+    assert solve_by_elimination(problem) is None
+    choice = solve_problem(problem)[0]
+    assert set(choice) == set(problem.nodes)
+
+
 @pytest.mark.parametrize("method", ["auto", "cp-sat"])
 @pytest.mark.parametrize("make", [_chain, _diamond])
 @pytest.mark.parametrize("fraction", [0.3, 0.45, 0.6, 0.8])

@@ -263,3 +263,51 @@ def test_the_ilp_keeps_heads_split_through_products_and_softmax_over_flattened_h
     by_name = {n.name: n for n in graph.nodes}
     assert {by_name[v].kind for v, s in solved.node_strategies.items()
             if s.endswith("strided")} >= {OpKind.MATMUL, OpKind.SOFTMAX, OpKind.VIEW}
+
+
+class _ConvMixer(nn.Module):
+    """A Mamba-style mixer: a projection, a causal depthwise convolution over the sequence,
+    an output projection."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.in_proj = nn.Linear(dim, 2 * dim)
+        self.conv = nn.Conv1d(2 * dim, 2 * dim, kernel_size=3, groups=2 * dim, padding=2)
+        self.out_proj = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        h = self.in_proj(self.norm(x)).transpose(1, 2)
+        h = self.conv(h)[..., :x.shape[1]].transpose(1, 2)
+        return x + self.out_proj(F.silu(h))
+
+
+class _ConvMixerLM(nn.Module):
+    def __init__(self, vocab=64, dim=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(_ConvMixer(dim) for _ in range(2))
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_depthwise_convolution_stays_whole_under_tensor_parallel():
+    """Each group of a grouped convolution reads its own input channels, which neither the
+    sharding rules nor the runtime split: Megatron's layout keeps its weight and bias whole
+    (the projections around it split as usual), so the plan holds a layout the runtime runs."""
+    with torch.device("meta"):
+        model = _ConvMixerLM()
+    graph = autopar.trace(model, global_batch_size=2, seq_len=16, dtype="fp32")
+    placed = megatron_tp_placements(graph, 2)
+    assert placed["layers.0.conv.weight"] == placed["layers.0.conv.bias"] == "R"
+    assert placed["layers.0.in_proj.weight"] == "S(0)"
+    assert placed["layers.0.out_proj.weight"] == "S(1)"
+    cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=2)
+    plan = autopar.compile(model, cluster, global_batch_size=4, seq_len=16, dtype="fp32",
+                           constraints={"tp": 2, "sequence_parallel": True})
+    assert plan.tp_placements["layers.1.conv.weight"] == "R"
