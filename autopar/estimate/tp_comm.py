@@ -135,13 +135,8 @@ def cp_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_b
     re-runs (`recomputed_layers`)."""
     if config.cp == 1:
         return []
-    m, units, counts = step_layers(costs, config, global_batch_size, boundaries)
-    again = recomputed_layers(units, config, boundaries, pipeline_rank)
-    out: list[tuple[str, float]] = []
-    for unit, n, r in zip(units, counts[pipeline_rank], again):
-        fwd, bwd = cp_collectives(unit, config, options, dtype)
-        out += (fwd + bwd) * (n * m) + fwd * (r * m)
-    return out
+    return _per_layer(costs, config, global_batch_size, pipeline_rank, boundaries,
+                      lambda unit: cp_collectives(unit, config, options, dtype))
 
 
 def ep_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_batch_size: int,
@@ -153,11 +148,21 @@ def ep_step_collectives(costs: "ModelCosts", config: ParallelConfig, *, global_b
     re-runs."""
     if config.ep == 1:
         return []
+    return _per_layer(costs, config, global_batch_size, pipeline_rank, boundaries,
+                      lambda unit: ep_collectives(unit, config))
+
+
+def _per_layer(costs: "ModelCosts", config: ParallelConfig, global_batch_size: int,
+               pipeline_rank: int, boundaries: Boundaries | None, collectives
+               ) -> list[tuple[str, float]]:
+    """``collectives(unit)``'s (forward, backward) lists of each layer of pipeline rank
+    `pipeline_rank` per micro-batch of a step, the forward's again where full recompute
+    re-runs the layer."""
     m, units, counts = step_layers(costs, config, global_batch_size, boundaries)
     again = recomputed_layers(units, config, boundaries, pipeline_rank)
     out: list[tuple[str, float]] = []
     for unit, n, r in zip(units, counts[pipeline_rank], again):
-        fwd, bwd = ep_collectives(unit, config)
+        fwd, bwd = collectives(unit)
         out += (fwd + bwd) * (n * m) + fwd * (r * m)
     return out
 
