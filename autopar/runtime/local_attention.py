@@ -111,6 +111,8 @@ class LocalAttention(TorchFunctionMode):
             return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return _local_sdpa(func, *args, **kwargs)
+        if func is F.linear:
+            return _ContiguousGrad.apply(func(*args, **kwargs))
         if func in _MEANS:
             mean = _split_mean(*args, **kwargs)
             if mean is not None:
@@ -135,10 +137,11 @@ class LocalAttention(TorchFunctionMode):
                 return pieces
         if func in _VIEWS and isinstance(args[0], DTensor):
             shape = _view_shape(func, args[0], args[1:], kwargs)
-            for view in (_view_chunks, _view_in_steps):
-                viewed = None if shape is None else view(args[0], shape)
-                if viewed is not None:
-                    return viewed
+            viewed = None if shape is None else _view_chunks(args[0], shape)
+            if viewed is None and shape is not None:
+                viewed = _view_in_steps(args[0], shape, copy=func is torch.Tensor.reshape)
+            if viewed is not None:
+                return viewed
         if func in self._replicated or (
                 self._refused and _layout_key(func, args, kwargs) in self._refused):
             return _replicated_call(func, args, kwargs)
@@ -414,17 +417,41 @@ def _view_chunks(t: DTensor, shape: tuple[int, ...]) -> DTensor | None:
                               shape=shape, stride=contiguous_stride(shape))
 
 
-def _view_in_steps(t: DTensor, shape: tuple[int, ...]) -> DTensor | None:
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous. A Linear's output is a view of
+    its GEMM's rows; when the model transposes it next (a convolution over the sequence), its
+    gradient can come back with a transposed local shard under a DTensor that calls itself
+    contiguous, and DTensor runs the view's backward as a view of that shard, which fails."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not isinstance(grad, DTensor) or grad.to_local().is_contiguous():
+            return grad
+        return DTensor.from_local(grad.to_local().contiguous(), grad.device_mesh,
+                                  grad.placements, run_check=False, shape=grad.shape,
+                                  stride=contiguous_stride(grad.shape))
+
+
+def _view_in_steps(t: DTensor, shape: tuple[int, ...], *, copy: bool = False
+                   ) -> DTensor | None:
     """A view of a sharded tensor that both splits and merges dims (``[s, b, heads · d]`` as
     ``[s, b · heads, d]``, as ``nn.MultiheadAttention`` writes it), run as the split and then
     the merge: DTensor keeps each of those sharded (a merge of a sharded inner dim as a
-    ``_StridedShard``), where it gathers the tensor for the view in one step. None for a view
-    that only splits or only merges dims, or of a tensor not sharded."""
+    ``_StridedShard``), where it gathers the tensor for the view in one step. With ``copy``
+    (a ``reshape``) a tensor whose local shard cannot be viewed so (a slice of a wider
+    projection's output) is made contiguous first, as ``reshape`` would copy it. None for a
+    view that only splits or only merges dims, or of a tensor not sharded."""
     if not any(p.is_shard() for p in t.placements):
         return None
     finest = refinement(tuple(t.shape), shape)
     if finest is None or finest in (tuple(t.shape), shape):
         return None
+    if copy:
+        return t.contiguous().view(finest).reshape(shape)
     return t.view(finest).view(shape)
 
 

@@ -66,7 +66,8 @@ LAYOUTS = [("hf_deepseek_v3", "tp"), ("hf_deepseek_v3", "tp_sp"), ("hf_opt", "tp
 DP_PLANS = ["dp", "zero1_mb2", "zero2_mb2", "zero3_mb2", "zero3_pp", "tp_zero2_mb2"]
 DP = [(m, p) for m in ("plain_llama", "hf_gpt2") for p in DP_PLANS]
 OTHERS = [("hf_ernie45_moe", "tp_sp_dp"), ("hf_falcon_h1", "tp_sp"),
-          ("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"), ("hf_bloom", "tp_sp_per_op"),
+          ("hf_qwen3_next", "tp_sp"), ("hf_gemma2", "pp_1f1b"), ("hf_bloom", "dp_per_op"),
+          ("hf_bloom", "tp_sp_per_op"),
           ("hf_qwen2_moe", "ep_tp"), ("hf_gpt2_odd_vocab", "tp_sp"), ("hf_gpt2_odd_vocab", "tp_pp"),
           ("titan_llama", "tp_sp"), ("titan_llama", "cp"), ("plain_llama", "cp_full"),
           ("hf_modernbert", "pp_1f1b"), ("hf_llama4", "pp_1f1b"), ("hf_gpt_oss", "ep"),
@@ -357,8 +358,11 @@ def test_frozen_parameters_and_depthwise_convolutions_run_under_tensor_parallel(
     """Ernie 4.5 MoE's router holds a frozen parameter (a selection bias with
     requires_grad=False) that gets no gradient: the data-parallel all-reduce beside tensor
     parallel leaves it out. Falcon-H1's Mamba-2 mixer convolves each channel on its own
-    (depthwise): the plan keeps it whole while its projections split."""
-    for key in (("hf_ernie45_moe", "tp_sp_dp"), ("hf_falcon_h1", "tp_sp")):
+    (depthwise): the plan keeps it whole while its projections split. Qwen3-Next's gated
+    delta-net reshapes slices of its fused projection and transposes a projection's output
+    for its convolution, whose gradient comes back transposed."""
+    for key in (("hf_ernie45_moe", "tp_sp_dp"), ("hf_falcon_h1", "tp_sp"),
+                ("hf_qwen3_next", "tp_sp")):
         assert matrix[key].ok, (key, matrix[key].text())
 
 
