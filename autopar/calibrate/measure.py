@@ -12,9 +12,10 @@ at once), "inter" (one rank per node; every such rail at once, as data paralleli
 and "world" (all ranks, several nodes only) -- and send/recv between two ranks of a node and
 of two nodes (a ping-pong, half the round trip). A size is rounded up to whole fp32 elements
 per rank, at least `_MIN_ELEMENTS`: with one element per rank gloo's all-reduce and
-reduce-scatter run a shorter path than at any larger size (4 ranks: 16 B in 1-3 ms, 32-512 B in
-4-7 ms), which would pull the fitted latency below every size a plan sends. Each (collective, group, size) is one item. A warm-up pass times one call of each
-(after an untimed one that sets up connections and communicators); from it each item gets the
+reduce-scatter run a shorter path than at any larger size (4 ranks: 16 B in 1-3 ms, 32-512 B
+in 4-7 ms), which would pull the fitted latency below every size a plan sends. Each
+(collective, group, size) is one item. A warm-up pass times one call of each (after an
+untimed one that sets up connections and communicators); from it each item gets the
 back-to-back calls that make a sample of about `Schedule.sample_s` (at most `_MAX_CALLS`, the
 same count on every rank) and the rounds that fit its time budget `Schedule.item_s` (within
 `min_rounds` .. `max_rounds`, spread evenly over the run). Every round times its items once,
