@@ -1472,9 +1472,10 @@ def hf_doge():
 
 
 def hf_lfm2():
-    """``transformers.Lfm2ForCausalLM``: short causal convolutions in most layers, attention
-    in the others."""
-    return _hf("Lfm2Config", "Lfm2ForCausalLM", 225, **_HF_DECODER)
+    """``transformers.Lfm2ForCausalLM``: short causal convolutions over the sequence in every
+    other layer, attention in the others."""
+    return _hf("Lfm2Config", "Lfm2ForCausalLM", 225, **_HF_DECODER,
+               layer_types=["conv", "full_attention"] * 2)
 
 
 def hf_ernie45_moe():

@@ -9,7 +9,10 @@ the model's structure or its traced forward, never module names:
 * pipeline parallel: the model takes one input tensor, token ids or other (every stage reads
   its micro-batch's input), has a block list (``structure.block_slots``) and no parameter
   shared between a block and anything else (no stage split holds it once);
-* context parallel: the model takes token ids and its attention has no dropout.  A model whose
+* context parallel: the model takes token ids, its attention has no dropout, and its blocks
+  read the sequence across positions only in attention (`sequence_mixing`: no scan,
+  convolution, chunking or product over the sequence, found by tracing it again at half the
+  sequence length).  A model whose
   attention goes through the ``SequenceShard`` hook of ``autopar.models.common.attention``
   runs it load-balanced (zigzag chunks); any other runs it through its own forward on
   sequence-sharded DTensors (one contiguous chunk per rank: causal attention loads the last
@@ -31,6 +34,7 @@ the model's structure or its traced forward, never module names:
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +111,10 @@ def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool, one_inp
     gathered = gathered_moe_modules(model)
     if not attention_hook_calls and "cp" not in limits:
         cp_layout = "contiguous"
+        mixing = _sequence_mixing(model, graph)
+        if mixing:
+            limits["cp"] = (f"context parallel runs this model's blocks on sequence shards with "
+                            f"attention as a ring, and {mixing}")
     if gathered and not (num_experts or OpKind.MOE_DISPATCH in kinds):
         limits["ep"] = (f"expert parallel splits the tokens each expert computes on, and this "
                         f"model's MoE layers ({gathered[0]}{', ...' if len(gathered) > 1 else ''})"
@@ -140,6 +148,34 @@ def runtime_limits(model: nn.Module, graph: Graph, *, token_model: bool, one_inp
             "together; plan with one of pp, cp and tp at 1")),)
     return RuntimeLimits(axes=limits, fields=fields, exclusive=tuple(exclusive),
                          one_of=one_of, cp_layout=cp_layout, ep_dispatch=ep_dispatch)
+
+
+def _sequence_mixing(model: nn.Module, graph: Graph) -> str | None:
+    """`sequence_mixing.sequence_mixing_op` of ``model``, traced again at half the sequence
+    length (None where the length does not halve into a whole number of cp chunks, or the
+    model does not trace at half of it)."""
+    from autopar.errors import TraceError
+    from autopar.runtime.sequence_mixing import sequence_mixing_op
+    from autopar.trace import trace
+
+    seq = graph.seq_len
+    if not seq or seq % 4:
+        return None
+    loggers = [logging.getLogger(f"autopar.trace.{m}") for m in ("api", "recorder")]
+    for logger in loggers:  # what the probe finds again was said by the first trace
+        logger.addFilter(_silent)
+    try:
+        half = trace(model, global_batch_size=graph.batch_size, seq_len=seq // 2)
+    except TraceError:
+        return None
+    finally:
+        for logger in loggers:
+            logger.removeFilter(_silent)
+    return sequence_mixing_op(graph, half)
+
+
+def _silent(record: logging.LogRecord) -> bool:
+    return False
 
 
 def _sequence_first(graph: Graph, attention: list) -> bool:

@@ -113,6 +113,13 @@ class LocalAttention(TorchFunctionMode):
             return _local_sdpa(func, *args, **kwargs)
         if func is F.linear:
             return _ContiguousGrad.apply(func(*args, **kwargs))
+        if func is torch.Tensor.contiguous and isinstance(args[0], DTensor) \
+                and not args[0].to_local().is_contiguous():
+            # a DTensor that calls itself contiguous over a strided shard: copy the shard
+            t = args[0]
+            return DTensor.from_local(t.to_local().contiguous(), t.device_mesh, t.placements,
+                                      run_check=False, shape=t.shape,
+                                      stride=contiguous_stride(t.shape))
         if func in _MEANS:
             mean = _split_mean(*args, **kwargs)
             if mean is not None:

@@ -174,3 +174,61 @@ def test_gemms_on_local_shards_lay_out_their_outputs_as_the_math_says(cp_tp_mesh
     # the input split on its features where the weight is not: not a local GEMM
     assert _gemm_on_rows(on(x_local, Shard(1), Shard(2)), on(w_local, Replicate(), Shard(0)),
                          None, 0) is None
+
+
+class _Mixer(torch.nn.Module):
+    """One block of a token model: causal attention, then ``mix`` reading the sequence."""
+
+    def __init__(self, mix: str, dim: int = 16):
+        super().__init__()
+        self.mix, self.proj = mix, torch.nn.Linear(dim, dim)
+        self.conv = torch.nn.Conv1d(dim, dim, 3, groups=dim, padding=2)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q = self.proj(x).view(b, s, 2, d // 2).transpose(1, 2)
+        h = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        h = h.transpose(1, 2).reshape(b, s, d)
+        if self.mix == "conv":  # a Mamba or short-convolution mixer
+            h = self.conv(h.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+        elif self.mix == "chunks":  # chunked linear attention
+            h = h.reshape(b, s // 4, 4, d).cumsum(2).reshape(b, s, d)
+        elif self.mix == "scan":  # a recurrence over positions
+            state, out = torch.zeros_like(h[:, 0]), []
+            for i in range(h.shape[1]):
+                state = 0.5 * state + h[:, i]
+                out.append(state)
+            h = torch.stack(out, 1)
+        elif self.mix == "product":  # k^T v over the sequence
+            h = h @ (h.transpose(1, 2) @ h)
+        return x + h
+
+
+class _MixerLM(torch.nn.Module):
+    def __init__(self, mix: str, vocab: int = 32, dim: int = 16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleList(_Mixer(mix, dim) for _ in range(2))
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("mix, why", [("conv", "convolves along the sequence"),
+                                      ("chunks", "cuts the sequence into chunks"),
+                                      ("scan", "loops over positions or chunks"),
+                                      ("product", "contracts two activations over the sequence")])
+def test_compile_refuses_cp_of_blocks_that_read_the_sequence_outside_attention(mix, why):
+    """Found from the shapes of a second trace at half the sequence: a block op whose
+    sequence dims (those that follow the length) it convolves, chunks, scans or contracts
+    names the refusal; the same model without the mixer plans cp."""
+    cluster = autopar.Cluster.from_profile("cpu-gloo", gpus_per_node=2)
+    kw = dict(global_batch_size=4, seq_len=32, dtype="fp32")
+    with pytest.raises(ValueError, match=f"cp=2 cannot run on this model: .*{why}"):
+        autopar.compile(_MixerLM(mix), cluster, constraints={"cp": 2}, **kw)
+    plain = autopar.compile(_MixerLM("none"), cluster, constraints={"cp": 2}, **kw)
+    assert plain.config.cp == 2
