@@ -105,8 +105,8 @@ def compare(cell, plan_dir: Path) -> Comparison:
     charged = Counter((kind, round(n)) for kind, n in
                       tp_step_collectives(costs, cfg, options=options, **where)
                       + cp_step_collectives(costs, cfg, options=options, **where)
-                      + ep_step_collectives(costs, cfg, **{k: v for k, v in where.items()
-                                                          if k != "dtype"})
+                      + ep_step_collectives(costs, cfg, boundaries=cut,
+                                            global_batch_size=plan.training.global_batch_size)
                       + pp_step_collectives(costs, cfg, options=options, **where)
                       + dp_step_collectives(costs, cfg, options, **where))
     units = {u.name: u for u in costs.units}

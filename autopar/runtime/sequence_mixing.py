@@ -28,11 +28,11 @@ from __future__ import annotations
 
 from autopar.ir import Graph, Node, OpKind, op_name
 from autopar.sharding.strided import refinement
+from autopar.sharding.views import RESHAPE_OPS
 
 __all__ = ["sequence_mixing_op"]
 
 _PASS = {OpKind.ATTENTION, OpKind.MOE_DISPATCH, OpKind.MOE_COMBINE}
-_RESHAPE = {"view", "_unsafe_view", "reshape", "_reshape_alias", "flatten", "unflatten"}
 _SCANS = {"cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"}
 
 
@@ -78,7 +78,7 @@ def _mixes(node: Node, twin: Node) -> str | None:
         return "normalises over the sequence"
     if op_name(node.target) in _SCANS:
         return "accumulates along the sequence"
-    if node.kind is OpKind.VIEW and op_name(node.target) in _RESHAPE and _chunks(node, twin):
+    if node.kind is OpKind.VIEW and op_name(node.target) in RESHAPE_OPS and _chunks(node, twin):
         return "cuts the sequence into chunks"
     if max(len(d) for d in outs) < max(len(d) for d in ins):
         return "leaves the sequence split across fewer dims than it read"

@@ -27,11 +27,11 @@ from typing import Sequence
 
 from autopar.ir import op_name
 
-__all__ = ["view_dim_map"]
+__all__ = ["RESHAPE_OPS", "view_dim_map"]
 
-_RESHAPE = {"view", "_unsafe_view", "reshape", "flatten", "unflatten", "_reshape_alias",
-            "squeeze", "unsqueeze", "contiguous", "alias", "detach", "lift_fresh", "clone",
-            "view_as", "reshape_as"}
+RESHAPE_OPS = {"view", "_unsafe_view", "reshape", "flatten", "unflatten", "_reshape_alias",
+               "squeeze", "unsqueeze", "contiguous", "alias", "detach", "lift_fresh", "clone",
+               "view_as", "reshape_as"}
 _PERMUTE = {"transpose", "t", "permute", "swapaxes", "movedim", "mT"}
 _SAME_RANK = {"slice", "narrow", "split", "split_with_sizes", "chunk", "expand", "expand_as"}
 _DROP = {"select", "unbind"}
@@ -124,6 +124,6 @@ def view_dim_map(target: str, input_shape: Sequence[int],
         return {d: d for d in range(min(len(a), len(b))) if a[d] == b[d] and a[d] > 1}
     if op in _SAME_RANK:
         return _same_rank_map(a, b)
-    if op in _RESHAPE or a == b:
+    if op in RESHAPE_OPS or a == b:
         return _reshape_map(a, b) if a != b else {d: d for d in range(len(a)) if a[d] > 1}
     return {}
